@@ -1,0 +1,43 @@
+# Every target creates .venv on a fresh clone. torch==2.13.0 is installed first and explicitly:
+# any other torch spec can pull a multi-GB CUDA build.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+SYSTEM_STAMP := $(VENV)/.system-deps
+
+.PHONY: demo test test-fast bench lint clean system-deps
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[server,dev]'
+	touch $(STAMP)
+
+# Test-only system packages (Prometheus, Chromium); PostgreSQL 15 binaries are already on the machine.
+$(SYSTEM_STAMP):
+	bash .ci/system-deps
+	touch $(SYSTEM_STAMP)
+
+system-deps: $(SYSTEM_STAMP)
+
+demo: $(STAMP)
+	$(BIN)/ddpscope demo --scenario all --exit
+
+test: $(STAMP) $(SYSTEM_STAMP)
+	$(BIN)/python -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q tests -m "not slow and not browser and not postgres and not prometheus"
+
+bench: $(STAMP) $(SYSTEM_STAMP)
+	$(BIN)/python -m bench.run_all
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	bash .ci/mypy
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache

@@ -1,0 +1,1 @@
+"""ddpscope package (see the repository README)."""

@@ -1,0 +1,44 @@
+"""What this rank is doing right now: the state the hang watchdog and the heartbeat read.
+
+Written on the training thread (engine hooks, the collective recorder), read from the watchdog thread.
+Plain attribute writes are atomic under the GIL and cost tens of nanoseconds, so the hot path takes no
+lock; readers tolerate a value that is one event stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+PHASES = ("idle", "forward", "backward", "allreduce", "optimizer")
+
+
+class Progress:
+    """One per process. ``counter`` moves on every event; the watchdog calls no-progress a hang."""
+
+    __slots__ = ("phase", "step", "counter", "last_coll_seq", "inflight", "pending_buckets")
+
+    def __init__(self) -> None:
+        self.phase = "idle"
+        self.step = 0
+        self.counter = 0
+        """Moves on every event; the watchdog samples it, so the hot path reads no clock."""
+        self.last_coll_seq = 0
+        """Highest collective sequence number issued on the default group."""
+        self.inflight: dict[tuple[str, int], dict[str, Any]] = {}
+        """(pg, coll_seq) -> the collective record of every collective issued and not yet completed."""
+        self.pending_buckets: Callable[[], list[dict[str, Any]]] = list
+        """Set by the engine: returns the buckets still pending (wire shape PENDING_BUCKET)."""
+
+    def enter(self, phase: str, step: int | None = None) -> None:
+        self.phase = phase
+        if step is not None:
+            self.step = step
+        self.tick()
+
+    def tick(self) -> None:
+        self.counter += 1
+
+
+PROGRESS = Progress()
+"""The process-wide instance; the engine, the adapter, the recorder and the watchdog share it."""

@@ -1,0 +1,127 @@
+"""Start real multi-process jobs with a deadline, and kill exactly what was started.
+
+Every rank is a plain subprocess in its own session (torch.multiprocessing.spawn would SIGTERM the
+survivors as soon as one rank dies and hide their errors). On the deadline or on exit the whole
+process group of each rank is killed by pid, never by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int | None
+    stdout: str
+    stderr: str
+
+
+def kill_group(proc: subprocess.Popen[bytes] | subprocess.Popen[str], sig: int = signal.SIGKILL) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+
+
+def rank_env(rank: int, world_size: int, port: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra or {})
+    return env
+
+
+@contextlib.contextmanager
+def started_ranks(
+    script: str | Path,
+    world_size: int,
+    *,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    per_rank_env: Mapping[int, Mapping[str, str]] | None = None,
+) -> Iterator[list[subprocess.Popen[str]]]:
+    """Start ``python script args`` once per rank; kill every process group on exit from the block."""
+    port = free_port()
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for rank in range(world_size):
+            e = rank_env(rank, world_size, port, env)
+            e.update((per_rank_env or {}).get(rank, {}))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(script), *args],
+                    env=e,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_group(p)
+        for p in procs:
+            with contextlib.suppress(Exception):
+                p.communicate(timeout=10)
+
+
+def wait_all(procs: Sequence[subprocess.Popen[str]], timeout_s: float) -> list[RankResult]:
+    """Wait for every rank until the deadline; a rank still running then is killed (returncode None)."""
+    deadline = time.monotonic() + timeout_s
+    results: list[RankResult] = []
+    for rank, p in enumerate(procs):
+        remaining = max(0.1, deadline - time.monotonic())
+        try:
+            out, err = p.communicate(timeout=remaining)
+            results.append(RankResult(rank, p.returncode, out, err))
+        except subprocess.TimeoutExpired:
+            kill_group(p)
+            out, err = p.communicate(timeout=10)
+            results.append(RankResult(rank, None, out, err))
+    return results
+
+
+def run_ranks(
+    script: str | Path,
+    world_size: int,
+    *,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 120.0,
+) -> list[RankResult]:
+    """Run a job to completion (or the deadline) and return each rank's exit code and output."""
+    with started_ranks(script, world_size, args=args, env=env) as procs:
+        return wait_all(procs, timeout_s)
+
+
+def assert_all_ok(results: Sequence[RankResult]) -> None:
+    bad = [r for r in results if r.returncode != 0]
+    if bad:
+        detail = "\n".join(f"--- rank {r.rank} rc={r.returncode}\n{r.stderr[-3000:]}" for r in bad)
+        raise AssertionError(f"{len(bad)} rank(s) failed:\n{detail}")
