@@ -1,0 +1,189 @@
+"""One job's state as plain data: what job status, incidents and /metrics reason about.
+
+``load_snapshot(storage, job)`` reads everything from storage in a handful of queries and returns a
+``JobSnapshot``; the analysis functions (``status.job_status(snapshot, now_s)``,
+``incidents.diagnose(snapshot, now_s)``) are pure functions of it, so tests build snapshots by hand or
+from synthetic wire records (``snapshot_from_records``) without a database.
+
+Every record inside is a **wire-shaped dict**: exactly the fields of ``ddpscope.agent.records``
+(envelope ``kind, job, rank, stream, seq, time_ns`` plus the kind's fields). Shapes:
+
+- ``ranks``: ``{rank: rank_start}``, the latest ``rank_start`` of each rank (``world_size``,
+  ``find_unused_parameters``, ``host``, ``pid``, ``clock_error_ns``, ...).
+- ``layouts``: every ``layout`` record, oldest first (rank 0's first, then others; all ranks send one).
+- ``heartbeats``: ``{rank: heartbeat}``, the latest heartbeat of each rank (``phase``, ``step``,
+  ``last_coll_seq``, ``pid``, ``time_ns``).
+- ``hangs``, ``hang_resolved``, ``rank_errors``, ``rank_exits``: every record of that kind, ordered by
+  ``time_ns``.
+- ``collectives``: ``collective`` records with their ``collective_end`` merged in as three extra keys,
+  ``end_ns`` (int or None while in flight), ``ok`` (bool or None), ``error`` (str or None). Only a recent
+  window is loaded: per process group, the collectives whose ``coll_seq`` is within
+  ``COLLECTIVE_WINDOW`` of the highest sequence number any rank issued on it, plus every one still in
+  flight. Sorted by ``(pg, coll_seq, rank)``.
+- ``steps``: ``{rank: RankSteps}``: count of step records, the last step number and its
+  ``backward_end_ns`` (the time the rank last completed a step).
+- ``unused``: ``[UnusedParameter]``: parameters that got no gradient, aggregated by name over ranks
+  and steps (see ``analysis.unused``).
+- ``agent_stats``: ``{rank: agent_stats}``: the latest agent accounting of each rank (cumulative per
+  stream; ``dropped`` maps ``'reason:kind'`` to a count).
+- ``rank_last_seen_s``: ``{rank: seconds}``: aligned-clock time of the newest record of each rank,
+  any kind; ``last_seen_s`` is the maximum over ranks (0.0 for a job with no records).
+
+``world_size`` is the ``rank_start`` value (the largest one seen), else 1 + the highest rank seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ddpscope.server.storage import Storage
+
+COLLECTIVE_WINDOW = 256
+"""Collectives kept per process group in a snapshot: enough to match ranks around a hang or a
+mismatch without loading a long job's whole history."""
+
+Record = dict[str, Any]
+
+
+@dataclass(slots=True)
+class RankSteps:
+    """Step progress of one rank."""
+
+    rank: int
+    count: int
+    """Number of step records stored for the rank."""
+    last_step: int
+    last_step_end_ns: int
+    """``backward_end_ns`` of the last step: when the rank last completed an iteration."""
+
+
+@dataclass(slots=True)
+class UnusedParameter:
+    """A parameter that got no gradient on some rank in some step."""
+
+    name: str
+    ranks: list[int]
+    """Ranks on which it was unused at least once, ascending."""
+    steps: int
+    """Number of (rank, step) pairs in which it was unused."""
+
+
+@dataclass(slots=True)
+class JobSnapshot:
+    """Everything known about one job (see the module docstring for each field's shape)."""
+
+    job: str
+    world_size: int
+    ranks: dict[int, Record] = field(default_factory=dict)
+    layouts: list[Record] = field(default_factory=list)
+    heartbeats: dict[int, Record] = field(default_factory=dict)
+    hangs: list[Record] = field(default_factory=list)
+    hang_resolved: list[Record] = field(default_factory=list)
+    rank_errors: list[Record] = field(default_factory=list)
+    rank_exits: list[Record] = field(default_factory=list)
+    collectives: list[Record] = field(default_factory=list)
+    steps: dict[int, RankSteps] = field(default_factory=dict)
+    unused: list[UnusedParameter] = field(default_factory=list)
+    agent_stats: dict[int, Record] = field(default_factory=dict)
+    rank_last_seen_s: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def last_seen_s(self) -> float:
+        return max(self.rank_last_seen_s.values(), default=0.0)
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        """True when any rank's engine runs with ``find_unused_parameters=True``."""
+        return any(bool(r.get("find_unused_parameters")) for r in self.ranks.values())
+
+
+def merge_collectives(
+    collectives: Iterable[Mapping[str, Any]], ends: Iterable[Mapping[str, Any]]
+) -> list[Record]:
+    """Attach each ``collective_end`` to its ``collective`` (same job, rank, pg, coll_seq)."""
+    by_key = {(e["rank"], e["pg"], e["coll_seq"]): e for e in ends}
+    merged = []
+    for c in collectives:
+        out = dict(c)
+        end = by_key.get((c["rank"], c["pg"], c["coll_seq"]))
+        out["end_ns"] = end["end_ns"] if end else None
+        out["ok"] = end["ok"] if end else None
+        out["error"] = end.get("error") if end else None
+        merged.append(out)
+    merged.sort(key=lambda r: (r["pg"], r["coll_seq"], r["rank"]))
+    return merged
+
+
+def window_collectives(collectives: list[Record], window: int = COLLECTIVE_WINDOW) -> list[Record]:
+    """Keep, per process group, the last ``window`` sequence numbers plus everything still in flight."""
+    top: dict[str, int] = {}
+    for c in collectives:
+        top[c["pg"]] = max(top.get(c["pg"], 0), c["coll_seq"])
+    return [c for c in collectives if c["coll_seq"] > top[c["pg"]] - window or c["end_ns"] is None]
+
+
+def snapshot_from_records(job: str, records: Iterable[Mapping[str, Any]]) -> JobSnapshot:
+    """Build a snapshot from wire records of one job (all kinds mixed): for tests and small jobs."""
+    from ddpscope.server.analysis.unused import aggregate_unused
+
+    by_kind: dict[str, list[Record]] = {}
+    for r in records:
+        if r["job"] == job:
+            by_kind.setdefault(r["kind"], []).append(dict(r))
+    for recs in by_kind.values():
+        recs.sort(key=lambda r: (r["time_ns"], r["rank"], r["seq"]))
+    steps: dict[int, RankSteps] = {}
+    for s in by_kind.get("step", []):
+        cur = steps.get(s["rank"])
+        if cur is None:
+            steps[s["rank"]] = RankSteps(s["rank"], 1, s["step"], s["backward_end_ns"])
+            continue
+        cur.count += 1
+        if s["step"] >= cur.last_step:
+            cur.last_step, cur.last_step_end_ns = s["step"], s["backward_end_ns"]
+    seen: dict[int, float] = {}
+    for recs in by_kind.values():
+        for r in recs:
+            seen[r["rank"]] = max(seen.get(r["rank"], 0.0), r["time_ns"] / 1e9)
+    merged = merge_collectives(by_kind.get("collective", []), by_kind.get("collective_end", []))
+    snap = JobSnapshot(
+        job=job,
+        world_size=0,
+        ranks=_latest(by_kind.get("rank_start", [])),
+        layouts=by_kind.get("layout", []),
+        heartbeats=_latest(by_kind.get("heartbeat", [])),
+        hangs=by_kind.get("hang", []),
+        hang_resolved=by_kind.get("hang_resolved", []),
+        rank_errors=by_kind.get("rank_error", []),
+        rank_exits=by_kind.get("rank_exit", []),
+        collectives=window_collectives(merged),
+        steps=steps,
+        unused=aggregate_unused(
+            (s["rank"], s["step"], s["unused_parameters"]) for s in by_kind.get("step", [])
+        ),
+        agent_stats=_latest(by_kind.get("agent_stats", [])),
+        rank_last_seen_s=seen,
+    )
+    snap.world_size = infer_world_size(snap.ranks, seen)
+    return snap
+
+
+def infer_world_size(ranks: Mapping[int, Mapping[str, Any]], seen: Iterable[int]) -> int:
+    declared = max((int(r["world_size"]) for r in ranks.values()), default=0)
+    return declared or (max(seen, default=-1) + 1)
+
+
+def _latest(records: Iterable[Record]) -> dict[int, Record]:
+    """The newest record per rank (input ordered by time_ns)."""
+    out: dict[int, Record] = {}
+    for r in records:
+        out[r["rank"]] = r
+    return out
+
+
+def load_snapshot(storage: Storage, job: str) -> JobSnapshot | None:
+    """Read one job's snapshot from storage; None when the job is unknown."""
+    return storage.load_snapshot(job)
