@@ -10,8 +10,9 @@ Engine usage::
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ddpscope.agent import emit
@@ -24,6 +25,22 @@ class CollectiveRecorder:
         self._seqs: dict[str, int] = {}
         # begin() runs on the training thread, end() may run on a gloo worker thread.
         self._lock = threading.Lock()
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def engine_call(self) -> Iterator[None]:
+        """Mark torch.distributed calls made inside as the engine's own: the engine records them
+        with begin()/end() itself, so the patched user-facing functions must not record them again."""
+        local = self._local
+        depth = getattr(local, "engine_depth", 0)
+        local.engine_depth = depth + 1
+        try:
+            yield
+        finally:
+            local.engine_depth = depth
+
+    def in_engine_call(self) -> bool:
+        return getattr(self._local, "engine_depth", 0) > 0
 
     def begin(
         self,
