@@ -1,23 +1,104 @@
-"""The ``ddpscope`` command: serve, demo, report, export, jobs. Each side is imported lazily so the
-slim training install (no server extras) and the collector (no torch) both start."""
+"""The ``ddpscope`` command: serve, demo, report, export, jobs.
+
+Each side is imported lazily so the slim training install (no server extras) and the collector (no
+torch) both start. Exit codes: 0 ok (report: nothing wrong found), 1 report found problems,
+2 usage error, 3 collector unreachable or refused, 4 unknown job.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
+
+from ddpscope.cli.client import Client, CollectorError
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_COLLECTOR, EXIT_UNKNOWN_JOB = 0, 1, 2, 3, 4
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddpscope", description="Observability for PyTorch DDP jobs.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", help="collector base URL (default: DDPSCOPE_URL or http://127.0.0.1:8321)")
+    common.add_argument("--token", help="bearer token (default: DDPSCOPE_TOKEN)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="run the collector (see `ddpscope serve --help`)", add_help=False)
+    demo = sub.add_parser("demo", parents=[common], help="run real gloo DDP jobs that show each diagnosis")
+    from ddpscope.cli.demo import SCENARIOS
+
+    demo.add_argument("--scenario", choices=(*SCENARIOS, "all"), default="all")
+    demo.add_argument("--ranks", type=int, default=2, help="processes per job (2-4 on a small machine)")
+    demo.add_argument("--steps", type=int, default=30)
+    demo.add_argument("--exit", action="store_true", help="exit after the jobs instead of serving on")
+    demo.add_argument("--db", help="database for a collector the demo starts (default ./ddpscope-demo.db)")
+    report = sub.add_parser("report", parents=[common], help="print a job's diagnosis")
+    report.add_argument("job")
+    export = sub.add_parser("export", parents=[common], help="write a job's Perfetto trace")
+    export.add_argument("job")
+    export.add_argument("-o", "--output", required=True, help="trace file to write (open in ui.perfetto.dev)")
+    export.add_argument("--start", type=int, help="first step")
+    export.add_argument("--end", type=int, help="last step")
+    jobs = sub.add_parser("jobs", parents=[common], help="list jobs")
+    jobs.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: ddpscope {serve,demo,report,export,jobs} ...")
-        return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "serve":
-        from ddpscope.server.serve import main as serve_main
+    if argv and argv[0] == "serve":
+        try:
+            from ddpscope.server.serve import main as serve_main
+        except ImportError as e:
+            print(f"ddpscope serve needs the collector extras: pip install 'ddpscope[server]' ({e})", file=sys.stderr)
+            return EXIT_USAGE
+        return serve_main(argv[1:])
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    client = Client(args.url, args.token)
+    try:
+        if args.command == "demo":
+            from ddpscope.cli import demo
 
-        return serve_main(rest)
-    print(f"ddpscope: unknown command {command!r}; expected serve, demo, report, export or jobs", file=sys.stderr)
-    return 2
+            if args.ranks < 2:
+                print("ddpscope demo: --ranks must be at least 2 (a DDP job needs peers)", file=sys.stderr)
+                return EXIT_USAGE
+            return demo.main(client, args.scenario, args.ranks, args.steps, args.exit, args.db or demo.default_db())
+        if args.command == "report":
+            from ddpscope.cli.report import render_report
+
+            try:
+                text, problems = render_report(client, args.job)
+            except LookupError as e:
+                print(f"ddpscope report: {e}", file=sys.stderr)
+                return EXIT_UNKNOWN_JOB
+            print(text, end="")
+            return EXIT_PROBLEMS if problems else EXIT_OK
+        if args.command == "export":
+            path = client.job_path(args.job, "trace")
+            params = [f"{k}={v}" for k, v in (("start", args.start), ("end", args.end)) if v is not None]
+            data = client.get_bytes(path + ("?" + "&".join(params) if params else ""))
+            with open(args.output, "wb") as f:
+                f.write(data)
+            events = len(json.loads(data).get("traceEvents", []))
+            print(f"wrote {args.output}: {events} trace events (open it in https://ui.perfetto.dev)")
+            return EXIT_OK
+        if args.command == "jobs":
+            from ddpscope.cli.report import safe
+
+            items = client.items("/api/v1/jobs")
+            if args.json:
+                print(json.dumps(items, indent=2))
+                return EXIT_OK
+            print(f"{'job':<32} {'status':<9} {'ranks':>5}  last seen")
+            for j in items:
+                print(f"{safe(j['job']):<32} {safe(j['status']):<9} {j.get('world_size')!s:>5}  {safe(j.get('last_seen'))}")
+            return EXIT_OK
+    except CollectorError as e:
+        print(f"ddpscope {args.command}: {e}", file=sys.stderr)
+        return EXIT_UNKNOWN_JOB if e.status == 404 else EXIT_COLLECTOR
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

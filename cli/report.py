@@ -1,0 +1,143 @@
+"""`ddpscope report JOB`: the diagnosis in the terminal, from the collector's API (no second analysis).
+
+Strings that come from training processes (job ids, parameter names, stacks, messages) are printed
+through ``safe()``: a hostile name must not be able to move the cursor or rewrite the terminal.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from typing import Any
+
+from ddpscope.cli.client import Client
+
+# C0/C1 control characters and DEL, except newline and tab which stacks legitimately contain.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def safe(value: Any, *, multiline: bool = False) -> str:
+    text = _CONTROL.sub("?", str(value))
+    return text if multiline else text.replace("\n", " ").replace("\t", " ")
+
+
+def _fmt_s(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _overlap_section(steps: list[dict[str, Any]]) -> list[str]:
+    synced = [s for s in steps if s.get("comm_s")]
+    if not steps:
+        return ["No step records yet."]
+    lines = []
+    by_rank: dict[int, list[dict[str, Any]]] = {}
+    for s in steps:
+        by_rank.setdefault(int(s["rank"]), []).append(s)
+    lines.append(f"{'rank':>4}  {'steps':>5}  {'step (median)':>13}  {'comm':>9}  {'exposed':>9}  {'overlap':>7}")
+    for rank, rows in sorted(by_rank.items()):
+        med = lambda key: statistics.median(r[key] for r in rows if r.get(key) is not None)  # noqa: E731
+        comm_rows = [r for r in rows if r.get("comm_s")]
+        overlap = statistics.median(r["overlap_ratio"] for r in comm_rows) if comm_rows else None
+        lines.append(
+            f"{rank:>4}  {len(rows):>5}  {_fmt_s(med('step_s')):>13}  "
+            f"{_fmt_s(statistics.median(r['comm_s'] for r in comm_rows) if comm_rows else None):>9}  "
+            f"{_fmt_s(statistics.median(r['exposed_comm_s'] for r in comm_rows) if comm_rows else None):>9}  "
+            f"{'-' if overlap is None else f'{overlap:.0%}':>7}"
+        )
+    if synced:
+        overlap_all = statistics.median(s["overlap_ratio"] for s in synced)
+        exposed = statistics.median(s["exposed_comm_s"] for s in synced)
+        step = statistics.median(s["step_s"] for s in synced)
+        verdict = (
+            "communication is mostly hidden behind backward"
+            if overlap_all >= 0.5
+            else "most all-reduce time is exposed after backward: consider smaller buckets "
+            "(bucket_cap_mb) or a model whose backward is long enough to hide it"
+        )
+        lines.append(
+            f"Overall: median overlap {overlap_all:.0%}, exposed comm {_fmt_s(exposed)} "
+            f"({exposed / step:.0%} of the step): {verdict}."
+            if step
+            else f"Overall: median overlap {overlap_all:.0%}."
+        )
+    return lines
+
+
+def render_report(client: Client, job: str) -> tuple[str, int]:
+    """Return the report text and how many problems it found (incidents + stragglers)."""
+    jobs = {j["job"]: j for j in client.items("/api/v1/jobs")}
+    info = jobs.get(job)
+    if info is None:
+        known = ", ".join(sorted(safe(j) for j in jobs)[:10]) or "none"
+        raise LookupError(f"no job {safe(job)!r} at the collector (known jobs: {known})")
+    out = [
+        f"ddpscope report for job {safe(job)}",
+        f"status: {safe(info.get('status'))}   world size: {info.get('world_size')}   "
+        f"last seen: {safe(info.get('last_seen'))}",
+        "",
+    ]
+    incidents = client.items(client.job_path(job, "incidents"))
+    stragglers = client.items(client.job_path(job, "stragglers"))
+    unused = client.items(client.job_path(job, "unused-parameters"))
+    buckets = client.items(client.job_path(job, "buckets"))
+    steps = client.items(client.job_path(job, "steps"), limit=2000)
+
+    out.append(f"== Incidents ({len(incidents)})")
+    for inc in incidents:
+        where = [f"rank {inc['rank']}" if inc.get("rank") is not None else None]
+        where += [f"step {inc['step']}" if inc.get("step") is not None else None]
+        where += [f"collective #{inc['seq']}" if inc.get("seq") is not None else None]
+        where += [f"bucket {inc['bucket']}" if inc.get("bucket") is not None else None]
+        out.append(f"- [{safe(inc.get('kind'))}] {', '.join(w for w in where if w)}")
+        out.append(f"  {safe(inc.get('message'))}")
+        if inc.get("culprit_ranks"):
+            out.append(f"  culprit ranks: {', '.join(str(r) for r in inc['culprit_ranks'])}")
+        if inc.get("parameters"):
+            out.append(f"  parameters: {', '.join(safe(p) for p in inc['parameters'])}")
+        if inc.get("call_site"):
+            out.append(f"  call site: {safe(inc['call_site'])}")
+        if inc.get("stack"):
+            stack_tail = safe(inc["stack"], multiline=True).rstrip().splitlines()[-8:]
+            out.extend("  | " + line for line in stack_tail)
+    if not incidents:
+        out.append("none")
+
+    out += ["", f"== Stragglers ({sum(1 for s in stragglers if s.get('flagged', True))})"]
+    flagged = [s for s in stragglers if s.get("flagged", True)]
+    for s in flagged:
+        phase = f", mostly in {safe(s['phase'])}" if s.get("phase") else ""
+        out.append(
+            f"- rank {s['rank']}: compute {s['slowdown']:.2f}x the median of the others "
+            f"in {s.get('steps_flagged')} recent steps{phase}"
+        )
+    if not flagged:
+        out.append("none: no rank is consistently slower than the others")
+
+    out += ["", "== Overlap of communication with backward"] + _overlap_section(steps)
+
+    out += ["", f"== Unused parameters ({len(unused)})"]
+    for u in unused:
+        msg = u.get("message") or ""
+        out.append(
+            f"- {safe(u['name'])}: ranks {', '.join(str(r) for r in u.get('ranks', []))}, "
+            f"{u.get('steps')} steps {safe(msg)}".rstrip()
+        )
+    if not unused:
+        out.append("none")
+
+    disordered = [b for b in buckets if b.get("out_of_order")]
+    out += ["", f"== Buckets ({len(buckets)})"]
+    if disordered:
+        worst = max(disordered, key=lambda b: b.get("order_penalty_s") or 0.0)
+        out.append(
+            f"{len(disordered)} bucket(s) became ready out of index order; the worst, bucket {worst['index']}, "
+            f"waited {_fmt_s(worst.get('order_penalty_s'))} in total for earlier buckets. Parameters are "
+            "bucketed in reverse parameters() order: define modules in the order forward uses them, "
+            "or let the engine rebuild buckets in the observed order."
+        )
+    elif buckets:
+        out.append("all buckets became ready in index order: no order penalty")
+    problems = len(incidents) + len(flagged)
+    return "\n".join(out) + "\n", problems
