@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import urllib.error
@@ -39,10 +40,8 @@ class Client:
                 return bytes(response.read())
         except urllib.error.HTTPError as e:
             detail = e.read().decode("utf-8", "replace")
-            try:
+            with contextlib.suppress(ValueError, AttributeError):
                 detail = json.loads(detail).get("detail", detail)
-            except (ValueError, AttributeError):
-                pass
             raise CollectorError(f"{self.url}{path}: HTTP {e.code}: {detail}", e.code) from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)

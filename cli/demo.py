@@ -117,7 +117,15 @@ def run_scenario(client: Client, scenario: str, ranks: int, steps: int, deadline
             env = dict(env_base, RANK=str(rank), LOCAL_RANK=str(rank))
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "ddpscope.cli.scenario_job", "--scenario", scenario, "--steps", str(steps)],
+                    [
+                        sys.executable,
+                        "-m",
+                        "ddpscope.cli.scenario_job",
+                        "--scenario",
+                        scenario,
+                        "--steps",
+                        str(steps),
+                    ],
                     env=env,
                     start_new_session=True,
                     stdout=subprocess.DEVNULL,
@@ -128,7 +136,9 @@ def run_scenario(client: Client, scenario: str, ranks: int, steps: int, deadline
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             elapsed = time.monotonic() - started
             alive = sum(p.poll() is None for p in procs)
-            print(f"\r  {scenario:<10} {elapsed:5.1f} s  ranks running: {alive}/{ranks}   ", end="", flush=True)
+            print(
+                f"\r  {scenario:<10} {elapsed:5.1f} s  ranks running: {alive}/{ranks}   ", end="", flush=True
+            )
             # A hung job never ends by itself: stop it once the collector has diagnosed it.
             if scenario == "hang" and elapsed > HANG_TIMEOUT_S and _has_incident(client, job, {"hang"}):
                 time.sleep(1.0)  # let the other ranks' reports land too

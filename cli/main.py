@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from ddpscope.server.serve import main as serve_main
         except ImportError as e:
-            print(f"ddpscope serve needs the collector extras: pip install 'ddpscope[server]' ({e})", file=sys.stderr)
+            print(
+                f"ddpscope serve needs the collector extras: pip install 'ddpscope[server]' ({e})",
+                file=sys.stderr,
+            )
             return EXIT_USAGE
         return serve_main(argv[1:])
     try:
@@ -64,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.ranks < 2:
                 print("ddpscope demo: --ranks must be at least 2 (a DDP job needs peers)", file=sys.stderr)
                 return EXIT_USAGE
-            return demo.main(client, args.scenario, args.ranks, args.steps, args.exit, args.db or demo.default_db())
+            return demo.main(
+                client, args.scenario, args.ranks, args.steps, args.exit, args.db or demo.default_db()
+            )
         if args.command == "report":
             from ddpscope.cli.report import render_report
 
@@ -93,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
                 return EXIT_OK
             print(f"{'job':<32} {'status':<9} {'ranks':>5}  last seen")
             for j in items:
-                print(f"{safe(j['job']):<32} {safe(j['status']):<9} {j.get('world_size')!s:>5}  {safe(j.get('last_seen'))}")
+                print(
+                    f"{safe(j['job']):<32} {safe(j['status']):<9} {j.get('world_size')!s:>5}  {safe(j.get('last_seen'))}"
+                )
             return EXIT_OK
     except CollectorError as e:
         print(f"ddpscope {args.command}: {e}", file=sys.stderr)

@@ -35,13 +35,15 @@ def _overlap_section(steps: list[dict[str, Any]]) -> list[str]:
     by_rank: dict[int, list[dict[str, Any]]] = {}
     for s in steps:
         by_rank.setdefault(int(s["rank"]), []).append(s)
-    lines.append(f"{'rank':>4}  {'steps':>5}  {'step (median)':>13}  {'comm':>9}  {'exposed':>9}  {'overlap':>7}")
+    lines.append(
+        f"{'rank':>4}  {'steps':>5}  {'step (median)':>13}  {'comm':>9}  {'exposed':>9}  {'overlap':>7}"
+    )
     for rank, rows in sorted(by_rank.items()):
-        med = lambda key: statistics.median(r[key] for r in rows if r.get(key) is not None)  # noqa: E731
+        step_values = [r["step_s"] for r in rows if r.get("step_s") is not None]
         comm_rows = [r for r in rows if r.get("comm_s")]
         overlap = statistics.median(r["overlap_ratio"] for r in comm_rows) if comm_rows else None
         lines.append(
-            f"{rank:>4}  {len(rows):>5}  {_fmt_s(med('step_s')):>13}  "
+            f"{rank:>4}  {len(rows):>5}  {_fmt_s(statistics.median(step_values) if step_values else None):>13}  "
             f"{_fmt_s(statistics.median(r['comm_s'] for r in comm_rows) if comm_rows else None):>9}  "
             f"{_fmt_s(statistics.median(r['exposed_comm_s'] for r in comm_rows) if comm_rows else None):>9}  "
             f"{'-' if overlap is None else f'{overlap:.0%}':>7}"
