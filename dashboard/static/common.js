@@ -100,6 +100,11 @@ const ddp = (() => {
     return () => { stopped = true; };
   }
 
+  // Plotly renders a small HTML subset in hover text; escape data so "<script>" shows as text.
+  function plotText(s) {
+    return String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+  }
+
   // Plotly.react keeps zoom when uirevision is stable; also makes re-draws cheap.
   const plotConfig = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
   function plot(id, traces, layout) {
@@ -108,5 +113,5 @@ const ddp = (() => {
     return Plotly.react(node, traces, Object.assign(base, layout || {}), plotConfig);
   }
 
-  return { cfg, api, apiAll, jobPath, jobHref, el, say, fmtSeconds, fmtBytes, fmtRatio, fmtAgo, poll, plot, withParam };
+  return { cfg, api, apiAll, jobPath, jobHref, el, say, fmtSeconds, fmtBytes, fmtRatio, fmtAgo, poll, plot, plotText, withParam };
 })();

@@ -1,0 +1,240 @@
+// The live job page: every 2 s fetch the job's API endpoints and redraw with Plotly.react (no reload).
+"use strict";
+(() => {
+  const job = ddp.cfg.job;
+  const WINDOW = 300; // steps shown in the heatmap and the overlap plot
+  const rows = new Map(); // "rank:step" -> steps item
+  let maxStep = -1;
+  let firstLoad = true;
+  let world = null;
+  window.ddpJobUpdates = 0; // count of completed refreshes: tests wait on it
+
+  async function fetchSteps() {
+    // After the first load only the tail is re-read; the last step is read again because
+    // slower ranks may not have reported it yet.
+    const path = firstLoad ? ddp.jobPath(job, "/steps") : ddp.jobPath(job, `/steps?start=${Math.max(0, maxStep - 1)}`);
+    const items = await ddp.apiAll(path);
+    for (const it of items) {
+      rows.set(`${it.rank}:${it.step}`, it);
+      if (it.step > maxStep) maxStep = it.step;
+    }
+    firstLoad = false;
+  }
+
+  function windowed() {
+    const lo = maxStep - WINDOW + 1;
+    const ranks = new Set();
+    const steps = new Set();
+    const kept = [];
+    for (const it of rows.values()) {
+      if (it.step < lo) continue;
+      kept.push(it);
+      ranks.add(it.rank);
+      steps.add(it.step);
+    }
+    if (world) for (let r = 0; r < world.world_size; r++) ranks.add(r);
+    return { items: kept, ranks: [...ranks].sort((a, b) => a - b), steps: [...steps].sort((a, b) => a - b) };
+  }
+
+  function drawHeatmap(w) {
+    const ri = new Map(w.ranks.map((r, i) => [r, i]));
+    const si = new Map(w.steps.map((s, i) => [s, i]));
+    const z = w.ranks.map(() => w.steps.map(() => null));
+    for (const it of w.items) z[ri.get(it.rank)][si.get(it.step)] = it.step_s;
+    const height = Math.min(900, Math.max(180, 60 + 16 * w.ranks.length));
+    ddp.plot("heatmap", [{
+      type: "heatmap", x: w.steps, y: w.ranks, z, colorscale: "YlOrRd", reversescale: true,
+      hoverongaps: false, colorbar: { title: { text: "step s" } },
+      hovertemplate: "rank %{y}<br>step %{x}<br>%{z:.4f} s<extra>click: timeline</extra>",
+    }], {
+      height, xaxis: { title: { text: "step" } },
+      yaxis: { title: { text: "rank" }, autorange: "reversed", dtick: w.ranks.length > 32 ? 4 : 1 },
+    }).then((div) => {
+      if (!div._ddpClick) {
+        div._ddpClick = true;
+        div.on("plotly_click", (ev) => { location.href = ddp.jobHref(job, "/steps/" + ev.points[0].x); });
+      }
+    });
+  }
+
+  function drawOverlap(w) {
+    const byRank = new Map();
+    for (const it of w.items) {
+      if (!byRank.has(it.rank)) byRank.set(it.rank, []);
+      byRank.get(it.rank).push(it);
+    }
+    const traces = [];
+    const many = byRank.size > 12;
+    for (const [rank, its] of [...byRank.entries()].sort((a, b) => a[0] - b[0])) {
+      its.sort((a, b) => a.step - b.step);
+      const x = its.map((i) => i.step);
+      const common = { type: "scatter", mode: "lines", x, legendgroup: "r" + rank, line: { width: 1.5 } };
+      traces.push(Object.assign({}, common, {
+        name: "rank " + rank, y: its.map((i) => i.overlap_ratio), yaxis: "y",
+        hovertemplate: `rank ${rank} · step %{x}<br>overlap %{y:.0%}<extra></extra>`,
+      }));
+      traces.push(Object.assign({}, common, {
+        name: "rank " + rank, y: its.map((i) => i.exposed_comm_s), yaxis: "y2", showlegend: false,
+        hovertemplate: `rank ${rank} · step %{x}<br>exposed comm %{y:.4f} s<extra></extra>`,
+      }));
+    }
+    ddp.plot("overlap", traces, {
+      height: 360, showlegend: !many, hovermode: "closest",
+      xaxis: { title: { text: "step" }, anchor: "y2" },
+      yaxis: { title: { text: "overlap ratio" }, domain: [0.55, 1], range: [0, 1.05], tickformat: ".0%" },
+      yaxis2: { title: { text: "exposed comm (s)" }, domain: [0, 0.45], rangemode: "tozero" },
+    });
+  }
+
+  function drawSummary(w) {
+    const box = document.getElementById("summary");
+    const ranksReporting = new Set(w.items.filter((i) => i.step === maxStep).map((i) => i.rank)).size;
+    let slowest = null;
+    for (const it of w.items) if (!slowest || it.step_s > slowest.step_s) slowest = it;
+    const cell = (label, value) => ddp.el("div", {}, label, ddp.el("b", {}, value));
+    box.replaceChildren(
+      cell("status", world ? world.status : "—"),
+      cell("world size", world ? world.world_size : "—"),
+      cell("last step", maxStep >= 0 ? maxStep : "—"),
+      cell("ranks at last step", maxStep >= 0 ? ranksReporting : "—"),
+      cell("last seen", world ? ddp.fmtAgo(world.last_seen) : "—"),
+    );
+    const links = document.getElementById("step-links");
+    links.replaceChildren();
+    if (maxStep >= 0) {
+      links.append(ddp.el("a", { id: "latest-step-link", href: ddp.jobHref(job, "/steps/" + maxStep) }, `timeline of step ${maxStep}`));
+      links.append(" · ");
+      links.append(ddp.el("a", { id: "slowest-step-link", href: ddp.jobHref(job, "/steps/" + slowest.step) },
+        `slowest step (${slowest.step}, ${ddp.fmtSeconds(slowest.step_s)})`));
+      const start = document.getElementById("trace-start");
+      const end = document.getElementById("trace-end");
+      if (start.value === "") start.value = Math.max(0, maxStep - 9);
+      if (end.value === "") end.value = maxStep;
+      updateTraceLink();
+    }
+  }
+
+  function updateTraceLink() {
+    const start = document.getElementById("trace-start").value;
+    const end = document.getElementById("trace-end").value;
+    const q = new URLSearchParams();
+    if (start !== "") q.set("start", start);
+    if (end !== "") q.set("end", end);
+    const a = document.getElementById("trace-link");
+    a.href = ddp.jobPath(job, "/trace?" + q.toString());
+    a.setAttribute("download", `${job}-steps-${start || 0}-${end || "end"}.trace.json`);
+  }
+
+  function drawStragglers(items) {
+    if (!items.length) {
+      document.getElementById("stragglers").replaceChildren();
+      ddp.say("stragglers-msg", "No straggler scores yet.");
+      return;
+    }
+    // One bar trace per phase when the API splits scores by phase, else one trace.
+    const phases = new Map();
+    for (const it of items) {
+      const ph = it.phase || "compute";
+      if (!phases.has(ph)) phases.set(ph, []);
+      phases.get(ph).push(it);
+    }
+    const traces = [...phases.entries()].map(([phase, its]) => ({
+      type: "bar", name: phase, x: its.map((i) => "rank " + i.rank), y: its.map((i) => i.slowdown),
+      customdata: its.map((i) => i.steps_flagged ?? 0),
+      hovertemplate: `%{x} · ${phase}<br>slowdown %{y:.2f}×<br>flagged in %{customdata} steps<extra></extra>`,
+    }));
+    ddp.plot("stragglers", traces, {
+      height: 260, barmode: "group", showlegend: phases.size > 1,
+      yaxis: { title: { text: "slowdown vs median of others" }, rangemode: "tozero" },
+      shapes: [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: 1, y1: 1, line: { dash: "dot", color: "#888" } }],
+    });
+    const flagged = items.filter((i) => (i.steps_flagged ?? 0) > 0 || i.straggler);
+    ddp.say("stragglers-msg", flagged.length
+      ? "Flagged: " + flagged.map((i) => `rank ${i.rank} (${(i.slowdown ?? 0).toFixed(2)}×, ${i.steps_flagged ?? "?"} steps)`).join(", ")
+      : "No rank is flagged as a straggler.");
+  }
+
+  function drawIncidents(items) {
+    const list = document.getElementById("incidents");
+    const latest = items.slice(-5).reverse();
+    list.replaceChildren(...latest.map((it) => ddp.el("li", {},
+      ddp.el("span", { class: "badge bad" }, it.kind || "incident"), " ",
+      it.message || "", it.step !== null && it.step !== undefined ? ` (step ${it.step})` : "")));
+    ddp.say("incidents-msg", items.length ? `${items.length} in total.` : "No incidents.");
+  }
+
+  function drawUnused(items) {
+    const table = document.getElementById("unused");
+    table.querySelector("tbody").replaceChildren(...items.map((it) => ddp.el("tr", {},
+      ddp.el("td", { class: "params" }, it.name),
+      ddp.el("td", {}, Array.isArray(it.ranks) ? it.ranks.join(", ") : it.ranks),
+      ddp.el("td", { class: "num" }, it.steps))));
+    table.hidden = !items.length;
+    ddp.say("unused-msg", items.length ? "" : "Every parameter got a gradient in every recorded step.");
+  }
+
+  function drawBuckets(items) {
+    if (!items.length) {
+      document.getElementById("buckets").replaceChildren();
+      ddp.say("buckets-msg", "No bucket layout reported yet.");
+      return;
+    }
+    items = [...items].sort((a, b) => a.index - b.index);
+    const x = items.map((b) => b.index);
+    const hover = items.map((b) => {
+      const names = b.parameters || [];
+      const shown = names.slice(0, 6).map(ddp.plotText).join("<br>");
+      return `bucket ${b.index} · ${ddp.fmtBytes(b.bytes)} · ${names.length} parameters<br>${shown}${names.length > 6 ? `<br>… ${names.length - 6} more` : ""}`;
+    });
+    // Three stacked panels sharing the bucket axis: size, how often ready out of order, order penalty.
+    ddp.plot("buckets", [
+      { type: "bar", name: "bytes", x, y: items.map((b) => b.bytes), hovertext: hover, hoverinfo: "text", marker: { color: "#8fb3e8" } },
+      { type: "bar", name: "ready out of order", x, y: items.map((b) => b.out_of_order ?? 0), yaxis: "y2",
+        hovertemplate: "bucket %{x}: ready out of order %{y} times<extra></extra>", marker: { color: "#c62828" } },
+      { type: "bar", name: "order penalty", x, y: items.map((b) => b.order_penalty_s ?? 0), yaxis: "y3",
+        hovertemplate: "bucket %{x}: waited %{y:.4f} s for earlier buckets<extra></extra>", marker: { color: "#b26a00" } },
+    ], {
+      height: 380, showlegend: false, xaxis: { title: { text: "bucket index" }, anchor: "y3" },
+      yaxis: { title: { text: "bytes" }, domain: [0.56, 1] },
+      yaxis2: { title: { text: "out of order" }, domain: [0.3, 0.5], rangemode: "tozero" },
+      yaxis3: { title: { text: "penalty (s)" }, domain: [0, 0.24], rangemode: "tozero" },
+    });
+    ddp.say("buckets-msg", "");
+  }
+
+  const settled = (p) => p.then((v) => ({ ok: true, v }), (e) => ({ ok: false, e }));
+
+  async function refresh() {
+    const [jobs, steps, strag, incid, unused, buckets] = await Promise.all([
+      settled(ddp.api("/api/v1/jobs")),
+      settled(fetchSteps()),
+      settled(ddp.api(ddp.jobPath(job, "/stragglers"))),
+      settled(ddp.api(ddp.jobPath(job, "/incidents"))),
+      settled(ddp.api(ddp.jobPath(job, "/unused-parameters"))),
+      settled(ddp.api(ddp.jobPath(job, "/buckets"))),
+    ]);
+    if (jobs.ok) world = (jobs.v.items || []).find((j) => j.job === job) || world;
+    const badge = document.getElementById("job-status");
+    badge.textContent = world ? world.status : "";
+    badge.className = "badge " + (world ? world.status : "");
+    const errors = [jobs, steps, strag, incid, unused, buckets].filter((r) => !r.ok).map((r) => r.e.message);
+    const w = windowed();
+    if (rows.size) {
+      drawHeatmap(w);
+      drawOverlap(w);
+    }
+    drawSummary(w);
+    if (strag.ok) drawStragglers(strag.v.items || []);
+    if (incid.ok) drawIncidents(incid.v.items || []);
+    if (unused.ok) drawUnused(unused.v.items || []);
+    if (buckets.ok) drawBuckets(buckets.v.items || []);
+    let msg = rows.size ? "" : "This job has not reported any steps yet. The page updates by itself.";
+    if (errors.length) msg = (msg ? msg + " " : "") + "Some data could not be loaded: " + errors.join("; ");
+    ddp.say("message", msg, errors.length > 0);
+    window.ddpJobUpdates += 1;
+  }
+
+  for (const id of ["trace-start", "trace-end"]) document.getElementById(id).addEventListener("input", updateTraceLink);
+  document.getElementById("trace-form").addEventListener("submit", (e) => e.preventDefault());
+  ddp.poll(refresh, 2000, (e) => ddp.say("message", "Could not refresh: " + e.message, true));
+})();
