@@ -1,16 +1,32 @@
 """Collective recorder: a per-process-group sequence number, op, shapes, dtypes, times and call site
-for every collective this process issues. (Minimal interface; issue 5 completes it.)
+for every collective this process issues, the engine's own and the user's calls through
+``torch.distributed``.
 
-Engine usage::
+Engine usage (the engine records its own calls and marks them so they are not recorded twice)::
 
     seq = RECORDER.begin("default", "all_reduce", [tensor], reduce_op="SUM", source="engine", step=s)
-    ...launch...
+    with RECORDER.engine_call():
+        work = dist.all_reduce(tensor, async_op=True)
+    ...
     RECORDER.end("default", seq, ok=True)
+
+User calls are recorded once ``install()`` has patched the public ``torch.distributed`` functions
+(see ``ddpscope.ddp._patch``). Every call emits a ``collective`` record *before* it enters torch: gloo
+aborts the process on mismatched sizes, and the record of the call that killed it is the evidence a
+post-mortem needs. Completion emits ``collective_end``.
+
+The recorder never raises into training: its own failures are counted in ``internal_errors`` and
+logged once; the collective still runs.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
+import logging
+import os
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -19,13 +35,37 @@ from ddpscope.agent import emit
 from ddpscope.agent.clock import now_ns
 from ddpscope.ddp.progress import PROGRESS
 
+logger = logging.getLogger(__name__)
+
+RING_SIZE = 2000
+"""Recent collectives kept in memory for the hang report (torch's Flight Recorder keeps 2000 too)."""
+
+_DDPSCOPE_DIRS = tuple(
+    os.path.dirname(os.path.abspath(p)) + os.sep
+    for p in (__file__, sys.modules["ddpscope.agent"].__file__ or "")
+)
+
 
 class CollectiveRecorder:
-    def __init__(self) -> None:
-        self._seqs: dict[str, int] = {}
-        # begin() runs on the training thread, end() may run on a gloo worker thread.
-        self._lock = threading.Lock()
+    """Numbers, records and tracks the collectives of one process (one instance: ``RECORDER``)."""
+
+    def __init__(self, ring_size: int = RING_SIZE) -> None:
+        # itertools.count.__next__ is atomic under the GIL: user threads may issue collectives too,
+        # and this costs less than a lock on the hot path.
+        self._counters: dict[str, Iterator[int]] = {}
         self._local = threading.local()
+        self._ring: collections.deque[dict[str, Any]] = collections.deque(maxlen=ring_size)
+        self._ends: collections.deque[tuple[str, int, int, bool]] = collections.deque(maxlen=ring_size)
+        self._pending: dict[tuple[str, int], Any] = {}
+        """Async user collectives (pg, seq) -> torch Work, completed by ``poll()``."""
+        self._skip_files: dict[str, bool] = {}
+        self._sites: dict[tuple[str, int], str] = {}
+        self._torch_dir: str | None = None
+        self._cwd = os.getcwd() + os.sep
+        self.internal_errors = 0
+        """Failures inside the recorder itself (swallowed so training goes on)."""
+
+    # -- engine interface ------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def engine_call(self) -> Iterator[None]:
@@ -53,33 +93,204 @@ class CollectiveRecorder:
         step: int | None = None,
         call_site: str | None = None,
     ) -> int:
-        with self._lock:
-            seq = self._seqs.get(pg, 0) + 1
-            self._seqs[pg] = seq
-        record = {
-            "kind": "collective",
-            "pg": pg,
-            "coll_seq": seq,
-            "op": op,
-            "reduce_op": reduce_op,
-            "shapes": [list(t.shape) for t in tensors],
-            "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
-            "call_site": call_site,
-            "start_ns": now_ns(),
-            "step": step,
-            "source": source,
-        }
-        PROGRESS.inflight[(pg, seq)] = record
-        if pg == "default":
-            PROGRESS.last_coll_seq = seq
-        PROGRESS.tick()
-        emit(record)
+        """Number a collective about to be issued, emit its ``collective`` record; return its seq.
+
+        Never raises: on an internal failure it returns the seq (or 0 if even numbering failed).
+        """
+        seq = 0
+        try:
+            counter = self._counters.get(pg)
+            if counter is None:
+                counter = self._counters.setdefault(pg, itertools.count(1))
+            seq = next(counter)
+            if self._pending:
+                self.poll()
+            record = {
+                "kind": "collective",
+                "pg": pg,
+                "coll_seq": seq,
+                "op": op,
+                "reduce_op": reduce_op,
+                "shapes": [list(t.shape) for t in tensors],
+                "dtypes": [_dtype_name(t.dtype) for t in tensors],
+                "call_site": call_site,
+                "start_ns": now_ns(),
+                "step": step,
+                "source": source,
+            }
+            PROGRESS.inflight[(pg, seq)] = record
+            if pg == "default":
+                PROGRESS.last_coll_seq = seq
+            PROGRESS.counter += 1
+            self._ring.append(record)
+            emit(record)
+        except Exception:
+            self._failed("begin")
         return seq
 
     def end(self, pg: str, seq: int, *, ok: bool = True, error: str | None = None) -> None:
-        PROGRESS.inflight.pop((pg, seq), None)
-        PROGRESS.tick()
-        emit({"kind": "collective_end", "pg": pg, "coll_seq": seq, "end_ns": now_ns(), "ok": ok, "error": error})
+        """Mark collective (pg, seq) complete and emit ``collective_end``. Safe from any thread."""
+        try:
+            end_ns = now_ns()
+            PROGRESS.inflight.pop((pg, seq), None)
+            PROGRESS.counter += 1
+            self._ends.append((pg, seq, end_ns, ok))
+            emit(
+                {
+                    "kind": "collective_end",
+                    "pg": pg,
+                    "coll_seq": seq,
+                    "end_ns": end_ns,
+                    "ok": ok,
+                    "error": error,
+                }
+            )
+        except Exception:
+            self._failed("end")
+
+    # -- async completion ------------------------------------------------------------------------
+
+    def track(self, pg: str, seq: int, work: Any) -> None:
+        """Remember the Work of an async collective; ``poll()`` ends it once it has completed.
+
+        Polling rather than a future callback: a Python callback runs on a gloo thread and must take
+        the GIL from the training thread, which cost 40-200 us per collective on a 2-core machine.
+        The end time is when completion was observed (next recorded collective or watchdog tick).
+        """
+        self._pending[(pg, seq)] = work
+
+    def poll(self) -> None:
+        """End every tracked async collective whose Work has completed. Never raises."""
+        try:
+            for key, work in list(self._pending.items()):
+                if not work.is_completed():
+                    continue
+                if self._pending.pop(key, None) is None:
+                    continue  # another thread (the watchdog) got it first
+                exc = work.exception()
+                self.end(key[0], key[1], ok=exc is None, error=None if exc is None else str(exc))
+        except Exception:
+            self._failed("poll")
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def recent(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The most recent collectives, oldest first, each a copy of its record plus ``end_ns`` and
+        ``ok`` (None while in flight)."""
+        ends = {(pg, seq): (end_ns, ok) for pg, seq, end_ns, ok in list(self._ends)}
+        out = []
+        for record in list(self._ring)[-limit:]:
+            end_ns, ok = ends.get((record["pg"], record["coll_seq"]), (None, None))
+            item = {k: record[k] for k in _RECORD_FIELDS}
+            item["end_ns"], item["ok"] = end_ns, ok
+            out.append(item)
+        return out
+
+    def inflight(self) -> list[dict[str, Any]]:
+        """Collectives issued and not completed, oldest first, in the wire shape ``INFLIGHT``."""
+        records = sorted(list(PROGRESS.inflight.values()), key=lambda r: r["start_ns"])
+        return [{k: r[k] for k in _INFLIGHT_FIELDS} for r in records]
+
+    def last_seq(self, pg: str = "default") -> int:
+        """Highest sequence number issued on ``pg`` (0 before the first)."""
+        counter = self._counters.get(pg)
+        # itertools.count's repr is "count(N)" with N the next value; reading it consumes nothing.
+        return int(repr(counter)[6:-1]) - 1 if counter is not None else 0
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def call_site(self, depth: int = 1) -> str | None:
+        """``file:line`` of the first frame outside torch and ddpscope, ``depth`` frames up."""
+        try:
+            try:
+                frame: Any = sys._getframe(depth + 1)
+            except ValueError:  # called near the bottom of the stack (e.g. from a module's top level)
+                frame = sys._getframe(1)
+            skip = self._skip_files
+            while frame is not None:
+                filename = frame.f_code.co_filename
+                skipped = skip.get(filename)
+                if skipped is None:
+                    skipped = skip[filename] = self._is_internal(filename)
+                if not skipped:
+                    key = (filename, frame.f_lineno)
+                    site = self._sites.get(key)
+                    if site is None:
+                        shown = filename.removeprefix(self._cwd)
+                        site = self._sites[key] = f"{shown}:{frame.f_lineno}"
+                    return site
+                frame = frame.f_back
+        except Exception:
+            self._failed("call_site")
+        return None
+
+    def _is_internal(self, filename: str) -> bool:
+        if self._torch_dir is None:
+            torch_mod = sys.modules.get("torch")
+            self._torch_dir = os.path.dirname(getattr(torch_mod, "__file__", "") or "/nonexistent") + os.sep
+        path = os.path.abspath(filename)
+        return path.startswith(self._torch_dir) or path.startswith(_DDPSCOPE_DIRS)
+
+    def _failed(self, where: str) -> None:
+        self.internal_errors += 1
+        if self.internal_errors == 1:
+            logger.warning(
+                "ddpscope collective recorder failed in %s; training goes on", where, exc_info=True
+            )
+        else:
+            logger.debug("ddpscope collective recorder failed in %s", where, exc_info=True)
+
+    def reset(self) -> None:
+        """Forget all numbering and history (tests; a new process group generation)."""
+        self._counters.clear()
+        self._ring.clear()
+        self._ends.clear()
+        self._pending.clear()
+        PROGRESS.inflight.clear()
+        PROGRESS.last_coll_seq = 0
+
+
+_RECORD_FIELDS = (
+    "pg",
+    "coll_seq",
+    "op",
+    "reduce_op",
+    "shapes",
+    "dtypes",
+    "call_site",
+    "start_ns",
+    "step",
+    "source",
+)
+_INFLIGHT_FIELDS = ("pg", "coll_seq", "op", "shapes", "dtypes", "call_site", "start_ns")
+
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 RECORDER = CollectiveRecorder()
+"""The process-wide recorder; the engine, the adapter, the patches and the watchdog share it."""
+
+
+def install() -> bool:
+    """Patch the public torch.distributed collectives so user calls are recorded. Idempotent.
+
+    Returns True when the patches are in place (False when torch.distributed is unavailable or
+    ``DDPSCOPE_DISABLED=1``).
+    """
+    from ddpscope.ddp import _patch
+
+    return _patch.install(RECORDER)
+
+
+def uninstall() -> None:
+    """Restore the original torch.distributed functions (tests)."""
+    from ddpscope.ddp import _patch
+
+    _patch.uninstall()

@@ -1,0 +1,35 @@
+"""Every thread's Python stack, formatted for a hang report (wire shape ``THREAD_STACK``).
+
+Built from ``sys._current_frames()``, which works while the main thread is blocked inside a
+collective: gloo releases the GIL while it waits, so the watchdog thread can read the frames.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from typing import Any
+
+MAX_FRAMES = 60
+"""Innermost frames kept per thread: deep recursion must not make a hang report megabytes long."""
+
+
+def thread_stacks(skip_current: bool = False) -> list[dict[str, Any]]:
+    """One ``{"thread", "stack"}`` per live thread, the main thread first, innermost frame last."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    main = threading.main_thread().ident
+    out = []
+    for ident, frame in sys._current_frames().items():
+        if skip_current and ident == me:
+            continue
+        lines = traceback.format_stack(frame, limit=None)
+        if len(lines) > MAX_FRAMES:
+            lines = [f"  ... {len(lines) - MAX_FRAMES} outer frames omitted\n", *lines[-MAX_FRAMES:]]
+        name = names.get(ident, f"thread-{ident}")
+        out.append({"thread": name, "stack": "".join(lines), "_main": ident == main})
+    out.sort(key=lambda s: not s["_main"])
+    for s in out:
+        del s["_main"]
+    return out

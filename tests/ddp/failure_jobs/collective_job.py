@@ -1,0 +1,125 @@
+"""A raw torch.distributed job (no DDP engine) that misbehaves on purpose, per scenario.
+
+    python collective_job.py SCENARIO OUT_DIR
+
+Every rank installs the collective recorder, the error hooks and the watchdog, and writes its
+records to OUT_DIR/rank<R>.jsonl. Lines marked ``# SITE:<name>`` are the call sites the tests expect
+in the records (the test reads their line numbers from this file).
+
+Scenarios:
+  stall    a few collectives of several kinds; at step 1 rank 1 sleeps before its all-reduce, so
+           rank 0 waits inside gloo (hang, then hang_resolved).
+  extra    rank 1 issues one all-reduce more than rank 0, then waits in it until rank 0 exits.
+  order    same-shape all-reduces in a different order on the two ranks (silently wrong on gloo).
+  raise    rank 1 raises an uncaught exception at step 2.
+  healthy  torch DDP training of a small MLP plus a user all-reduce of the loss each step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+
+import _capture
+import torch
+import torch.distributed as dist
+
+from ddpscope.ddp import collectives
+from ddpscope.ddp.errors import install_error_hooks
+from ddpscope.ddp.progress import PROGRESS
+from ddpscope.ddp.watchdog import start_watchdog
+
+STALL_S = float(os.environ.get("JOB_STALL_S", "3.0"))
+
+
+def reduce_a(t: torch.Tensor) -> None:
+    dist.all_reduce(t)  # SITE:reduce_a
+
+
+def reduce_b(t: torch.Tensor) -> None:
+    dist.all_reduce(t)  # SITE:reduce_b
+
+
+def stall(rank: int) -> None:
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    dist.broadcast(t, src=0)  # SITE:broadcast
+    out = [torch.zeros(5, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, torch.full((5,), rank, dtype=torch.int64))  # SITE:all_gather
+    dist.barrier()  # SITE:barrier
+    for step in range(3):
+        PROGRESS.enter("allreduce", step)
+        if rank == 1 and step == 1:
+            time.sleep(STALL_S)
+        dist.all_reduce(torch.ones(16), op=dist.ReduceOp.MAX)  # SITE:step_all_reduce
+        PROGRESS.enter("idle")
+
+
+def extra(rank: int) -> None:
+    for _ in range(2):
+        dist.all_reduce(torch.ones(8))  # SITE:common
+    if rank == 1:
+        dist.all_reduce(torch.ones(8))  # SITE:extra
+    else:
+        time.sleep(STALL_S)
+        _capture.flush()
+        os._exit(0)  # rank 0 leaves without a goodbye: rank 1's extra all-reduce then fails
+
+
+def order(rank: int) -> None:
+    a, b = torch.ones(4), torch.full((4,), 2.0)
+    if rank == 0:
+        reduce_a(a)
+        reduce_b(b)
+    else:
+        reduce_b(b)
+        reduce_a(a)
+    dist.barrier()
+
+
+def raise_error(rank: int) -> None:
+    for step in range(4):
+        PROGRESS.enter("forward", step)
+        if rank == 1 and step == 2:
+            raise ValueError(f"bad batch on rank {rank} at step {step}")  # SITE:raise
+        dist.all_reduce(torch.ones(4))
+        PROGRESS.enter("idle")
+
+
+def healthy(rank: int) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(5):
+        PROGRESS.enter("forward", step)
+        loss = model(torch.randn(8, 32)).square().mean()
+        PROGRESS.enter("backward")
+        loss.backward()
+        PROGRESS.enter("optimizer")
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(loss.detach())  # SITE:loss
+        PROGRESS.enter("idle")
+    print(f"internal_errors={collectives.RECORDER.internal_errors}")
+
+
+def main() -> None:
+    scenario, out_dir = sys.argv[1], sys.argv[2]
+    _capture.capture(out_dir)
+    install_error_hooks()
+    collectives.install()
+    start_watchdog()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    {"stall": stall, "extra": extra, "order": order, "raise": raise_error, "healthy": healthy}[scenario](rank)
+    _capture.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
