@@ -1,0 +1,270 @@
+"""Matching ranks collective by collective: mismatches and missing collectives.
+
+Collectives are matched by (process group, sequence number): every rank numbers the collectives it
+issues on a group from 1, so at #N every rank must have issued the same op, reduce op, shapes and
+dtypes. See ``incidents`` for the rules (call-site ordering bugs, tie-breaks, extra collectives).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ddpscope.server.analysis.incident_model import Incident, Record, describe, ranks_phrase, where
+from ddpscope.server.analysis.snapshot import JobSnapshot
+from ddpscope.server.analysis.status import Liveness
+
+
+class CollectiveIndex:
+    """Collectives by process group, rank and sequence number, plus what each rank is stuck in."""
+
+    def __init__(self, snapshot: JobSnapshot, live: Liveness) -> None:
+        self.by_pg: dict[str, dict[int, dict[int, Record]]] = {}
+        self.max_seq: dict[tuple[int, str], int] = {}
+        for c in snapshot.collectives:
+            self.by_pg.setdefault(c["pg"], {}).setdefault(c["rank"], {})[c["coll_seq"]] = c
+            self._saw(c["rank"], c["pg"], c["coll_seq"])
+        for r, hb in snapshot.heartbeats.items():
+            self._saw(r, "default", int(hb.get("last_coll_seq") or 0))
+        # waits[pg][rank] = {seq: collective}: what each live rank is blocked in, from its own hang
+        # report or from a collective in flight for longer than a rank may stay silent.
+        self.waits: dict[str, dict[int, dict[int, Record]]] = {}
+        for h in snapshot.hangs:
+            for c in h.get("inflight") or []:
+                self._saw(h["rank"], c["pg"], c["coll_seq"])
+        for r, h in live.active_hangs.items():
+            for c in h.get("inflight") or []:
+                full = self.by_pg.get(c["pg"], {}).get(r, {}).get(c["coll_seq"], c)
+                self.waits.setdefault(c["pg"], {}).setdefault(r, {})[c["coll_seq"]] = full
+        dead = set(live.exits) | set(live.fatal) | set(live.crashed)
+        for c in snapshot.collectives:
+            started_s = c["start_ns"] / 1e9
+            if (
+                c.get("end_ns") is None
+                and c["rank"] not in dead
+                and live.now_s - started_s > live.silent_after_s
+            ):
+                self.waits.setdefault(c["pg"], {}).setdefault(c["rank"], {})[c["coll_seq"]] = c
+
+    def _saw(self, rank: int, pg: str, seq: int) -> None:
+        self.max_seq[(rank, pg)] = max(self.max_seq.get((rank, pg), 0), seq)
+
+    def last(self, rank: int, pg: str) -> Record | None:
+        seqs = self.by_pg.get(pg, {}).get(rank, {})
+        return seqs[max(seqs)] if seqs else None
+
+
+def _signature(c: Record) -> tuple[Any, ...]:
+    shapes = tuple(tuple(s) for s in c.get("shapes") or [])
+    return (c.get("op"), c.get("reduce_op"), shapes, tuple(c.get("dtypes") or []))
+
+
+def _full_key(c: Record) -> tuple[Any, ...]:
+    return (*_signature(c), c.get("call_site"))
+
+
+def _disagreement(
+    recs: Mapping[int, Record], sites: Mapping[int, set[str]]
+) -> tuple[str, dict[Any, list[int]]]:
+    """('', {}) when ranks agree at one sequence number, else (reason, ranks grouped by what they did)."""
+    groups: dict[Any, list[int]] = {}
+    for r, c in sorted(recs.items()):
+        groups.setdefault(_signature(c), []).append(r)
+    if len(groups) > 1:
+        differs = [
+            n
+            for n, i in (("ops", 0), ("reduce ops", 1), ("shapes", 2), ("dtypes", 3))
+            if len({k[i] for k in groups}) > 1
+        ]
+        return " and ".join(differs), groups
+    call_sites = {c.get("call_site") for c in recs.values()}
+    if len(call_sites) < 2 or None in call_sites:
+        return "", {}
+    # Same op and shapes from different lines: an ordering bug only if every rank runs both lines.
+    if not all(site in sites.get(r, set()) for site in call_sites for r in recs):
+        return "", {}
+    by_site: dict[Any, list[int]] = {}
+    for r, c in sorted(recs.items()):
+        by_site.setdefault(c.get("call_site"), []).append(r)
+    return "order", by_site
+
+
+def mismatch_incidents(colls: CollectiveIndex, blame: dict[int, str]) -> list[Incident]:
+    out = []
+    for pg, ranks in sorted(colls.by_pg.items()):
+        sites = {
+            r: {c["call_site"] for c in seqs.values() if c.get("call_site")} for r, seqs in ranks.items()
+        }
+        keys = {r: {_full_key(c) for c in seqs.values()} for r, seqs in ranks.items()}
+        all_seqs = sorted({s for seqs in ranks.values() for s in seqs})
+        found: tuple[int, str, dict[Any, list[int]], dict[int, Record]] | None = None
+        later = 0
+        for seq in all_seqs:
+            recs = {r: seqs[seq] for r, seqs in ranks.items() if seq in seqs}
+            if len(recs) < 2:
+                continue
+            reason, groups = _disagreement(recs, sites)
+            if reason and found is None:
+                found = (seq, reason, groups, recs)
+            elif reason:
+                later += 1
+        if found is not None:
+            out.append(_mismatch(pg, *found, later=later, ranks=ranks, keys=keys, blame=blame))
+    return out
+
+
+def _mismatch(
+    pg: str,
+    seq: int,
+    reason: str,
+    groups: dict[Any, list[int]],
+    recs: dict[int, Record],
+    *,
+    later: int,
+    ranks: Mapping[int, Mapping[int, Record]],
+    keys: Mapping[int, set[tuple[Any, ...]]],
+    blame: dict[int, str],
+) -> Incident:
+    ref, why = _reference(groups, recs, keys)
+    culprits = sorted(r for members in groups.values() for r in members if r not in ref)
+    c0, r0 = culprits[0], ref[0]
+    crec, rrec = recs[c0], recs[r0]
+    distinct: dict[tuple[Any, ...], int] = {}
+    for r in culprits:
+        distinct.setdefault(_full_key(recs[r]), r)
+    what = "; ".join(
+        f"{ranks_phrase(r2 for r2 in culprits if _full_key(recs[r2]) == k)} issued {describe(recs[r])}"
+        for k, r in distinct.items()
+    )
+    msg = f"{what} where {ranks_phrase(ref)} issued {describe(rrec)} at collective #{seq} of group {pg}"
+    shift = _shift(ranks.get(c0, {}), ranks.get(r0, {}), seq)
+    if shift:
+        msg += f": {ranks_phrase([c0])} {shift}"
+    if reason == "order":
+        msg += ". Same-shaped collectives issued in a different order: gloo pairs them silently and every rank gets a wrong result"
+    elif "shapes" in reason or "dtypes" in reason:
+        msg += f". The {reason} differ: gloo aborts on the size mismatch (NCCL may hang or corrupt memory)"
+    else:
+        msg += f". The {reason} differ: gloo pairs them silently and the results are wrong"
+    if later:
+        msg += f" ({later} later collective{'s of this group disagree' if later > 1 else ' of this group disagrees'} too, as a consequence)"
+    msg += f". {why}Make every rank issue the same collectives in the same order."
+    for r in culprits:
+        blame.setdefault(r, f"issued a different collective at #{seq} of group {pg}")
+    sites = sorted({recs[r]["call_site"] for r in culprits if recs[r].get("call_site")})
+    return Incident(
+        kind="mismatch",
+        message=msg,
+        rank=c0,
+        step=crec.get("step"),
+        seq=seq,
+        pg=pg,
+        culprit_ranks=culprits,
+        call_site=", ".join(sites) or None,
+        time_s=min(recs[r]["start_ns"] for r in recs) / 1e9,
+    )
+
+
+def _reference(
+    groups: dict[Any, list[int]], recs: Mapping[int, Record], keys: Mapping[int, set[tuple[Any, ...]]]
+) -> tuple[list[int], str]:
+    """The ranks taken as doing the right thing, and a sentence explaining the choice on a tie."""
+    size = max(len(g) for g in groups.values())
+    top = [g for g in groups.values() if len(g) == size]
+    if len(top) == 1:
+        return top[0], ""
+
+    def familiar(g: list[int]) -> bool:
+        key = _full_key(recs[g[0]])
+        return all(key in keys.get(r, set()) for r in recs if r not in g)
+
+    known = [g for g in top if familiar(g)]
+    if len(known) == 1:
+        return known[0], "The ranks split evenly; the odd call is the one the other ranks never make. "
+    ref = min(top, key=min)
+    return ref, f"The ranks split evenly; {ranks_phrase(ref)}'s call is taken as the reference. "
+
+
+def _shift(culprit: Mapping[int, Record], ref: Mapping[int, Record], seq: int) -> str:
+    """How the culprit's sequence relates to the reference's around ``seq`` (extra, skipped, swapped)."""
+
+    def key(seqs: Mapping[int, Record], s: int) -> tuple[Any, ...] | None:
+        return _full_key(seqs[s]) if s in seqs else None
+
+    ahead = key(culprit, seq + 1) is not None and key(culprit, seq + 1) == key(ref, seq)
+    behind = key(culprit, seq) is not None and key(culprit, seq) == key(ref, seq + 1)
+    if ahead and behind:
+        return "issued the same two collectives in the opposite order"
+    if ahead:
+        return "issued an extra collective here; its later ones are shifted by one"
+    if behind:
+        return f"skipped the collective the others issued at #{seq}; its later ones are shifted by one"
+    return ""
+
+
+def missing_incidents(
+    colls: CollectiveIndex, live: Liveness, snapshot: JobSnapshot, blame: dict[int, str]
+) -> list[Incident]:
+    out = []
+    for pg, waiting in sorted(colls.waits.items()):
+        members = live.ranks if pg == "default" else sorted({r for (r, p) in colls.max_seq if p == pg})
+        for seq in sorted({s for seqs in waiting.values() for s in seqs}):
+            missing = [r for r in members if colls.max_seq.get((r, pg), 0) < seq]
+            waiters = sorted(r for r, seqs in waiting.items() if seq in seqs)
+            if not missing or not waiters:
+                continue
+            out.append(_missing(pg, seq, waiters, missing, waiting, colls, live, snapshot, blame))
+            break
+    return out
+
+
+def _missing(
+    pg: str,
+    seq: int,
+    waiters: list[int],
+    missing: list[int],
+    waiting: Mapping[int, Mapping[int, Record]],
+    colls: CollectiveIndex,
+    live: Liveness,
+    snapshot: JobSnapshot,
+    blame: dict[int, str],
+) -> Incident:
+    wait = waiting[waiters[0]][seq]
+    since = live.now_s - min(waiting[r][seq]["start_ns"] for r in waiters) / 1e9
+    msg = (
+        f"{ranks_phrase(waiters)} {'has' if len(waiters) == 1 else 'have'} waited {since:.0f} s in "
+        f"{describe(wait)}, collective #{seq} of group {pg}; {ranks_phrase(missing)} never issued it"
+    )
+    details = []
+    for r in missing:
+        last = colls.last(r, pg)
+        state = (
+            f"it exited ({live.exits[r].get('reason')}) at step {live.exits[r].get('step')}"
+            if r in live.exits
+            else "it died"
+            if r in live.fatal or r in live.crashed
+            else "it is silent"
+            if r in live.silent
+            else "it is alive, doing something else"
+        )
+        lst = f"last collective #{last['coll_seq']} {describe(last)}" if last else "no collective recorded"
+        details.append(f"rank {r}: {lst}; {state}{where(snapshot, r)}")
+        blame.setdefault(r, f"never issued collective #{seq} of group {pg}")
+    msg += (
+        " ("
+        + "; ".join(details)
+        + "). Find why those ranks skip this call (a rank-dependent branch, an early exit, a stuck data loader)."
+    )
+    last_culprit = colls.last(missing[0], pg)
+    sites = [s for s in (wait.get("call_site"), last_culprit.get("call_site") if last_culprit else None) if s]
+    return Incident(
+        kind="missing_collective",
+        message=msg,
+        rank=waiters[0],
+        step=wait.get("step"),
+        seq=seq,
+        pg=pg,
+        culprit_ranks=missing,
+        call_site=", ".join(dict.fromkeys(sites)) or None,
+        time_s=wait["start_ns"] / 1e9,
+    )

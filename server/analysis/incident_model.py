@@ -1,0 +1,84 @@
+"""The ``Incident`` record and the words incidents are written in (shared by the diagnosis modules)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ddpscope.server.analysis.snapshot import JobSnapshot
+
+Record = Mapping[str, Any]
+
+
+@dataclass(kw_only=True, slots=True)
+class Incident:
+    """One diagnosis (the ``incidents`` endpoint's item)."""
+
+    kind: str
+    message: str
+    """A sentence a person can act on: what happened, who caused it, where to look."""
+    rank: int | None = None
+    """The rank the evidence comes from (the hanging rank, the failed rank, ...)."""
+    step: int | None = None
+    seq: int | None = None
+    """Collective sequence number within ``pg``."""
+    pg: str | None = None
+    bucket: int | None = None
+    parameters: list[str] = field(default_factory=list)
+    culprit_ranks: list[int] = field(default_factory=list)
+    call_site: str | None = None
+    """file:line of the collective (or call) at fault, when known."""
+    stack: str | None = None
+    time_s: float | None = None
+    """Aligned-clock time the evidence begins (hang report, error, last record of a silent rank)."""
+    active: bool = True
+    """False for a hang that has since resolved: history, not a current problem."""
+    related: list[dict[str, Any]] = field(default_factory=list)
+    """Other ranks' errors tied to this one: ``rank``, ``error_type``, ``message``, ``time_s``."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def ranks_phrase(ranks: Iterable[int]) -> str:
+    rs = sorted(set(ranks))
+    return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
+
+
+def describe(c: Record) -> str:
+    """``all_reduce(SUM) [4] float32 at train.py:57``."""
+    op = c.get("op", "?") + (f"({c['reduce_op']})" if c.get("reduce_op") else "")
+    shapes = c.get("shapes")
+    shape_txt = " " + ", ".join("[" + ",".join(map(str, s)) + "]" for s in shapes) if shapes else ""
+    dtypes = sorted(set(c.get("dtypes") or []))
+    site = f" at {c['call_site']}" if c.get("call_site") else ""
+    return f"{op}{shape_txt}{' ' + ','.join(dtypes) if dtypes else ''}{site}"
+
+
+def record_s(record: Record) -> float:
+    return float(record["time_ns"]) / 1e9
+
+
+def first_line(text: str) -> str:
+    return next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")[:300]
+
+
+def error_brief(e: Record) -> dict[str, Any]:
+    return {
+        "rank": e["rank"],
+        "error_type": e.get("error_type"),
+        "message": e.get("message"),
+        "time_s": record_s(e),
+    }
+
+
+def where(snapshot: JobSnapshot, rank: int) -> str:
+    """'(last heartbeat: phase backward, step 7; pid 123 on host-a)'."""
+    hb = snapshot.heartbeats.get(rank)
+    start = snapshot.ranks.get(rank, {})
+    parts = [f"last heartbeat: phase {hb['phase']}, step {hb['step']}"] if hb else []
+    pid = (hb or {}).get("pid") or start.get("pid")
+    if pid:
+        parts.append(f"pid {pid}" + (f" on {start['host']}" if start.get("host") else ""))
+    return f" ({'; '.join(parts)})" if parts else ""

@@ -1,0 +1,337 @@
+"""Cross-rank diagnosis: what went wrong in a job, which rank caused it, and where in the code.
+
+``diagnose(snapshot, now_s)`` returns one ``Incident`` per diagnosis, oldest first. Kinds:
+
+- ``rank_error`` / ``rank_crashed``: a rank raised (or died of a signal). Peers' "Connection reset by
+  peer" or timeout errors are *victims*, attached to the origin as ``related``, never blamed. A rank
+  that went quiet with no error and no exit just before its peers lost their connections crashed
+  (SIGKILL, the OOM killer): ``rank_crashed`` with the peers' errors attached.
+- ``rank_silent``: no record for ``silent_after_s`` while other ranks are alive or waiting (SIGSTOP, a
+  deadlocked data loader). ``job_silent``: every rank quiet without a clean exit.
+- ``missing_collective``: ranks stuck in collective #N of a process group that other ranks never
+  issued; culprits are the ranks that never entered it.
+- ``mismatch``: at the same (group, sequence number) ranks issued different ops, reduce ops, shapes or
+  dtypes, or the same collectives from the same code in a different order. The call-site rule: two
+  ranks calling from different lines at #N is only an ordering bug when each rank also uses the other's
+  line elsewhere in the window (same code, different order: gloo pairs them silently and returns wrong
+  results); lines one rank never uses are different code paths, legitimately rank-dependent.
+  Culprits are the minority; on a tie, the side whose call the others never make anywhere, else every
+  rank but rank 0's side (the message says so). An extra or skipped collective is recognised by the
+  shift it leaves in the sequence.
+- ``hang``: a hang report (active, or ``active=False`` once resolved) with phase, step, pending buckets,
+  the parameters whose gradients never arrived, the in-flight collective and every thread's stack; its
+  ``culprit_ranks`` come from the evidence above.
+- ``unused_parameters``: parameters that got no gradient on some ranks but not all, or named by the
+  engine's "did not receive grad" error; grouped by ranks and bucket.
+
+Pure functions of a ``JobSnapshot``; no database, no HTTP.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ddpscope.server.analysis.collective_diagnosis import (
+    CollectiveIndex,
+    mismatch_incidents,
+    missing_incidents,
+)
+from ddpscope.server.analysis.incident_model import (
+    Incident,
+    Record,
+    describe,
+    error_brief,
+    first_line,
+    ranks_phrase,
+    record_s,
+    where,
+)
+from ddpscope.server.analysis.snapshot import JobSnapshot
+from ddpscope.server.analysis.status import DEFAULT_SILENT_AFTER_S, Liveness, is_secondary, liveness
+
+__all__ = ["Incident", "diagnose"]
+
+CLOCK_SLACK_S = 1.0
+"""Tolerance when ordering events of different ranks: aligned clocks agree to microseconds on one host,
+but records are emitted a little after the fact (an error is reported after its stack is formatted)."""
+
+_UNUSED_ERROR = re.compile(
+    r"(?:Parameters|Parameter indices) which did not receive grad for rank (\d+):\s*(.+)"
+)
+_SIGNAL = re.compile(r"\bSIG[A-Z]{2,}\b|fatal signal|killed by signal|abort", re.IGNORECASE)
+
+
+def diagnose(
+    snapshot: JobSnapshot, now_s: float, *, silent_after_s: float = DEFAULT_SILENT_AFTER_S
+) -> list[Incident]:
+    """Every incident in the job at ``now_s`` (aligned-clock seconds), oldest first."""
+    live = liveness(snapshot, now_s, silent_after_s=silent_after_s)
+    colls = CollectiveIndex(snapshot, live)
+    blame: dict[int, str] = {}
+    out = _silent_incidents(snapshot, live, blame)
+    out += mismatch_incidents(colls, blame)
+    missing = missing_incidents(colls, live, snapshot, blame)
+    out += missing
+    out += _error_incidents(live, snapshot, colls, blame)
+    out += _hang_incidents(snapshot, live, missing, blame)
+    out += _unused_incidents(snapshot, live)
+    out.sort(key=lambda i: (i.time_s if i.time_s is not None else now_s, i.kind, i.rank or 0))
+    return out
+
+
+def _silent_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int, str]) -> list[Incident]:
+    out = []
+    others_waiting = sorted(live.active_hangs)
+    for r in live.silent:
+        age = live.age_s(r)
+        hb = snapshot.heartbeats.get(r, {})
+        if age is None:
+            head = f"Rank {r} has never reported"
+        else:
+            head = f"Rank {r} has sent nothing for {age:.0f} s{where(snapshot, r)}"
+        waiting = (
+            f"while {ranks_phrase(others_waiting)} hang waiting"
+            if others_waiting
+            else "while the other ranks keep reporting"
+        )
+        out.append(
+            Incident(
+                kind="rank_silent",
+                message=f"{head} {waiting}: it is stopped (SIGSTOP, a debugger), deadlocked (e.g. a data "
+                f"loader) or cut off from the collector; dump its stack (py-spy dump --pid <pid>).",
+                rank=r,
+                step=hb.get("step"),
+                culprit_ranks=[r],
+                time_s=live.last_alive_s.get(r),
+            )
+        )
+        blame.setdefault(r, "went silent")
+    if live.lost:
+        quiet_s = live.now_s - max(live.last_alive_s.values(), default=live.now_s)
+        out.append(
+            Incident(
+                kind="job_silent",
+                message=f"No rank has reported for {quiet_s:.0f} s and not every rank exited cleanly: the job "
+                "was killed, stopped, or lost its connection to the collector; check the scheduler and the ranks' logs.",
+                time_s=max(live.last_alive_s.values(), default=None),
+            )
+        )
+    return out
+
+
+def _error_incidents(
+    live: Liveness, snapshot: JobSnapshot, colls: CollectiveIndex, blame: dict[int, str]
+) -> list[Incident]:
+    primaries = [e for e in live.errors if not is_secondary(e)]
+    victims = [e for e in live.errors if is_secondary(e)]
+    attached: set[int] = set()
+    out = []
+    for p in primaries:
+        related = [
+            v
+            for v in victims
+            if v["rank"] != p["rank"] and record_s(v) >= record_s(p) - CLOCK_SLACK_S and id(v) not in attached
+        ]
+        attached.update(id(v) for v in related)
+        crash = bool(_SIGNAL.search(f"{p.get('error_type', '')} {p.get('message', '')}"))
+        head = f"Rank {p['rank']} {'died' if p.get('fatal') else 'raised (and kept running)'}"
+        msg = f"{head} at step {p.get('step')} in {p.get('phase')}: {p.get('error_type')}: {first_line(p.get('message', ''))}"
+        if related:
+            msg += f"; {ranks_phrase(v['rank'] for v in related)} then failed because of it (lost connection)"
+        msg += ". This rank is the origin: start from its stack."
+        out.append(_error_incident("rank_crashed" if crash else "rank_error", p, msg, related))
+        if p.get("fatal"):
+            blame.setdefault(p["rank"], "died of an error")
+    for r in live.crashed:
+        last = colls.last(r, "default")
+        step = snapshot.heartbeats.get(r, {}).get("step")
+        msg = (
+            f"Rank {r} stopped reporting with no error and no clean exit{where(snapshot, r)}, and "
+            f"{ranks_phrase(v['rank'] for v in victims)} then lost their connections to it: it was killed "
+            "(SIGKILL, the OOM killer) or crashed in native code; check its log and the host's kernel log."
+        )
+        out.append(
+            Incident(
+                kind="rank_crashed",
+                message=msg,
+                rank=r,
+                step=step,
+                culprit_ranks=[r],
+                call_site=last.get("call_site") if last else None,
+                time_s=live.last_alive_s.get(r),
+                related=[error_brief(v) for v in victims],
+            )
+        )
+        blame.setdefault(r, "crashed")
+        attached.update(id(v) for v in victims)
+    left = [v for v in victims if id(v) not in attached]
+    if left:
+        first = left[0]
+        culprits = sorted(blame)
+        cause = (
+            f"the cause is on {ranks_phrase(culprits)} (see the other incidents)"
+            if culprits
+            else "no rank reported a cause: look for a rank killed by the OS or a network failure"
+        )
+        msg = (
+            f"{ranks_phrase(v['rank'] for v in left)} failed waiting for a peer ({first.get('error_type')}: "
+            f"{first_line(first.get('message', ''))}); {cause}."
+        )
+        out.append(_error_incident("rank_error", first, msg, left[1:], culprits=culprits))
+    return out
+
+
+def _error_incident(
+    kind: str, e: Record, msg: str, related: Sequence[Record], *, culprits: list[int] | None = None
+) -> Incident:
+    return Incident(
+        kind=kind,
+        message=msg,
+        rank=e["rank"],
+        step=e.get("step"),
+        culprit_ranks=[e["rank"]] if culprits is None else culprits,
+        stack=e.get("stack"),
+        time_s=record_s(e),
+        related=[error_brief(v) for v in related],
+    )
+
+
+# ------------------------------------------------------------------------------------------------ hangs
+
+
+def _hang_incidents(
+    snapshot: JobSnapshot, live: Liveness, missing: Sequence[Incident], blame: Mapping[int, str]
+) -> list[Incident]:
+    out = []
+    seen: set[tuple[Any, ...]] = set()
+    for h in sorted(snapshot.hangs, key=record_s, reverse=True):
+        active = live.active_hangs.get(h["rank"]) is h
+        key = (h["rank"], h.get("step"), h.get("phase"))
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(_hang(h, active, missing, blame, snapshot))
+    return out
+
+
+def _hang(
+    h: Record, active: bool, missing: Sequence[Incident], blame: Mapping[int, str], snapshot: JobSnapshot
+) -> Incident:
+    rank = h["rank"]
+    inflight = sorted(h.get("inflight") or [], key=lambda c: c["start_ns"])
+    wait = inflight[0] if inflight else None
+    pending = h.get("pending_buckets") or []
+    starving = [b for b in pending if b.get("missing") and not b.get("launched")]
+    params = [p for b in (starving or pending) for p in b.get("missing") or []]
+    bucket = (starving or pending)[0]["index"] if pending else None
+    where = f" in {describe(wait)}, collective #{wait['coll_seq']} of group {wait['pg']}" if wait else ""
+    msg = f"Rank {rank} made no progress for {h.get('stalled_s', 0):.0f} s{where} at step {h.get('step')}, phase {h.get('phase')}"
+    culprits: set[int] = set()
+    for inc in missing:
+        if wait and inc.pg == wait["pg"] and rank not in inc.culprit_ranks:
+            culprits.update(inc.culprit_ranks)
+    culprits.update(r for r in blame if r != rank)
+    if culprits:
+        msg += "; culprit: " + "; ".join(
+            f"rank {r} ({blame.get(r, 'never entered this collective')})" for r in sorted(culprits)
+        )
+    elif starving:
+        culprits.add(rank)
+        msg += (
+            f"; it waits for gradients of {', '.join(params[:8])} (bucket {bucket}) that never arrived: "
+            "parameters unused in this step (use them, or pass find_unused_parameters=True)"
+        )
+    elif wait:
+        msg += "; every rank seen issued this collective: the wait is inside the backend (network, or a peer stuck in native code)"
+    if not active:
+        msg = f"(resolved) {msg}"
+    return Incident(
+        kind="hang",
+        message=msg + ".",
+        rank=rank,
+        step=h.get("step"),
+        seq=wait["coll_seq"] if wait else None,
+        pg=wait["pg"] if wait else None,
+        bucket=bucket,
+        parameters=params,
+        culprit_ranks=sorted(culprits),
+        call_site=wait.get("call_site") if wait else None,
+        stack=_stacks(h.get("stacks") or []),
+        time_s=record_s(h) - float(h.get("stalled_s", 0.0)),
+        active=active,
+    )
+
+
+def _stacks(stacks: Sequence[Record]) -> str | None:
+    if not stacks:
+        return None
+    ordered = sorted(stacks, key=lambda s: s.get("thread") != "MainThread")
+    return "\n\n".join(f"Thread {s.get('thread')}:\n{s.get('stack', '').rstrip()}" for s in ordered)
+
+
+# ------------------------------------------------------------------------------------ unused parameters
+
+
+def _bucket_of(snapshot: JobSnapshot, rank: int | None) -> dict[str, int]:
+    layouts = [lay for lay in snapshot.layouts if rank is None or lay["rank"] == rank] or snapshot.layouts
+    if not layouts:
+        return {}
+    return {p: b["index"] for b in layouts[-1].get("buckets") or [] for p in b.get("parameters") or []}
+
+
+def _unused_incidents(snapshot: JobSnapshot, live: Liveness) -> list[Incident]:
+    stepping = sorted(snapshot.steps)
+    groups: dict[tuple[tuple[int, ...], int | None], list[str]] = {}
+    for u in snapshot.unused:
+        # Unused everywhere is a property of the model (harmless with find_unused_parameters=True and
+        # reported by the unused-parameters endpoint); unused on some ranks is a divergence to look at.
+        if len(stepping) > 1 and set(u.ranks) < set(stepping):
+            bucket = _bucket_of(snapshot, u.ranks[0]).get(u.name)
+            groups.setdefault((tuple(u.ranks), bucket), []).append(u.name)
+    out = []
+    for (ranks, bucket), names in sorted(groups.items(), key=lambda kv: kv[0][0]):
+        used_on = [r for r in stepping if r not in ranks]
+        out.append(
+            Incident(
+                kind="unused_parameters",
+                message=f"{', '.join(names[:10])}{' …' if len(names) > 10 else ''} got no gradient on "
+                f"{ranks_phrase(ranks)} but did on {ranks_phrase(used_on)}"
+                f"{f' (bucket {bucket})' if bucket is not None else ''}: the ranks run different code paths; "
+                + (
+                    "find_unused_parameters=True keeps this correct, but check the branch is intended."
+                    if snapshot.find_unused_parameters
+                    else "without find_unused_parameters=True this hangs or fails the next step."
+                ),
+                rank=ranks[0],
+                bucket=bucket,
+                parameters=names,
+                culprit_ranks=list(ranks),
+            )
+        )
+    for e in live.errors:
+        m = _UNUSED_ERROR.search(e.get("message", ""))
+        if not m:
+            continue
+        rank = int(m.group(1))
+        items = [t for t in re.split(r"[,\s]+", m.group(2).strip()) if t]
+        names = [t for t in items if not t.isdigit()]
+        bucket_of = _bucket_of(snapshot, rank)
+        bucket = next((bucket_of[n] for n in names if n in bucket_of), None)
+        out.append(
+            Incident(
+                kind="unused_parameters",
+                message=f"Rank {rank}: parameters {', '.join(items[:10])} did not receive a gradient in step "
+                f"{e.get('step')}, so the reduction could not finish; use them on every rank or pass "
+                "find_unused_parameters=True.",
+                rank=rank,
+                step=e.get("step"),
+                bucket=bucket,
+                parameters=names,
+                culprit_ranks=[rank],
+                stack=e.get("stack"),
+                time_s=record_s(e),
+            )
+        )
+    return out

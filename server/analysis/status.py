@@ -1,0 +1,190 @@
+"""Job status and the liveness facts it rests on: who exited, who died, who went silent, who hangs.
+
+``job_status(snapshot, now_s)`` returns ``'failed'``, ``'finished'``, ``'hung'`` or ``'running'``, in that
+order of precedence:
+
+- **failed**: a rank died of an error (a fatal ``rank_error``, a ``rank_exit`` with reason ``'error'``) or
+  crashed without a word (it stopped reporting, never exited, and its peers then lost their connections).
+- **finished**: every rank of ``world_size`` sent ``rank_exit``.
+- **hung**: a hang report not yet resolved, or a silent rank (no record for ``silent_after_s``) while the
+  job is unfinished, or the whole job quiet without a clean exit (killed, stopped or cut off: the four
+  statuses have no better word, and it must not read as running).
+- **running**: otherwise.
+
+``liveness(snapshot, now_s)`` exposes the same facts per rank for ``incidents.diagnose``. Only events after
+a rank's latest ``rank_start`` count (a restarted rank leaves its old errors behind), and an error after a
+clean ``rank_exit`` is ignored (torch on gloo sometimes aborts at interpreter exit after training ended).
+Pure functions of a ``JobSnapshot``: no database, no HTTP.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddpscope.server.analysis.snapshot import JobSnapshot
+
+DEFAULT_SILENT_AFTER_S = 10.0
+"""A rank with no record for this long is silent: a few heartbeat intervals, so one late heartbeat or a
+slow batch upload is not mistaken for a stopped process."""
+
+SECONDARY_ERROR = re.compile(
+    r"connection (?:reset|closed|refused|aborted)|(?:reset|closed) by peer|broken pipe|"
+    r"timed out|timeout|socket closed|end of file|communicator (?:was )?aborted|peer .*(?:died|exited)",
+    re.IGNORECASE,
+)
+"""Errors a rank gets *because of* another rank (its peer died or never answered): the victims' side.
+Matched on the message, e.g. gloo's "Connection reset by peer" ~20-60 ms after a peer is killed."""
+
+Record = dict[str, Any]
+
+
+def is_secondary(error: Mapping[str, Any]) -> bool:
+    """True for an error caused by a peer (lost connection, timeout), not by this rank itself."""
+    return bool(SECONDARY_ERROR.search(f"{error.get('error_type', '')}: {error.get('message', '')}"))
+
+
+@dataclass(slots=True)
+class Liveness:
+    """Per-rank facts at ``now_s`` (aligned-clock seconds); see ``liveness``."""
+
+    now_s: float
+    silent_after_s: float
+    ranks: list[int]
+    """Every rank of the job: range(world_size) plus any rank seen beyond it."""
+    last_alive_s: dict[int, float] = field(default_factory=dict)
+    """Newest record of the rank (any kind, heartbeats included); absent when never seen."""
+    exits: dict[int, Record] = field(default_factory=dict)
+    """The rank's ``rank_exit`` (latest, after its latest start)."""
+    fatal: dict[int, Record] = field(default_factory=dict)
+    """The rank's first fatal ``rank_error`` that counts (after its start, before any clean exit)."""
+    errors: list[Record] = field(default_factory=list)
+    """Every ``rank_error`` that counts, fatal or not, by time."""
+    active_hangs: dict[int, Record] = field(default_factory=dict)
+    """The rank's latest hang report not followed by ``hang_resolved``, an exit or a fatal error."""
+    silent: list[int] = field(default_factory=list)
+    """Ranks with no record for ``silent_after_s`` (or never seen while others hang), not exited, not
+    dead of an error, while another rank is alive or waiting."""
+    crashed: list[int] = field(default_factory=list)
+    """Ranks that went quiet without an error or exit before their peers lost their connections."""
+    lost: bool = False
+    """Every rank still expected to report has been quiet for ``silent_after_s``."""
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.ranks) and all(r in self.exits for r in self.ranks)
+
+    @property
+    def failed(self) -> bool:
+        errored_exit = any(e.get("reason") == "error" for e in self.exits.values())
+        return bool(self.fatal) or bool(self.crashed) or errored_exit
+
+    @property
+    def hung(self) -> bool:
+        return bool(self.active_hangs) or bool(self.silent) or self.lost
+
+    def age_s(self, rank: int) -> float | None:
+        seen = self.last_alive_s.get(rank)
+        return None if seen is None else self.now_s - seen
+
+
+def _s(record: Mapping[str, Any]) -> float:
+    return float(record["time_ns"]) / 1e9
+
+
+def liveness(
+    snapshot: JobSnapshot, now_s: float, *, silent_after_s: float = DEFAULT_SILENT_AFTER_S
+) -> Liveness:
+    """Work out, for every rank, whether it exited, died, hangs, went silent or crashed."""
+    seen_ranks = set(snapshot.rank_last_seen_s) | set(snapshot.heartbeats) | set(snapshot.ranks)
+    ranks = sorted(set(range(snapshot.world_size)) | seen_ranks)
+    live = Liveness(now_s=now_s, silent_after_s=silent_after_s, ranks=ranks)
+    started = {r: _s(rec) for r, rec in snapshot.ranks.items()}
+
+    def counts(rec: Mapping[str, Any]) -> bool:
+        return _s(rec) >= started.get(rec["rank"], float("-inf"))
+
+    for r in ranks:
+        times = [snapshot.rank_last_seen_s[r]] if r in snapshot.rank_last_seen_s else []
+        if r in snapshot.heartbeats:
+            times.append(_s(snapshot.heartbeats[r]))
+        if times:
+            live.last_alive_s[r] = max(times)
+    for e in sorted(snapshot.rank_exits, key=_s):
+        if counts(e):
+            live.exits[e["rank"]] = e
+    for err in sorted(snapshot.rank_errors, key=_s):
+        if not counts(err):
+            continue
+        clean_exit = live.exits.get(err["rank"])
+        if clean_exit is not None and clean_exit.get("reason") == "finished" and _s(clean_exit) <= _s(err):
+            continue
+        live.errors.append(err)
+        if err.get("fatal"):
+            live.fatal.setdefault(err["rank"], err)
+    live.active_hangs = _active_hangs(snapshot, live, counts)
+    live.crashed = _crashed(live)
+    live.silent = _silent(live)
+    return live
+
+
+def _active_hangs(snapshot: JobSnapshot, live: Liveness, counts: Any) -> dict[int, Record]:
+    ends: dict[int, float] = {}
+    for rec in [*snapshot.hang_resolved, *live.exits.values(), *live.fatal.values()]:
+        ends[rec["rank"]] = max(ends.get(rec["rank"], float("-inf")), _s(rec))
+    active: dict[int, Record] = {}
+    for h in sorted(snapshot.hangs, key=_s):
+        if counts(h) and _s(h) > ends.get(h["rank"], float("-inf")):
+            active[h["rank"]] = h
+    return active
+
+
+def _crashed(live: Liveness) -> list[int]:
+    """Ranks that said nothing after their peers started reporting lost connections.
+
+    A SIGKILLed rank cannot report; its peers get "Connection reset by peer" tens of milliseconds later.
+    So a rank with no error and no exit whose last record is older than the first such victim error is
+    the one that died. (A healthy rank that has not yet noticed can match for a moment; its next record
+    moves it out of the set, so the answer settles within a heartbeat.)
+    """
+    victims = [e for e in live.errors if is_secondary(e)]
+    if not victims:
+        return []
+    first_victim_s = min(_s(e) for e in victims)
+    out = []
+    for r in live.ranks:
+        if r in live.exits or any(e["rank"] == r for e in live.errors):
+            continue
+        seen = live.last_alive_s.get(r)
+        if seen is None or seen <= first_victim_s:
+            out.append(r)
+    return out
+
+
+def _silent(live: Liveness) -> list[int]:
+    if live.finished:
+        return []
+    dead = set(live.exits) | set(live.fatal) | set(live.crashed)
+    candidates = [r for r in live.ranks if r not in dead]
+    quiet = [r for r in candidates if (a := live.age_s(r)) is None or a > live.silent_after_s]
+    if candidates and len(quiet) == len(candidates):
+        # Nobody is left to wait for anyone: the whole job stopped reporting (killed by the scheduler,
+        # all stopped, or cut off from the collector). No single rank is to blame.
+        live.lost = True
+        return []
+    # A rank never seen at all only counts as silent when the others are demonstrably waiting.
+    return [r for r in quiet if r in live.last_alive_s or live.active_hangs]
+
+
+def job_status(snapshot: JobSnapshot, now_s: float, *, silent_after_s: float = DEFAULT_SILENT_AFTER_S) -> str:
+    """``'failed'``, ``'finished'``, ``'hung'`` or ``'running'`` (see the module docstring)."""
+    live = liveness(snapshot, now_s, silent_after_s=silent_after_s)
+    if live.failed:
+        return "failed"
+    if live.finished:
+        return "finished"
+    if live.hung:
+        return "hung"
+    return "running"

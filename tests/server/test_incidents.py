@@ -1,0 +1,486 @@
+"""Cross-rank diagnosis over synthetic snapshots built from wire-shaped records.
+
+Every record goes through ``validate_record`` first, so these scenarios use exactly the fields the
+agent sends; ``snapshot_from_records`` turns them into the ``JobSnapshot`` the collector builds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddpscope.agent.records import validate_record
+from ddpscope.server.analysis.incidents import Incident, diagnose
+from ddpscope.server.analysis.snapshot import JobSnapshot, snapshot_from_records
+
+T0 = 1_700_000_000.0
+"""Job start, aligned-clock seconds."""
+
+
+class JobRecords:
+    """Builds one job's records the way its ranks would emit them."""
+
+    def __init__(self, world: int = 2, job: str = "job-a") -> None:
+        self.world, self.job = world, job
+        self.records: list[dict[str, Any]] = []
+        self._seq: dict[int, int] = {}
+
+    def add(self, kind: str, rank: int, t: float, **fields: Any) -> dict[str, Any]:
+        seq = self._seq.get(rank, 0)
+        self._seq[rank] = seq + 1
+        rec = {"kind": kind, "job": self.job, "rank": rank, "stream": f"s{rank}", "seq": seq}
+        rec.update(time_ns=int(t * 1e9), **fields)
+        validate_record(rec)
+        self.records.append(rec)
+        return rec
+
+    def start(self, rank: int, t: float = T0, *, find_unused: bool = False) -> None:
+        self.add(
+            "rank_start", rank, t, world_size=self.world, backend="gloo", device="cpu", host="node-1",
+            pid=1000 + rank, engine="ddpscope", torch_version="2.13.0", ddpscope_version="0.1.0",
+            python_version="3.11", find_unused_parameters=find_unused, bucket_cap_mb=25.0,
+            clock_offset_ns=0, clock_error_ns=1000,
+        )  # fmt: skip
+        buckets = [
+            {
+                "index": 0,
+                "bytes": 40,
+                "dtype": "float32",
+                "device": "cpu",
+                "parameters": ["head.weight", "head.bias"],
+            },
+            {"index": 1, "bytes": 4096, "dtype": "float32", "device": "cpu", "parameters": ["enc.weight"]},
+        ]
+        self.add("layout", rank, t, step=0, reason="initial", buckets=buckets)
+
+    def heartbeat(self, rank: int, t: float, *, step: int = 0, phase: str = "forward", last: int = 0) -> None:
+        self.add("heartbeat", rank, t, phase=phase, step=step, last_coll_seq=last, pid=1000 + rank)
+
+    def coll(
+        self, rank: int, t: float, seq: int, *, op: str = "all_reduce", reduce_op: str | None = "SUM",
+        shapes: list[list[int]] | None = None, dtypes: list[str] | None = None,
+        site: str | None = "train.py:10", pg: str = "default", step: int | None = None,
+        done: bool = True, source: str = "user",
+    ) -> None:  # fmt: skip
+        shapes = shapes if shapes is not None else [[4]]
+        self.add(
+            "collective", rank, t, pg=pg, coll_seq=seq, op=op, reduce_op=reduce_op, shapes=shapes,
+            dtypes=dtypes or ["float32"] * len(shapes), call_site=site, start_ns=int(t * 1e9), step=step,
+            source=source,
+        )  # fmt: skip
+        if done:
+            self.add(
+                "collective_end", rank, t + 0.001, pg=pg, coll_seq=seq, end_ns=int((t + 0.001) * 1e9), ok=True
+            )
+
+    def step(
+        self, rank: int, t: float, step: int, *, unused: list[str] | None = None, seqs: list[int]
+    ) -> None:
+        ns = int(t * 1e9)
+        self.add(
+            "step", rank, t, step=step, synced=True, forward_start_ns=ns, forward_end_ns=ns + 1000,
+            backward_start_ns=ns + 2000, backward_end_ns=ns + 9000, bucket_ready_ns=[ns + 3000, ns + 5000],
+            allreduce_start_ns=[ns + 3000, ns + 5000], allreduce_end_ns=[ns + 4000, ns + 8000],
+            bucket_bytes=[40, 4096], ready_order=[0, 1], unused_parameters=unused or [], collective_seqs=seqs,
+        )  # fmt: skip
+
+    def train(
+        self, steps: int, *, t: float = T0 + 1, dt: float = 0.1, ranks: list[int] | None = None
+    ) -> float:
+        """Healthy steps on ``ranks`` (two engine all-reduces each, then a heartbeat); returns the end time."""
+        for s in range(steps):
+            for r in ranks if ranks is not None else range(self.world):
+                seqs = [2 * s + 1, 2 * s + 2]
+                for i, seq in enumerate(seqs):
+                    self.coll(r, t, seq, shapes=[[10]] if i == 0 else [[1024]], site="ddp/reducer.py:88",
+                              step=s, source="engine")  # fmt: skip
+                self.step(r, t, s, seqs=seqs)
+                self.heartbeat(r, t, step=s, phase="backward", last=seqs[-1])
+            t += dt
+        return t
+
+    def hang(self, rank: int, t: float, *, step: int, inflight: list[dict[str, Any]], stalled_s: float = 5.0,
+             pending: list[dict[str, Any]] | None = None, phase: str = "allreduce") -> None:  # fmt: skip
+        stacks = [
+            {"thread": "ddpscope-watchdog", "stack": "watchdog.py:40 in run"},
+            {"thread": "MainThread", "stack": "train.py:57 in main\n  dist.all_reduce(t)"},
+        ]
+        self.add("hang", rank, t, phase=phase, step=step, stalled_s=stalled_s, pending_buckets=pending or [],
+                 inflight=inflight, stacks=stacks, message="no progress")  # fmt: skip
+
+    def error(self, rank: int, t: float, message: str, *, error_type: str = "RuntimeError", fatal: bool = True,
+              step: int | None = 3) -> None:  # fmt: skip
+        self.add("rank_error", rank, t, step=step, phase="backward", error_type=error_type, message=message,
+                 stack=f"Traceback: rank {rank}\n{message}", fatal=fatal)  # fmt: skip
+
+    def exit(self, rank: int, t: float, reason: str = "finished", step: int | None = 9) -> None:
+        self.add("rank_exit", rank, t, step=step, reason=reason)
+
+    def snapshot(self) -> JobSnapshot:
+        return snapshot_from_records(self.job, self.records)
+
+
+def inflight(seq: int, t: float, site: str = "train.py:57", pg: str = "default") -> dict[str, Any]:
+    return {"pg": pg, "coll_seq": seq, "op": "all_reduce", "shapes": [[4]], "dtypes": ["float32"],
+            "call_site": site, "start_ns": int(t * 1e9)}  # fmt: skip
+
+
+def started(world: int = 2) -> JobRecords:
+    job = JobRecords(world)
+    for r in range(world):
+        job.start(r)
+    return job
+
+
+def kinds(incidents: list[Incident]) -> list[str]:
+    return [i.kind for i in incidents]
+
+
+def only(incidents: list[Incident], kind: str) -> Incident:
+    found = [i for i in incidents if i.kind == kind]
+    assert len(found) == 1, f"expected one {kind}, got {kinds(incidents)}: {[i.message for i in incidents]}"
+    return found[0]
+
+
+# ------------------------------------------------------------------------------------------ healthy jobs
+
+
+def test_a_healthy_running_job_gets_no_incident() -> None:
+    job = started(4)
+    end = job.train(20)
+    assert diagnose(job.snapshot(), end + 0.5) == []
+
+
+def test_a_healthy_finished_job_gets_no_incident_long_after_it_ended() -> None:
+    job = started(2)
+    end = job.train(5)
+    for r in range(2):
+        job.exit(r, end)
+    assert diagnose(job.snapshot(), end + 3600) == []
+
+
+def test_collectives_still_in_flight_for_a_moment_are_not_a_missing_collective() -> None:
+    job = started(2)
+    end = job.train(3)
+    # Rank 0 already launched the next step's first all-reduce; rank 1 is a few ms behind.
+    job.coll(0, end, 7, shapes=[[10]], site="ddp/reducer.py:88", done=False, source="engine")
+    assert diagnose(job.snapshot(), end + 0.2) == []
+
+
+# ------------------------------------------------------------------------------------ silent or stopped
+
+
+def test_a_stopped_rank_is_the_culprit_while_the_others_wait_for_it() -> None:
+    job = started(3)
+    end = job.train(5)
+    # Rank 2 is SIGSTOPped: nothing more from it. Ranks 0 and 1 keep heartbeating and report a hang
+    # in the next step's all-reduce, which rank 2 did issue before it stopped.
+    job.coll(2, end, 11, shapes=[[10]], site="ddp/reducer.py:88", done=False, source="engine")
+    now = end + 30
+    for r in (0, 1):
+        job.coll(r, end, 11, shapes=[[10]], site="ddp/reducer.py:88", done=False, source="engine")
+        job.hang(r, now - 2, step=5, inflight=[inflight(11, end, "ddp/reducer.py:88")], stalled_s=28)
+        job.heartbeat(r, now - 1, step=5, phase="allreduce", last=11)
+    incidents = diagnose(job.snapshot(), now)
+    silent = only(incidents, "rank_silent")
+    assert silent.rank == 2 and silent.culprit_ranks == [2]
+    assert "py-spy" in silent.message and "pid 1002" in silent.message
+    hangs = [i for i in incidents if i.kind == "hang"]
+    assert sorted(h.rank for h in hangs) == [0, 1]
+    assert all(h.culprit_ranks == [2] and h.seq == 11 and h.active for h in hangs)
+    assert all(h.stack and h.stack.startswith("Thread MainThread") for h in hangs)
+    assert not [i for i in incidents if i.kind == "missing_collective"]
+
+
+def test_a_rank_that_exited_cleanly_is_not_silent() -> None:
+    job = started(2)
+    end = job.train(5)
+    job.exit(1, end)
+    job.heartbeat(0, end + 60, step=5, phase="optimizer")
+    assert [i for i in diagnose(job.snapshot(), end + 61) if i.kind == "rank_silent"] == []
+
+
+def test_a_job_where_every_rank_went_quiet_blames_nobody() -> None:
+    job = started(2)
+    end = job.train(5)
+    incidents = diagnose(job.snapshot(), end + 600)
+    assert kinds(incidents) == ["job_silent"]
+    assert incidents[0].culprit_ranks == []
+
+
+def test_silent_after_s_sets_how_long_a_rank_may_stay_quiet() -> None:
+    job = started(2)
+    end = job.train(5)
+    job.heartbeat(0, end + 8, step=5)
+    snap = job.snapshot()
+    assert diagnose(snap, end + 9, silent_after_s=20) == []
+    assert only(diagnose(snap, end + 9, silent_after_s=5), "rank_silent").rank == 1
+
+
+# ------------------------------------------------------------------------------------- crashed ranks
+
+
+def test_a_killed_rank_is_the_culprit_and_the_survivors_connection_errors_are_attached() -> None:
+    job = started(3)
+    end = job.train(5)
+    # Rank 1 is SIGKILLed at `end`; ranks 0 and 2 get "Connection reset by peer" tens of ms later.
+    job.error(0, end + 0.03, "[../gloo/transport/tcp/pair.cc:598] Connection reset by peer", step=5)
+    job.error(2, end + 0.06, "[../gloo/transport/tcp/pair.cc:598] Connection reset by peer", step=5)
+    incidents = diagnose(job.snapshot(), end + 0.5)
+    crash = only(incidents, "rank_crashed")
+    assert crash.rank == 1 and crash.culprit_ranks == [1]
+    assert sorted(r["rank"] for r in crash.related) == [0, 2]
+    assert all(0 not in i.culprit_ranks and 2 not in i.culprit_ranks for i in incidents)
+    assert "SIGKILL" in crash.message
+
+
+def test_a_rank_error_is_the_origin_and_its_peers_errors_are_related_not_blamed() -> None:
+    job = started(2)
+    end = job.train(3)
+    job.error(1, end, "CUDA out of memory. Tried to allocate 2.00 GiB", error_type="OutOfMemoryError")
+    job.error(0, end + 0.02, "Connection closed by peer [127.0.0.1]:4312")
+    incidents = diagnose(job.snapshot(), end + 1)
+    err = only(incidents, "rank_error")
+    assert err.rank == 1 and err.culprit_ranks == [1]
+    assert [r["rank"] for r in err.related] == [0]
+    assert "OutOfMemoryError" in err.message and err.stack and "rank 1" in err.stack
+    assert "rank_crashed" not in kinds(incidents)
+
+
+def test_a_fatal_signal_reported_by_the_rank_is_a_crash() -> None:
+    job = started(2)
+    end = job.train(3)
+    job.error(
+        1, end, "gloo::EnforceNotMet: Received data size doesn't match expected size", error_type="SIGABRT"
+    )
+    job.error(0, end + 0.02, "Connection reset by peer")
+    crash = only(diagnose(job.snapshot(), end + 1), "rank_crashed")
+    assert crash.rank == 1 and crash.culprit_ranks == [1] and [r["rank"] for r in crash.related] == [0]
+
+
+def test_victim_errors_with_no_origin_in_sight_blame_nobody_and_say_so() -> None:
+    job = started(2)
+    end = job.train(3)
+    job.error(0, end + 0.01, "Connection reset by peer")
+    job.error(1, end + 0.02, "Connection reset by peer")
+    err = only(diagnose(job.snapshot(), end + 1), "rank_error")
+    assert err.culprit_ranks == [] and "no rank reported a cause" in err.message
+    assert [r["rank"] for r in err.related] == [1]
+
+
+def test_a_caught_error_is_reported_without_failing_anything_else() -> None:
+    job = started(2)
+    end = job.train(3)
+    job.error(0, end, "ValueError: bad batch", error_type="ValueError", fatal=False)
+    err = only(diagnose(job.snapshot(), end + 0.5), "rank_error")
+    assert "kept running" in err.message and err.culprit_ranks == [0]
+
+
+# -------------------------------------------------------------------------------- missing collectives
+
+
+def test_ranks_waiting_in_a_collective_one_rank_never_issued_name_that_rank_and_both_call_sites() -> None:
+    job = started(3)
+    end = job.train(5)  # seqs 1..10 on every rank
+    job.coll(2, end, 11, site="train.py:50", step=5)  # rank 2's last collective, then it stops issuing
+    for r in (0, 1):
+        job.coll(r, end, 11, site="train.py:50", step=5)
+        job.coll(r, end + 0.1, 12, site="train.py:57", step=5, done=False)
+        job.hang(r, end + 5, step=5, inflight=[inflight(12, end + 0.1)])
+    for r in range(3):
+        job.heartbeat(
+            r, end + 5.5, step=5, last=12 if r < 2 else 11, phase="forward" if r == 2 else "allreduce"
+        )
+    incidents = diagnose(job.snapshot(), end + 6)
+    missing = only(incidents, "missing_collective")
+    assert missing.culprit_ranks == [2] and missing.seq == 12 and missing.pg == "default"
+    assert missing.call_site == "train.py:57, train.py:50"
+    assert "rank 2: last collective #11" in missing.message and "alive" in missing.message
+    assert all(h.culprit_ranks == [2] for h in incidents if h.kind == "hang")
+    assert "rank_silent" not in kinds(incidents)
+
+
+def test_a_collective_stuck_longer_than_silent_after_s_counts_as_waiting_without_a_hang_report() -> None:
+    job = started(2)
+    end = job.train(2)
+    job.coll(0, end, 5, site="eval.py:12", done=False)
+    job.heartbeat(0, end + 15, step=2, phase="allreduce", last=5)
+    job.heartbeat(1, end + 15, step=2, phase="forward", last=4)
+    missing = only(diagnose(job.snapshot(), end + 16), "missing_collective")
+    assert missing.culprit_ranks == [1] and missing.seq == 5 and missing.call_site.startswith("eval.py:12")
+
+
+def test_a_rank_that_exited_without_the_collective_is_named_as_having_exited() -> None:
+    job = started(2)
+    end = job.train(2)
+    job.exit(1, end, step=2)
+    job.coll(0, end, 5, site="eval.py:12", done=False)
+    job.hang(0, end + 4, step=2, inflight=[inflight(5, end, "eval.py:12")])
+    job.heartbeat(0, end + 4.5, step=2, phase="allreduce", last=5)
+    missing = only(diagnose(job.snapshot(), end + 5), "missing_collective")
+    assert missing.culprit_ranks == [1] and "exited (finished) at step 2" in missing.message
+
+
+# ----------------------------------------------------------------------------------------- mismatches
+
+
+def test_different_ops_at_the_same_sequence_number_blame_the_minority_and_name_both_calls() -> None:
+    job = started(3)
+    end = job.train(5)
+    job.coll(0, end, 11, site="train.py:60", op="broadcast", reduce_op=None, shapes=[[4, 4]])
+    job.coll(1, end, 11, site="train.py:57", shapes=[[4]])
+    job.coll(2, end, 11, site="train.py:60", op="broadcast", reduce_op=None, shapes=[[4, 4]])
+    m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
+    assert m.culprit_ranks == [1] and m.seq == 11 and m.call_site == "train.py:57"
+    assert m.message.startswith(
+        "rank 1 issued all_reduce(SUM) [4] float32 at train.py:57 where ranks 0, 2 issued broadcast "
+        "[4,4] float32 at train.py:60 at collective #11 of group default"
+    )
+
+
+def test_same_shape_reductions_with_swapped_reduce_ops_are_flagged() -> None:
+    job = started(2)
+    end = job.train(5)
+    # rank 0: all_reduce(a, SUM) then all_reduce(b, MAX); rank 1 does MAX first. gloo says nothing.
+    job.coll(0, end, 11, reduce_op="SUM", site="train.py:40")
+    job.coll(0, end, 12, reduce_op="MAX", site="train.py:41")
+    job.coll(1, end, 11, reduce_op="MAX", site="train.py:41")
+    job.coll(1, end, 12, reduce_op="SUM", site="train.py:40")
+    end2 = job.train(1, t=end + 0.1)
+    incidents = diagnose(job.snapshot(), end2)
+    m = only(incidents, "mismatch")
+    assert m.culprit_ranks == [1] and m.seq == 11 and m.call_site == "train.py:41"
+    assert "reduce ops differ" in m.message and "opposite order" in m.message
+    assert "rank 0's call is taken as the reference" in m.message
+
+
+def test_identical_collectives_from_two_lines_issued_in_a_different_order_are_flagged() -> None:
+    job = started(2)
+    end = job.train(2)
+    job.coll(0, end, 5, site="train.py:40")
+    job.coll(0, end, 6, site="train.py:41")
+    job.coll(1, end, 5, site="train.py:41")
+    job.coll(1, end, 6, site="train.py:40")
+    m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
+    assert m.seq == 5 and m.culprit_ranks == [1] and "different order" in m.message
+
+
+def test_rank_dependent_call_sites_with_the_same_collective_are_not_a_mismatch() -> None:
+    job = started(2)
+    end = job.train(2)
+    # if rank == 0: dist.broadcast(t, 0) / else: dist.broadcast(t, 0): two lines, one per rank, always.
+    for i in range(3):
+        job.coll(0, end + i, 5 + i, op="broadcast", reduce_op=None, site="train.py:30")
+        job.coll(1, end + i, 5 + i, op="broadcast", reduce_op=None, site="train.py:32")
+    assert diagnose(job.snapshot(), end + 3) == []
+
+
+def test_an_extra_collective_on_one_rank_blames_that_rank_and_its_call_site() -> None:
+    job = started(2)
+    end = job.train(4)  # seqs 1..8: engine all-reduces at ddp/reducer.py:88
+    # Rank 0 issues a user all_reduce the other rank never makes; rank 1 goes on with the engine's.
+    job.coll(0, end, 9, site="train.py:77", shapes=[[3]])
+    job.coll(0, end + 0.01, 10, shapes=[[10]], site="ddp/reducer.py:88", source="engine", step=4)
+    job.coll(1, end, 9, shapes=[[10]], site="ddp/reducer.py:88", source="engine", step=4)
+    m = only(diagnose(job.snapshot(), end + 0.5), "mismatch")
+    assert m.culprit_ranks == [0] and m.call_site == "train.py:77" and m.seq == 9
+    assert "extra collective" in m.message and "never make" in m.message
+
+
+def test_mismatched_shapes_say_gloo_aborts_and_count_the_later_disagreements() -> None:
+    job = started(2)
+    end = job.train(2)
+    job.coll(0, end, 5, shapes=[[4]], site="train.py:20")
+    job.coll(1, end, 5, shapes=[[5]], site="train.py:20")
+    job.coll(0, end, 6, shapes=[[4]], op="all_gather", site="train.py:21")
+    job.coll(1, end, 6, shapes=[[6]], op="all_gather", site="train.py:21")
+    m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
+    assert (
+        m.seq == 5
+        and "shapes differ: gloo aborts" in m.message
+        and "1 later collective of this group disagrees" in m.message
+    )
+
+
+def test_a_mismatch_in_a_subgroup_names_that_group() -> None:
+    job = started(4)
+    end = job.train(1)
+    for r in (2, 3):
+        job.coll(r, end, 1, pg="pg1", dtypes=["float32" if r == 2 else "float16"], site="moe.py:9")
+    m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
+    assert m.pg == "pg1" and "dtypes" in m.message and "of group pg1" in m.message
+
+
+# --------------------------------------------------------------------------------------------- hangs
+
+
+def test_a_hang_names_the_parameters_whose_gradients_never_arrived_when_nothing_else_explains_it() -> None:
+    job = started(2)
+    end = job.train(3)
+    pending = [{"index": 0, "missing": ["head.weight", "head.bias"], "launched": False}]
+    job.hang(1, end + 5, step=3, inflight=[], pending=pending, phase="backward")
+    job.hang(0, end + 5, step=3, inflight=[], pending=[{"index": 1, "missing": [], "launched": True}])
+    for r in range(2):
+        job.heartbeat(r, end + 5, step=3, phase="backward", last=6)
+    h1 = next(i for i in diagnose(job.snapshot(), end + 6) if i.kind == "hang" and i.rank == 1)
+    assert h1.parameters == ["head.weight", "head.bias"] and h1.bucket == 0 and h1.culprit_ranks == [1]
+    assert "find_unused_parameters=True" in h1.message
+
+
+def test_a_resolved_hang_stays_as_history_but_is_not_active() -> None:
+    job = started(2)
+    end = job.train(3)
+    job.hang(0, end + 3, step=3, inflight=[inflight(7, end)], stalled_s=3)
+    job.add("hang_resolved", 0, end + 4, step=3, hang_s=4.0)
+    end2 = job.train(2, t=end + 4)
+    hang = only(diagnose(job.snapshot(), end2), "hang")
+    assert not hang.active and hang.message.startswith("(resolved)")
+
+
+# ----------------------------------------------------------------------------------- unused parameters
+
+
+def test_parameters_unused_on_one_rank_only_are_named_with_the_rank_and_the_bucket() -> None:
+    job = started(2)
+    t = T0 + 1
+    for s in range(4):
+        job.step(0, t + s, s, seqs=[2 * s + 1, 2 * s + 2])
+        job.step(
+            1, t + s, s, seqs=[2 * s + 1, 2 * s + 2], unused=["head.weight", "head.bias"] if s >= 2 else []
+        )
+        for r in range(2):
+            job.heartbeat(r, t + s, step=s)
+    u = only(diagnose(job.snapshot(), t + 4), "unused_parameters")
+    assert u.culprit_ranks == [1] and u.bucket == 0 and sorted(u.parameters) == ["head.bias", "head.weight"]
+    assert "without find_unused_parameters=True" in u.message
+
+
+def test_parameters_unused_on_every_rank_are_not_an_incident() -> None:
+    job = started(2)
+    for s in range(3):
+        for r in range(2):
+            job.step(r, T0 + s, s, seqs=[1], unused=["enc.weight"])
+            job.heartbeat(r, T0 + s, step=s)
+    assert diagnose(job.snapshot(), T0 + 3) == []
+
+
+def test_the_engines_did_not_receive_grad_error_becomes_an_unused_parameters_incident() -> None:
+    job = started(2)
+    end = job.train(3)
+    job.error(1, end, "Expected to have finished reduction in the prior iteration. Parameters which did "
+              "not receive grad for rank 1: head.weight, head.bias", step=3)  # fmt: skip
+    job.error(0, end + 0.05, "Connection closed by peer")
+    incidents = diagnose(job.snapshot(), end + 1)
+    u = only(incidents, "unused_parameters")
+    assert u.rank == 1 and u.parameters == ["head.weight", "head.bias"] and u.bucket == 0
+    err = only(incidents, "rank_error")
+    assert err.culprit_ranks == [1] and [r["rank"] for r in err.related] == [0]
+
+
+def test_an_incident_serialises_with_the_fields_of_the_incidents_endpoint() -> None:
+    job = started(2)
+    end = job.train(2)
+    job.error(0, end, "boom")
+    d = only(diagnose(job.snapshot(), end + 1), "rank_error").as_dict()
+    for name in ("kind", "rank", "step", "seq", "bucket", "parameters", "culprit_ranks", "call_site", "message",
+                 "stack", "time_s", "related"):  # fmt: skip
+        assert name in d
