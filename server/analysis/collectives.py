@@ -1,0 +1,34 @@
+"""Cross-rank matching of collectives: ranks must issue the same collective at each sequence number.
+
+``mismatches`` finds the (process group, sequence number) pairs where ranks disagree on the op, the
+reduce op, the shapes or the dtypes. It feeds ``ddpscope_collective_mismatches_total`` when the
+incidents module (which explains each mismatch) is not installed; it is the same test.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class Mismatch:
+    pg: str
+    coll_seq: int
+    signatures: dict[int, str]
+    """rank -> 'op reduce_op shapes dtypes' as that rank issued it."""
+
+
+def signature(c: Mapping[str, Any]) -> str:
+    return f"{c['op']} {c.get('reduce_op')} {c.get('shapes')} {c.get('dtypes')}"
+
+
+def mismatches(collectives: Iterable[Mapping[str, Any]]) -> list[Mismatch]:
+    groups: dict[tuple[str, int], dict[int, str]] = defaultdict(dict)
+    for c in collectives:
+        groups[(c["pg"], c["coll_seq"])][c["rank"]] = signature(c)
+    return [
+        Mismatch(pg, seq, sigs) for (pg, seq), sigs in sorted(groups.items()) if len(set(sigs.values())) > 1
+    ]

@@ -1,0 +1,86 @@
+"""Per-step, per-rank timing: the definitions every view shares (API, /metrics, dashboard).
+
+- ``step_s`` = backward end - forward start; ``forward_s``, ``backward_s`` the phases' spans.
+- ``comm_s``: total all-reduce time, the length of the union of the buckets' [launch, end] spans
+  (all-reduces overlap each other, so a plain sum would count time twice).
+- ``exposed_comm_s``: the part of that union after the last gradient was ready (nothing left to
+  hide it behind). ``overlap_ratio`` = (comm - exposed) / comm, None when the step had no all-reduce.
+- ``compute_s``: forward start to the last bucket ready (the straggler definition's compute time);
+  ``wait_s``: last bucket ready to backward end, i.e. waiting for all-reduces (and so for peers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ddpscope.server.rows import StepRow
+
+NS = 1e9
+
+
+@dataclass(slots=True)
+class StepMetrics:
+    rank: int
+    step: int
+    synced: bool
+    step_s: float
+    forward_s: float
+    backward_s: float
+    comm_s: float
+    exposed_comm_s: float
+    overlap_ratio: float | None
+    compute_s: float
+    wait_s: float
+
+
+def union_after(starts: Sequence[int], ends: Sequence[int], after: int) -> tuple[int, int]:
+    """(length of the union of [start, end] spans, length of that union after ``after``), in ns."""
+    spans = sorted(zip(starts, ends, strict=False))
+    total = exposed = 0
+    cur_s = cur_e = None
+    for s, e in spans:
+        if e < s:
+            continue  # a span still in flight or garbled: it has no length to count
+        if cur_e is None or s > cur_e:
+            if cur_e is not None and cur_s is not None:
+                total += cur_e - cur_s
+                exposed += max(0, cur_e - max(cur_s, after))
+            cur_s, cur_e = s, e
+        elif e > cur_e:
+            cur_e = e
+    if cur_e is not None and cur_s is not None:
+        total += cur_e - cur_s
+        exposed += max(0, cur_e - max(cur_s, after))
+    return total, exposed
+
+
+def last_ready_ns(row: StepRow) -> int:
+    return max(row.bucket_ready_ns, default=row.backward_end_ns)
+
+
+def step_metrics(row: StepRow) -> StepMetrics:
+    last_ready = last_ready_ns(row)
+    comm, exposed = union_after(row.allreduce_start_ns, row.allreduce_end_ns, last_ready)
+    overlap = (comm - exposed) / comm if comm > 0 else None
+    return StepMetrics(
+        rank=row.rank,
+        step=row.step,
+        synced=row.synced,
+        step_s=(row.backward_end_ns - row.forward_start_ns) / NS,
+        forward_s=(row.forward_end_ns - row.forward_start_ns) / NS,
+        backward_s=(row.backward_end_ns - row.backward_start_ns) / NS,
+        comm_s=comm / NS,
+        exposed_comm_s=exposed / NS,
+        overlap_ratio=overlap,
+        compute_s=(last_ready - row.forward_start_ns) / NS,
+        wait_s=max(0, row.backward_end_ns - last_ready) / NS,
+    )
+
+
+def mean_overlap(metrics: Sequence[StepMetrics]) -> float | None:
+    """Overlap over several steps, weighted by comm time (a short step does not count as much)."""
+    comm = sum(m.comm_s for m in metrics if m.overlap_ratio is not None)
+    if comm <= 0:
+        return None
+    return sum(m.comm_s - m.exposed_comm_s for m in metrics if m.overlap_ratio is not None) / comm

@@ -1,0 +1,123 @@
+"""Fast batch decoding: msgspec Structs generated at import from ``ddpscope.agent.records``.
+
+The wire format has one definition (``records.RECORD_KINDS``); this module only translates it into
+msgspec types so a batch is parsed and validated in C in one pass (TORCH-FACTS: msgspec decoding is
+what lets one core take ~20 k step records/s). No field name is written here. ``tests/server`` checks
+that this decoder accepts and rejects exactly what ``records.validate_record`` does.
+
+``decode_batch(body) -> list[Struct]``; ``to_wire(struct) -> dict`` gives the wire-shaped dict back.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+import msgspec
+
+from ddpscope.agent import records as wire
+
+_SCALARS: dict[str, Any] = {
+    wire.INT: int,
+    wire.FLOAT: float,
+    wire.STR: str,
+    wire.BOOL: bool,
+    wire.INTS: list[int],
+    wire.STRS: list[str],
+    wire.FLOATS: list[float],
+    wire.INT_LISTS: list[list[int]],
+    wire.COUNTS: dict[str, int],
+}
+
+_NON_NEGATIVE = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class BatchError(ValueError):
+    """A batch that does not decode; the message names the field (e.g. ``$.records[3].rank``)."""
+
+
+def _field_type(field: wire.Field, owner: str) -> Any:
+    if field.type == wire.OBJECTS:
+        t: Any = list[_struct(f"{owner}_{field.name}", field.item)]  # type: ignore[misc]
+    else:
+        t = _SCALARS[field.type]
+    if field.nullable:
+        t = Union[t, None]  # noqa: UP007 - built at runtime from a variable
+    if not field.required:
+        t = Union[t, msgspec.UnsetType]  # noqa: UP007
+    return t
+
+
+def _struct_fields(fields: tuple[wire.Field, ...], owner: str) -> list[tuple[Any, ...]]:
+    # Required fields first: msgspec (like dataclasses) wants defaults last.
+    out: list[tuple[Any, ...]] = []
+    for f in sorted(fields, key=lambda f: not f.required):
+        t = _field_type(f, owner)
+        out.append((f.name, t) if f.required else (f.name, t, msgspec.UNSET))
+    return out
+
+
+def _struct(name: str, fields: tuple[wire.Field, ...], **kw: Any) -> type[msgspec.Struct]:
+    return msgspec.defstruct(name, _struct_fields(fields, name), **kw)
+
+
+def _record_struct(kind: str) -> type[msgspec.Struct]:
+    envelope = [
+        (f.name, _NON_NEGATIVE if f.name in ("rank", "seq") else _SCALARS[f.type])
+        for f in wire.ENVELOPE
+        if f.name != "kind"  # the tag: msgspec picks the struct from it
+    ]
+    return msgspec.defstruct(
+        f"Wire_{kind}",
+        envelope + _struct_fields(wire.RECORD_KINDS[kind], kind),
+        tag_field="kind",
+        tag=kind,
+        array_like=False,
+        omit_defaults=True,
+    )
+
+
+STRUCTS: dict[str, type[msgspec.Struct]] = {kind: _record_struct(kind) for kind in wire.RECORD_KINDS}
+"""One Struct type per record kind; ``type(s).__struct_config__.tag`` is its kind."""
+
+AnyRecord = Union[tuple(STRUCTS.values())]  # type: ignore[valid-type]  # noqa: UP007
+
+Batch = msgspec.defstruct("Batch", [("schema", int), ("records", list[AnyRecord])])  # type: ignore[valid-type]
+
+_decoder = msgspec.json.Decoder(Batch)
+_schema_only = msgspec.json.Decoder(msgspec.defstruct("BatchHead", [("schema", Any)]))
+
+
+def decode_batch(body: bytes) -> list[Any]:
+    """Parse and validate a JSON batch; return its records as Structs or raise ``BatchError``."""
+    try:
+        batch = _decoder.decode(body)
+    except msgspec.ValidationError as e:
+        _check_schema(body)
+        raise BatchError(str(e).replace("$.", "batch.", 1)) from None
+    except msgspec.DecodeError as e:
+        raise BatchError(f"body is not valid JSON: {e}") from None
+    if batch.schema != wire.SCHEMA_VERSION:
+        _check_schema(body)
+    return batch.records  # type: ignore[no-any-return]
+
+
+def _check_schema(body: bytes) -> None:
+    # A batch from a newer agent fails on its records first; name the real cause instead.
+    try:
+        schema = _schema_only.decode(body).schema
+    except msgspec.MsgspecError:
+        return
+    if schema != wire.SCHEMA_VERSION:
+        raise BatchError(
+            f"batch.schema: version {schema!r} is not supported; this collector speaks {wire.SCHEMA_VERSION}"
+        )
+
+
+def kind_of(record: msgspec.Struct) -> str:
+    return str(record.__struct_config__.tag)
+
+
+def to_wire(record: msgspec.Struct) -> dict[str, Any]:
+    """The wire-shaped dict of a decoded record (unset optional fields left out)."""
+    out: dict[str, Any] = msgspec.to_builtins(record)
+    return out

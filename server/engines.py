@@ -1,0 +1,74 @@
+"""SQLAlchemy engines for the two supported databases, configured for a write-heavy collector.
+
+SQLite: WAL (readers never block the writer), ``synchronous=NORMAL`` (durable across a collector crash;
+a power cut may lose the last transactions, which the agents' spool replays anyway), a busy timeout,
+and exactly one writer connection whose transactions start with ``BEGIN IMMEDIATE`` so two writers
+never deadlock upgrading a read lock. Readers use a small separate pool.
+
+PostgreSQL (``postgresql+psycopg://``): one pool for both; concurrency is the server's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+
+BUSY_TIMEOUT_MS = 10_000
+
+
+@dataclass(slots=True)
+class Engines:
+    writer: Engine
+    reader: Engine
+    dialect: str
+
+    def dispose(self) -> None:
+        self.writer.dispose()
+        if self.reader is not self.writer:
+            self.reader.dispose()
+
+
+def _sqlite_engine(url: str, *, pool_size: int, begin: str) -> Engine:
+    engine = create_engine(
+        url,
+        pool_size=pool_size,
+        max_overflow=0,
+        pool_timeout=30,
+        connect_args={"check_same_thread": False, "timeout": BUSY_TIMEOUT_MS / 1000},
+    )
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Driver-level autocommit: pysqlite's own implicit BEGIN would defeat BEGIN IMMEDIATE.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        conn.exec_driver_sql(begin)
+
+    return engine
+
+
+def make_engines(url: str, *, pool_size: int = 8) -> Engines:
+    """Engines for ``url`` (``sqlite:///path`` or ``postgresql+psycopg://...``)."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if not parsed.database or parsed.database == ":memory:":
+            raise ValueError("--db: an in-memory SQLite database cannot be shared; give a file path")
+        writer = _sqlite_engine(url, pool_size=1, begin="BEGIN IMMEDIATE")
+        reader = _sqlite_engine(url, pool_size=pool_size, begin="BEGIN")
+        return Engines(writer, reader, "sqlite")
+    if parsed.get_backend_name() == "postgresql":
+        engine = create_engine(url, pool_size=pool_size, max_overflow=4, pool_pre_ping=True)
+        return Engines(engine, engine, "postgresql")
+    raise ValueError(
+        f"--db: unsupported database {parsed.get_backend_name()!r}; use sqlite:/// or postgresql+psycopg://"
+    )

@@ -1,0 +1,168 @@
+"""Decoded records -> table rows, and stored rows -> wire-shaped dicts.
+
+Kept apart from storage so the benchmark's raw ``sqlite3.executemany`` ceiling inserts exactly the
+rows the collector inserts. Per-bucket arrays of a step are packed into one msgpack blob (six integer
+lists in ``STEP_ARRAYS`` order); packing and unpacking run in msgspec's C code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+STEP_ARRAYS = (
+    "bucket_ready_ns",
+    "allreduce_start_ns",
+    "allreduce_end_ns",
+    "bucket_bytes",
+    "ready_order",
+    "collective_seqs",
+)
+"""The step fields packed into ``steps.arrays``, in blob order."""
+
+STEP_COLUMNS = (
+    "job_id",
+    "rank",
+    "stream",
+    "seq",
+    "time_ns",
+    "step",
+    "synced",
+    "forward_start_ns",
+    "forward_end_ns",
+    "backward_start_ns",
+    "backward_end_ns",
+    "arrays",
+)
+"""Column order of a step row tuple."""
+
+_pack = msgspec.msgpack.Encoder().encode
+_unpack = msgspec.msgpack.Decoder(
+    tuple[list[int], list[int], list[int], list[int], list[int], list[int]]
+).decode
+_json = msgspec.json.Encoder().encode
+_json_decode = msgspec.json.Decoder().decode
+
+
+def step_row(job_id: int, r: Any) -> tuple[Any, ...]:
+    """One decoded step Struct -> a ``steps`` row tuple (``STEP_COLUMNS`` order)."""
+    return (
+        job_id,
+        r.rank,
+        r.stream,
+        r.seq,
+        r.time_ns,
+        r.step,
+        r.synced,
+        r.forward_start_ns,
+        r.forward_end_ns,
+        r.backward_start_ns,
+        r.backward_end_ns,
+        _pack(
+            (
+                r.bucket_ready_ns,
+                r.allreduce_start_ns,
+                r.allreduce_end_ns,
+                r.bucket_bytes,
+                r.ready_order,
+                r.collective_seqs,
+            )
+        ),
+    )
+
+
+def unpack_arrays(blob: bytes) -> tuple[list[int], ...]:
+    return _unpack(bytes(blob))
+
+
+def encode_json(obj: Any) -> str:
+    return _json(obj).decode()
+
+
+def decode_json(text: str | bytes) -> Any:
+    return _json_decode(text)
+
+
+@dataclass(slots=True)
+class StepRow:
+    """A stored step record: the scalars plus the unpacked per-bucket arrays."""
+
+    rank: int
+    step: int
+    synced: bool
+    forward_start_ns: int
+    forward_end_ns: int
+    backward_start_ns: int
+    backward_end_ns: int
+    bucket_ready_ns: list[int]
+    allreduce_start_ns: list[int]
+    allreduce_end_ns: list[int]
+    bucket_bytes: list[int]
+    ready_order: list[int]
+    collective_seqs: list[int]
+    time_ns: int = 0
+    stream: str = ""
+    seq: int = 0
+    unused_parameters: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_db(cls, row: Any) -> StepRow:
+        """From a ``steps`` row selected with ``STEP_READ_COLUMNS``."""
+        arrays = unpack_arrays(row.arrays)
+        return cls(
+            row.rank,
+            row.step,
+            bool(row.synced),
+            row.forward_start_ns,
+            row.forward_end_ns,
+            row.backward_start_ns,
+            row.backward_end_ns,
+            *arrays,
+            time_ns=row.time_ns,
+            stream=row.stream,
+            seq=row.seq,
+        )
+
+    @classmethod
+    def from_wire(cls, r: dict[str, Any]) -> StepRow:
+        return cls(
+            r["rank"],
+            r["step"],
+            r["synced"],
+            r["forward_start_ns"],
+            r["forward_end_ns"],
+            r["backward_start_ns"],
+            r["backward_end_ns"],
+            *(list(r[name]) for name in STEP_ARRAYS),
+            time_ns=r["time_ns"],
+            stream=r["stream"],
+            seq=r["seq"],
+            unused_parameters=list(r.get("unused_parameters", [])),
+        )
+
+    def to_wire(self, job: str) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "kind": "step",
+            "job": job,
+            "rank": self.rank,
+            "stream": self.stream,
+            "seq": self.seq,
+            "time_ns": self.time_ns,
+            "step": self.step,
+            "synced": self.synced,
+            "forward_start_ns": self.forward_start_ns,
+            "forward_end_ns": self.forward_end_ns,
+            "backward_start_ns": self.backward_start_ns,
+            "backward_end_ns": self.backward_end_ns,
+        }
+        for name in STEP_ARRAYS:
+            out[name] = getattr(self, name)
+        out["unused_parameters"] = self.unused_parameters
+        return out
+
+
+def step_rows_from_wire(records: Iterable[dict[str, Any]]) -> list[StepRow]:
+    return [StepRow.from_wire(r) for r in records if r["kind"] == "step"]

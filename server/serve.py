@@ -1,0 +1,80 @@
+"""``ddpscope serve``: run the collector under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ddpscope.server.settings import DEFAULT_DB_URL, Settings
+
+logger = logging.getLogger(__name__)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ddpscope serve",
+        description="Run the ddpscope collector: ingest API, analysis API, dashboard and /metrics.",
+    )
+    p.add_argument(
+        "--db",
+        default=DEFAULT_DB_URL,
+        help="database URL: a SQLite file (default: %(default)s, i.e. ddpscope.db in the current directory) "
+        "or postgresql+psycopg://user:password@host/dbname",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8321, help="port (default: %(default)s)")
+    p.add_argument(
+        "--token",
+        default=None,
+        help="require 'Authorization: Bearer TOKEN' on ingest (agents: DDPSCOPE_TOKEN)",
+    )
+    p.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="allow a non-loopback --host without --token (anyone can write)",
+    )
+    p.add_argument(
+        "--max-body-mb", type=float, default=16.0, help="largest ingest body as sent (default: %(default)s)"
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    max_body = int(args.max_body_mb * 1024 * 1024)
+    settings = Settings(
+        db_url=args.db,
+        host=args.host,
+        port=args.port,
+        token=args.token,
+        no_auth=args.no_auth,
+        max_body_bytes=max_body,
+        max_decompressed_bytes=max(4 * max_body, Settings().max_decompressed_bytes),
+    )
+    try:
+        settings.check()
+    except ValueError as e:
+        print(f"ddpscope serve: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    import uvicorn
+
+    from ddpscope.server.app import create_app
+
+    try:
+        app = create_app(settings)
+    except ValueError as e:
+        print(f"ddpscope serve: {e}", file=sys.stderr)
+        return 2
+    logger.info(
+        "ddpscope collector on http://%s:%d (database %s)",
+        settings.host,
+        settings.port,
+        settings.db_url.split("@")[-1],
+    )
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False)
+    return 0

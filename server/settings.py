@@ -1,0 +1,54 @@
+"""Collector settings: one dataclass, filled from the command line (``serve.py``) or by tests."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+DEFAULT_DB_URL = "sqlite:///ddpscope.db"
+
+
+@dataclass(kw_only=True, slots=True)
+class Settings:
+    db_url: str = DEFAULT_DB_URL
+    """SQLAlchemy URL: ``sqlite:///path`` (default: ddpscope.db in the current directory) or
+    ``postgresql+psycopg://user@host/db``."""
+    host: str = "127.0.0.1"
+    port: int = 8321
+    token: str | None = None
+    """When set, ingest needs ``Authorization: Bearer <token>``."""
+    no_auth: bool = False
+    """Allow a non-loopback host without a token (explicit opt-out)."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    """Largest request body accepted, as sent (compressed)."""
+    max_decompressed_bytes: int = 64 * 1024 * 1024
+    """Largest body after gzip decompression; inflating stops there (a gzip bomb never inflates fully)."""
+    max_pending_ingest: int = 32
+    """Ingest requests decoding or waiting for the database at once; more get 429 with Retry-After."""
+    retry_after_s: int = 1
+    pool_size: int = 8
+    """Database connections for reads (and for writes on PostgreSQL)."""
+
+    def check(self) -> None:
+        """Raise ``ValueError`` (message names the option) for an unsafe or impossible configuration."""
+        if self.token is not None and not self.token.strip():
+            raise ValueError("--token: an empty token would accept anyone; give a real one or omit --token")
+        if not is_loopback(self.host) and self.token is None and not self.no_auth:
+            raise ValueError(
+                f"--host {self.host} is reachable from other machines but no --token is set: anyone could "
+                "write to this collector. Pass --token T (agents set DDPSCOPE_TOKEN=T) or --no-auth to "
+                "accept that."
+            )
+        if self.max_body_bytes <= 0 or self.max_decompressed_bytes < self.max_body_bytes:
+            raise ValueError("max_body_bytes must be > 0 and max_decompressed_bytes >= max_body_bytes")
+        if self.max_pending_ingest < 1:
+            raise ValueError("max_pending_ingest must be >= 1")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere

@@ -1,0 +1,381 @@
+"""The collector's storage: one class over SQLite or PostgreSQL (SQLAlchemy Core).
+
+Nothing but the database holds state (the job-id cache is only a cache), so several collector
+processes can share one PostgreSQL. Writes: ``write_batch(records)`` stores a decoded batch in one
+transaction (all or nothing) and returns ``WriteResult(accepted, duplicates)``. Schema: see
+``schema.py``; versioning: ``migrations.py``.
+
+Read API (what routes, /metrics and the analysis modules use):
+
+- ``fetch_records(job, kinds=(...), rank=None) -> list[dict]``: **wire-shaped** dicts (exactly the
+  field names of ``ddpscope.agent.records``) of the given kinds, ordered by ``time_ns``. ``heartbeat``
+  and ``agent_stats`` give only the latest per rank (per stream for agent stats): older ones are not
+  kept. ``collective`` and ``collective_end`` are the records as sent (not merged); ``step`` records
+  come back with their arrays unpacked (use ``steps()`` for windows).
+- ``load_snapshot(job) -> JobSnapshot | None``: everything status/incident analysis needs (see
+  ``analysis/snapshot.py`` for the shape), collectives merged with their ends.
+- ``jobs() -> list[JobRow]``, ``job_row(job)``: the job table plus per-rank progress (``RankRow``).
+- ``steps(job_id, rank=, start=, end=, limit=, after=) -> list[StepRow]``: step rows ordered by
+  ``(step, rank)``, with unpacked arrays (``rows.StepRow``); ``recent_steps(job_id, n)`` the last ``n``
+  step numbers.
+- ``unused_rows(job_id)``: ``(rank, step, names)`` for every step that had unused parameters.
+- ``counters()``, ``count(name, n)``: the collector's own counters (e.g. ``rejected_batches:too_large``).
+- ``ping()``: True when the database answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import and_, func, or_, select
+
+from ddpscope.server import schema
+from ddpscope.server.analysis.snapshot import (
+    COLLECTIVE_WINDOW,
+    JobSnapshot,
+    RankSteps,
+    infer_world_size,
+    merge_collectives,
+)
+from ddpscope.server.analysis.unused import aggregate_unused
+from ddpscope.server.engines import Engines, make_engines
+from ddpscope.server.migrations import migrate
+from ddpscope.server.rows import StepRow, decode_json
+from ddpscope.server.writer import BatchWriter, WriteResult, bump
+
+logger = logging.getLogger(__name__)
+
+ALL_KINDS = (
+    "rank_start",
+    "layout",
+    "step",
+    "collective",
+    "collective_end",
+    "heartbeat",
+    "hang",
+    "hang_resolved",
+    "rank_error",
+    "rank_exit",
+    "agent_stats",
+)
+
+_STEP_COLS = [
+    schema.steps.c[name]
+    for name in (
+        "rank",
+        "stream",
+        "seq",
+        "time_ns",
+        "step",
+        "synced",
+        "forward_start_ns",
+        "forward_end_ns",
+        "backward_start_ns",
+        "backward_end_ns",
+        "arrays",
+    )
+]
+
+
+@dataclass(slots=True)
+class RankRow:
+    rank: int
+    last_seen_ns: int
+    step_records: int
+    last_step: int | None
+    last_step_end_ns: int | None
+
+
+@dataclass(slots=True)
+class JobRow:
+    id: int
+    job: str
+    world_size: int
+    first_seen_ns: int
+    last_seen_ns: int
+    ranks: list[RankRow] = field(default_factory=list)
+
+
+class Storage:
+    """Open with ``Storage.open(url)`` (creates or migrates the schema); ``close()`` at shutdown."""
+
+    def __init__(self, engines: Engines) -> None:
+        self.engines = engines
+        self.dialect = engines.dialect
+        self._writer = BatchWriter(engines.dialect)
+        self._job_ids: dict[str, int] = {}
+        self._deferred: dict[str, int] = {}
+        self._deferred_lock = threading.Lock()
+
+    @classmethod
+    def open(cls, url: str, *, pool_size: int = 8) -> Storage:
+        engines = make_engines(url, pool_size=pool_size)
+        before = migrate(engines.writer)
+        logger.info(
+            "storage %s ready (schema was at version %d)", engines.writer.url.render_as_string(), before
+        )
+        return cls(engines)
+
+    def close(self) -> None:
+        self.engines.dispose()
+
+    # -- writes ---------------------------------------------------------------------------------
+    def write_batch(self, records: list[Any]) -> WriteResult:
+        """Store decoded records (``codec`` Structs) in one transaction; commit before returning."""
+        deferred = self._take_deferred()
+        try:
+            with self.engines.writer.begin() as conn:
+                result = self._writer.write(conn, records, time.time_ns())
+                for name, n in sorted(deferred.items()):
+                    bump(conn, self.dialect, name, n)
+                return result
+        except BaseException:
+            self.defer_count_many(deferred)
+            raise
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add to a counter now, in its own transaction."""
+        with self.engines.writer.begin() as conn:
+            bump(conn, self.dialect, name, n)
+
+    def defer_count(self, name: str, n: int = 1) -> None:
+        """Add to a counter with the next write (used under overload, when a write of its own would
+        compete for the very lock that is overloaded)."""
+        self.defer_count_many({name: n})
+
+    def defer_count_many(self, counts: dict[str, int]) -> None:
+        with self._deferred_lock:
+            for name, n in counts.items():
+                self._deferred[name] = self._deferred.get(name, 0) + n
+
+    def flush_counts(self) -> None:
+        deferred = self._take_deferred()
+        if not deferred:
+            return
+        try:
+            with self.engines.writer.begin() as conn:
+                for name, n in sorted(deferred.items()):
+                    bump(conn, self.dialect, name, n)
+        except BaseException:
+            self.defer_count_many(deferred)
+            raise
+
+    def _take_deferred(self) -> dict[str, int]:
+        with self._deferred_lock:
+            taken, self._deferred = self._deferred, {}
+        return taken
+
+    # -- reads ----------------------------------------------------------------------------------
+    def ping(self) -> bool:
+        with self.engines.reader.connect() as conn:
+            return conn.exec_driver_sql("SELECT 1").scalar() == 1
+
+    def counters(self) -> dict[str, int]:
+        with self.engines.reader.connect() as conn:
+            return {r.name: int(r.value) for r in conn.execute(select(schema.counters))}
+
+    def job_id(self, job: str) -> int | None:
+        if job in self._job_ids:
+            return self._job_ids[job]
+        with self.engines.reader.connect() as conn:
+            found = conn.execute(select(schema.jobs.c.id).where(schema.jobs.c.job == job)).scalar()
+        if found is not None:
+            self._job_ids[job] = int(found)
+        return None if found is None else int(found)
+
+    def jobs(self) -> list[JobRow]:
+        with self.engines.reader.connect() as conn:
+            jobs = {
+                r.id: JobRow(r.id, r.job, r.world_size, r.first_seen_ns, r.last_seen_ns)
+                for r in conn.execute(select(schema.jobs).order_by(schema.jobs.c.last_seen_ns.desc()))
+            }
+            for r in conn.execute(select(schema.ranks).order_by(schema.ranks.c.rank)):
+                if r.job_id in jobs:
+                    jobs[r.job_id].ranks.append(_rank_row(r))
+        return list(jobs.values())
+
+    def job_row(self, job: str) -> JobRow | None:
+        job_id = self.job_id(job)
+        if job_id is None:
+            return None
+        with self.engines.reader.connect() as conn:
+            r = conn.execute(select(schema.jobs).where(schema.jobs.c.id == job_id)).one()
+            row = JobRow(r.id, r.job, r.world_size, r.first_seen_ns, r.last_seen_ns)
+            t = schema.ranks
+            row.ranks = [
+                _rank_row(x) for x in conn.execute(select(t).where(t.c.job_id == job_id).order_by(t.c.rank))
+            ]
+        return row
+
+    def steps(
+        self,
+        job_id: int,
+        *,
+        rank: int | None = None,
+        start: int | None = None,
+        end: int | None = None,
+        limit: int | None = None,
+        after: tuple[int, int] | None = None,
+    ) -> list[StepRow]:
+        """Step rows with ``start <= step <= end``, ordered by (step, rank), after the cursor ``after``."""
+        t = schema.steps
+        q = select(*_STEP_COLS).where(t.c.job_id == job_id)
+        if rank is not None:
+            q = q.where(t.c.rank == rank)
+        if start is not None:
+            q = q.where(t.c.step >= start)
+        if end is not None:
+            q = q.where(t.c.step <= end)
+        if after is not None:
+            q = q.where(or_(t.c.step > after[0], and_(t.c.step == after[0], t.c.rank > after[1])))
+        q = q.order_by(t.c.step, t.c.rank, t.c.seq)
+        if limit is not None:
+            q = q.limit(limit)
+        with self.engines.reader.connect() as conn:
+            return [StepRow.from_db(r) for r in conn.execute(q)]
+
+    def last_step(self, job_id: int) -> int | None:
+        with self.engines.reader.connect() as conn:
+            value = conn.execute(
+                select(func.max(schema.ranks.c.last_step)).where(schema.ranks.c.job_id == job_id)
+            ).scalar()
+        return None if value is None else int(value)
+
+    def recent_steps(self, job_id: int, n: int) -> list[StepRow]:
+        """Rows of the last ``n`` step numbers (every rank)."""
+        last = self.last_step(job_id)
+        return [] if last is None else self.steps(job_id, start=last - n + 1, end=last)
+
+    def unused_rows(self, job_id: int) -> list[tuple[int, int, list[str]]]:
+        t = schema.step_unused
+        with self.engines.reader.connect() as conn:
+            rows = conn.execute(select(t.c.rank, t.c.step, t.c.names).where(t.c.job_id == job_id))
+            return [(r.rank, r.step, decode_json(r.names)) for r in rows]
+
+    def fetch_records(
+        self, job: str, kinds: Iterable[str] = ALL_KINDS, *, rank: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Wire-shaped records of ``job`` of the given kinds, ordered by time_ns (see module doc)."""
+        kinds = tuple(kinds)
+        unknown = set(kinds) - set(ALL_KINDS)
+        if unknown:
+            raise ValueError(f"kinds: unknown record kinds {sorted(unknown)}")
+        job_id = self.job_id(job)
+        if job_id is None:
+            return []
+        out: list[dict[str, Any]] = []
+        with self.engines.reader.connect() as conn:
+            event_kinds = [k for k in kinds if k in schema.EVENT_KINDS]
+            for table, wanted in (
+                (schema.events, event_kinds),
+                (schema.heartbeats, "heartbeat" in kinds),
+                (schema.agent_stats, "agent_stats" in kinds),
+                (schema.collectives, "collective" in kinds),
+            ):
+                if not wanted:
+                    continue
+                q = select(table.c.body).where(table.c.job_id == job_id)
+                if table is schema.events:
+                    q = q.where(table.c.kind.in_(event_kinds))
+                if rank is not None:
+                    q = q.where(table.c.rank == rank)
+                out.extend(decode_json(r.body) for r in conn.execute(q))
+            if "collective_end" in kinds:
+                t = schema.collective_ends
+                q = select(t).where(t.c.job_id == job_id)
+                if rank is not None:
+                    q = q.where(t.c.rank == rank)
+                out.extend(_end_wire(job, r) for r in conn.execute(q))
+        if "step" in kinds:
+            unused = {(r[0], r[1]): r[2] for r in self.unused_rows(job_id)}
+            for s in self.steps(job_id, rank=rank):
+                s.unused_parameters = unused.get((s.rank, s.step), [])
+                out.append(s.to_wire(job))
+        out.sort(key=lambda r: (r["time_ns"], r["rank"], r["seq"]))
+        return out
+
+    def load_snapshot(self, job: str) -> JobSnapshot | None:
+        """See ``analysis/snapshot.py``."""
+        row = self.job_row(job)
+        if row is None:
+            return None
+        recs = self.fetch_records(
+            job, [k for k in ALL_KINDS if k not in ("step", "collective", "collective_end")]
+        )
+        by_kind: dict[str, list[dict[str, Any]]] = {}
+        for r in recs:
+            by_kind.setdefault(r["kind"], []).append(r)
+        colls, ends = self._collective_window(job, row.id)
+        steps = {
+            r.rank: RankSteps(r.rank, r.step_records, r.last_step, r.last_step_end_ns or 0)
+            for r in row.ranks
+            if r.last_step is not None
+        }
+        latest = _latest_by_rank
+        snap = JobSnapshot(
+            job=job,
+            world_size=0,
+            ranks=latest(by_kind.get("rank_start", [])),
+            layouts=by_kind.get("layout", []),
+            heartbeats=latest(by_kind.get("heartbeat", [])),
+            hangs=by_kind.get("hang", []),
+            hang_resolved=by_kind.get("hang_resolved", []),
+            rank_errors=by_kind.get("rank_error", []),
+            rank_exits=by_kind.get("rank_exit", []),
+            collectives=merge_collectives(colls, ends),
+            steps=steps,
+            unused=aggregate_unused(self.unused_rows(row.id)),
+            agent_stats=latest(by_kind.get("agent_stats", [])),
+            rank_last_seen_s={r.rank: r.last_seen_ns / 1e9 for r in row.ranks},
+        )
+        snap.world_size = max(row.world_size, infer_world_size(snap.ranks, snap.rank_last_seen_s))
+        return snap
+
+    def _collective_window(self, job: str, job_id: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        c, e = schema.collectives, schema.collective_ends
+        with self.engines.reader.connect() as conn:
+            tops = conn.execute(
+                select(c.c.pg, func.max(c.c.coll_seq)).where(c.c.job_id == job_id).group_by(c.c.pg)
+            ).all()
+            colls: list[dict[str, Any]] = []
+            ends: list[dict[str, Any]] = []
+            for pg, top in tops:
+                lo = int(top) - COLLECTIVE_WINDOW
+                q = select(c.c.body).where(c.c.job_id == job_id, c.c.pg == pg, c.c.coll_seq > lo)
+                colls.extend(decode_json(r.body) for r in conn.execute(q))
+                q2 = select(e).where(e.c.job_id == job_id, e.c.pg == pg, e.c.coll_seq > lo)
+                ends.extend(_end_wire(job, r) for r in conn.execute(q2))
+        return colls, ends
+
+
+def _rank_row(r: Any) -> RankRow:
+    return RankRow(r.rank, r.last_seen_ns, r.step_records, r.last_step, r.last_step_end_ns)
+
+
+def _latest_by_rank(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    for r in records:  # ordered by time_ns: the last one wins
+        out[r["rank"]] = r
+    return out
+
+
+def _end_wire(job: str, r: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "kind": "collective_end",
+        "job": job,
+        "rank": r.rank,
+        "stream": r.stream,
+        "seq": r.seq,
+        "pg": r.pg,
+        "coll_seq": r.coll_seq,
+        "end_ns": r.end_ns,
+        "ok": bool(r.ok),
+        "error": r.error,
+        "time_ns": r.time_ns,
+    }
+    return out

@@ -1,0 +1,257 @@
+"""Writing one decoded batch in one transaction: all of it or nothing.
+
+Duplicates (same ``(job, rank, stream, seq)``) are skipped with ``ON CONFLICT DO NOTHING`` and
+counted from the driver's row counts, per rank, so ``ranks.step_records`` stays exact under retries
+and spool replays. Heartbeats and agent stats keep only the newest record per key (an upsert that
+only moves forward). Hot rows shared by every batch of a job (``jobs``, ``counters``) are updated
+last so their row locks are held for the shortest time when several collectors share PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from sqlalchemy import Connection, case, func, literal_column
+from sqlalchemy.dialects import postgresql, sqlite
+
+from ddpscope.server import schema
+from ddpscope.server.codec import kind_of
+from ddpscope.server.rows import STEP_COLUMNS, encode_json, step_row
+
+_json = msgspec.json.Encoder().encode
+
+
+@dataclass(slots=True)
+class WriteResult:
+    accepted: int = 0
+    duplicates: int = 0
+
+
+def _insert(dialect: str, table: Any) -> Any:
+    return (postgresql.insert if dialect == "postgresql" else sqlite.insert)(table)
+
+
+def _greatest(dialect: str, a: Any, b: Any) -> Any:
+    # SQLite's two-argument max() is scalar; PostgreSQL spells it greatest().
+    return func.greatest(a, b) if dialect == "postgresql" else func.max(a, b)
+
+
+def _wire_text(record: Any) -> str:
+    return _json(record).decode()
+
+
+class BatchWriter:
+    """Stateless apart from the job-id cache (ids never change once assigned)."""
+
+    def __init__(self, dialect: str) -> None:
+        self.dialect = dialect
+        self._job_ids: dict[str, int] = {}
+        placeholder = "%s" if dialect == "postgresql" else "?"
+        # The hot path: steps go through the driver's executemany with tuples, skipping per-row
+        # dict processing (the statement is still the one schema.steps defines).
+        self._steps_sql = (
+            f"INSERT INTO steps ({', '.join(STEP_COLUMNS)}) VALUES ({', '.join([placeholder] * len(STEP_COLUMNS))}) "
+            "ON CONFLICT DO NOTHING"
+        )
+
+    def write(self, conn: Connection, records: list[Any], now_ns: int) -> WriteResult:
+        by_job: dict[str, list[Any]] = defaultdict(list)
+        for r in records:
+            by_job[r.job].append(r)
+        result = WriteResult()
+        for job in sorted(by_job):  # a fixed order: two batches never lock jobs in opposite orders
+            self._write_job(conn, job, by_job[job], result)
+        if result.accepted:
+            self._bump(conn, "ingested_records", result.accepted)
+        return result
+
+    # -- one job --------------------------------------------------------------------------------
+    def _write_job(self, conn: Connection, job: str, records: list[Any], result: WriteResult) -> None:
+        by_kind: dict[str, list[Any]] = defaultdict(list)
+        for r in records:
+            by_kind[kind_of(r)].append(r)
+        world_size = max((r.world_size for r in by_kind.get("rank_start", ())), default=0)
+        last_seen = max(r.time_ns for r in records)
+        first_seen = min(r.time_ns for r in records)
+        job_id = self._job_id(conn, job, world_size, first_seen, last_seen)
+
+        step_counts = self._write_steps(conn, job_id, by_kind.get("step", []), result)
+        self._write_keyed(conn, job_id, by_kind, result)
+        self._write_latest(conn, job_id, by_kind, result)
+        self._write_ranks(conn, job_id, records, by_kind.get("step", []), step_counts)
+
+    def _job_id(self, conn: Connection, job: str, world_size: int, first_ns: int, last_ns: int) -> int:
+        t = schema.jobs
+        stmt = _insert(self.dialect, t).values(
+            job=job, world_size=world_size, first_seen_ns=first_ns, last_seen_ns=last_ns
+        )
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[t.c.job],
+            set_={
+                "last_seen_ns": _greatest(self.dialect, t.c.last_seen_ns, stmt.excluded.last_seen_ns),
+                "world_size": _greatest(self.dialect, t.c.world_size, stmt.excluded.world_size),
+            },
+        ).returning(t.c.id)
+        job_id = int(conn.execute(stmt).scalar_one())
+        self._job_ids[job] = job_id
+        return job_id
+
+    def _write_steps(
+        self, conn: Connection, job_id: int, steps: list[Any], result: WriteResult
+    ) -> dict[int, int]:
+        """Insert step rows grouped by rank; return rows actually inserted per rank."""
+        if not steps:
+            return {}
+        by_rank: dict[int, list[Any]] = defaultdict(list)
+        for r in steps:
+            by_rank[r.rank].append(r)
+        inserted: dict[int, int] = {}
+        for rank in sorted(by_rank):
+            group = by_rank[rank]
+            cur = conn.exec_driver_sql(self._steps_sql, [step_row(job_id, r) for r in group])
+            n = cur.rowcount
+            inserted[rank] = n
+            result.accepted += n
+            result.duplicates += len(group) - n
+        unused = [
+            {"job_id": job_id, "rank": r.rank, "stream": r.stream, "seq": r.seq, "step": r.step,
+             "names": encode_json(r.unused_parameters)}
+            for r in steps
+            if r.unused_parameters
+        ]  # fmt: skip
+        if unused:
+            conn.execute(_insert(self.dialect, schema.step_unused).on_conflict_do_nothing(), unused)
+        return inserted
+
+    def _insert_ignore(
+        self, conn: Connection, table: Any, rows: list[dict[str, Any]], result: WriteResult
+    ) -> None:
+        if not rows:
+            return
+        n = conn.execute(_insert(self.dialect, table).on_conflict_do_nothing(), rows).rowcount
+        result.accepted += n
+        result.duplicates += len(rows) - n
+
+    def _write_keyed(
+        self, conn: Connection, job_id: int, by_kind: dict[str, list[Any]], result: WriteResult
+    ) -> None:
+        def key(r: Any) -> dict[str, Any]:
+            return {"job_id": job_id, "rank": r.rank, "stream": r.stream, "seq": r.seq}
+
+        colls = [
+            {**key(r), "time_ns": r.time_ns, "pg": r.pg, "coll_seq": r.coll_seq, "body": _wire_text(r)}
+            for r in by_kind.get("collective", [])
+        ]
+        self._insert_ignore(conn, schema.collectives, colls, result)
+        ends = [
+            {**key(r), "time_ns": r.time_ns, "pg": r.pg, "coll_seq": r.coll_seq, "end_ns": r.end_ns, "ok": r.ok,
+             "error": r.error if isinstance(r.error, str) else None}
+            for r in by_kind.get("collective_end", [])
+        ]  # fmt: skip
+        self._insert_ignore(conn, schema.collective_ends, ends, result)
+        events = [
+            {**key(r), "kind": kind, "time_ns": r.time_ns, "body": _wire_text(r)}
+            for kind in schema.EVENT_KINDS
+            for r in by_kind.get(kind, [])
+        ]
+        self._insert_ignore(conn, schema.events, events, result)
+
+    def _write_latest(
+        self, conn: Connection, job_id: int, by_kind: dict[str, list[Any]], result: WriteResult
+    ) -> None:
+        """Heartbeats (per rank) and agent stats (per rank and stream): only the newest is kept.
+
+        A group counts as accepted when its newest record moved the stored one forward, else as
+        duplicates (a re-sent batch); superseded records inside a batch share their newest's fate.
+        """
+        t = schema.heartbeats
+        stmt = _insert(self.dialect, t)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[t.c.job_id, t.c.rank],
+            set_={"time_ns": stmt.excluded.time_ns, "body": stmt.excluded.body},
+            where=stmt.excluded.time_ns > t.c.time_ns,
+        )
+        for group in _groups(by_kind.get("heartbeat", []), lambda r: r.rank, lambda r: (r.time_ns, r.seq)):
+            r = group[-1]
+            row = {"job_id": job_id, "rank": r.rank, "time_ns": r.time_ns, "body": _wire_text(r)}
+            self._count_group(conn.execute(stmt, row).rowcount, len(group), result)
+
+        a = schema.agent_stats
+        stmt = _insert(self.dialect, a)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[a.c.job_id, a.c.rank, a.c.stream],
+            set_={"seq": stmt.excluded.seq, "body": stmt.excluded.body},
+            where=stmt.excluded.seq > a.c.seq,
+        )
+        for group in _groups(by_kind.get("agent_stats", []), lambda r: (r.rank, r.stream), lambda r: r.seq):
+            r = group[-1]
+            row = {"job_id": job_id, "rank": r.rank, "stream": r.stream, "seq": r.seq, "body": _wire_text(r)}
+            self._count_group(conn.execute(stmt, row).rowcount, len(group), result)
+
+    @staticmethod
+    def _count_group(rowcount: int, n: int, result: WriteResult) -> None:
+        if rowcount > 0:
+            result.accepted += n
+        else:
+            result.duplicates += n
+
+    def _write_ranks(
+        self, conn: Connection, job_id: int, records: list[Any], steps: list[Any], step_counts: dict[int, int]
+    ) -> None:
+        seen: dict[int, int] = {}
+        for r in records:
+            if r.time_ns > seen.get(r.rank, -1):
+                seen[r.rank] = r.time_ns
+        last: dict[int, Any] = {}
+        for r in steps:
+            if r.rank not in last or r.step >= last[r.rank].step:
+                last[r.rank] = r
+        rows = [
+            {
+                "job_id": job_id,
+                "rank": rank,
+                "last_seen_ns": seen[rank],
+                "step_records": step_counts.get(rank, 0),
+                "last_step": last[rank].step if rank in last else None,
+                "last_step_end_ns": last[rank].backward_end_ns if rank in last else None,
+            }
+            for rank in sorted(seen)
+        ]
+        t = schema.ranks
+        stmt = _insert(self.dialect, t)
+        ex = stmt.excluded
+        newer = ex.last_step.is_not(None) & (t.c.last_step.is_(None) | (ex.last_step >= t.c.last_step))
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[t.c.job_id, t.c.rank],
+            set_={
+                "last_seen_ns": _greatest(self.dialect, t.c.last_seen_ns, ex.last_seen_ns),
+                "step_records": t.c.step_records + ex.step_records,
+                "last_step": case((newer, ex.last_step), else_=t.c.last_step),
+                "last_step_end_ns": case((newer, ex.last_step_end_ns), else_=t.c.last_step_end_ns),
+            },
+        )
+        conn.execute(stmt, rows)
+
+    def _bump(self, conn: Connection, name: str, n: int) -> None:
+        bump(conn, self.dialect, name, n)
+
+
+def _groups(records: list[Any], key: Any, order: Any) -> list[list[Any]]:
+    """Records grouped by ``key``, each group sorted by ``order`` (newest last)."""
+    groups: dict[Any, list[Any]] = defaultdict(list)
+    for r in records:
+        groups[key(r)].append(r)
+    return [sorted(g, key=order) for _, g in sorted(groups.items())]
+
+
+def bump(conn: Connection, dialect: str, name: str, n: int) -> None:
+    """Add ``n`` to a counter row (created on first use)."""
+    t = schema.counters
+    stmt = _insert(dialect, t).values(name=name, value=n)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[t.c.name], set_={"value": t.c.value + literal_column("excluded.value")}
+    )
+    conn.execute(stmt)
