@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from urllib.parse import quote
 from typing import Any
 
 from starlette.requests import Request
@@ -26,7 +27,7 @@ async def get_json(request: Request, path: str, query: str = "") -> tuple[int, A
         "method": "GET",
         "scheme": request.scope.get("scheme", "http"),
         "path": path,
-        "raw_path": path.encode(),
+        "raw_path": quote(path).encode(),
         "root_path": "",
         "query_string": query.encode(),
         "headers": [

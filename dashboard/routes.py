@@ -56,12 +56,11 @@ def jobs_page() -> HTMLResponse:
 
 async def _unknown_job(request: Request, job: str) -> HTMLResponse | None:
     """A 404 page when the collector has never heard of ``job``; None when it has (or cannot tell)."""
-    status, payload = await internal.get_json(request, "/api/v1/jobs")
-    if status != 200 or not isinstance(payload, dict):
-        # The API is failing: let the page load and show the API's own error instead of guessing.
-        logger.warning("job list answered %s; not checking that job %r exists", status, job)
-        return None
-    if any(isinstance(j, dict) and j.get("job") == job for j in payload.get("items", [])):
+    status, _ = await internal.get_json(request, f"/api/v1/jobs/{job}")
+    if status != 404:
+        if status != 200:
+            # The API is failing: let the page load and show the API's own error instead of guessing.
+            logger.warning("GET /api/v1/jobs/%s answered %s; not checking that the job exists", job, status)
         return None
     html = message_page(
         title="Unknown job",

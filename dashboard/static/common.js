@@ -1,5 +1,5 @@
 // Shared helpers for the dashboard pages. Data from the API is only ever put into the page with
-// textContent or as Plotly data: never with innerHTML, so hostile job ids or stacks stay text.
+// textContent or as Plotly data, never parsed as markup, so hostile job ids or stacks stay text.
 "use strict";
 const ddp = (() => {
   const app = document.getElementById("app");

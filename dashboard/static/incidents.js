@@ -42,14 +42,19 @@
     field("step", it.step);
     field("collective seq", it.seq);
     field("bucket", it.bucket);
+    field("process group", it.pg);
     field("call site", it.call_site ? ddp.el("code", {}, it.call_site) : null);
+    if (it.active === false) field("state", "resolved (history, not a current problem)");
     if (it.parameters && it.parameters.length) {
       field("parameters", ddp.el("span", { class: "params" }, it.parameters.join(", ")));
     }
     if (culprits.size) {
       field("culprit ranks", ddp.el("span", { class: "rank-grid" }, ...[...culprits].sort((a, b) => a - b).map((r) => rankChip(r, culprits))));
     }
-    return ddp.el("article", { class: "incident", id: "incident-" + i, "data-kind": it.kind },
+    for (const rel of it.related || []) {
+      field(`rank ${rel.rank ?? "?"}`, `${rel.error_type ? rel.error_type + ": " : ""}${rel.message ?? ""}`);
+    }
+    return ddp.el("article", { class: "incident" + (it.active === false ? " resolved" : ""), id: "incident-" + i, "data-kind": it.kind },
       ddp.el("h3", {}, ddp.el("span", { class: "badge bad" }, it.kind || "incident"), " ", it.message || ""),
       dl, ...stacks(it));
   }

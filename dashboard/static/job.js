@@ -131,26 +131,25 @@
       ddp.say("stragglers-msg", "No straggler scores yet.");
       return;
     }
-    // One bar trace per phase when the API splits scores by phase, else one trace.
-    const phases = new Map();
-    for (const it of items) {
-      const ph = it.phase || "compute";
-      if (!phases.has(ph)) phases.set(ph, []);
-      phases.get(ph).push(it);
-    }
-    const traces = [...phases.entries()].map(([phase, its]) => ({
-      type: "bar", name: phase, x: its.map((i) => "rank " + i.rank), y: its.map((i) => i.slowdown),
-      customdata: its.map((i) => i.steps_flagged ?? 0),
-      hovertemplate: `%{x} · ${phase}<br>slowdown %{y:.2f}×<br>flagged in %{customdata} steps<extra></extra>`,
+    // Scores by phase: the overall compute slowdown and, when the API splits it, forward and backward.
+    items = [...items].sort((a, b) => a.rank - b.rank);
+    const x = items.map((i) => "rank " + i.rank);
+    const series = [["compute", "slowdown", "#1f5fbf"], ["forward", "forward_slowdown", "#9cc0ee"], ["backward", "backward_slowdown", "#f0a030"]]
+      .filter(([, key]) => items.some((i) => typeof i[key] === "number"));
+    const traces = series.map(([phase, key, color]) => ({
+      type: "bar", name: phase, x, y: items.map((i) => i[key] ?? null), marker: { color },
+      customdata: items.map((i) => [i.steps_flagged ?? 0, i.steps_considered ?? "?"]),
+      hovertemplate: `%{x} · ${phase}<br>slowdown %{y:.2f}×<br>flagged in %{customdata[0]} of %{customdata[1]} steps<extra></extra>`,
     }));
+    const phases = new Map(series.map((s) => [s[0], s]));
     ddp.plot("stragglers", traces, {
       height: 260, barmode: "group", showlegend: phases.size > 1,
       yaxis: { title: { text: "slowdown vs median of others" }, rangemode: "tozero" },
       shapes: [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: 1, y1: 1, line: { dash: "dot", color: "#888" } }],
     });
-    const flagged = items.filter((i) => (i.steps_flagged ?? 0) > 0 || i.straggler);
+    const flagged = items.filter((i) => (i.flagged ?? (i.steps_flagged ?? 0) > 0));
     ddp.say("stragglers-msg", flagged.length
-      ? "Flagged: " + flagged.map((i) => `rank ${i.rank} (${(i.slowdown ?? 0).toFixed(2)}×, ${i.steps_flagged ?? "?"} steps)`).join(", ")
+      ? "Flagged: " + flagged.map((i) => `rank ${i.rank} (${(i.slowdown ?? 0).toFixed(2)}× slower${i.phase ? " in " + i.phase : ""}, ${i.steps_flagged ?? "?"} steps)`).join(", ")
       : "No rank is flagged as a straggler.");
   }
 

@@ -4,27 +4,35 @@
   const table = document.getElementById("jobs");
   const tbody = table.querySelector("tbody");
 
-  function flags(job) {
-    const f = job.flags || {};
+  // The job list carries status but not straggler or incident counts: read them per job, for the
+  // most recently seen jobs only, so a collector with hundreds of finished jobs is not asked 2 x N times.
+  const FLAG_JOBS = 30;
+  async function jobFlags(job) {
+    const [strag, incid] = await Promise.all([
+      ddp.api(ddp.jobPath(job.job, "/stragglers")).catch(() => null),
+      ddp.api(ddp.jobPath(job.job, "/incidents")).catch(() => null),
+    ]);
+    return {
+      stragglers: strag ? (strag.items || []).filter((s) => s.flagged ?? (s.steps_flagged ?? 0) > 0).map((s) => s.rank) : null,
+      incidents: incid ? (incid.items || []).filter((i) => i.active !== false).length : null,
+    };
+  }
+
+  function flags(job, f) {
     const out = ddp.el("td", { class: "flags" });
-    const hung = f.hung ?? job.status === "hung";
-    if (hung) out.append(ddp.el("span", { class: "badge bad" }, "hung"));
-    const stragglers = f.stragglers;
-    const nStragglers = Array.isArray(stragglers) ? stragglers.length : Number(stragglers || 0);
-    if (nStragglers) {
-      const label = Array.isArray(stragglers) ? `straggler: rank ${stragglers.join(", ")}` : `${nStragglers} straggler(s)`;
-      out.append(ddp.el("span", { class: "badge warn" }, label));
+    if (job.status === "hung") out.append(ddp.el("span", { class: "badge bad" }, "hung"));
+    if (f && f.stragglers && f.stragglers.length) {
+      out.append(ddp.el("span", { class: "badge warn" }, `straggler: rank ${f.stragglers.join(", ")}`));
     }
-    const incidents = Number(f.incidents ?? job.incidents ?? 0);
-    if (incidents) {
+    if (f && f.incidents) {
       out.append(ddp.el("a", { class: "badge bad", href: ddp.jobHref(job.job, "/incidents") },
-        `${incidents} incident${incidents === 1 ? "" : "s"}`));
+        `${f.incidents} incident${f.incidents === 1 ? "" : "s"}`));
     }
     if (!out.childNodes.length) out.append("—");
     return out;
   }
 
-  function row(job) {
+  function row(job, f) {
     const rate = job.step_rate;
     return ddp.el("tr", { "data-job": job.job },
       ddp.el("td", {}, ddp.el("a", { class: "job-id", href: ddp.jobHref(job.job) }, job.job)),
@@ -33,16 +41,19 @@
       ddp.el("td", {}, ddp.fmtAgo(job.last_seen)),
       ddp.el("td", { class: "num" }, job.steps ?? "—"),
       ddp.el("td", { class: "num" }, rate === null || rate === undefined ? "—" : rate.toFixed(2) + " /s"),
-      flags(job));
+      flags(job, f));
   }
 
   async function refresh() {
     const data = await ddp.api("/api/v1/jobs");
     const jobs = data.items || [];
-    tbody.replaceChildren(...jobs.map(row));
+    const flagList = await Promise.all(jobs.map((j, i) => (i < FLAG_JOBS ? jobFlags(j) : null)));
+    tbody.replaceChildren(...jobs.map((j, i) => row(j, flagList[i])));
     table.hidden = jobs.length === 0;
     ddp.say("message", jobs.length ? "" : "No jobs yet. Point a training job at this collector (DDPSCOPE_URL) or run `ddpscope demo`.");
   }
 
-  ddp.poll(refresh, 5000, (e) => ddp.say("message", "Could not load jobs: " + e.message, true));
+  window.ddpJobListUpdates = 0;
+  const counted = async () => { await refresh(); window.ddpJobListUpdates += 1; };
+  ddp.poll(counted, 5000, (e) => ddp.say("message", "Could not load jobs: " + e.message, true));
 })();

@@ -62,13 +62,16 @@
           const [s, e] = b.allreduce;
           // Alternate buckets by a hair so back-to-back all-reduces read as separate spans.
           seg(ar, s, e, ym + (b.index % 2 ? 0.07 : -0.07),
-            `${head}<br>all-reduce ${ddp.fmtSeconds(s)} → ${ddp.fmtSeconds(e)} (${ddp.fmtSeconds(e - s)})<br>${paramsText(meta.parameters)}`);
+            `${head}<br>all-reduce ${ddp.fmtSeconds(s)} → ${ddp.fmtSeconds(e)} (${ddp.fmtSeconds(e - s)})` +
+            (b.order_penalty_s > 0 ? `<br>waited ${ddp.fmtSeconds(b.order_penalty_s)} for earlier buckets` : "") +
+            `<br>${paramsText(meta.parameters)}`);
           lastEnd = lastEnd === null ? e : Math.max(lastEnd, e);
         }
       }
       // The exposed tail ends at the last all-reduce end; its length is the analysis' exposed_comm_s
-      // (or the API's explicit span when the timeline carries one).
-      const exposed = r.exposed || (lastEnd !== null && exposedByRank.get(r.rank) > 0 ? [lastEnd - exposedByRank.get(r.rank), lastEnd] : null);
+      // (from the timeline itself, else from the steps endpoint), never recomputed here.
+      const exposedS = r.exposed_comm_s ?? exposedByRank.get(r.rank);
+      const exposed = lastEnd !== null && exposedS > 0 ? [lastEnd - exposedS, lastEnd] : null;
       if (exposed) seg(tail, exposed[0], exposed[1], ym, `rank ${r.rank} · exposed communication<br>${ddp.fmtSeconds(exposed[1] - exposed[0])} after the last gradient`);
       lastT = Math.max(lastT, lastEnd || 0, r.backward ? r.backward[1] : 0);
     }

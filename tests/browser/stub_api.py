@@ -34,6 +34,11 @@ def stub_app() -> FastAPI:
     def jobs() -> Any:
         return fixture("jobs")
 
+    @app.get("/api/v1/jobs/{job}")
+    def job(job: str) -> Any:
+        need(job)
+        return next(j for j in fixture("jobs")["items"] if j["job"] == job)
+
     @app.get("/api/v1/jobs/{job}/steps")
     def steps(
         job: str,

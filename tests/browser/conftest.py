@@ -1,0 +1,158 @@
+"""Fixtures for the dashboard's browser tests: a real collector subprocess and headless Chromium.
+
+The collector is ``python -m ddpscope.cli.main serve`` on a free port with a fresh SQLite file; it is
+started once per test session (every test uses its own job ids) and killed by process group on exit.
+Each test gets a new browser page whose console errors and uncaught exceptions fail the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.procs import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "test-artifacts"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+STARTUP_DEADLINE_S = 30.0
+
+
+@dataclass
+class Collector:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+def wait_healthy(
+    url: str, proc: subprocess.Popen[bytes], log: Path, deadline_s: float = STARTUP_DEADLINE_S
+) -> None:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"collector exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError):
+            with urllib.request.urlopen(url + "/healthz", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        time.sleep(0.1)
+    raise RuntimeError(f"collector at {url} not healthy after {deadline_s} s:\n{log.read_text()[-3000:]}")
+
+
+@contextlib.contextmanager
+def running_collector(tmp: Path) -> Iterator[Collector]:
+    """Start a real collector on a fresh SQLite file; kill its process group on exit."""
+    port = free_port()
+    log = tmp / "collector.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ddpscope.cli.main",
+                "serve",
+                "--port",
+                str(port),
+                "--db",
+                f"sqlite:///{tmp / 'ddpscope.db'}",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, log)
+        yield Collector(url, proc, log)
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Collector]:
+    with running_collector(tmp_path_factory.mktemp("collector")) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"no Chromium at {CHROMIUM}")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@dataclass
+class PageProblems:
+    """What went wrong inside the page: console errors, uncaught exceptions, alert() calls."""
+
+    console: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    dialogs: list[str] = field(default_factory=list)
+    allowed: list[str] = field(default_factory=list)
+    """Substrings of console errors a test expects (e.g. the 404 of an unknown job's page)."""
+
+    def unexpected(self) -> list[str]:
+        console = [c for c in self.console if not any(a in c for a in self.allowed)]
+        return console + self.errors + self.dialogs
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    pg = context.new_page()
+    problems = PageProblems()
+    pg.on(
+        "console",
+        lambda m: problems.console.append(f"{m.text} @ {m.location}") if m.type == "error" else None,
+    )
+    pg.on("pageerror", lambda e: problems.errors.append(f"uncaught: {e}"))
+
+    def on_dialog(d: Any) -> None:
+        problems.dialogs.append(f"dialog {d.type}: {d.message}")
+        d.dismiss()
+
+    pg.on("dialog", on_dialog)
+    pg.problems = problems
+    try:
+        yield pg
+    finally:
+        context.close()
+    assert not problems.unexpected(), f"the page reported problems: {problems.unexpected()}"
+
+
+def screenshot(page: Any, name: str) -> Path:
+    """Save a full-page screenshot under test-artifacts/ (git-ignored) and return its path."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path

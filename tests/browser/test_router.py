@@ -1,0 +1,75 @@
+"""The router's HTTP contract, without a browser: status codes, escaping, assets, no internet."""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import quote
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.browser.stub_api import HOSTILE_JOB, stub_app
+
+
+@pytest.fixture(scope="module")
+def client() -> TestClient:
+    return TestClient(stub_app())
+
+
+def test_an_unknown_job_gets_a_404_page_that_says_so(client: TestClient) -> None:
+    resp = client.get("/jobs/no-such-job")
+    assert resp.status_code == 404
+    assert "text/html" in resp.headers["content-type"]
+    assert "no records for job" in resp.text and "no-such-job" in resp.text
+
+
+def test_every_page_of_an_unknown_job_is_a_404_page(client: TestClient) -> None:
+    for suffix in ("", "/steps/3", "/incidents"):
+        assert client.get(f"/jobs/nope{suffix}").status_code == 404
+
+
+def test_a_step_that_is_not_a_number_gets_a_page_saying_so(client: TestClient) -> None:
+    resp = client.get(f"/jobs/{quote(HOSTILE_JOB, safe='')}/steps/abc")
+    assert resp.status_code == 404
+    assert "is not a step number" in resp.text
+
+
+def test_a_hostile_job_id_is_escaped_in_every_server_rendered_page(client: TestClient) -> None:
+    job = quote(HOSTILE_JOB, safe="")
+    for path in (f"/jobs/{job}", f"/jobs/{job}/steps/5", f"/jobs/{job}/incidents", "/jobs/%3Cscript%3Ex"):
+        html = client.get(path).text
+        assert "<img src=x" not in html and "<script>x" not in html, path
+        assert "&lt;img src=x onerror=alert(1)&gt;" in html or "&lt;script&gt;x" in html, path
+
+
+def test_pages_load_scripts_only_from_the_collector_itself(client: TestClient) -> None:
+    html = client.get(f"/jobs/{quote(HOSTILE_JOB, safe='')}/steps/5").text
+    sources = re.findall(r'(?:src|href)="([^"]+)"', html)
+    assert sources and all(s.startswith(("/", "data:", "#")) for s in sources), sources
+    assert "/static/plotly.min.js" in sources
+
+
+def test_plotly_js_comes_from_the_installed_package_with_cache_headers(client: TestClient) -> None:
+    resp = client.get("/static/plotly.min.js")
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/javascript")
+    assert "max-age" in resp.headers["cache-control"]
+    assert b"plotly" in resp.content[:2000].lower() and len(resp.content) > 1_000_000
+
+
+def test_own_assets_are_served_and_nothing_outside_the_static_folder_is(client: TestClient) -> None:
+    assert client.get("/dashboard-static/timeline.js").status_code == 200
+    assert "immutable" in client.get("/dashboard-static/style.css").headers["cache-control"]
+    for name in ("..%2F__init__.py", "%2E%2E%2Froutes.py", ".hidden", "nope.js"):
+        assert client.get(f"/dashboard-static/{name}").status_code == 404, name
+
+
+def test_scripts_never_put_data_into_the_page_with_inner_html() -> None:
+    from importlib.resources import files
+
+    for res in (files("ddpscope.dashboard") / "static").iterdir():
+        if res.name.endswith(".js"):
+            text = res.read_text()
+            assert "innerHTML" not in text and "outerHTML" not in text and "insertAdjacentHTML" not in text, (
+                res.name
+            )
