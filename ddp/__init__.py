@@ -1,1 +1,17 @@
-"""ddpscope package (see the repository README)."""
+"""The training side of ddpscope: an instrumented DistributedDataParallel engine.
+
+Usage (after ``torch.distributed.init_process_group``)::
+
+    from ddpscope.ddp import DistributedDataParallel as DDP
+    model = DDP(model, find_unused_parameters=False)   # same signature as torch's common arguments
+    loss = model(x).sum(); loss.backward()            # one 'step' record per backward via agent.emit()
+
+Every collective the engine issues is numbered by ``collectives.RECORDER``; ``progress.PROGRESS`` tells
+the hang watchdog where this rank is. ``StepTimer`` (step_record.py) builds step records for any engine.
+"""
+
+from ddpscope.ddp.engine import DistributedDataParallel
+from ddpscope.ddp.groups import pg_name
+from ddpscope.ddp.step_record import StepTimer
+
+__all__ = ["DistributedDataParallel", "StepTimer", "pg_name"]

@@ -1,0 +1,134 @@
+"""Gradient buckets: which parameters share one flat all-reduce buffer, and the buffers themselves.
+
+The assignment follows torch's ``compute_bucket_assignment_by_size`` (reducer.cpp) step for step, so a
+ddpscope job reduces exactly the same byte ranges as stock DDP and sums in the same order on gloo:
+walk the parameters in the given order, one open bucket per (dtype, device), close a bucket once it
+reaches its size limit (the first limit for the first bucket of each key, then the next one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+MIB = 1024 * 1024
+FIRST_BUCKET_BYTES = MIB
+"""torch's ``_DEFAULT_FIRST_BUCKET_BYTES``: the small bucket used when ``bucket_cap_mb`` is not given."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    """What bucketing needs to know about one parameter (its index is its position in the list)."""
+
+    name: str
+    nbytes: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, name: str, p: torch.Tensor) -> ParamSpec:
+        return cls(name, p.numel() * p.element_size(), p.dtype, p.device)
+
+
+def size_limits(bucket_cap_mb: float | None) -> list[int]:
+    """Byte limits per bucket, as torch: a 1 MiB first bucket only when the cap is left at its default."""
+    if bucket_cap_mb is None:
+        return [FIRST_BUCKET_BYTES, 25 * MIB]
+    cap = int(bucket_cap_mb * MIB)
+    if cap <= 0:
+        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+    return [cap]
+
+
+def assign_buckets(
+    specs: Sequence[ParamSpec], limits: Sequence[int], ready_order: Sequence[int] | None = None
+) -> list[list[int]]:
+    """Group parameter indices into buckets; bucket 0 is the one expected to be ready first.
+
+    Without ``ready_order`` the parameters are walked in definition order, the buckets sorted by their
+    lowest index and then reversed (gradients arrive roughly in reverse definition order). With a
+    ``ready_order`` (observed in an earlier backward) the buckets keep the order they were closed in.
+    """
+    order = list(range(len(specs))) if ready_order is None else list(ready_order)
+    open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
+    limit_pos: dict[tuple[torch.dtype, torch.device], int] = {}
+    result: list[list[int]] = []
+    for index in order:
+        spec = specs[index]
+        key = (spec.dtype, spec.device)
+        indices, size = open_buckets.get(key, ([], 0))
+        indices.append(index)
+        size += spec.nbytes
+        pos = limit_pos.setdefault(key, 0)
+        if size >= limits[pos]:
+            result.append(indices)
+            open_buckets.pop(key, None)
+            limit_pos[key] = min(pos + 1, len(limits) - 1)
+        else:
+            open_buckets[key] = (indices, size)
+    # Buckets still open at the end, in the order their keys first appeared (dicts keep insertion order).
+    result.extend(indices for indices, _ in open_buckets.values() if indices)
+    if ready_order is None:
+        result.sort(key=min)
+        result.reverse()
+    return result
+
+
+class Bucket:
+    """One flat buffer holding the gradients of a few parameters, reduced by one all-reduce."""
+
+    __slots__ = ("index", "param_indices", "names", "dtype", "device", "nbytes", "buffer", "views", "status")
+
+    def __init__(
+        self,
+        index: int,
+        param_indices: list[int],
+        params: Sequence[torch.Tensor],
+        names: Sequence[str],
+        status_slots: int = 0,
+    ) -> None:
+        self.index = index
+        self.param_indices = param_indices
+        self.names = [names[i] for i in param_indices]
+        first = params[param_indices[0]]
+        self.dtype = first.dtype
+        self.device = first.device
+        numel = sum(params[i].numel() for i in param_indices)
+        self.nbytes = numel * first.element_size()
+        # Status slots ride at the end of the buffer: one per rank, so a rank can tell the others in the
+        # same all-reduce that its backward went wrong (see reducer.py), without an extra collective.
+        self.buffer = torch.zeros(numel + status_slots, dtype=self.dtype, device=self.device)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for i in param_indices:
+            p = params[i]
+            self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        self.status = self.buffer[offset:] if status_slots else None
+
+    def to_wire(self) -> dict[str, Any]:
+        """The BUCKET shape of agent/records.py."""
+        return {
+            "index": self.index,
+            "bytes": self.nbytes,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "parameters": list(self.names),
+        }
+
+
+def build_buckets(
+    assignment: Sequence[list[int]],
+    params: Sequence[torch.Tensor],
+    names: Sequence[str],
+    status_slots: int = 0,
+) -> list[Bucket]:
+    """Allocate the buffers; only the last bucket (the last to be launched) carries status slots."""
+    last = len(assignment) - 1
+    return [
+        Bucket(i, list(indices), params, names, status_slots if i == last else 0)
+        for i, indices in enumerate(assignment)
+    ]

@@ -1,0 +1,251 @@
+"""``DistributedDataParallel``: a drop-in for torch's wrapper that measures every bucket of every step.
+
+Construction (a collective step, every rank of the group calls it): clock ping-pong with rank 0, the
+cross-rank layout check, the state broadcast from rank 0, the bucket layout; then a ``rank_start`` and
+a ``layout`` record. Each forward may rebuild the buckets once (after the first synchronised backward,
+in rank 0's observed gradient-ready order, as torch does), broadcasts buffers from rank 0, runs the
+module and arms the reducer; each backward ends with one ``step`` record (reducer.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+import os
+import platform
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpscope import agent
+from ddpscope.agent import clock as agent_clock
+from ddpscope.ddp.broadcast import broadcast_coalesced
+from ddpscope.ddp.clock import estimate_offset
+from ddpscope.ddp.groups import global_rank, pg_name
+from ddpscope.ddp.layout import check_same_layout, describe
+from ddpscope.ddp.reducer import Reducer
+from ddpscope.ddp.step_record import StepTimer
+
+logger = logging.getLogger(__name__)
+
+# torch keyword arguments that change nothing here when left at these values.
+_HARMLESS_DEFAULTS: dict[str, Any] = {
+    "device_ids": None,
+    "output_device": None,
+    "dim": 0,
+    "check_reduction": False,
+    "static_graph": False,
+    "init_sync": True,
+    "mixed_precision": None,
+    "delay_all_reduce_named_params": None,
+    "param_to_hook_all_reduce": None,
+    "device_mesh": None,
+    "skip_all_reduce_unused_params": False,
+    "bucket_cap_mb_list": None,
+}
+
+_REMEDIES: dict[str, str] = {
+    "device_ids": "move the module to its device before wrapping it and drop device_ids",
+    "output_device": "drop output_device; outputs stay where the module puts them",
+    "dim": "split the batch yourself; only dim=0 semantics are supported",
+    "static_graph": "drop it; buckets are rebuilt after the first iteration anyway, and "
+    "find_unused_parameters=True handles parameters that are never used",
+    "init_sync": "drop it; the state is always broadcast from rank 0 at construction",
+    "mixed_precision": "cast the module yourself (module.to(dtype)); each dtype gets its own buckets",
+    "bucket_cap_mb_list": "use bucket_cap_mb",
+}
+
+
+def _check_unsupported(unsupported: dict[str, Any], module: nn.Module) -> None:
+    for key, value in unsupported.items():
+        if key not in _HARMLESS_DEFAULTS:
+            raise TypeError(f"DistributedDataParallel() got an unexpected keyword argument {key!r}")
+        if key == "check_reduction":
+            continue  # deprecated in torch and ignored there too
+        if key == "device_ids" and value is not None:
+            devices = {p.device for p in module.parameters()}
+            wanted = {torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in value}
+            if len(value) == 1 and devices == wanted:
+                continue  # the module already lives on that one device: nothing to do
+        if key == "output_device" and value is not None and unsupported.get("device_ids"):
+            continue
+        if value is _HARMLESS_DEFAULTS[key] or value == _HARMLESS_DEFAULTS[key]:
+            continue
+        remedy = _REMEDIES.get(key, "drop the argument")
+        raise ValueError(
+            f"ddpscope DistributedDataParallel does not support {key}={value!r}: {remedy}. "
+            "(Or keep torch's own DistributedDataParallel and use ddpscope.ddp.instrument().)"
+        )
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("ddpscope")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism with per-bucket measurements; see the module docstring.
+
+    ``bucket_cap_mb=None`` means torch's default: 25 MiB buckets with a 1 MiB first bucket.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: Any = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        gradient_as_bucket_view: bool = False,
+        **unsupported: Any,
+    ) -> None:
+        super().__init__()
+        _check_unsupported(unsupported, module)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "DistributedDataParallel needs a process group: call "
+                "torch.distributed.init_process_group() before wrapping the module."
+            )
+        self.module = module
+        self.process_group = process_group
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.require_backward_grad_sync = True
+        self._pg = pg_name(process_group)
+        self._rank = dist.get_rank(process_group)
+        self._world = dist.get_world_size(process_group)
+        self._global_rank = global_rank()
+        self._step = 0
+
+        named = list(module.named_parameters())
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        if not trainable:
+            raise RuntimeError(
+                "DistributedDataParallel is not needed when a module has no parameter that requires a gradient."
+            )
+
+        estimate = estimate_offset(process_group)
+        agent_clock.set_offset(estimate.offset_ns, estimate.error_ns)
+        buffers = list(module.named_buffers()) if broadcast_buffers else []
+        check_same_layout(describe(named, buffers), process_group, self._pg)
+        broadcast_coalesced(
+            [p for _, p in named] + [b for _, b in buffers], group=process_group, pg=self._pg
+        )
+
+        self._timer = StepTimer(self._global_rank)
+        self._reducer = Reducer(
+            [p for _, p in trainable],
+            [n for n, _ in trainable],
+            group=process_group,
+            pg=self._pg,
+            rank=self._rank,
+            world_size=self._world,
+            bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            timer=self._timer,
+        )
+        first = trainable[0][1]
+        agent.emit(
+            {
+                "kind": "rank_start",
+                "rank": self._global_rank,
+                "world_size": self._world,
+                "backend": str(dist.get_backend(process_group)),
+                "device": str(first.device),
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "engine": "ddpscope",
+                "torch_version": torch.__version__,
+                "ddpscope_version": _version(),
+                "python_version": platform.python_version(),
+                "find_unused_parameters": find_unused_parameters,
+                "bucket_cap_mb": 25.0 if bucket_cap_mb is None else float(bucket_cap_mb),
+                "clock_offset_ns": estimate.offset_ns,
+                "clock_error_ns": estimate.error_ns,
+                "process_group": self._pg,
+            }
+        )
+        self._emit_layout("initial")
+
+    # -- records ---------------------------------------------------------------------------------
+
+    def _emit_layout(self, reason: str) -> None:
+        agent.emit(
+            {
+                "kind": "layout",
+                "rank": self._global_rank,
+                "step": self._step,
+                "reason": reason,
+                "buckets": self._reducer.layout_wire(),
+            }
+        )
+
+    @property
+    def bucket_layout(self) -> list[dict[str, Any]]:
+        """The current buckets in the wire shape (index, bytes, dtype, device, parameters)."""
+        return self._reducer.layout_wire()
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            # Evaluation: no gradients to reduce, but buffers are synced as torch does.
+            self._sync_buffers()
+            return self.module(*args, **kwargs)
+        synced = self.require_backward_grad_sync
+        reducer = self._reducer
+        if synced and reducer.wants_rebuild():
+            self._rebuild_buckets()
+        reducer.prepare_forward(self._step, synced)
+        self._sync_buffers()
+        out = self.module(*args, **kwargs)
+        self._timer.forward_end()
+        reducer.after_forward(out, synced)
+        self._step += 1
+        return out
+
+    def _rebuild_buckets(self) -> None:
+        """Adopt rank 0's observed gradient-ready order so every rank builds the same buckets."""
+        order_log = self._reducer.ready_log
+        assert order_log is not None
+        order = torch.tensor(order_log, dtype=torch.int64)
+        broadcast_coalesced([order], group=self.process_group, pg=self._pg, step=self._step)
+        self._reducer.rebuild(order.tolist())
+        self._emit_layout("rebuilt")
+        logger.info("ddpscope: buckets rebuilt in gradient-ready order at step %d", self._step)
+
+    def _sync_buffers(self) -> None:
+        if not self.broadcast_buffers or self._world == 1:
+            return
+        buffers = [b for b in self.module.buffers() if b is not None]
+        if not buffers:
+            return
+        # In-place writes must not invalidate tensors autograd saved (torch does the same).
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+            broadcast_coalesced(buffers, group=self.process_group, pg=self._pg, step=self._step)
+
+    # -- gradient accumulation -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip the gradient all-reduce for the backwards inside: gradients accumulate locally."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    def remove_hooks(self) -> None:
+        """Detach the engine from the module's parameters (the module keeps working on its own)."""
+        self._reducer.remove_hooks()

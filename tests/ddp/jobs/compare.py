@@ -1,0 +1,169 @@
+"""One rank of a job that trains the same model with torch's DDP and with ddpscope's, side by side.
+
+Usage: compare.py SCENARIO[,SCENARIO...] STEPS OUTDIR. Both wrappers get identical initial weights and
+the same per-rank inputs; after STEPS optimizer steps the rank adds, per scenario, the largest difference
+per parameter and buffer, what .grad looked like, and every record the engine emitted to
+OUTDIR/rank<R>.json. One process runs every scenario: starting torch costs seconds, a scenario does not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpscope import agent
+from ddpscope.ddp import DistributedDataParallel
+
+SCENARIOS, STEPS, OUTDIR = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3]
+SCENARIO = ""
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(32, 48), nn.BatchNorm1d(48), nn.Linear(48, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+class Branchy(nn.Module):
+    """``branch`` is used on rank 0 only; ``never`` on no rank at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.branch, self.never, self.head = (
+            nn.Linear(32, 32),
+            nn.Linear(32, 32),
+            nn.Linear(32, 32),
+            nn.Linear(32, 8),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.trunk(x))
+        if dist.get_rank() == 0:
+            h = h + self.branch(h)
+        return self.head(h)
+
+
+class Frozen(Mlp):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[2].requires_grad_(False)
+
+
+class TwoDtypes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 8).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)).double())
+
+
+MODELS = {
+    "mlp": Mlp,
+    "batchnorm": WithBatchNorm,
+    "unused": Branchy,
+    "no_sync": Mlp,
+    "frozen": Frozen,
+    "dtypes": TwoDtypes,
+    "bucket_view": Mlp,
+    "small_buckets": Mlp,
+}
+
+
+def options() -> dict[str, Any]:
+    if SCENARIO == "unused":
+        return {"find_unused_parameters": True}
+    if SCENARIO == "bucket_view":
+        return {"gradient_as_bucket_view": True}
+    if SCENARIO == "small_buckets":
+        return {"bucket_cap_mb": 0.01}
+    return {}
+
+
+def train(model: nn.Module, rank: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=SCENARIO != "bucket_view")
+        micro = 3 if SCENARIO == "no_sync" else 1
+        for m in range(micro):
+            x = torch.randn(16, 32, generator=gen)
+            if m < micro - 1:
+                with model.no_sync():  # type: ignore[operator]
+                    model(x).pow(2).mean().backward()
+            else:
+                model(x).pow(2).mean().backward()
+        opt.step()
+
+
+def run_scenario(rank: int) -> dict[str, Any]:
+    exporter = agent.InMemoryExporter()
+    agent.configure(exporter=exporter, job="compare", rank=rank)
+    torch.manual_seed(0)
+    reference = MODELS[SCENARIO]()
+    ours_module = MODELS[SCENARIO]()
+    ours_module.load_state_dict(reference.state_dict())
+    if rank != 0:
+        # Different starting weights on the other ranks: the broadcast from rank 0 must fix them.
+        with torch.no_grad():
+            for p in ours_module.parameters():
+                p.add_(1.0)
+    theirs = nn.parallel.DistributedDataParallel(reference, **options())
+    ours = DistributedDataParallel(ours_module, **options())
+    # Interleaved step by step would also work; whole runs keep each engine's collectives together.
+    train(theirs, rank)
+    train(ours, rank)
+    agent.get_agent().force_flush(5.0)
+    diffs = {}
+    theirs_state, ours_state = theirs.state_dict(), ours.state_dict()
+    assert list(theirs_state) == list(ours_state), (list(theirs_state), list(ours_state))
+    for name, value in theirs_state.items():
+        diffs[name] = (value.double() - ours_state[name].double()).abs().max().item()
+    exact = all(torch.equal(value, ours_state[name]) for name, value in theirs_state.items())
+    grads = {
+        name: {"ours_none": p.grad is None, "theirs_none": dict(theirs.module.named_parameters())[name].grad is None}
+        for name, p in ours.module.named_parameters()
+    }
+    return {
+        "rank": rank,
+        "diffs": diffs,
+        "exact": exact,
+        "grads": grads,
+        "layout": ours.bucket_layout,
+        "records": exporter.records,
+    }
+
+
+def main() -> None:
+    global SCENARIO
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    out = {}
+    for SCENARIO in SCENARIOS:
+        out[SCENARIO] = run_scenario(rank)
+    with open(os.path.join(OUTDIR, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
