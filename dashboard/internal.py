@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
-from urllib.parse import quote
 from typing import Any
+from urllib.parse import quote
 
 from starlette.requests import Request
 from starlette.types import Message

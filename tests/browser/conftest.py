@@ -52,10 +52,12 @@ def wait_healthy(
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"collector exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError):
-            with urllib.request.urlopen(url + "/healthz", timeout=2) as resp:
-                if resp.status == 200:
-                    return
+        with (
+            contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
+            urllib.request.urlopen(url + "/healthz", timeout=2) as resp,
+        ):
+            if resp.status == 200:
+                return
         time.sleep(0.1)
     raise RuntimeError(f"collector at {url} not healthy after {deadline_s} s:\n{log.read_text()[-3000:]}")
 
