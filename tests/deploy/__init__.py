@@ -1,0 +1,1 @@
+"""Deployment tests: alert rules, Prometheus config, Prometheus end to end."""
