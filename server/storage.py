@@ -375,7 +375,8 @@ def _end_wire(job: str, r: Any) -> dict[str, Any]:
         "coll_seq": r.coll_seq,
         "end_ns": r.end_ns,
         "ok": bool(r.ok),
-        "error": r.error,
         "time_ns": r.time_ns,
     }
+    if r.error is not None:  # optional on the wire: absent and null mean the same
+        out["error"] = r.error
     return out

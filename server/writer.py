@@ -111,8 +111,13 @@ class BatchWriter:
         inserted: dict[int, int] = {}
         for rank in sorted(by_rank):
             group = by_rank[rank]
-            cur = conn.exec_driver_sql(self._steps_sql, [step_row(job_id, r) for r in group])
-            n = cur.rowcount
+            rows = [step_row(job_id, r) for r in group]
+            if self.dialect == "sqlite":
+                n = conn.exec_driver_sql(self._steps_sql, rows).rowcount
+            else:
+                n = self._insert_count(
+                    conn, schema.steps, [dict(zip(STEP_COLUMNS, row, strict=True)) for row in rows]
+                )
             inserted[rank] = n
             result.accepted += n
             result.duplicates += len(group) - n
@@ -126,12 +131,21 @@ class BatchWriter:
             conn.execute(_insert(self.dialect, schema.step_unused).on_conflict_do_nothing(), unused)
         return inserted
 
+    def _insert_count(self, conn: Connection, table: Any, rows: list[dict[str, Any]]) -> int:
+        """INSERT ... ON CONFLICT DO NOTHING of many rows; return how many were new."""
+        stmt = _insert(self.dialect, table).on_conflict_do_nothing()
+        if self.dialect == "sqlite":
+            return int(conn.execute(stmt, rows).rowcount)  # sqlite3 sums executemany row counts
+        # psycopg's executemany reports only the last statement's count: ask for the new rows back
+        # (SQLAlchemy batches this into multi-row INSERT ... RETURNING statements).
+        return len(conn.execute(stmt.returning(table.c.seq), rows).all())
+
     def _insert_ignore(
         self, conn: Connection, table: Any, rows: list[dict[str, Any]], result: WriteResult
     ) -> None:
         if not rows:
             return
-        n = conn.execute(_insert(self.dialect, table).on_conflict_do_nothing(), rows).rowcount
+        n = self._insert_count(conn, table, rows)
         result.accepted += n
         result.duplicates += len(rows) - n
 
@@ -173,11 +187,11 @@ class BatchWriter:
             index_elements=[t.c.job_id, t.c.rank],
             set_={"time_ns": stmt.excluded.time_ns, "body": stmt.excluded.body},
             where=stmt.excluded.time_ns > t.c.time_ns,
-        )
+        ).returning(t.c.rank)
         for group in _groups(by_kind.get("heartbeat", []), lambda r: r.rank, lambda r: (r.time_ns, r.seq)):
             r = group[-1]
             row = {"job_id": job_id, "rank": r.rank, "time_ns": r.time_ns, "body": _wire_text(r)}
-            self._count_group(conn.execute(stmt, row).rowcount, len(group), result)
+            self._count_group(len(conn.execute(stmt, row).all()), len(group), result)
 
         a = schema.agent_stats
         stmt = _insert(self.dialect, a)
@@ -185,15 +199,16 @@ class BatchWriter:
             index_elements=[a.c.job_id, a.c.rank, a.c.stream],
             set_={"seq": stmt.excluded.seq, "body": stmt.excluded.body},
             where=stmt.excluded.seq > a.c.seq,
-        )
+        ).returning(a.c.rank)
         for group in _groups(by_kind.get("agent_stats", []), lambda r: (r.rank, r.stream), lambda r: r.seq):
             r = group[-1]
             row = {"job_id": job_id, "rank": r.rank, "stream": r.stream, "seq": r.seq, "body": _wire_text(r)}
-            self._count_group(conn.execute(stmt, row).rowcount, len(group), result)
+            self._count_group(len(conn.execute(stmt, row).all()), len(group), result)
 
     @staticmethod
-    def _count_group(rowcount: int, n: int, result: WriteResult) -> None:
-        if rowcount > 0:
+    def _count_group(changed: int, n: int, result: WriteResult) -> None:
+        # RETURNING, not rowcount: psycopg reports -1 for upserts run through SQLAlchemy.
+        if changed > 0:
             result.accepted += n
         else:
             result.duplicates += n

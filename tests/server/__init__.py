@@ -1,1 +1,0 @@
-"""Collector tests."""

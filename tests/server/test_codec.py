@@ -1,0 +1,124 @@
+"""The fast msgspec decoder must accept and reject exactly what the wire format's own validator does."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+
+from ddpscope.agent import records as wire
+from ddpscope.server.codec import STRUCTS, BatchError, decode_batch, to_wire
+from tests.support.synth import batch, synth_job
+
+
+def _hang() -> dict[str, Any]:
+    return {
+        "kind": "hang", "job": "j", "rank": 1, "stream": "s", "seq": 3, "time_ns": 10,
+        "phase": "allreduce", "step": 4, "stalled_s": 30.0,
+        "pending_buckets": [{"index": 0, "missing": ["fc.weight"], "launched": False}],
+        "inflight": [{"pg": "default", "coll_seq": 9, "op": "all_reduce", "call_site": None, "start_ns": 5}],
+        "stacks": [{"thread": "MainThread", "stack": "..."}],
+        "message": "stuck",
+    }  # fmt: skip
+
+
+def _samples() -> list[dict[str, Any]]:
+    recs = synth_job(2, 2, 3, unused={1: ["x.bias"]})
+    recs.append(_hang())
+    recs.append(
+        {
+            "kind": "hang_resolved",
+            "job": "j",
+            "rank": 1,
+            "stream": "s",
+            "seq": 4,
+            "time_ns": 11,
+            "step": 4,
+            "hang_s": 2,
+        }
+    )
+    recs.append(
+        {"kind": "rank_error", "job": "j", "rank": 0, "stream": "s", "seq": 5, "time_ns": 12, "step": None,
+         "phase": "forward", "error_type": "RuntimeError", "message": "boom", "stack": "tb", "fatal": True}
+    )  # fmt: skip
+    return recs
+
+
+def _accepts_fast(record: Any) -> bool:
+    try:
+        decode_batch(json.dumps(batch([record])).encode())
+    except BatchError:
+        return False
+    return True
+
+
+def _accepts_reference(record: Any) -> bool:
+    try:
+        wire.validate_record(record)
+    except wire.RecordError:
+        return False
+    return True
+
+
+def _mutations(record: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(description, mutated record): every field dropped, nulled and given a wrong type."""
+    out: list[tuple[str, Any]] = []
+    for name, value in record.items():
+        dropped = {k: v for k, v in record.items() if k != name}
+        out.append((f"drop {name}", dropped))
+        out.append((f"null {name}", {**record, name: None}))
+        wrong: Any = "text" if not isinstance(value, str) else 7
+        out.append((f"wrong type {name}", {**record, name: wrong}))
+        if isinstance(value, list) and value:
+            out.append((f"wrong item {name}", {**record, name: [{"nested": True}]}))
+        if isinstance(value, int) and not isinstance(value, bool):
+            out.append((f"bool for int {name}", {**record, name: True}))
+            out.append((f"negative {name}", {**record, name: -1}))
+    return out
+
+
+def test_every_record_kind_has_a_generated_struct():
+    assert set(STRUCTS) == set(wire.RECORD_KINDS)
+
+
+@pytest.mark.parametrize("record", _samples(), ids=lambda r: r["kind"])
+def test_the_fast_decoder_agrees_with_the_reference_validator_on_every_mutation(record):
+    assert _accepts_fast(record) and _accepts_reference(record)
+    for what, mutated in _mutations(record):
+        assert _accepts_fast(mutated) == _accepts_reference(mutated), what
+
+
+def test_a_decoded_record_turns_back_into_the_same_wire_dict():
+    for record in _samples():
+        (decoded,) = decode_batch(json.dumps(batch([record])).encode())
+        assert to_wire(decoded) == record
+
+
+def test_unknown_extra_fields_are_accepted_as_the_reference_does():
+    record = {**synth_job(1, 1, 1)[0], "from_a_newer_agent": 1}
+    assert _accepts_fast(record) and _accepts_reference(record)
+
+
+def test_errors_name_the_record_and_the_field():
+    records = synth_job(1, 1, 2)
+    bad = copy.deepcopy(records)
+    step = next(i for i, r in enumerate(bad) if r["kind"] == "step")
+    bad[step]["bucket_ready_ns"] = [1, "late"]
+    with pytest.raises(BatchError, match=rf"records\[{step}\]\.bucket_ready_ns\[1\]"):
+        decode_batch(json.dumps(batch(bad)).encode())
+    bad[step]["bucket_ready_ns"] = [1, 2]
+    del bad[step]["synced"]
+    with pytest.raises(BatchError, match="synced"):
+        decode_batch(json.dumps(batch(bad)).encode())
+
+
+def test_a_batch_of_another_schema_version_is_refused_with_the_version_named():
+    with pytest.raises(BatchError, match="version 2 is not supported"):
+        decode_batch(json.dumps({"schema": 2, "records": [{"kind": "future"}]}).encode())
+
+
+def test_malformed_json_is_reported_as_such():
+    with pytest.raises(BatchError, match="not valid JSON"):
+        decode_batch(b'{"schema": 1, "records": [')

@@ -1,0 +1,168 @@
+"""Storage contract, run against a real SQLite file and a real PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from sqlalchemy import select
+
+from ddpscope.server import migrations, schema
+from ddpscope.server.analysis.snapshot import snapshot_from_records
+from ddpscope.server.storage import ALL_KINDS, Storage
+from tests.server.conftest import decoded
+from tests.support.synth import by_rank, synth_job
+
+LATEST_ONLY = {"heartbeat", "agent_stats"}
+
+
+def _latest(records, kind):
+    out = {}
+    for r in records:
+        if r["kind"] == kind:
+            out[(r["rank"], r["stream"]) if kind == "agent_stats" else r["rank"]] = r
+    return sorted(out.values(), key=lambda r: (r["time_ns"], r["rank"], r["seq"]))
+
+
+def test_records_come_back_wire_shaped_exactly_as_they_were_sent(storage):
+    records = synth_job(3, 4, 3, unused={2: ["layers.0.bias"]}, find_unused=True)
+    storage.write_batch(decoded(records))
+    for kind in ALL_KINDS:
+        got = storage.fetch_records("synth", [kind])
+        if kind in LATEST_ONLY:
+            expected = _latest(records, kind)
+        else:
+            expected = [r for r in records if r["kind"] == kind]
+        key = lambda r: (r["rank"], r["seq"])  # noqa: E731
+        assert sorted(got, key=key) == sorted(expected, key=key), kind
+
+
+def test_a_resent_batch_is_all_duplicates_and_changes_nothing(storage):
+    records = synth_job(2, 3, 2)
+    first = storage.write_batch(decoded(records))
+    assert (first.accepted, first.duplicates) == (len(records), 0)
+    again = storage.write_batch(decoded(records))
+    assert (again.accepted, again.duplicates) == (0, len(records))
+    assert storage.load_snapshot("synth").steps[0].count == 3
+    assert storage.counters()["ingested_records"] == len(records)
+
+
+def test_a_batch_that_fails_midway_stores_nothing(storage):
+    records = synth_job(2, 3, 2)
+    poison = dict(next(r for r in records if r["kind"] == "step"), seq=2**63, job="synth")
+    with pytest.raises(Exception):  # noqa: B017 - the driver's overflow error differs per database
+        storage.write_batch(decoded([*records, poison]))
+    assert storage.job_row("synth") is None
+    assert storage.fetch_records("synth") == []
+    assert "ingested_records" not in storage.counters()
+
+
+def test_the_stored_snapshot_equals_the_one_built_from_the_records(storage):
+    records = synth_job(4, 6, 3, slow_rank=1, unused={3: ["layers.1.weight"]})
+    for rank_records in by_rank(records).values():  # as the agents send them: one rank per batch
+        storage.write_batch(decoded(rank_records))
+    stored = storage.load_snapshot("synth")
+    built = snapshot_from_records("synth", records)
+    assert stored is not None
+    for field in (
+        "job",
+        "world_size",
+        "ranks",
+        "layouts",
+        "heartbeats",
+        "hangs",
+        "rank_exits",
+        "agent_stats",
+        "unused",
+    ):
+        assert getattr(stored, field) == getattr(built, field), field
+    assert stored.steps == built.steps
+    assert stored.rank_last_seen_s == built.rank_last_seen_s
+    key = lambda c: (c["pg"], c["coll_seq"], c["rank"])  # noqa: E731
+    assert sorted(stored.collectives, key=key) == sorted(built.collectives, key=key)
+    assert all(c["end_ns"] is not None and c["ok"] for c in stored.collectives)
+
+
+def test_step_windows_and_cursor_order_by_step_then_rank(storage):
+    storage.write_batch(decoded(synth_job(3, 10, 2)))
+    job_id = storage.job_id("synth")
+    rows = storage.steps(job_id, start=4, end=6)
+    assert [(r.step, r.rank) for r in rows] == [(s, r) for s in (4, 5, 6) for r in range(3)]
+    page = storage.steps(job_id, after=(4, 1), limit=2)
+    assert [(r.step, r.rank) for r in page] == [(4, 2), (5, 0)]
+    assert {r.step for r in storage.recent_steps(job_id, 3)} == {7, 8, 9}
+    assert len(rows[0].bucket_ready_ns) == 2
+
+
+def test_heartbeats_keep_only_the_newest_per_rank_even_when_an_older_one_arrives_late(storage):
+    records = [r for r in synth_job(1, 5, 1) if r["kind"] == "heartbeat"]
+    storage.write_batch(decoded(records[3:]))
+    late = storage.write_batch(decoded(records[:3]))
+    assert late.accepted == 0
+    (hb,) = storage.fetch_records("synth", ["heartbeat"])
+    assert hb == records[-1]
+
+
+def test_the_schema_is_versioned_and_reopening_does_not_migrate_again(storage, db_url):
+    with storage.engines.reader.connect() as conn:
+        assert conn.execute(select(schema.schema_version.c.version)).scalar_one() == migrations.LATEST
+    storage.write_batch(decoded(synth_job(1, 1, 1)))
+    again = Storage.open(db_url)
+    try:
+        assert migrations.migrate(again.engines.writer) == migrations.LATEST
+        assert again.job_row("synth") is not None
+    finally:
+        again.close()
+
+
+def test_a_database_from_a_newer_collector_is_refused(storage, db_url):
+    with storage.engines.writer.begin() as conn:
+        conn.execute(schema.schema_version.update().values(version=migrations.LATEST + 1))
+    with pytest.raises(RuntimeError, match="newer than this collector"):
+        Storage.open(db_url)
+
+
+def test_two_collectors_writing_at_once_lose_nothing_and_count_everything(db_url):
+    """Several collector processes share one database: nothing is held in process memory."""
+    a, b = Storage.open(db_url), Storage.open(db_url)
+    records = synth_job(4, 20, 3)
+    errors: list[BaseException] = []
+
+    def send(st: Storage, rank_records: list) -> None:
+        try:
+            for i in range(0, len(rank_records), 25):
+                st.write_batch(decoded(rank_records[i : i + 25]))
+        except BaseException as e:  # re-raised below, in the test thread
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=send, args=((a, b)[rank % 2], recs))
+        for rank, recs in by_rank(records).items()
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert not errors, errors
+        assert a.counters()["ingested_records"] == len(records)
+        assert {r.count for r in b.load_snapshot("synth").steps.values()} == {20}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_rejections_counted_later_are_not_lost(storage):
+    storage.defer_count("rejected_batches:overloaded", 2)
+    storage.write_batch(decoded(synth_job(1, 1, 1)))
+    storage.defer_count("rejected_batches:overloaded")
+    storage.flush_counts()
+    assert storage.counters()["rejected_batches:overloaded"] == 3
+
+
+def test_unknown_jobs_and_kinds(storage):
+    assert storage.load_snapshot("nope") is None
+    assert storage.fetch_records("nope") == []
+    with pytest.raises(ValueError, match="unknown record kinds"):
+        storage.fetch_records("nope", ["stepz"])
+    assert storage.ping()
