@@ -1,37 +1,228 @@
-"""PLACEHOLDER agent: a bounded deque drained into an exporter. Replaced by the full agent (issue 3).
+"""The agent object and the module-level API: ``emit``, ``configure``, ``get_agent``, ``shutdown``.
 
-Kept API: emit(record), configure(**overrides) -> Agent, get_agent(), shutdown(timeout_s),
-Agent.force_flush(timeout_s) -> bool, Agent.shutdown(timeout_s), InMemoryExporter().records.
+``emit(record)`` does no serialization and no syscall: it appends ``(now_ns(), record)`` to the
+worker's bounded deque (or counts a drop) and, for urgent kinds, wakes the worker. Everything else
+happens on the worker thread: stamping the envelope (job, rank, stream, seq, time_ns), checking the
+record against the wire format, handing batches to the exporter, and the cumulative ``agent_stats``.
+
+The caller keeps ownership of the dict it emits; the agent never writes to it (the collective
+recorder shares its records with the hang watchdog). It copies the dict on the worker thread, so a
+caller must not mutate a record after emitting it.
 """
 
 from __future__ import annotations
 
 import collections
-import enum
-import itertools
-import os
+import logging
+import sys
 import threading
+import time
 import uuid
 from typing import Any
 
+from ddpscope.agent import lifecycle
+from ddpscope.agent._errors import swallowed
 from ddpscope.agent.clock import now_ns
+from ddpscope.agent.config import Config
+from ddpscope.agent.exporters import Exporter, ExportResult, InMemoryExporter
+from ddpscope.agent.records import URGENT_KINDS, RecordError, validate_record
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Agent", "ExportResult", "InMemoryExporter", "configure", "emit", "get_agent", "shutdown"]
 
 
-class ExportResult(enum.Enum):
-    SUCCESS = "success"
-    RETRY = "retry"
-    FAILURE = "failure"
+class Agent:
+    """One agent incarnation: a stream of records from this process to one exporter."""
+
+    def __init__(self, config: Config, exporter: Exporter | None = None, *, forked: bool = False) -> None:
+        self.config = config
+        self.stream = uuid.uuid4().hex[:16]
+        """New per incarnation (and so after every fork); part of each record's idempotency key."""
+        self.forked = forked
+        self.live = True
+        self._rank = config.rank if config.rank is not None else 0
+        self._exporter: Any = exporter
+        self._seq = 0
+        self._emitted = 0
+        self._drops: collections.Counter[str] = collections.Counter()
+        self._drops_lock = threading.Lock()
+        self._stats_sent: tuple[int, int] = (0, 0)
+        self._stats_at = time.monotonic()
+        self._worker = self._make_worker()
+        self._queue = self._worker.queue
+        self._max_queue = config.max_queue
+        self._wake = self._worker.wake
+        self._worker.start()
+
+    def _make_worker(self) -> Any:
+        from ddpscope.agent.worker import Worker
+
+        return Worker(
+            export=self._export_items,
+            after_round=self._after_round,
+            max_queue=self.config.max_queue,
+            max_batch=self.config.max_batch,
+            interval_s=self.config.flush_interval_s,
+            on_start=self._get_exporter,
+        )
+
+    # -- hot path ------------------------------------------------------------------------------
+
+    def emit(self, record: dict[str, Any]) -> None:
+        """Queue one record; never blocks, never raises. Over the bound it drops and counts."""
+        try:
+            if self.live and len(self._queue) < self._max_queue:
+                self._queue.append((now_ns(), record))
+                if record.get("kind") in URGENT_KINDS:
+                    self._wake()
+            else:
+                self._drop("queue_full" if self.live else "after_shutdown", record)
+        except Exception:
+            swallowed("emit")
+
+    def _drop(self, reason: str, record: Any) -> None:
+        kind = record.get("kind") if isinstance(record, dict) else None
+        with self._drops_lock:
+            self._drops[f"{reason}:{kind}"] += 1
+
+    # -- worker thread (under the worker's export lock) ----------------------------------------
+
+    def _get_exporter(self) -> Any:
+        if self._exporter is None:
+            from ddpscope.agent.spool_exporter import SpoolExporter
+
+            cfg = self.config
+            rank = "x" if cfg.rank is None else str(cfg.rank)
+            self._exporter = SpoolExporter(
+                spool_dir=cfg.spool_dir,
+                prefix=f"r{rank}-{self.stream}",
+                meta={"job": cfg.job, "rank": self._rank, "stream": self.stream},
+                ingest_url=cfg.ingest_url,
+                token=cfg.token,
+                spool_max_bytes=cfg.spool_max_bytes,
+                http_timeout_s=cfg.http_timeout_s,
+                retry_max_backoff_s=cfg.retry_max_backoff_s,
+                linger_s=cfg.shipper_linger_s,
+            )
+        return self._exporter
+
+    def _export_items(self, items: list[tuple[int, Any]]) -> None:
+        batch = []
+        for t, record in items:
+            self._emitted += 1
+            out = self._stamp(t, record)
+            if out is not None:
+                batch.append(out)
+        if batch:
+            self._send(batch)
+
+    def _stamp(self, t: int, record: Any) -> dict[str, Any] | None:
+        try:
+            out = dict(record)
+        except (TypeError, ValueError, RuntimeError):
+            self._drop("invalid", record)
+            swallowed("emit: not a record")
+            return None
+        out["job"] = self.config.job
+        out["stream"] = self.stream
+        out["seq"] = self._seq
+        out.setdefault("rank", self._rank)
+        out.setdefault("time_ns", t)
+        if self.config.validate:
+            try:
+                validate_record(out)
+            except RecordError:
+                self._drop("invalid", out)
+                swallowed(f"emit: invalid {out.get('kind')!r} record")
+                return None
+        self._seq += 1
+        if out["kind"] in URGENT_KINDS:
+            _print_urgent(out)
+        return out
+
+    def _send(self, batch: list[dict[str, Any]]) -> None:
+        exporter = self._get_exporter()
+        result = exporter.export(batch)
+        # An exporter with its own `dropped` counter accounts for what it did not deliver.
+        if result is not ExportResult.SUCCESS and not hasattr(exporter, "dropped"):
+            reason = "rejected" if result is ExportResult.FAILURE else "export_failed"
+            for record in batch:
+                self._drop(reason, record)
+
+    def stats(self) -> dict[str, Any]:
+        """Cumulative counts since this stream started, as shipped in ``agent_stats``."""
+        with self._drops_lock:
+            dropped = collections.Counter(self._drops)
+        exporter_drops = getattr(self._exporter, "dropped", None)
+        if exporter_drops:
+            dropped.update(exporter_drops)
+        queue_drops = sum(n for k, n in dropped.items() if k.startswith(("queue_full:", "after_shutdown:")))
+        spool_bytes = getattr(self._exporter, "spool_bytes", None)
+        return {
+            "emitted": self._emitted + queue_drops,
+            "dropped": dict(dropped),
+            "spool_bytes": spool_bytes() if callable(spool_bytes) else 0,
+        }
+
+    def _after_round(self, final: bool) -> None:
+        stats = self.stats()
+        key = (stats["emitted"], sum(stats["dropped"].values()))
+        if key == self._stats_sent:
+            return
+        if not final and time.monotonic() - self._stats_at < self.config.stats_interval_s:
+            return
+        self._stats_sent = key
+        self._stats_at = time.monotonic()
+        record = self._stamp(now_ns(), {"kind": "agent_stats", **stats})
+        if record is not None:
+            self._send([record])
+
+    # -- control -------------------------------------------------------------------------------
+
+    def force_flush(self, timeout_s: float = 5.0) -> bool:
+        """Export everything emitted so far and wait until the exporter has delivered it."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            if not self._worker.flush(timeout_s):
+                return False
+            exporter = self._get_exporter()
+            return bool(exporter.force_flush(max(0.0, deadline - time.monotonic())))
+        except Exception:
+            swallowed("force_flush")
+            return False
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Drain and stop within ``timeout_s``; later emits are dropped (and counted)."""
+        if not self.live:
+            return
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._worker.shutdown(timeout_s)
+            self.live = False
+            self._get_exporter().shutdown(max(0.0, deadline - time.monotonic()))
+        except Exception:
+            swallowed("shutdown")
+        finally:
+            self.live = False
+
+    @property
+    def exporter(self) -> Any:
+        return self._exporter
 
 
-class InMemoryExporter:
-    def __init__(self) -> None:
-        self.records: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
+class NullAgent:
+    """``DDPSCOPE_DISABLED=1``: no thread, no file, no hook; every call is a no-op."""
 
-    def export(self, batch: list[dict[str, Any]]) -> ExportResult:
-        with self._lock:
-            self.records.extend(batch)
-        return ExportResult.SUCCESS
+    forked = False
+    live = False
+    stream = ""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def emit(self, record: dict[str, Any]) -> None:
+        return None
 
     def force_flush(self, timeout_s: float = 5.0) -> bool:
         return True
@@ -39,59 +230,96 @@ class InMemoryExporter:
     def shutdown(self, timeout_s: float = 5.0) -> None:
         return None
 
-
-class Agent:
-    def __init__(self, *, job: str | None = None, rank: int | None = None, exporter: Any = None) -> None:
-        self.job = job or os.environ.get("DDPSCOPE_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex[:12]
-        self.rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
-        self.exporter = exporter or InMemoryExporter()
-        self.stream = uuid.uuid4().hex[:16]
-        self._seq = itertools.count()
-        self._queue: collections.deque[dict[str, Any]] = collections.deque(maxlen=100_000)
-
-    def emit(self, record: dict[str, Any]) -> None:
-        record.setdefault("time_ns", now_ns())
-        record.setdefault("rank", self.rank)
-        record["job"] = self.job
-        record["stream"] = self.stream
-        record["seq"] = next(self._seq)
-        self._queue.append(record)
-
-    def force_flush(self, timeout_s: float = 5.0) -> bool:
-        batch = []
-        while self._queue:
-            batch.append(self._queue.popleft())
-        if batch:
-            self.exporter.export(batch)
-        return True
-
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        self.force_flush(timeout_s)
+    def stats(self) -> dict[str, Any]:
+        return {"emitted": 0, "dropped": {}, "spool_bytes": 0}
 
 
-_agent: Agent | None = None
+def _print_urgent(record: dict[str, Any]) -> None:
+    text = str(record.get("message") or record.get("error_type") or "").splitlines()
+    line = f"ddpscope: {record['kind']} rank={record.get('rank')} step={record.get('step')}"
+    try:
+        sys.stderr.write(f"{line}: {text[0][:300]}\n" if text else f"{line}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):
+        return  # stderr closed or replaced: the record still goes to the collector
 
 
-def configure(**overrides: Any) -> Agent:
+_agent: Agent | NullAgent | None = None
+_lock = threading.Lock()
+_fork_parent: Agent | None = None
+"""In a forked child: the parent's agent, whose config the child's own agent reuses."""
+
+
+def _build(config: Config, exporter: Any, forked: bool = False) -> Agent | NullAgent:
+    if config.disabled:
+        return NullAgent(config)
+    lifecycle.install(lambda: _agent, _after_fork_child)
+    return Agent(config, exporter, forked=forked)
+
+
+def _after_fork_child() -> None:
+    global _agent, _lock, _fork_parent
+    # The parent's lock and thread are not ours; never touch them in the child.
+    _lock = threading.Lock()
+    if isinstance(_agent, Agent):
+        _fork_parent = _agent
+    _agent = None
+
+
+def get_agent() -> Agent | NullAgent:
+    """The process's agent, created from the environment on first use."""
     global _agent
-    _agent = Agent(**overrides)
-    return _agent
+    agent = _agent
+    if agent is not None:
+        return agent
+    with _lock:
+        if _agent is None:
+            parent = _fork_parent
+            if parent is None:
+                _agent = _build(Config.from_env(), None)
+            elif parent._exporter is None or type(parent._exporter).__name__ == "SpoolExporter":
+                _agent = _build(parent.config, None, forked=True)
+                lifecycle.register_child_exit(_agent)
+            else:
+                # A custom exporter object cannot follow us into a child process.
+                _agent = NullAgent(parent.config)
+        return _agent
 
 
-def get_agent() -> Agent:
+def configure(**overrides: Any) -> Agent | NullAgent:
+    """(Re)create the agent: explicit settings > ``DDPSCOPE_*`` env > defaults (see ``Config``).
+
+    ``exporter=`` takes an exporter object (``InMemoryExporter()``, ``HttpExporter(...)``); by default
+    records go to the disk spool and a shipper process. Raises ``ValueError`` naming a bad setting.
+    The previous agent, if any, is flushed and shut down.
+    """
     global _agent
-    if _agent is None:
-        _agent = Agent()
-    return _agent
+    exporter = overrides.pop("exporter", None)
+    config = Config.from_env(None, **overrides)
+    with _lock:
+        old, _agent = _agent, _build(config, exporter)
+        new = _agent
+    if old is not None:
+        old.shutdown(lifecycle.EXIT_FLUSH_S)
+    if not config.disabled:
+        lifecycle.install_sigterm()
+    return new
 
 
 def emit(record: dict[str, Any]) -> None:
-    try:
-        get_agent().emit(record)
-    except Exception:  # the agent never raises into training
-        pass
+    """Hand one record to the agent; never blocks and never raises (see ``Agent.emit``)."""
+    agent = _agent
+    if agent is None:
+        try:
+            agent = get_agent()
+        except Exception:
+            swallowed("emit: creating the agent")
+            return
+    agent.emit(record)
 
 
 def shutdown(timeout_s: float = 5.0) -> None:
-    if _agent is not None:
-        _agent.shutdown(timeout_s)
+    """Flush and stop the process's agent within ``timeout_s``."""
+    agent = _agent
+    if agent is not None:
+        agent.shutdown(timeout_s)

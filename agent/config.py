@@ -1,0 +1,231 @@
+"""Agent configuration: explicit argument > ``DDPSCOPE_*`` environment variable > default.
+
+Every variable name is a constant here with its default in the docstring. ``Config.from_env(environ)``
+takes any mapping, so tests pass a plain dict. A bad environment value logs a warning and falls back
+to the default (a typo in a launcher script must not stop a training job); a bad explicit argument
+raises ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import tempfile
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DDPSCOPE_URL = "DDPSCOPE_URL"
+"""Collector base URL; records are POSTed to ``<url>/api/v1/ingest``. Default ``http://127.0.0.1:8321``."""
+DDPSCOPE_JOB = "DDPSCOPE_JOB"
+"""Job id. Default ``TORCHELASTIC_RUN_ID`` (unless torchrun's placeholder ``none``), else derived
+from the launch (see ``default_job_id``)."""
+DDPSCOPE_TOKEN = "DDPSCOPE_TOKEN"
+"""Bearer token sent with every ingest request. Default: none."""
+DDPSCOPE_SPOOL_DIR = "DDPSCOPE_SPOOL_DIR"
+"""Where batches wait until the collector acknowledges them. Default ``<tmp>/ddpscope-<uid>/<job>``."""
+DDPSCOPE_HANG_TIMEOUT = "DDPSCOPE_HANG_TIMEOUT"
+"""Seconds without progress before the watchdog (ddp/) emits a hang report. Default 300."""
+DDPSCOPE_HEARTBEAT_S = "DDPSCOPE_HEARTBEAT_S"
+"""Seconds between heartbeats emitted by the watchdog (ddp/). Default 2.0."""
+DDPSCOPE_DISABLED = "DDPSCOPE_DISABLED"
+"""``1`` (or true/yes/on) turns the agent into a null object: no threads, no files, no hooks. Default unset."""
+DDPSCOPE_QUEUE_SIZE = "DDPSCOPE_QUEUE_SIZE"
+"""Records held in memory before ``emit`` starts dropping (and counting). Default 100000."""
+DDPSCOPE_SPOOL_MAX_MB = "DDPSCOPE_SPOOL_MAX_MB"
+"""Disk cap of one rank's spool in MiB; over it the oldest batches are dropped and counted. Default 256."""
+DDPSCOPE_FLUSH_INTERVAL_S = "DDPSCOPE_FLUSH_INTERVAL_S"
+"""How often the worker moves queued records to the spool: the crash-loss window. Default 0.02."""
+DDPSCOPE_HTTP_TIMEOUT_S = "DDPSCOPE_HTTP_TIMEOUT_S"
+"""Timeout of one ingest request (connect + answer). Default 10."""
+DDPSCOPE_RETRY_MAX_S = "DDPSCOPE_RETRY_MAX_S"
+"""Cap of the exponential backoff between retries, in seconds. Default 5."""
+DDPSCOPE_SHIPPER_LINGER_S = "DDPSCOPE_SHIPPER_LINGER_S"
+"""How long the shipper keeps retrying after its rank is gone; then the spool stays on disk for the
+next agent of the same job. Default 600."""
+
+DEFAULT_URL = "http://127.0.0.1:8321"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+
+
+def default_job_id(environ: Mapping[str, str]) -> str:
+    """The job id every rank of one launch agrees on without talking to each other.
+
+    torchrun sets ``TORCHELASTIC_RUN_ID`` (``none`` unless ``--rdzv-id`` is given). Otherwise the
+    ranks of one launch share ``MASTER_ADDR:MASTER_PORT``, ``WORLD_SIZE`` and, on one host, their
+    launcher (parent pid): a hash of those names the job. Ranks on several hosts without torchrun's
+    ``--rdzv-id`` have different parents, so such launches must set ``DDPSCOPE_JOB``. A single process
+    with no launcher gets a random id.
+    """
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return run_id
+    addr, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
+    if addr and port:
+        key = f"{addr}:{port}:{environ.get('WORLD_SIZE', '')}:{os.getppid()}"
+        return "job-" + hashlib.sha1(key.encode()).hexdigest()[:12]
+    return "job-" + uuid.uuid4().hex[:12]
+
+
+def default_spool_dir(job: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job)
+    return os.path.join(tempfile.gettempdir(), f"ddpscope-{os.getuid()}", safe)
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """Everything the agent (and, read-only, the hang watchdog in ddp/) needs."""
+
+    job: str
+    """Job id; all ranks of a job must agree on it."""
+    rank: int | None = None
+    """Global rank (``RANK``); None in a process that is not a rank (records then carry rank 0)."""
+    url: str = DEFAULT_URL
+    """Collector base URL."""
+    token: str | None = None
+    """Bearer token for ingest, if the collector requires one."""
+    spool_dir: str = ""
+    """Directory for the spool, the crash file and the shipper log; default per job under the temp dir."""
+    hang_timeout_s: float = 300.0
+    """Seconds without progress before a hang report (read by ddp/)."""
+    heartbeat_s: float = 2.0
+    """Seconds between heartbeats (read by ddp/)."""
+    disabled: bool = False
+    """True: a null agent, no threads, files or hooks."""
+    max_queue: int = 100_000
+    """In-memory queue bound; emit drops and counts beyond it."""
+    max_batch: int = 1000
+    """Records per export call."""
+    flush_interval_s: float = 0.02
+    """Worker wake-up period: how long a record may sit in memory (lost on SIGKILL)."""
+    spool_max_bytes: int = 256 * 2**20
+    """Disk cap of the spool of one agent."""
+    http_timeout_s: float = 10.0
+    """Timeout of one ingest request."""
+    retry_max_backoff_s: float = 5.0
+    """Cap of the jittered exponential backoff."""
+    shipper_linger_s: float = 600.0
+    """Retry window of the shipper after its rank is gone."""
+    stats_interval_s: float = 5.0
+    """Seconds between ``agent_stats`` records (also sent on every flush when counts changed)."""
+    validate: bool = True
+    """Check each record against the wire format in the worker: one bad record would otherwise make
+    the collector reject its whole batch."""
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+        """Build from ``environ`` (default ``os.environ``); explicit ``overrides`` win and are checked."""
+        env = os.environ if environ is None else environ
+        names = {f.name for f in dataclasses.fields(cls)}
+        for name in overrides:
+            if name not in names:
+                raise ValueError(f"{name}: unknown agent setting; expected one of {sorted(names)}")
+        values: dict[str, Any] = {
+            "url": _env(env, DDPSCOPE_URL, str, DEFAULT_URL, lambda v: v.startswith(("http://", "https://"))),
+            "token": env.get(DDPSCOPE_TOKEN) or None,
+            "hang_timeout_s": _env(env, DDPSCOPE_HANG_TIMEOUT, float, 300.0, _positive),
+            "heartbeat_s": _env(env, DDPSCOPE_HEARTBEAT_S, float, 2.0, _positive),
+            "disabled": _env(env, DDPSCOPE_DISABLED, _parse_bool, False),
+            "max_queue": _env(env, DDPSCOPE_QUEUE_SIZE, int, 100_000, _positive),
+            "spool_max_bytes": int(_env(env, DDPSCOPE_SPOOL_MAX_MB, float, 256.0, _positive) * 2**20),
+            "flush_interval_s": _env(env, DDPSCOPE_FLUSH_INTERVAL_S, float, 0.02, _positive),
+            "http_timeout_s": _env(env, DDPSCOPE_HTTP_TIMEOUT_S, float, 10.0, _positive),
+            "retry_max_backoff_s": _env(env, DDPSCOPE_RETRY_MAX_S, float, 5.0, _positive),
+            "shipper_linger_s": _env(env, DDPSCOPE_SHIPPER_LINGER_S, float, 600.0, _non_negative),
+        }
+        rank = _env(env, "RANK", int, None, _non_negative)
+        if rank is not None:
+            values["rank"] = rank
+        values.update(overrides)
+        if not values.get("job"):
+            values["job"] = env.get(DDPSCOPE_JOB) or default_job_id(env)
+        if not values.get("spool_dir"):
+            values["spool_dir"] = env.get(DDPSCOPE_SPOOL_DIR) or default_spool_dir(str(values["job"]))
+        return cls(**values)
+
+    @property
+    def ingest_url(self) -> str:
+        return self.url.rstrip("/") + "/api/v1/ingest"
+
+
+def _positive(v: float) -> bool:
+    return v > 0
+
+
+def _non_negative(v: float) -> bool:
+    return v >= 0
+
+
+def _parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in _TRUE:
+        return True
+    if t in _FALSE:
+        return False
+    raise ValueError(text)
+
+
+def _env(
+    env: Mapping[str, str],
+    name: str,
+    parse: Callable[[str], Any],
+    default: Any,
+    ok: Callable[[Any], bool] = lambda _v: True,
+) -> Any:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = parse(raw)
+        if ok(value):
+            return value
+    except ValueError:
+        pass  # falls through to the warning: a bad env value must not stop training
+    logger.warning("ddpscope: ignoring %s=%r (invalid); using the default %r", name, raw, default)
+    return default
+
+
+# (field, test, what it must be) for the explicit-argument check.
+_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("job", lambda v: isinstance(v, str) and bool(v), "a non-empty string"),
+    ("rank", lambda v: v is None or (type(v) is int and v >= 0), "None or an int >= 0"),
+    ("url", lambda v: isinstance(v, str) and v.startswith(("http://", "https://")), "an http(s) URL"),
+    ("token", lambda v: v is None or isinstance(v, str), "None or a string"),
+    ("spool_dir", lambda v: isinstance(v, (str, os.PathLike)) and bool(str(v)), "a directory path"),
+    ("disabled", lambda v: isinstance(v, bool), "a bool"),
+    ("validate", lambda v: isinstance(v, bool), "a bool"),
+    ("max_queue", lambda v: type(v) is int and v > 0, "an int > 0"),
+    ("max_batch", lambda v: type(v) is int and v > 0, "an int > 0"),
+    ("spool_max_bytes", lambda v: type(v) is int and v >= 4096, "an int >= 4096"),
+)
+_POSITIVE_FLOATS = (
+    "hang_timeout_s",
+    "heartbeat_s",
+    "flush_interval_s",
+    "http_timeout_s",
+    "retry_max_backoff_s",
+    "stats_interval_s",
+)
+
+
+def _check(cfg: Config) -> None:
+    for name, test, what in _RULES:
+        if not test(getattr(cfg, name)):
+            raise ValueError(f"{name}: must be {what}, got {getattr(cfg, name)!r}")
+    for name in _POSITIVE_FLOATS:
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"{name}: must be a number > 0, got {v!r}")
+    v = cfg.shipper_linger_s
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        raise ValueError(f"shipper_linger_s: must be a number >= 0, got {v!r}")
+    cfg.spool_dir = os.fspath(cfg.spool_dir)

@@ -1,0 +1,159 @@
+"""Process hooks of a live agent: fork, normal exit, SIGTERM, uncaught exceptions.
+
+Installed once, when the first real (not disabled) agent is created; a disabled agent installs none.
+
+- fork (``os.register_at_fork``): the child drops the parent's agent without touching its locks or
+  thread (they may be mid-use in a thread the child does not have) and builds its own on first emit,
+  with a new stream, so nothing is sent twice; faulthandler is switched off in the child, so a
+  crashing DataLoader worker is not reported as its rank's crash.
+- exit (``atexit``): a rank emits ``rank_exit`` ('finished', or 'error' after an uncaught exception),
+  then the agent drains to the spool within 5 s. Forked children never emit ``rank_exit``.
+- SIGTERM: ``rank_exit`` ('sigterm') and the same 5 s drain, then the previous handler runs (or, if
+  it was the default, the signal is re-raised so the exit status stays "killed by SIGTERM"). A rank
+  blocked inside a C call (a collective) runs Python signal handlers only after it returns; the spool,
+  written every few milliseconds, covers that case.
+- ``sys.excepthook``: an uncaught exception becomes a fatal ``rank_error`` (unless the engine already
+  reported it and set ``exc._ddpscope_reported = True``), then the previous hook runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from types import FrameType, TracebackType
+from typing import Any
+
+from ddpscope.agent._errors import swallowed
+
+EXIT_FLUSH_S = 5.0
+"""torchrun sends SIGKILL 30 s after SIGTERM; 5 s leaves the training code most of that."""
+
+_installed = False
+_exit_reason: str | None = None
+_prev_sigterm: Any = signal.SIG_DFL
+_prev_excepthook: Callable[..., Any] = sys.__excepthook__
+
+
+def _no_agent() -> Any:
+    return None
+
+
+_current: Callable[[], Any] = _no_agent
+
+
+def install(current: Callable[[], Any], after_fork_child: Callable[[], None]) -> None:
+    """``current()`` returns the live agent (or None); ``after_fork_child`` resets it in a child."""
+    global _installed, _current, _prev_excepthook
+    if _installed:
+        return
+    _installed = True
+    _current = current
+    atexit.register(_at_exit)
+    os.register_at_fork(after_in_child=lambda: _fork_child(after_fork_child))
+    _prev_excepthook = sys.excepthook
+    sys.excepthook = _excepthook
+    install_sigterm()
+
+
+def install_sigterm() -> bool:
+    """Install the SIGTERM flush; only possible from the main thread (else retried at next configure)."""
+    global _prev_sigterm
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    prev = signal.getsignal(signal.SIGTERM)
+    if prev is _on_sigterm:
+        return True
+    _prev_sigterm = prev
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    return True
+
+
+def _is_rank(agent: Any) -> bool:
+    return agent is not None and agent.live and not agent.forked and agent.config.rank is not None
+
+
+def _fork_child(reset: Callable[[], None]) -> None:
+    global _exit_reason
+    _exit_reason = None
+    if faulthandler.is_enabled():
+        faulthandler.disable()
+    reset()
+
+
+def register_child_exit(agent: Any) -> None:
+    """Flush a forked child's agent when it ends through multiprocessing (DataLoader workers).
+
+    Such children leave with ``os._exit``: atexit never runs, but ``multiprocessing`` runs its
+    finalizers first, so the child's last records still reach the spool.
+    """
+    mp_util = sys.modules.get("multiprocessing.util")
+    if mp_util is not None:
+        mp_util.Finalize(None, agent.shutdown, args=(EXIT_FLUSH_S,), exitpriority=100)
+
+
+def _at_exit() -> None:
+    try:
+        agent = _current()
+        if agent is None or not agent.live:
+            return
+        if _is_rank(agent):
+            agent.emit({"kind": "rank_exit", "step": None, "reason": _exit_reason or "finished"})
+        agent.shutdown(EXIT_FLUSH_S)
+    except Exception:
+        swallowed("atexit")
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    global _exit_reason
+    prev = _prev_sigterm
+    try:
+        _exit_reason = "sigterm"
+        agent = _current()
+        if agent is not None and agent.live:
+            if callable(prev):
+                # The user's handler decides whether to stop; rank_exit('sigterm') comes at exit.
+                agent.force_flush(EXIT_FLUSH_S)
+            else:
+                if _is_rank(agent):
+                    agent.emit({"kind": "rank_exit", "step": None, "reason": "sigterm"})
+                agent.shutdown(EXIT_FLUSH_S)
+    except Exception:
+        swallowed("sigterm")
+    if callable(prev):
+        prev(signum, frame)
+    elif prev != signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    global _exit_reason
+    try:
+        agent = _current()
+        if (
+            agent is not None
+            and agent.live
+            and not issubclass(exc_type, KeyboardInterrupt)
+            and not getattr(exc, "_ddpscope_reported", False)
+        ):
+            _exit_reason = "error"
+            agent.emit(
+                {
+                    "kind": "rank_error",
+                    "step": None,
+                    "phase": "unknown",
+                    "error_type": exc_type.__name__,
+                    "message": str(exc)[:2000],
+                    "stack": "".join(traceback.format_exception(exc_type, exc, tb)),
+                    "fatal": True,
+                }
+            )
+    except Exception:
+        swallowed("excepthook")
+    _prev_excepthook(exc_type, exc, tb)

@@ -1,0 +1,284 @@
+"""The shipper: a small stdlib-only process per agent that tails the spool and POSTs it; it outlives its rank.
+
+Started by ``spool_exporter`` as ``python -m ddpscope.agent.shipper '<json settings>'`` in its own
+session (so a process-group kill of the rank, Ctrl-C or torchrun's cleanup does not take it down),
+with a pipe on stdin: every byte is a wake-up ("new data"), end-of-file or a change of parent pid
+means the writer is gone. Then it drains what is left, turns a non-empty faulthandler crash file
+into a fatal ``rank_error`` record, ships it, removes the spool files and exits. If the collector
+stays unreachable for ``linger_s`` after the rank is gone it exits anyway and leaves the spool (with
+its acknowledged position) on disk; the next shipper of the same job adopts such orphans.
+
+Delivery is at-least-once (a batch is acknowledged only after a 2xx); the collector deduplicates by
+(job, rank, stream, seq). Drops made here (spool over its cap, damaged frames, refused batches) are
+reported in this process's own ``agent_stats`` stream ``<stream>.shipper``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import select
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+from ddpscope.agent import spool
+from ddpscope.agent.transport import Backoff, Poster, batch_body, encode_record, set_aside
+
+logger = logging.getLogger("ddpscope.agent.shipper")
+
+MAX_POST_BYTES = 2 * 2**20
+"""Uncompressed spool bytes per POST."""
+FATAL_NAMES = {
+    "Segmentation fault": "SIGSEGV",
+    "Aborted": "SIGABRT",
+    "Floating point exception": "SIGFPE",
+    "Bus error": "SIGBUS",
+    "Illegal instruction": "SIGILL",
+}
+
+
+def crash_record(text: str, meta: dict[str, Any], mtime_ns: int) -> dict[str, Any]:
+    """A fatal ``rank_error`` from faulthandler's output ("Fatal Python error: Aborted" ...)."""
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "fatal signal")
+    error_type = next((sig for name, sig in FATAL_NAMES.items() if name in first), "FatalSignal")
+    return {
+        "kind": "rank_error",
+        "job": meta["job"],
+        "rank": meta["rank"],
+        "stream": f"{meta['stream']}.crash",
+        "seq": 0,
+        "time_ns": mtime_ns,
+        "step": None,
+        "phase": "unknown",
+        "error_type": error_type,
+        "message": first,
+        "stack": text,
+        "fatal": True,
+    }
+
+
+class Shipper:
+    """Ships one stream's spool (``prefix``) until its writer is gone and everything is acknowledged."""
+
+    def __init__(self, settings: dict[str, Any], prefix: str, *, writer_pid: int | None) -> None:
+        self.s = settings
+        self.dir = settings["spool_dir"]
+        self.prefix = prefix
+        self.writer_pid = writer_pid
+        """Parent pid while the writer lives; None for an adopted orphan (writer already gone)."""
+        self.meta = _read_json(os.path.join(self.dir, f"{prefix}.meta"))
+        self.reader = spool.SpoolReader(self.dir, prefix)
+        self.poster = Poster(
+            settings["ingest_url"], os.environ.get("DDPSCOPE_TOKEN"), settings["http_timeout_s"]
+        )
+        self.backoff = Backoff(cap_s=settings["retry_max_backoff_s"])
+        self.dropped: Counter[str] = Counter()
+        self.stats_seq = 0
+        self.stats_sent: dict[str, int] = {}
+        self.extra: list[dict[str, Any]] = []
+        """Records made here (crash report) still to be acknowledged."""
+        self.eof = writer_pid is None
+        self.crash_checked = False
+
+    def writer_done(self) -> bool:
+        if not self.eof and self.writer_pid is not None and os.getppid() != self.writer_pid:
+            self.eof = True  # reparented: the rank died (SIGKILL, abort) without closing the pipe
+        return self.eof
+
+    def wait(self, timeout_s: float) -> None:
+        """Sleep until woken by the writer or the timeout; notice end-of-file on the pipe."""
+        if self.eof or self.writer_pid is None:
+            time.sleep(timeout_s)
+            return
+        ready, _, _ = select.select([0], [], [], timeout_s)
+        if ready:
+            try:
+                if not os.read(0, 65536):
+                    self.eof = True
+            except OSError:
+                self.eof = True
+
+    def run(self) -> bool:
+        """True when everything was delivered and the files removed; False after the linger window."""
+        gone_at: float | None = None
+        while True:
+            done = self.writer_done()
+            if done and gone_at is None:
+                gone_at = time.monotonic()
+                self.check_crash_file()
+            dropped = self.reader.drop_over_cap(self.s["spool_max_bytes"], done)
+            for kind, n in dropped.items():
+                self.dropped[f"spool_full:{kind}"] += n
+            state, delay = self.ship_once(done)
+            if state == "drained" and done:
+                self.cleanup()
+                return True
+            if gone_at is not None and time.monotonic() - gone_at > self.s["linger_s"]:
+                logger.error("ddpscope shipper: collector unreachable; leaving %s in the spool", self.prefix)
+                return False
+            if state == "sent":
+                continue
+            self.wait(delay if state == "failed" else self.s["poll_s"])
+
+    def ship_once(self, writer_done: bool) -> tuple[str, float]:
+        chunk = self.reader.read(MAX_POST_BYTES, writer_done)
+        if chunk.corrupt:
+            self.dropped["corrupt:unknown"] += chunk.corrupt
+        if chunk.truncated:
+            self.dropped["truncated:unknown"] += chunk.truncated
+        parts = [p[1:-1] for p in chunk.payloads if len(p) > 2]
+        extra = list(self.extra)
+        stats = self.stats_record() if dict(self.dropped) != self.stats_sent else None
+        if stats is not None:
+            extra.append(stats)
+        if not parts and not extra:
+            self.reader.ack(chunk.end)
+            return "drained", 0.0
+        encoded = parts + [encode_record(r) for r in extra]
+        outcome = self.poster.post(batch_body(encoded))
+        if outcome.retry:
+            delay = self.backoff.next_delay(outcome.retry_after_s)
+            logger.info(
+                "ddpscope shipper: ingest failed (%s %s); retry in %.2fs",
+                outcome.status,
+                outcome.detail,
+                delay,
+            )
+            return "failed", delay
+        if not outcome.ok:
+            logger.error(
+                "ddpscope shipper: collector refused a batch (%s): %s", outcome.status, outcome.detail
+            )
+            set_aside(os.path.join(self.dir, f"{self.prefix}.rejected"), encoded, outcome)
+            for payload in chunk.payloads:
+                for kind, n in spool.count_kinds(payload).items():
+                    self.dropped[f"rejected:{kind}"] += n
+        self.backoff.reset()
+        self.reader.ack(chunk.end)
+        self.extra = []
+        if stats is not None:
+            self.stats_sent = dict(stats["dropped"])
+            self.stats_seq += 1
+        return "sent", 0.0
+
+    def stats_record(self) -> dict[str, Any]:
+        return {
+            "kind": "agent_stats",
+            "job": self.meta["job"],
+            "rank": self.meta["rank"],
+            "stream": f"{self.meta['stream']}.shipper-{os.getpid()}",
+            "seq": self.stats_seq,
+            "time_ns": time.time_ns(),
+            "emitted": 0,
+            "dropped": dict(self.dropped),
+            "spool_bytes": self.reader.pending_bytes(),
+        }
+
+    def check_crash_file(self) -> None:
+        path = os.path.join(self.dir, f"{self.prefix}.crash")
+        try:
+            with open(path, errors="replace") as f:
+                text = f.read()
+            mtime_ns = os.stat(path).st_mtime_ns
+        except FileNotFoundError:
+            return
+        if text.strip():
+            record = crash_record(text, self.meta, mtime_ns)
+            logger.error("ddpscope shipper: rank %s died: %s", self.meta["rank"], record["message"])
+            self.extra.append(record)
+
+    def cleanup(self) -> None:
+        self.poster.close()
+        for _, path in spool.list_segments(self.dir, self.prefix):
+            _unlink(path)
+        for suffix in (".ack", ".meta", ".crash"):
+            _unlink(os.path.join(self.dir, self.prefix + suffix))
+
+
+def lock(directory: str, prefix: str) -> int | None:
+    """Hold ``<prefix>.lock`` (flock) for this process's life; None if another shipper holds it."""
+    fd = os.open(os.path.join(directory, f"{prefix}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
+
+
+def orphans(directory: str, own: str) -> list[str]:
+    """Prefixes in the spool whose writer process is gone and which no shipper holds."""
+    found = []
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".meta") or name == f"{own}.meta":
+            continue
+        prefix = name[: -len(".meta")]
+        meta = _read_json(os.path.join(directory, name))
+        if not meta or _alive(int(meta.get("pid", 0))):
+            continue
+        found.append(prefix)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def main(argv: list[str]) -> int:
+    settings = json.loads(argv[0])
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    directory, own = settings["spool_dir"], settings["prefix"]
+    fd = lock(directory, own)
+    if fd is None:
+        return 0  # another shipper already serves this stream
+    ok = Shipper(settings, own, writer_pid=settings["writer_pid"]).run()
+    _unlink(os.path.join(directory, f"{own}.lock"))
+    os.close(fd)
+    if not ok:
+        return 1
+    log = os.path.join(directory, f"{own}.shipper.log")
+    with contextlib.suppress(OSError):
+        if os.path.getsize(log) == 0:
+            os.unlink(log)  # nothing went wrong: leave no trace
+    # Our own stream is delivered: deliver what earlier, dead shippers of this job left behind.
+    for prefix in orphans(directory, own):
+        ofd = lock(directory, prefix)
+        if ofd is None:
+            continue
+        if Shipper(settings, prefix, writer_pid=None).run():
+            _unlink(os.path.join(directory, f"{prefix}.lock"))
+        os.close(ofd)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

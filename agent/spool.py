@@ -1,0 +1,311 @@
+"""The disk spool: bounded append-only segment files of framed batches, read back in order.
+
+One agent incarnation (stream) owns the files ``<prefix>-<segno>.seg`` in the spool directory. The
+writer (in the training process) appends one frame per batch with a single ``write`` on an O_APPEND
+descriptor and never rewrites; the reader (the shipper process) keeps its position in
+``<prefix>.ack`` and deletes a segment only once everything in it was acknowledged by the collector.
+
+Frame: ``MAGIC (4 bytes) | payload length (u32 LE) | crc32(payload) (u32 LE) | payload``. The payload
+is a JSON array of records, ASCII only (``ensure_ascii``), so the 0xFF in ``MAGIC`` never occurs in
+it and the reader can resynchronise after damage: a flipped byte fails the crc, a garbled header
+fails the magic, and a torn tail (the writer died mid-write) is cut off; each is skipped and counted.
+
+Writes are not fsynced: a killed process's writes are already in the page cache, which is what crash
+durability needs; a power loss of the node may lose the last second.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import struct
+import time
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"\xffDS\x01"
+HEADER = struct.Struct("<4sII")
+MAX_FRAME = 64 * 2**20
+"""A length field above this is damage, not data."""
+
+Position = tuple[int, int]
+"""(segment number, byte offset in it)."""
+
+
+def frame(payload: bytes) -> bytes:
+    return HEADER.pack(MAGIC, len(payload), zlib.crc32(payload)) + payload
+
+
+@dataclass
+class Parsed:
+    entries: list[tuple[bytes, int]] = field(default_factory=list)
+    """(payload, offset just past its frame)."""
+    consumed: int = 0
+    """Offset up to which the buffer is settled (entries, or damage skipped)."""
+    corrupt: int = 0
+    """Damaged regions skipped (bad magic, bad crc, impossible length)."""
+    truncated: int = 0
+    """Torn frames at the end of a sealed segment."""
+
+
+def parse(buf: bytes, final: bool) -> Parsed:
+    """Split ``buf`` (which starts on a frame boundary) into frames.
+
+    ``final`` means nothing more will be appended to ``buf``: an incomplete frame at its end is then a
+    torn write rather than one still in progress.
+    """
+    out = Parsed()
+    n, pos = len(buf), 0
+    while n - pos >= HEADER.size:
+        magic, length, crc = HEADER.unpack_from(buf, pos)
+        body = pos + HEADER.size
+        if magic != MAGIC or length > MAX_FRAME:
+            out.corrupt += 1
+            pos = _resync(buf, pos, final)
+            continue
+        if body + length > n:
+            # Either still being written, or the length itself is damaged: a later frame start proves it.
+            nxt = buf.find(MAGIC, body)
+            if nxt >= 0:
+                out.corrupt += 1
+                pos = nxt
+                continue
+            if final:
+                out.truncated += 1
+                pos = n
+            break
+        payload = buf[body : body + length]
+        if zlib.crc32(payload) != crc:
+            out.corrupt += 1
+            pos = _resync(buf, pos, final)
+            continue
+        pos = body + length
+        out.entries.append((payload, pos))
+    if final and pos < n:
+        out.truncated += 1  # a few bytes of header and no more: the writer died mid-write
+        pos = n
+    out.consumed = pos
+    return out
+
+
+def _resync(buf: bytes, pos: int, final: bool) -> int:
+    nxt = buf.find(MAGIC, pos + 1)
+    if nxt >= 0:
+        return nxt
+    # Keep a possible partial magic at the very end: the next frame may be arriving.
+    return len(buf) if final else max(pos + 1, len(buf) - len(MAGIC) + 1)
+
+
+def segment_path(directory: str, prefix: str, segno: int) -> str:
+    return os.path.join(directory, f"{prefix}-{segno:06d}.seg")
+
+
+def list_segments(directory: str, prefix: str) -> list[tuple[int, str]]:
+    pattern = re.compile(re.escape(prefix) + r"-(\d{6,})\.seg$")
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), os.path.join(directory, name)) for name in names if (m := pattern.match(name))]
+    return sorted(found)
+
+
+def ack_path(directory: str, prefix: str) -> str:
+    return os.path.join(directory, f"{prefix}.ack")
+
+
+def read_ack(directory: str, prefix: str) -> Position:
+    try:
+        with open(ack_path(directory, prefix)) as f:
+            segno, offset = f.read().split()
+        return int(segno), int(offset)
+    except (FileNotFoundError, ValueError):
+        return (0, 0)
+
+
+def write_ack(directory: str, prefix: str, pos: Position) -> None:
+    path = ack_path(directory, prefix)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{pos[0]} {pos[1]}")
+    os.replace(tmp, path)  # atomic: a reader never sees half a position
+
+
+def count_kinds(payload: bytes) -> Counter[str]:
+    """Record kinds in one frame's payload (used only when dropping, to count drops by kind)."""
+    try:
+        return Counter(str(r.get("kind")) for r in json.loads(payload))
+    except (ValueError, AttributeError, TypeError):
+        return Counter({"unknown": 1})
+
+
+class SpoolWriter:
+    """Appends frames to the current segment; rolls at ``segment_bytes``; refuses past ``hard_cap_bytes``.
+
+    The reader enforces the real cap (dropping oldest first). The hard cap here is the backstop for a
+    shipper that is not running: the disk never fills up because of us.
+    """
+
+    def __init__(self, directory: str, prefix: str, *, segment_bytes: int, hard_cap_bytes: int) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.directory, self.prefix = directory, prefix
+        self.segment_bytes, self.hard_cap_bytes = segment_bytes, hard_cap_bytes
+        existing = list_segments(directory, prefix)
+        self.segno = existing[-1][0] + 1 if existing else 0
+        self.size = 0
+        self.disk_bytes = 0
+        self._checked_at = 0.0
+        self._fd = self._open()
+
+    def _open(self) -> int:
+        path = segment_path(self.directory, self.prefix, self.segno)
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+
+    @property
+    def position(self) -> Position:
+        return (self.segno, self.size)
+
+    def append(self, payload: bytes) -> bool:
+        """Write one frame; False (nothing written) when the spool is over its hard cap."""
+        if self.size >= self.segment_bytes:
+            os.close(self._fd)
+            self.segno += 1
+            self.size = 0
+            self._fd = self._open()
+            self._measure()
+        elif self.disk_bytes + self.size > self.hard_cap_bytes and time.monotonic() - self._checked_at > 0.2:
+            self._measure()
+        data = frame(payload)
+        if self.disk_bytes + self.size + len(data) > self.hard_cap_bytes:
+            return False
+        view = memoryview(data)
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+        self.size += len(data)
+        return True
+
+    def _measure(self) -> None:
+        """Bytes in this stream's older segments still on disk (the shipper deletes acknowledged ones)."""
+        self._checked_at = time.monotonic()
+        total = 0
+        for segno, path in list_segments(self.directory, self.prefix):
+            if segno < self.segno:
+                try:
+                    total += os.path.getsize(path)
+                except FileNotFoundError:
+                    continue  # just deleted by the shipper
+        self.disk_bytes = total
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+@dataclass
+class Chunk:
+    payloads: list[bytes]
+    end: Position
+    corrupt: int = 0
+    truncated: int = 0
+
+
+class SpoolReader:
+    """Reads frames after the acknowledged position; ``ack`` moves it and deletes finished segments."""
+
+    def __init__(self, directory: str, prefix: str) -> None:
+        self.directory, self.prefix = directory, prefix
+        self.pos: Position = read_ack(directory, prefix)
+
+    def read(self, max_bytes: int, writer_done: bool) -> Chunk:
+        """Frames from the acknowledged position, up to about ``max_bytes`` (at least one frame)."""
+        segs = list_segments(self.directory, self.prefix)
+        chunk = Chunk([], self.pos)
+        budget = max_bytes
+        for i, (segno, path) in enumerate(segs):
+            if segno < chunk.end[0]:
+                continue
+            offset = chunk.end[1] if segno == chunk.end[0] else 0
+            sealed = writer_done or i < len(segs) - 1
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    buf = f.read(budget if not chunk.payloads else max(1, budget))
+                    at_eof = not f.read(1)
+            except FileNotFoundError:
+                continue
+            parsed = parse(buf, final=sealed and at_eof)
+            if not parsed.entries and not at_eof and not chunk.payloads:
+                # One frame bigger than the budget: read the rest of the segment.
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    buf = f.read()
+                at_eof = True
+                parsed = parse(buf, final=sealed)
+            chunk.payloads.extend(p for p, _ in parsed.entries)
+            chunk.corrupt += parsed.corrupt
+            chunk.truncated += parsed.truncated
+            chunk.end = (segno, offset + parsed.consumed)
+            budget -= parsed.consumed
+            if not (sealed and at_eof and offset + parsed.consumed >= offset + len(buf)):
+                break
+            if i + 1 < len(segs):
+                chunk.end = (segs[i + 1][0], 0)
+            if budget <= 0:
+                break
+        return chunk
+
+    def ack(self, pos: Position) -> None:
+        if pos == self.pos:
+            return
+        write_ack(self.directory, self.prefix, pos)
+        self.pos = pos
+        for segno, path in list_segments(self.directory, self.prefix):
+            if segno < pos[0]:
+                _unlink(path)
+
+    def pending_bytes(self) -> int:
+        total = 0
+        for segno, path in list_segments(self.directory, self.prefix):
+            if segno >= self.pos[0]:
+                try:
+                    total += os.path.getsize(path)
+                except FileNotFoundError:
+                    continue
+        return max(0, total - self.pos[1])
+
+    def drop_over_cap(self, cap_bytes: int, writer_done: bool) -> Counter[str]:
+        """Drop whole oldest segments while over ``cap_bytes``; return the records dropped, by kind."""
+        dropped: Counter[str] = Counter()
+        while self.pending_bytes() > cap_bytes:
+            segs = [s for s in list_segments(self.directory, self.prefix) if s[0] >= self.pos[0]]
+            # The newest segment is still being appended to: never drop it under the writer.
+            if not segs or (len(segs) == 1 and not writer_done):
+                break
+            segno, path = segs[0]
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.pos[1] if segno == self.pos[0] else 0)
+                    buf = f.read()
+            except FileNotFoundError:
+                buf = b""
+            for payload, _ in parse(buf, final=True).entries:
+                dropped.update(count_kinds(payload))
+            nxt = (segs[1][0], 0) if len(segs) > 1 else (segno + 1, 0)
+            logger.warning("ddpscope: spool over its cap; dropping %s", path)
+            self.ack(nxt)
+            _unlink(path)
+        return dropped
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return

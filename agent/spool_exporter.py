@@ -1,0 +1,170 @@
+"""The default exporter: append each batch to the disk spool and let the shipper process deliver it.
+
+One delivery path for everything: the training process only ever writes local files (fast, no
+network in the process), and the shipper (``shipper.py``), started here in its own session, POSTs
+them, so what was spooled before a SIGKILL or an abort still arrives. ``force_flush`` waits until
+the shipper has acknowledged everything written so far (the collector committed it).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import faulthandler
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import IO, Any
+
+from ddpscope.agent import spool
+from ddpscope.agent.exporters import ExportResult
+from ddpscope.agent.transport import encode_record
+
+logger = logging.getLogger(__name__)
+
+
+class SpoolExporter:
+    def __init__(
+        self,
+        *,
+        spool_dir: str,
+        prefix: str,
+        meta: dict[str, Any],
+        ingest_url: str,
+        token: str | None = None,
+        spool_max_bytes: int = 256 * 2**20,
+        http_timeout_s: float = 10.0,
+        retry_max_backoff_s: float = 5.0,
+        linger_s: float = 600.0,
+        crash_file: bool = True,
+    ) -> None:
+        self.spool_dir, self.prefix = spool_dir, prefix
+        segment_bytes = max(16 * 1024, min(4 * 2**20, spool_max_bytes // 8))
+        # Twice the cap: the shipper enforces the cap itself; this backstop only stops a runaway disk.
+        self._writer = spool.SpoolWriter(
+            spool_dir, prefix, segment_bytes=segment_bytes, hard_cap_bytes=2 * spool_max_bytes
+        )
+        with open(os.path.join(spool_dir, f"{prefix}.meta"), "w") as f:
+            json.dump({**meta, "pid": os.getpid()}, f)
+        self._settings = {
+            "spool_dir": spool_dir,
+            "prefix": prefix,
+            "ingest_url": ingest_url,
+            "spool_max_bytes": spool_max_bytes,
+            "http_timeout_s": http_timeout_s,
+            "retry_max_backoff_s": retry_max_backoff_s,
+            "linger_s": linger_s,
+            "poll_s": 0.25,
+            "writer_pid": os.getpid(),
+        }
+        self._token = token
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._wake_fd = -1
+        self._started_at = 0.0
+        self._closed = False
+        self.dropped: collections.Counter[str] = collections.Counter()
+        """Records this exporter did not hand to the shipper: 'spool_full:kind', 'unserializable:kind'."""
+        self._crash: IO[str] | None = None
+        if crash_file:
+            self._enable_crash_file()
+        self._start_shipper()
+
+    def _enable_crash_file(self) -> None:
+        # faulthandler writes every thread's stack here on SIGSEGV/SIGABRT/...; the shipper turns it
+        # into a fatal rank_error once this process is gone.
+        self._crash = open(os.path.join(self.spool_dir, f"{self.prefix}.crash"), "w")  # noqa: SIM115
+        faulthandler.enable(file=self._crash, all_threads=True)
+
+    def _start_shipper(self) -> None:
+        self._started_at = time.monotonic()
+        env = dict(os.environ)
+        env.pop("DDPSCOPE_TOKEN", None)
+        if self._token:
+            env["DDPSCOPE_TOKEN"] = self._token  # env, not argv: argv is world-readable in ps
+        log = open(os.path.join(self.spool_dir, f"{self.prefix}.shipper.log"), "ab")  # noqa: SIM115
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "ddpscope.agent.shipper", json.dumps(self._settings)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                # Not the rank's stderr: a launcher reading it to EOF would wait for the shipper.
+                stderr=log,
+                env=env,
+                close_fds=True,
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+        assert self._proc.stdin is not None
+        self._wake_fd = self._proc.stdin.fileno()
+        os.set_blocking(self._wake_fd, False)
+
+    @property
+    def shipper_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def export(self, batch: list[dict[str, Any]]) -> ExportResult:
+        if self._closed:
+            return ExportResult.FAILURE
+        encoded = []
+        for record in batch:
+            try:
+                encoded.append(encode_record(record))
+            except (TypeError, ValueError):
+                self.dropped[f"unserializable:{record.get('kind')}"] += 1
+        if encoded and not self._writer.append(b"[" + b",".join(encoded) + b"]"):
+            for record in batch:
+                self.dropped[f"spool_full:{record.get('kind')}"] += 1
+            return ExportResult.FAILURE
+        self._wake()
+        return ExportResult.SUCCESS
+
+    def _wake(self) -> None:
+        if (
+            self._proc is not None
+            and self._proc.poll() is not None
+            and time.monotonic() - self._started_at > 5
+        ):
+            # The shipper died (killed, OOM): a new one resumes from the acknowledged position.
+            logger.warning("ddpscope: shipper exited with %s; restarting it", self._proc.returncode)
+            self._close_pipe()
+            self._start_shipper()
+        with contextlib.suppress(BlockingIOError, BrokenPipeError, OSError):
+            os.write(self._wake_fd, b"\x01")  # a full pipe already means "wake up"
+
+    def spool_bytes(self) -> int:
+        return self._writer.disk_bytes + self._writer.size
+
+    def force_flush(self, timeout_s: float = 5.0) -> bool:
+        """True once the collector acknowledged everything written so far."""
+        deadline = time.monotonic() + timeout_s
+        target = self._writer.position
+        self._wake()
+        while spool.read_ack(self.spool_dir, self.prefix) < target:
+            if time.monotonic() > deadline or self._proc is None:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Close the spool; the shipper sees end-of-file, delivers the rest and exits on its own."""
+        if self._closed:
+            return
+        self._closed = True
+        self._writer.close()
+        self._close_pipe()
+        if self._crash is not None:
+            # A clean shutdown is no crash: stop writing fatal-signal stacks to a file we leave behind.
+            with contextlib.suppress(ValueError, RuntimeError):
+                faulthandler.disable()
+            self._crash.close()
+            self._crash = None
+
+    def _close_pipe(self) -> None:
+        if self._proc is not None and self._proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._proc.stdin.close()
+        self._wake_fd = -1

@@ -1,0 +1,210 @@
+"""HTTP delivery to the collector: encoding, one POST, retry policy, and the direct HTTP exporter.
+
+A batch on the wire is ``{"schema": SCHEMA_VERSION, "records": [...]}``, gzip-compressed, POSTed to
+``<url>/api/v1/ingest``. 2xx means committed. 429/503 (with ``Retry-After``), 408, other 5xx and
+network errors are retried with capped, jittered exponential backoff; any other 4xx is permanent:
+the batch is set aside in a rejected file and counted, never retried forever.
+
+Standard library only: the shipper process imports this module.
+"""
+
+from __future__ import annotations
+
+import collections
+import email.utils
+import gzip
+import http.client
+import json
+import logging
+import os
+import random
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any
+
+from ddpscope.agent.exporters import ExportResult
+from ddpscope.agent.records import SCHEMA_VERSION
+
+logger = logging.getLogger(__name__)
+
+RETRYABLE = frozenset({408, 425, 429, 500, 502, 503, 504})
+MAX_RETRY_AFTER_S = 60.0
+"""A collector asking for a longer pause is still retried after this long."""
+
+
+def encode_record(record: dict[str, Any]) -> bytes:
+    """One record as compact JSON; NaN/inf raise ``ValueError`` (strict collectors refuse them)."""
+    return json.dumps(record, separators=(",", ":"), allow_nan=False).encode()
+
+
+def batch_body(encoded: list[bytes]) -> bytes:
+    """The gzip body for already-encoded records."""
+    raw = b'{"schema":%d,"records":[%s]}' % (SCHEMA_VERSION, b",".join(encoded))
+    return gzip.compress(raw, compresslevel=1)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    ok: bool
+    retry: bool
+    """Worth retrying (network error, 408/429/5xx); False with ok=False means permanently refused."""
+    status: int | None
+    retry_after_s: float | None
+    detail: str
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date), capped."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        seconds = when.timestamp() - time.time()
+    return min(MAX_RETRY_AFTER_S, max(0.0, seconds))
+
+
+class Poster:
+    """POSTs bodies to one ingest URL over a kept-alive connection (reopened after any error)."""
+
+    def __init__(self, ingest_url: str, token: str | None, timeout_s: float) -> None:
+        parts = urllib.parse.urlsplit(ingest_url)
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname or "127.0.0.1"
+        self._port = parts.port or (443 if self._https else 80)
+        self._path = parts.path or "/"
+        self._timeout_s = timeout_s
+        self._headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._conn: http.client.HTTPConnection | None = None
+
+    def post(self, body: bytes) -> Outcome:
+        try:
+            if self._conn is None:
+                cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+                self._conn = cls(self._host, self._port, timeout=self._timeout_s)
+            self._conn.request("POST", self._path, body=body, headers=self._headers)
+            resp = self._conn.getresponse()
+            text = resp.read(2000).decode("utf-8", "replace")
+            status = resp.status
+            retry_after = parse_retry_after(resp.getheader("Retry-After"))
+            if resp.will_close:
+                self.close()
+        except (OSError, http.client.HTTPException) as exc:
+            # Connection refused/reset, timeout, a collector that hung up: all transient.
+            self.close()
+            return Outcome(False, True, None, None, f"{type(exc).__name__}: {exc}")
+        if 200 <= status < 300:
+            return Outcome(True, False, status, None, "")
+        return Outcome(False, status in RETRYABLE, status, retry_after, text.strip()[:500])
+
+    def close(self) -> None:
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            conn.close()
+
+
+class Backoff:
+    """Capped exponential backoff with full jitter in [0.5, 1] of the step; ``Retry-After`` wins."""
+
+    def __init__(self, base_s: float = 0.05, cap_s: float = 5.0) -> None:
+        self.base_s = base_s
+        self.cap_s = cap_s
+        self.attempt = 0
+
+    def next_delay(self, retry_after_s: float | None = None) -> float:
+        step = min(self.cap_s, self.base_s * (2**self.attempt))
+        self.attempt = min(self.attempt + 1, 30)
+        delay = step * random.uniform(0.5, 1.0)
+        return max(delay, retry_after_s) if retry_after_s is not None else delay
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+def set_aside(path: str, encoded: list[bytes], outcome: Outcome) -> None:
+    """Append permanently refused records to the rejected file (one JSON line per record)."""
+    header = json.dumps({"rejected_status": outcome.status, "detail": outcome.detail}).encode()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "ab") as f:
+        f.write(b"#" + header + b"\n" + b"\n".join(encoded) + b"\n")
+
+
+class HttpExporter:
+    """Sends each batch straight to the collector from the agent's worker thread.
+
+    No crash durability (the default pipeline spools first, see ``spool_exporter``); useful where no
+    disk is available. ``export`` retries within ``export_timeout_s`` and then gives up (RETRY).
+    """
+
+    def __init__(
+        self,
+        ingest_url: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 10.0,
+        retry_max_backoff_s: float = 5.0,
+        export_timeout_s: float = 30.0,
+        rejected_path: str | None = None,
+    ) -> None:
+        self._poster = Poster(ingest_url, token, timeout_s)
+        self._retry_max_backoff_s = retry_max_backoff_s
+        self._export_timeout_s = export_timeout_s
+        self._rejected_path = rejected_path
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self.dropped: collections.Counter[str] = collections.Counter()
+        """'unserializable:kind' -> records this exporter could not encode (merged into agent_stats)."""
+        self.rejected_batches = 0
+
+    def export(self, batch: list[dict[str, Any]]) -> ExportResult:
+        encoded = []
+        for record in batch:
+            try:
+                encoded.append(encode_record(record))
+            except (TypeError, ValueError):
+                self.dropped[f"unserializable:{record.get('kind')}"] += 1
+        if not encoded:
+            return ExportResult.SUCCESS
+        body = batch_body(encoded)
+        backoff = Backoff(cap_s=self._retry_max_backoff_s)
+        deadline = time.monotonic() + self._export_timeout_s
+        with self._lock:
+            while not self._closed.is_set():
+                outcome = self._poster.post(body)
+                if outcome.ok:
+                    return ExportResult.SUCCESS
+                if not outcome.retry:
+                    self.rejected_batches += 1
+                    logger.error(
+                        "ddpscope: collector refused a batch (%s): %s", outcome.status, outcome.detail
+                    )
+                    if self._rejected_path:
+                        set_aside(self._rejected_path, encoded, outcome)
+                    return ExportResult.FAILURE
+                delay = backoff.next_delay(outcome.retry_after_s)
+                if time.monotonic() + delay > deadline:
+                    break
+                logger.debug("ddpscope: ingest failed (%s), retrying in %.2fs", outcome.detail, delay)
+                # The sleep is the shutdown event: shutdown() cuts it short (OTel OTLP exporter).
+                self._closed.wait(delay)
+        return ExportResult.RETRY
+
+    def force_flush(self, timeout_s: float = 5.0) -> bool:
+        return True  # export() is synchronous: nothing is buffered here
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._closed.set()
+        if self._lock.acquire(timeout=max(0.0, timeout_s)):
+            try:
+                self._poster.close()
+            finally:
+                self._lock.release()

@@ -1,0 +1,110 @@
+"""A training-like process for the agent's crash tests: ``python child.py MODE [N]``.
+
+The agent is configured from DDPSCOPE_* and RANK in the environment the test sets. Modes:
+``kill`` / ``sigterm``: emit N records, print READY, then wait to be killed;
+``abort``: emit N records, then ``os.abort()``; ``raise``: emit N records, then an uncaught error;
+``exit``: emit N records and return normally; ``flood``: emit N records as fast as possible and
+print the peak RSS growth; ``job``: a gloo job of N steps, one step record per step per rank;
+``dataloader``: a torch DataLoader with 2 forked workers that emit from the workers.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+
+from ddpscope import agent
+
+
+def heartbeat(i: int) -> dict[str, object]:
+    return {"kind": "heartbeat", "phase": "forward", "step": i, "last_coll_seq": i, "pid": os.getpid()}
+
+
+def crash_here() -> None:
+    os.abort()
+
+
+def step_record(step: int) -> dict[str, object]:
+    t = time.time_ns()
+    return {
+        "kind": "step",
+        "step": step,
+        "synced": True,
+        "forward_start_ns": t,
+        "forward_end_ns": t,
+        "backward_start_ns": t,
+        "backward_end_ns": t,
+        "bucket_ready_ns": [t],
+        "allreduce_start_ns": [t],
+        "allreduce_end_ns": [t],
+        "bucket_bytes": [64],
+        "ready_order": [0],
+        "unused_parameters": [],
+        "collective_seqs": [step + 1],
+    }
+
+
+def run_job(steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(16)
+    for step in range(steps):
+        dist.all_reduce(t)
+        agent.emit(step_record(step))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_dataloader() -> None:
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class Emitting(Dataset[int]):
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, i: int) -> int:
+            agent.emit(heartbeat(1000 + i))  # from a forked worker: its own stream
+            return i
+
+    torch.multiprocessing.set_start_method("fork", force=True)
+    for epoch in range(2):
+        for batch in DataLoader(Emitting(), batch_size=4, num_workers=2):
+            agent.emit(heartbeat(epoch * 100 + int(batch[0])))
+    print("DONE", flush=True)
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 10
+    agent.configure()
+    if mode == "job":
+        run_job(n)
+        return
+    if mode == "dataloader":
+        run_dataloader()
+        return
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for i in range(n):
+        agent.emit(heartbeat(i))
+    if mode == "flood":
+        grown_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        print(f"RSS_GROWTH_KB {grown_kb}", flush=True)
+        return
+    if mode == "exit":
+        return
+    if mode == "raise":
+        raise ValueError("loss is nan at step 3")
+    time.sleep(0.2)  # a few flush intervals: the records are on disk, not only in memory
+    if mode == "abort":
+        crash_here()
+    print("READY", flush=True)
+    time.sleep(120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Agent test fixtures: swallowed errors fail the test, every agent and shipper started is stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ddpscope.agent import _core, _errors
+from tests.agent.fake_collector import FakeCollector
+
+
+@pytest.fixture(autouse=True)
+def agent_errors_fail_the_test() -> Iterator[list[BaseException]]:
+    """The agent swallows errors so training survives; a test must not. Tests that provoke an error
+    on purpose take this fixture and clear the list."""
+    seen: list[BaseException] = []
+
+    def hook(where: str, exc: BaseException) -> None:
+        seen.append(exc)
+
+    _errors.HOOKS.append(hook)
+    try:
+        yield seen
+    finally:
+        _errors.HOOKS.remove(hook)
+    if seen:
+        raise seen[0]
+
+
+@pytest.fixture(autouse=True)
+def fresh_agent() -> Iterator[None]:
+    yield
+    agent = _core._agent
+    _core._agent = None
+    if agent is not None:
+        agent.shutdown(2.0)
+
+
+def shipper_pids(spool_dir: Path) -> list[int]:
+    """Pids of shippers serving streams in ``spool_dir`` (they write their pid into the lock file)."""
+    pids = []
+    for lock in spool_dir.rglob("*.lock"):
+        with contextlib.suppress(OSError, ValueError):
+            pids.append(int(lock.read_text()))
+    return pids
+
+
+def kill_shippers(spool_dir: Path) -> None:
+    for pid in shipper_pids(spool_dir):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def wait_shippers_gone(spool_dir: Path, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(_alive(pid) for pid in shipper_pids(spool_dir)):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A shipper that exited but is not yet reaped by its (dead) parent is a zombie: gone for us.
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    return False
+
+
+@pytest.fixture
+def spool_dir(tmp_path: Path) -> Iterator[Path]:
+    d = tmp_path / "spool"
+    d.mkdir()
+    yield d
+    _core.shutdown(2.0)  # before the kill: a shutdown drain could otherwise restart a shipper
+    kill_shippers(d)
+
+
+@pytest.fixture
+def collector() -> Iterator[FakeCollector]:
+    with FakeCollector(hang_s=10.0) as c:
+        yield c

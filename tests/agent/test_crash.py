@@ -1,0 +1,201 @@
+"""Crash durability and process lifecycle, with real child processes and a real HTTP collector."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.agent.conftest import kill_shippers, wait_shippers_gone
+from tests.agent.fake_collector import FakeCollector
+from tests.support.procs import assert_all_ok, free_port, kill_group, run_ranks
+
+CHILD = Path(__file__).with_name("child.py")
+pytestmark = pytest.mark.timeout(120)
+
+
+def child_env(url: str, spool_dir: Path, job: str, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    for name in list(env):
+        if name.startswith("DDPSCOPE_"):
+            del env[name]
+    env.update(
+        DDPSCOPE_URL=url,
+        DDPSCOPE_SPOOL_DIR=str(spool_dir),
+        DDPSCOPE_JOB=job,
+        DDPSCOPE_HTTP_TIMEOUT_S="2",
+        DDPSCOPE_RETRY_MAX_S="0.3",
+        DDPSCOPE_SHIPPER_LINGER_S="60",
+        RANK="0",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def started() -> Iterator[list[subprocess.Popen[str]]]:
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            kill_group(p)
+        p.communicate(timeout=10)
+
+
+def start(
+    procs: list[subprocess.Popen[str]], mode: str, n: int, env: dict[str, str]
+) -> subprocess.Popen[str]:
+    p = subprocess.Popen(
+        [sys.executable, str(CHILD), mode, str(n)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    procs.append(p)
+    return p
+
+
+def wait_ready(p: subprocess.Popen[str]) -> None:
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    assert line.strip() == "READY", (line, p.stderr.read() if p.poll() is not None and p.stderr else "")
+
+
+def heartbeat_steps(c: FakeCollector) -> list[int]:
+    return sorted(r["step"] for r in c.of_kind("heartbeat"))
+
+
+def test_records_emitted_before_a_sigkill_reach_the_collector(collector, spool_dir, started) -> None:
+    p = start(started, "kill", 500, child_env(collector.url, spool_dir, "killed"))
+    wait_ready(p)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(10)
+    assert collector.wait_for(lambda c: len(c.of_kind("heartbeat")) == 500, 20), len(
+        collector.of_kind("heartbeat")
+    )
+    assert heartbeat_steps(collector) == list(range(500))
+    assert collector.duplicates == 0 or len(collector.records) >= 500
+    assert wait_shippers_gone(spool_dir, 20), "the shipper must exit once its rank is gone and all is sent"
+    assert not list(spool_dir.glob("*.seg")), "delivered segments are removed"
+
+
+def test_an_aborted_rank_reports_a_fatal_rank_error_with_its_stack(collector, spool_dir, started) -> None:
+    p = start(started, "abort", 20, child_env(collector.url, spool_dir, "aborted"))
+    p.wait(30)
+    assert p.returncode == -signal.SIGABRT
+    assert collector.wait_for(lambda c: c.of_kind("rank_error") and len(c.of_kind("heartbeat")) == 20, 20)
+    (err,) = collector.of_kind("rank_error")
+    assert err["fatal"] is True and err["error_type"] == "SIGABRT"
+    assert err["phase"] == "unknown" and err["step"] is None and err["rank"] == 0
+    assert "crash_here" in err["stack"] and "Aborted" in err["message"]
+
+
+def test_sigterm_flushes_and_reports_rank_exit_sigterm(collector, spool_dir, started) -> None:
+    p = start(started, "sigterm", 50, child_env(collector.url, spool_dir, "termed"))
+    wait_ready(p)
+    os.kill(p.pid, signal.SIGTERM)
+    assert p.wait(10) == -signal.SIGTERM  # the default action still happens after the flush
+    assert collector.wait_for(lambda c: c.of_kind("rank_exit") and len(c.of_kind("heartbeat")) == 50, 20)
+    assert [r["reason"] for r in collector.of_kind("rank_exit")] == ["sigterm"]
+
+
+def test_normal_exit_reports_rank_exit_finished_and_the_final_counts(collector, spool_dir, started) -> None:
+    p = start(started, "exit", 30, child_env(collector.url, spool_dir, "finished"))
+    assert p.wait(30) == 0
+    assert collector.wait_for(lambda c: c.of_kind("rank_exit") and c.of_kind("agent_stats"), 20)
+    assert [r["reason"] for r in collector.of_kind("rank_exit")] == ["finished"]
+    stats = max(collector.of_kind("agent_stats"), key=lambda r: r["seq"])
+    assert stats["emitted"] == 31 and stats["dropped"] == {}  # 30 heartbeats + rank_exit
+
+
+def test_an_uncaught_exception_becomes_a_fatal_rank_error_then_rank_exit_error(
+    collector, spool_dir, started
+) -> None:
+    p = start(started, "raise", 3, child_env(collector.url, spool_dir, "raised"))
+    assert p.wait(30) == 1
+    assert collector.wait_for(lambda c: c.of_kind("rank_error") and c.of_kind("rank_exit"), 20)
+    (err,) = collector.of_kind("rank_error")
+    assert err["error_type"] == "ValueError" and err["fatal"] is True
+    assert "loss is nan" in err["message"] and "Traceback" in err["stack"]
+    assert [r["reason"] for r in collector.of_kind("rank_exit")] == ["error"]
+
+
+@pytest.mark.slow
+def test_collector_down_for_a_whole_two_rank_job_then_started_every_step_arrives_once(spool_dir) -> None:
+    port = free_port()
+    env = child_env(f"http://127.0.0.1:{port}", spool_dir, "down-job")
+    del env["RANK"]
+    try:
+        results = run_ranks(CHILD, 2, args=["job", "40"], env=env, timeout_s=90)
+        assert_all_ok(results)
+        assert list(spool_dir.glob("*.seg")), "while the collector is down the records wait on disk"
+        with FakeCollector(port) as collector:
+            ok = collector.wait_for(
+                lambda c: len(c.of_kind("step")) == 80 and len(c.of_kind("rank_exit")) == 2, 30
+            )
+            assert ok, len(collector.of_kind("step"))
+            for rank in (0, 1):
+                assert sorted(r["step"] for r in collector.of_kind("step") if r["rank"] == rank) == list(
+                    range(40)
+                )
+            assert collector.duplicates == 0
+            assert wait_shippers_gone(spool_dir, 20)
+    finally:
+        kill_shippers(spool_dir)
+
+
+def test_memory_and_disk_stay_bounded_with_the_collector_down_and_drops_are_counted_exactly(
+    spool_dir, started
+) -> None:
+    port = free_port()
+    n = 200_000
+    env = child_env(
+        f"http://127.0.0.1:{port}", spool_dir, "flood", DDPSCOPE_SPOOL_MAX_MB="1", DDPSCOPE_QUEUE_SIZE="5000"
+    )
+    p = start(started, "flood", n, env)
+    out, err = p.communicate(timeout=90)
+    assert p.returncode == 0, err[-2000:]
+    growth_kb = int(out.split("RSS_GROWTH_KB")[1].split()[0])
+    # 200k records of ~150 bytes held in memory would be > 30 MB; the queue bound keeps it far below.
+    assert growth_kb < 20_000, growth_kb
+    on_disk = sum(f.stat().st_size for f in spool_dir.glob("*.seg"))
+    assert on_disk <= 2 * 2**20 + 2**18, on_disk  # the writer's backstop (2x cap) plus one frame
+    with FakeCollector(port) as collector:
+        assert wait_shippers_gone(spool_dir, 60)
+        delivered = len(collector.of_kind("heartbeat")) + len(collector.of_kind("rank_exit"))
+        dropped = collector.dropped_total()
+        assert dropped > 0, "a 1 MiB spool cannot hold 200k records: some must have been dropped"
+        assert delivered + dropped == n + 1, (delivered, dropped)  # + rank_exit
+        assert collector.duplicates == 0
+
+
+@pytest.mark.slow
+def test_dataloader_workers_under_fork_send_no_duplicates_and_do_not_deadlock(
+    collector, spool_dir, started
+) -> None:
+    p = start(started, "dataloader", 0, child_env(collector.url, spool_dir, "loader"))
+    out, err = p.communicate(timeout=90)
+    assert p.returncode == 0 and "DONE" in out, err[-3000:]
+    main_steps = [s for s in range(200) if s % 100 in range(0, 16, 4)]
+    assert collector.wait_for(lambda c: c.of_kind("rank_exit") and len(c.of_kind("heartbeat")) >= 8 + 32, 30)
+    assert wait_shippers_gone(spool_dir, 30)
+    beats = collector.of_kind("heartbeat")
+    parent = [r for r in beats if r["step"] < 1000]
+    workers = [r for r in beats if r["step"] >= 1000]
+    assert sorted(r["step"] for r in parent) == main_steps
+    assert sorted(r["step"] for r in workers) == sorted(1000 + i for i in range(16) for _ in range(2))
+    assert len({r["stream"] for r in parent}) == 1
+    assert not {r["stream"] for r in parent} & {r["stream"] for r in workers}, (
+        "a child never reuses the parent's stream"
+    )
+    assert collector.duplicates == 0
+    assert len(collector.of_kind("rank_exit")) == 1, "forked workers do not report rank_exit"
