@@ -121,9 +121,13 @@ def _make_wrapper(
             return args[pos]
         return kwargs.get(name) if name else None
 
+    local = rec._local
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if getattr(rec._local, "engine_depth", 0):
+        # Nested calls are not new collectives: torch re-enters the (patched) function itself when a
+        # tensor subclass handles __torch_function__.
+        if getattr(local, "engine_depth", 0) or getattr(local, "in_user_call", False):
             return fn(*args, **kwargs)
         pg = None
         seq = 0
@@ -155,11 +159,14 @@ def _make_wrapper(
             pg = None
         if pg is None or not seq:
             return fn(*args, **kwargs)
+        local.in_user_call = True
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:
             rec.end(pg, seq, ok=False, error=f"{type(exc).__name__}: {exc}")
             raise
+        finally:
+            local.in_user_call = False
         if result is not None and (always_async or (a_pos >= 0 and arg(args, kwargs, a_pos, "async_op"))):
             rec.track(pg, seq, result)
         else:

@@ -33,7 +33,7 @@ from typing import Any
 
 from ddpscope.agent import emit
 from ddpscope.agent.clock import now_ns
-from ddpscope.ddp.progress import PROGRESS
+from ddpscope.ddp.progress import PROGRESS, Progress
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,9 @@ _DDPSCOPE_DIRS = tuple(
 class CollectiveRecorder:
     """Numbers, records and tracks the collectives of one process (one instance: ``RECORDER``)."""
 
-    def __init__(self, ring_size: int = RING_SIZE) -> None:
+    def __init__(self, ring_size: int = RING_SIZE, progress: Progress = PROGRESS) -> None:
+        self.progress = progress
+        """Where in-flight collectives and the progress counter live (the process-wide one)."""
         # itertools.count.__next__ is atomic under the GIL: user threads may issue collectives too,
         # and this costs less than a lock on the hot path.
         self._counters: dict[str, Iterator[int]] = {}
@@ -105,23 +107,31 @@ class CollectiveRecorder:
             seq = next(counter)
             if self._pending:
                 self.poll()
+            try:
+                shapes = [list(t.shape) for t in tensors]
+                dtypes = [_dtype_name(t.dtype) for t in tensors]
+            except Exception:
+                # Keep the sequence gap-free: a record without shapes beats no record.
+                self._failed("begin")
+                shapes, dtypes = [], []
             record = {
                 "kind": "collective",
                 "pg": pg,
                 "coll_seq": seq,
                 "op": op,
                 "reduce_op": reduce_op,
-                "shapes": [list(t.shape) for t in tensors],
-                "dtypes": [_dtype_name(t.dtype) for t in tensors],
+                "shapes": shapes,
+                "dtypes": dtypes,
                 "call_site": call_site,
                 "start_ns": now_ns(),
                 "step": step,
                 "source": source,
             }
-            PROGRESS.inflight[(pg, seq)] = record
+            progress = self.progress
+            progress.inflight[(pg, seq)] = record
             if pg == "default":
-                PROGRESS.last_coll_seq = seq
-            PROGRESS.counter += 1
+                progress.last_coll_seq = seq
+            progress.counter += 1
             self._ring.append(record)
             emit(record)
         except Exception:
@@ -132,8 +142,9 @@ class CollectiveRecorder:
         """Mark collective (pg, seq) complete and emit ``collective_end``. Safe from any thread."""
         try:
             end_ns = now_ns()
-            PROGRESS.inflight.pop((pg, seq), None)
-            PROGRESS.counter += 1
+            progress = self.progress
+            progress.inflight.pop((pg, seq), None)
+            progress.counter += 1
             self._ends.append((pg, seq, end_ns, ok))
             emit(
                 {
@@ -188,7 +199,7 @@ class CollectiveRecorder:
 
     def inflight(self) -> list[dict[str, Any]]:
         """Collectives issued and not completed, oldest first, in the wire shape ``INFLIGHT``."""
-        records = sorted(list(PROGRESS.inflight.values()), key=lambda r: r["start_ns"])
+        records = sorted(list(self.progress.inflight.values()), key=lambda r: r["start_ns"])
         return [{k: r[k] for k in _INFLIGHT_FIELDS} for r in records]
 
     def last_seq(self, pg: str = "default") -> int:
@@ -246,8 +257,8 @@ class CollectiveRecorder:
         self._ring.clear()
         self._ends.clear()
         self._pending.clear()
-        PROGRESS.inflight.clear()
-        PROGRESS.last_coll_seq = 0
+        self.progress.inflight.clear()
+        self.progress.last_coll_seq = 0
 
 
 _RECORD_FIELDS = (

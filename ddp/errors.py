@@ -34,6 +34,7 @@ FLUSH_TIMEOUT_S = 2.0
 """How long a dying process waits for its records to leave."""
 MAX_STACK_CHARS = 20_000
 _MARK = "__ddpscope_reported__"
+_AGENT_MARK = "_ddpscope_reported"
 
 
 def report_error(exc: BaseException, fatal: bool = False, *, flush: bool | None = None) -> bool:
@@ -48,6 +49,9 @@ def report_error(exc: BaseException, fatal: bool = False, *, flush: bool | None 
             return False
         with contextlib.suppress(AttributeError, TypeError):  # some C exceptions refuse attributes
             setattr(exc, _MARK, (*reported, fatal))
+            if fatal:
+                # The agent's own last-resort excepthook skips exceptions marked this way.
+                setattr(exc, _AGENT_MARK, True)
         stack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         if len(stack) > MAX_STACK_CHARS:
             # Keep the end: the innermost frames and the message are what a reader needs.
@@ -83,11 +87,10 @@ class capture_errors(contextlib.ContextDecorator):
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    ) -> None:
         # An explicit exit and Ctrl-C are not training errors.
         if exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
             report_error(exc, fatal=self.fatal)
-        return False
 
 
 _previous: dict[str, Any] = {}
@@ -95,7 +98,8 @@ _hooks_lock = threading.Lock()
 
 
 def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-    if exc is not None and not isinstance(exc, KeyboardInterrupt):
+    already = getattr(exc, _AGENT_MARK, False)  # reported as fatal by a hook that ran before this one
+    if exc is not None and not already and not isinstance(exc, KeyboardInterrupt):
         if exc.__traceback__ is None:
             exc = exc.with_traceback(tb)
         report_error(exc, fatal=True)
@@ -114,6 +118,12 @@ def _threading_excepthook(args: Any) -> None:
 
 def install_error_hooks() -> None:
     """Wrap ``sys.excepthook`` and ``threading.excepthook`` (idempotent; the previous hooks still run)."""
+    try:
+        # Create the agent first: it installs its own last-resort excepthook (no step or phase), which
+        # must sit under this one so that this richer record is the one sent.
+        get_agent()
+    except Exception:
+        logger.debug("no agent yet", exc_info=True)
     with _hooks_lock:
         if "sys" in _previous:
             return

@@ -79,9 +79,15 @@ def _setting(explicit: float | None, attrs: tuple[str, ...], env: str, default: 
 
 def _rank() -> str:
     try:
-        return str(get_agent().rank)
+        current = get_agent()
+        rank = getattr(getattr(current, "config", None), "rank", None)
+        if rank is None:
+            rank = getattr(current, "rank", None)
+        if rank is not None:
+            return str(rank)
     except Exception:
-        return os.environ.get("RANK", "?")
+        logger.debug("no agent to ask for the rank", exc_info=True)
+    return os.environ.get("RANK", "?")
 
 
 def hang_message(
@@ -255,11 +261,13 @@ class Watchdog:
                 "stalled_s": round(stalled_s, 3),
                 "pending_buckets": pending,
                 "inflight": inflight,
-                "stacks": thread_stacks(skip_current=True),
+                # The watchdog's own stack says nothing about the hang.
+                "stacks": thread_stacks(skip_current=threading.current_thread() is self._thread),
                 "message": message,
             }
         )
-        logger.warning("ddpscope: %s", message)
+        # The agent prints urgent records to stderr itself; this line is for the process's own log.
+        logger.info("ddpscope: %s", message)
 
 
 _watchdog: Watchdog | None = None

@@ -35,9 +35,11 @@ class JsonLinesExporter:
         return None
 
 
-def capture(out_dir: str) -> None:
-    rank = int(os.environ["RANK"])
+def capture(out_dir: str, *, flusher: bool = True) -> None:
+    rank = int(os.environ.get("RANK", "0"))
     agent.configure(exporter=JsonLinesExporter(os.path.join(out_dir, f"rank{rank}.jsonl")), rank=rank)
+    if not flusher:
+        return
 
     def flush_forever() -> None:
         while True:

@@ -48,6 +48,10 @@ def stall(rank: int) -> None:
     out = [torch.zeros(5, dtype=torch.int64) for _ in range(dist.get_world_size())]
     dist.all_gather(out, torch.full((5,), rank, dtype=torch.int64))  # SITE:all_gather
     dist.barrier()  # SITE:barrier
+    if rank == 0:
+        dist.send(torch.ones(6), dst=1)  # SITE:send
+    elif rank == 1:
+        dist.recv(torch.zeros(6), src=0)  # SITE:recv
     for step in range(3):
         PROGRESS.enter("allreduce", step)
         if rank == 1 and step == 1:

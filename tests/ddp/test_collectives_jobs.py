@@ -1,0 +1,63 @@
+"""The collective recorder in real 2-rank gloo jobs: the records show where ranks diverge."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.ddp.failure_jobs.runner import run_job, site
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_user_all_reduce_on_one_rank_only_shows_as_a_higher_inflight_seq_on_that_rank(
+    tmp_path: Path,
+) -> None:
+    run = run_job("extra", tmp_path, env={"DDPSCOPE_HANG_TIMEOUT": "1.0", "JOB_STALL_S": "3.0"})
+    assert run.results[0].returncode == 0, run.output()
+    assert run.results[1].returncode not in (0, None), run.output()  # its extra all-reduce failed
+    last = {rank: max(r["coll_seq"] for r in run.of(rank, "collective")) for rank in (0, 1)}
+    assert last == {0: 2, 1: 3}
+    (hang,) = run.of(1, "hang")
+    (inflight,) = hang["inflight"]
+    assert inflight["coll_seq"] == 3 and inflight["call_site"].endswith(site("extra"))
+    assert "default#3 all_reduce" in hang["message"]
+    (failed,) = [r for r in run.of(1, "collective_end") if r["coll_seq"] == 3]
+    assert failed["ok"] is False and failed["error"]
+    (err,) = run.of(1, "rank_error")
+    assert err["fatal"] is True and "extra" in err["stack"]
+
+
+def test_same_shape_collectives_in_a_different_order_show_different_call_sites_at_the_same_seq(
+    tmp_path: Path,
+) -> None:
+    run = run_job("order", tmp_path)
+    assert [r.returncode for r in run.results] == [0, 0], run.output()
+
+    def at(rank: int, seq: int) -> dict[str, object]:
+        (record,) = [r for r in run.of(rank, "collective") if r["coll_seq"] == seq]
+        return record
+
+    for seq in (1, 2):
+        a, b = at(0, seq), at(1, seq)
+        # gloo completes both silently: shapes and ops agree, only the call sites tell them apart.
+        assert (a["op"], a["shapes"], a["dtypes"]) == (b["op"], b["shapes"], b["dtypes"])
+        assert a["call_site"] != b["call_site"]
+    assert str(at(0, 1)["call_site"]).endswith(site("reduce_a"))
+    assert str(at(1, 1)["call_site"]).endswith(site("reduce_b"))
+
+
+def test_a_healthy_torch_ddp_job_records_every_user_collective_and_reports_nothing_wrong(
+    tmp_path: Path,
+) -> None:
+    run = run_job("healthy", tmp_path, env={"DDPSCOPE_HANG_TIMEOUT": "30", "DDPSCOPE_HEARTBEAT_S": "0.5"})
+    assert [r.returncode for r in run.results] == [0, 0], run.output()
+    for rank in (0, 1):
+        assert "internal_errors=0" in run.results[rank].stdout
+        assert run.of(rank, "hang") == [] and run.of(rank, "rank_error") == []
+        begun = run.of(rank, "collective")
+        assert [(r["coll_seq"], r["op"]) for r in begun] == [(i, "all_reduce") for i in range(1, 6)]
+        assert all(r["call_site"].endswith(site("loss")) for r in begun)
+        assert len(run.of(rank, "collective_end")) == 5
+        assert run.of(rank, "heartbeat")

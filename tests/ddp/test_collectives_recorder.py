@@ -1,0 +1,190 @@
+"""The collective recorder on a real single-rank gloo process group (in this test process)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddpscope import agent
+from ddpscope.agent.records import validate_record
+from ddpscope.ddp import collectives
+from ddpscope.ddp.collectives import RECORDER
+from ddpscope.ddp.progress import PROGRESS
+from tests.support.procs import free_port
+
+HERE = os.path.basename(__file__)
+
+Records = Callable[..., list[dict[str, Any]]]
+
+
+@pytest.fixture(scope="module")
+def gloo() -> Iterator[None]:
+    created = False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        created = True
+    assert dist.get_world_size() == 1
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def records(gloo: None) -> Iterator[Records]:
+    """Install the recorder on a fresh in-memory agent; ``records(kind)`` flushes and returns them."""
+    exporter = agent.InMemoryExporter()
+    agent.configure(exporter=exporter, rank=0)
+    RECORDER.reset()
+    assert collectives.install()
+
+    def read(*kinds: str) -> list[dict[str, Any]]:
+        agent.get_agent().force_flush(5.0)
+        for r in exporter.records:
+            validate_record(r)
+        return [r for r in exporter.records if not kinds or r["kind"] in kinds]
+
+    yield read
+    collectives.uninstall()
+
+
+def here(offset: int = 1) -> str:
+    """The call site string of the line ``offset`` lines below the caller."""
+    return f"{HERE}:{sys._getframe(1).f_lineno + offset}"
+
+
+def test_user_collectives_are_numbered_with_op_shapes_dtypes_and_call_site(records: Records) -> None:
+    t = torch.ones(3, 4)
+    sites = [here()]
+    dist.broadcast(t, src=0)
+    sites.append(here())
+    dist.all_gather([torch.zeros(5, dtype=torch.int64)], torch.ones(5, dtype=torch.int64))
+    sites.append(here())
+    dist.barrier()
+    sites.append(here())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+
+    begun = records("collective")
+    assert [r["coll_seq"] for r in begun] == [1, 2, 3, 4]
+    assert [r["op"] for r in begun] == ["broadcast", "all_gather", "barrier", "all_reduce"]
+    assert [r["shapes"] for r in begun] == [[[3, 4]], [[5]], [], [[3, 4]]]
+    assert [r["dtypes"] for r in begun] == [["float32"], ["int64"], [], ["float32"]]
+    assert [r["reduce_op"] for r in begun] == [None, None, None, "MAX"]
+    assert [r["call_site"].rsplit("/", 1)[-1] for r in begun] == sites
+    assert {r["pg"] for r in begun} == {"default"} and {r["source"] for r in begun} == {"user"}
+    ended = records("collective_end")
+    assert [(r["coll_seq"], r["ok"]) for r in ended] == [(1, True), (2, True), (3, True), (4, True)]
+    assert all(e["end_ns"] >= b["start_ns"] for b, e in zip(begun, ended, strict=True))
+    assert PROGRESS.last_coll_seq == 4 and not PROGRESS.inflight
+
+
+def test_the_collective_record_is_emitted_even_when_torch_rejects_the_call(records: Records) -> None:
+    # A bad root rank makes torch raise inside the call: the issue-time record must already exist,
+    # and the user's exception must reach the user unchanged.
+    with pytest.raises((ValueError, RuntimeError)):
+        dist.broadcast(torch.ones(2), src=5)
+    (begun,) = records("collective")
+    (ended,) = records("collective_end")
+    assert begun["op"] == "broadcast" and ended["coll_seq"] == begun["coll_seq"]
+    assert ended["ok"] is False and ended["error"]
+    assert not PROGRESS.inflight
+
+
+def test_engine_calls_are_recorded_once_by_the_engine_not_again_as_user_calls(records: Records) -> None:
+    t = torch.ones(8)
+    seq = RECORDER.begin("default", "all_reduce", [t], reduce_op="SUM", source="engine", step=3)
+    with RECORDER.engine_call():
+        dist.all_reduce(t)
+        assert RECORDER.in_engine_call()
+    RECORDER.end("default", seq, ok=True)
+    assert not RECORDER.in_engine_call()
+    dist.all_reduce(t)
+
+    begun = records("collective")
+    assert [(r["coll_seq"], r["source"], r["step"]) for r in begun] == [(1, "engine", 3), (2, "user", None)]
+
+
+def test_an_async_collective_ends_once_its_work_has_completed(records: Records) -> None:
+    work = dist.all_reduce(torch.ones(5, dtype=torch.float64), async_op=True)
+    work.wait()
+    RECORDER.poll()
+    (begun,) = records("collective")
+    (ended,) = records("collective_end")
+    assert begun["dtypes"] == ["float64"] and ended["ok"] is True
+    assert ended["end_ns"] >= begun["start_ns"]
+    assert not PROGRESS.inflight
+
+
+def test_a_new_group_has_its_own_sequence_under_a_name_every_rank_agrees_on(records: Records) -> None:
+    group = dist.new_group([0])
+    dist.all_reduce(torch.ones(2))
+    dist.all_reduce(torch.ones(2), group=group)
+    dist.all_reduce(torch.ones(2), group=group)
+    begun = records("collective")
+    assert [(r["pg"], r["coll_seq"]) for r in begun] == [
+        ("default", 1),
+        (f"pg:{group.group_name}", 1),
+        (f"pg:{group.group_name}", 2),
+    ]
+    assert RECORDER.last_seq(f"pg:{group.group_name}") == 2 and RECORDER.last_seq() == 1
+
+
+class _ShapeBomb(torch.Tensor):
+    """A tensor whose Python ``shape`` raises: torch's C++ collective never asks for it."""
+
+    @property
+    def shape(self) -> Any:  # type: ignore[override]
+        raise RuntimeError("shape exploded")
+
+
+def test_a_failure_inside_the_recorder_never_reaches_training(records: Records) -> None:
+    before = RECORDER.internal_errors
+    t = torch.full((4,), 2.0).as_subclass(_ShapeBomb)
+    dist.all_reduce(t)  # must not raise
+    assert torch.equal(t.as_subclass(torch.Tensor), torch.full((4,), 2.0))
+    assert RECORDER.internal_errors == before + 1
+    dist.all_reduce(torch.ones(1))  # and the next call is recorded normally
+    # One record per call, without shapes for the call whose shapes could not be read.
+    assert [(r["coll_seq"], r["shapes"]) for r in records("collective")] == [(1, []), (2, [[1]])]
+    assert [r["ok"] for r in records("collective_end")] == [True, True]
+
+
+def test_install_is_idempotent_and_uninstall_restores_torch(gloo: None) -> None:
+    original = dist.all_reduce
+    assert collectives.install() and collectives.install()
+    patched = dist.all_reduce
+    assert patched is not original and dist.distributed_c10d.all_reduce is patched
+    assert patched.__ddpscope_original__ is original  # type: ignore[attr-defined]
+    collectives.uninstall()
+    assert dist.all_reduce is original and dist.distributed_c10d.all_reduce is original
+
+
+def test_disabled_means_no_patches(gloo: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DDPSCOPE_DISABLED", "1")
+    original = dist.all_reduce
+    assert collectives.install() is False
+    assert dist.all_reduce is original
+
+
+def test_recent_keeps_completion_and_inflight_lists_only_open_collectives(records: Records) -> None:
+    dist.all_reduce(torch.ones(3))
+    seq = RECORDER.begin("default", "all_reduce", [torch.ones(7)], source="engine", call_site="train.py:9")
+    recent = RECORDER.recent(10)
+    assert [(c["coll_seq"], c["ok"]) for c in recent] == [(1, True), (2, None)]
+    assert recent[0]["end_ns"] >= recent[0]["start_ns"]
+    (open_,) = RECORDER.inflight()
+    assert (open_["coll_seq"], open_["shapes"], open_["call_site"]) == (seq, [[7]], "train.py:9")
+    RECORDER.end("default", seq)
+    assert RECORDER.inflight() == []
+
+
+def test_the_ring_is_bounded(gloo: None) -> None:
+    rec = collectives.CollectiveRecorder(ring_size=5, progress=type(PROGRESS)())
+    for _ in range(12):
+        rec.end("default", rec.begin("default", "barrier", []))
+    assert [c["coll_seq"] for c in rec.recent(100)] == [8, 9, 10, 11, 12]

@@ -1,0 +1,133 @@
+"""Errors in training become rank_error records: reported, captured, and from uncaught exceptions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddpscope import agent
+from ddpscope.agent.records import validate_record
+from ddpscope.ddp import errors
+from ddpscope.ddp.progress import PROGRESS
+
+JOBS = Path(__file__).parent / "failure_jobs"
+Records = Callable[..., list[dict[str, Any]]]
+
+
+@pytest.fixture
+def records() -> Iterator[Records]:
+    exporter = agent.InMemoryExporter()
+    agent.configure(exporter=exporter, rank=2)
+    saved = (PROGRESS.phase, PROGRESS.step)
+
+    def read(*kinds: str) -> list[dict[str, Any]]:
+        agent.get_agent().force_flush(5.0)
+        for r in exporter.records:
+            validate_record(r)
+        return [r for r in exporter.records if not kinds or r["kind"] in kinds]
+
+    yield read
+    PROGRESS.phase, PROGRESS.step = saved
+
+
+def fail_deep(message: str) -> None:
+    raise RuntimeError(message)
+
+
+def test_report_error_emits_step_phase_type_message_and_stack(records: Records) -> None:
+    PROGRESS.enter("optimizer", step=41)
+    try:
+        fail_deep("Expected to have finished reduction in the prior iteration")
+    except RuntimeError as exc:
+        assert errors.report_error(exc) is True
+    (err,) = records("rank_error")
+    assert (err["step"], err["phase"], err["error_type"], err["fatal"]) == (
+        41,
+        "optimizer",
+        "RuntimeError",
+        False,
+    )
+    assert err["message"] == "Expected to have finished reduction in the prior iteration"
+    assert "fail_deep" in err["stack"] and err["stack"].rstrip().endswith("prior iteration")
+
+
+def test_the_same_exception_is_reported_once_per_fatality(records: Records) -> None:
+    exc = ValueError("x")
+    assert errors.report_error(exc) is True
+    assert errors.report_error(exc) is False
+    assert errors.report_error(exc, fatal=True) is True
+    assert [e["fatal"] for e in records("rank_error")] == [False, True]
+
+
+def test_capture_errors_reports_and_lets_the_exception_propagate(records: Records) -> None:
+    with pytest.raises(KeyError), errors.capture_errors():
+        PROGRESS.enter("forward", step=3)
+        raise KeyError("batch")
+
+    @errors.capture_errors(fatal=False)
+    def step() -> None:
+        fail_deep("in a decorated function")
+
+    with pytest.raises(RuntimeError):
+        step()
+    with pytest.raises(SystemExit), errors.capture_errors():
+        raise SystemExit(0)  # leaving on purpose is not an error
+    reported = records("rank_error")
+    assert [(e["error_type"], e["fatal"], e["step"]) for e in reported] == [
+        ("KeyError", True, 3),
+        ("RuntimeError", False, 3),
+    ]
+
+
+def test_an_uncaught_exception_in_a_thread_becomes_a_non_fatal_rank_error(records: Records) -> None:
+    seen: list[str] = []
+    previous = threading.excepthook
+    threading.excepthook = lambda args: seen.append(args.thread.name if args.thread else "")
+    try:
+        with errors.error_hooks():
+            thread = threading.Thread(target=fail_deep, args=("loader died",), name="loader")
+            thread.start()
+            thread.join()
+    finally:
+        threading.excepthook = previous
+    (err,) = records("rank_error")
+    assert (err["message"], err["fatal"]) == ("loader died", False)
+    assert seen == ["loader"]  # the previous hook still ran
+
+
+def test_install_is_idempotent_and_uninstall_restores_the_hooks() -> None:
+    before = (sys.excepthook, threading.excepthook)
+    errors.install_error_hooks()
+    errors.install_error_hooks()
+    assert sys.excepthook is not before[0]
+    errors.uninstall_error_hooks()
+    assert (sys.excepthook, threading.excepthook) == before
+
+
+def test_an_uncaught_exception_reaches_the_records_before_the_process_exits(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(JOBS / "uncaught_job.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "RANK": "0"},
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "FloatingPointError: loss is nan at step 7" in proc.stderr  # the usual traceback still prints
+    lines = (tmp_path / "rank0.jsonl").read_text().splitlines()
+    (err,) = [r for r in map(json.loads, lines) if r["kind"] == "rank_error"]
+    validate_record(err)
+    assert (err["step"], err["phase"], err["error_type"], err["fatal"]) == (
+        7,
+        "backward",
+        "FloatingPointError",
+        True,
+    )
+    assert "uncaught_job.py" in err["stack"] and "in train" in err["stack"]

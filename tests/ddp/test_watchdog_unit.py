@@ -1,0 +1,225 @@
+"""The hang watchdog in one process: sampled by hand on a manual clock, and as a real thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from ddpscope import agent
+from ddpscope.agent.records import validate_record
+from ddpscope.ddp import watchdog as wd
+from ddpscope.ddp.collectives import CollectiveRecorder
+from ddpscope.ddp.progress import Progress
+
+Records = Callable[..., list[dict[str, Any]]]
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def records() -> Iterator[Records]:
+    exporter = agent.InMemoryExporter()
+    agent.configure(exporter=exporter, rank=3)
+
+    def read(*kinds: str) -> list[dict[str, Any]]:
+        agent.get_agent().force_flush(5.0)
+        for r in exporter.records:
+            validate_record(r)
+        return [r for r in exporter.records if not kinds or r["kind"] in kinds]
+
+    yield read
+
+
+@pytest.fixture
+def parts() -> tuple[Progress, CollectiveRecorder, ManualClock]:
+    progress = Progress()
+    return progress, CollectiveRecorder(progress=progress), ManualClock()
+
+
+def make(parts: tuple[Progress, CollectiveRecorder, ManualClock], timeout_s: float = 5.0) -> wd.Watchdog:
+    progress, recorder, clock = parts
+    return wd.Watchdog(
+        timeout_s=timeout_s, heartbeat_s=1.0, progress=progress, recorder=recorder, clock=clock
+    )
+
+
+def test_a_busy_rank_without_progress_gets_one_hang_report_naming_bucket_collective_and_parameters(
+    records: Records, parts: tuple[Progress, CollectiveRecorder, ManualClock]
+) -> None:
+    progress, recorder, clock = parts
+    dog = make(parts)
+    progress.enter("backward", step=12)
+    recorder.begin("default", "all_reduce", [torch.ones(4, 2)], source="engine", call_site="train.py:42")
+    progress.pending_buckets = lambda: [
+        {"index": 3, "missing": ["fc2.weight", "fc2.bias"], "launched": False},
+        {"index": 4, "missing": [], "launched": True},
+    ]
+    dog.check()
+    for _ in range(19):  # 4.75 s: not yet
+        clock.now += 0.25
+        dog.check()
+    assert records("hang") == []
+    for _ in range(21):  # well past the timeout: still exactly one report
+        clock.now += 0.25
+        dog.check()
+    (hang,) = records("hang")
+    assert hang["phase"] == "backward" and hang["step"] == 12 and hang["stalled_s"] >= 5.0
+    assert hang["pending_buckets"][0]["missing"] == ["fc2.weight", "fc2.bias"]
+    (inflight,) = hang["inflight"]
+    assert (inflight["pg"], inflight["coll_seq"], inflight["call_site"]) == ("default", 1, "train.py:42")
+    assert inflight["shapes"] == [[4, 2]] and inflight["dtypes"] == ["float32"]
+    message = hang["message"]
+    for part in (
+        "rank 3",
+        "5.0 s",
+        "bucket 3",
+        "step 12",
+        "default#1 all_reduce at train.py:42",
+        "fc2.weight",
+    ):
+        assert part in message
+    assert any(s["thread"] == "MainThread" and "test_watchdog_unit.py" in s["stack"] for s in hang["stacks"])
+    assert dog.hung and dog.hangs_reported == 1
+
+
+def test_progress_after_a_hang_emits_hang_resolved_with_the_stall_duration(
+    records: Records, parts: tuple[Progress, CollectiveRecorder, ManualClock]
+) -> None:
+    progress, _, clock = parts
+    dog = make(parts, timeout_s=2.0)
+    progress.enter("forward", step=4)
+    dog.check()
+    clock.now += 3.0
+    dog.check()
+    clock.now += 4.5
+    dog.check()
+    progress.enter("backward")
+    dog.check()
+    (resolved,) = records("hang_resolved")
+    assert resolved["hang_s"] == pytest.approx(7.5) and resolved["step"] == 4
+    assert not dog.hung
+    clock.now += 1.0
+    dog.check()
+    assert len(records("hang_resolved")) == 1
+
+
+def test_an_idle_rank_with_nothing_in_flight_is_never_called_hung(
+    records: Records, parts: tuple[Progress, CollectiveRecorder, ManualClock]
+) -> None:
+    _, _, clock = parts
+    dog = make(parts, timeout_s=1.0)
+    for _ in range(10):
+        clock.now += 1.0
+        dog.check()
+    assert records("hang") == [] and not dog.hung
+
+
+def test_an_idle_rank_waiting_in_a_collective_is_hung(
+    records: Records, parts: tuple[Progress, CollectiveRecorder, ManualClock]
+) -> None:
+    _, recorder, clock = parts
+    dog = make(parts, timeout_s=1.0)
+    recorder.begin("pg:1", "barrier", [], call_site="loop.py:7")
+    dog.check()
+    clock.now += 1.5
+    dog.check()
+    (hang,) = records("hang")
+    assert hang["phase"] == "idle" and "pg:1#1 barrier at loop.py:7" in hang["message"]
+
+
+def test_heartbeats_follow_the_configured_interval_with_phase_step_and_sequence(
+    records: Records, parts: tuple[Progress, CollectiveRecorder, ManualClock]
+) -> None:
+    progress, recorder, clock = parts
+    dog = make(parts)
+    progress.enter("optimizer", step=9)
+    recorder.end("default", recorder.begin("default", "all_reduce", [torch.ones(1)]))
+    for _ in range(41):  # 0 .. 10 s in 0.25 s ticks, one heartbeat per second
+        dog.check()
+        clock.now += 0.25
+    beats = records("heartbeat")
+    assert len(beats) == 11
+    assert {(b["phase"], b["step"], b["last_coll_seq"]) for b in beats} == {("optimizer", 9, 1)}
+
+
+def test_a_failing_pending_buckets_callback_does_not_cost_the_report(
+    records: Records, parts: tuple[Progress, CollectiveRecorder, ManualClock]
+) -> None:
+    progress, _, clock = parts
+    dog = make(parts, timeout_s=1.0)
+    progress.enter("backward", step=1)
+
+    def broken() -> list[dict[str, Any]]:
+        raise KeyError("engine bug")
+
+    progress.pending_buckets = broken
+    dog.check()
+    clock.now += 2.0
+    dog.check()
+    (hang,) = records("hang")
+    assert hang["pending_buckets"] == [] and "backward" in hang["message"]
+
+
+def test_the_thread_reports_a_hang_while_the_main_thread_waits_and_stops_cleanly(records: Records) -> None:
+    progress = Progress()
+    dog = wd.Watchdog(
+        timeout_s=0.2, heartbeat_s=0.05, progress=progress, recorder=CollectiveRecorder(progress=progress)
+    )
+    progress.enter("allreduce", step=2)
+    dog.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not dog.hung and time.monotonic() < deadline:
+            threading.Event().wait(0.02)  # the main thread blocked in a C call that released the GIL
+        assert dog.hung
+        progress.tick()
+        while dog.hung and time.monotonic() < deadline:
+            threading.Event().wait(0.02)
+    finally:
+        dog.stop()
+    assert not dog.running and dog.errors == 0
+    assert len(records("hang")) == 1 and len(records("hang_resolved")) == 1
+    assert len(records("heartbeat")) >= 2
+
+
+def test_start_watchdog_reads_the_environment_and_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DDPSCOPE_HANG_TIMEOUT", "7.5")
+    monkeypatch.setenv("DDPSCOPE_HEARTBEAT_S", "0.5")
+    agent.configure(exporter=agent.InMemoryExporter(), rank=0)  # the agent's config reads them
+    try:
+        dog = wd.start_watchdog()
+        assert dog.running and (dog.timeout_s, dog.heartbeat_s) == (7.5, 0.5)
+        assert wd.start_watchdog() is dog
+        other = wd.start_watchdog(timeout_s=3.0)
+        assert other is not dog and not dog.running and other.running and other.timeout_s == 3.0
+        assert wd.get_watchdog() is other
+    finally:
+        wd.stop_watchdog()
+    assert wd.get_watchdog() is None and not other.running
+
+
+def test_a_bad_environment_value_falls_back_to_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DDPSCOPE_HANG_TIMEOUT", "soon")
+    monkeypatch.delenv("DDPSCOPE_HEARTBEAT_S", raising=False)
+    agent.configure(exporter=agent.InMemoryExporter(), rank=0)
+    try:
+        dog = wd.start_watchdog()
+        assert (dog.timeout_s, dog.heartbeat_s) == (300.0, 2.0)
+    finally:
+        wd.stop_watchdog()
+
+
+def test_a_non_positive_explicit_timeout_is_a_value_error_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="hang_timeout_s"):
+        wd.start_watchdog(timeout_s=0)
