@@ -484,3 +484,16 @@ def test_an_incident_serialises_with_the_fields_of_the_incidents_endpoint() -> N
     for name in ("kind", "rank", "step", "seq", "bucket", "parameters", "culprit_ranks", "call_site", "message",
                  "stack", "time_s", "related"):  # fmt: skip
         assert name in d
+
+
+def test_a_send_paired_with_a_recv_is_not_a_mismatch_but_two_sends_are() -> None:
+    job = started(2)
+    end = job.train(1)
+    for i, (op0, op1) in enumerate([("send", "recv"), ("irecv", "isend")]):
+        job.coll(0, end, i + 1, op=op0, reduce_op=None, pg="default/p2p/0-1", site=f"sync.py:{10 + i}")
+        job.coll(1, end, i + 1, op=op1, reduce_op=None, pg="default/p2p/0-1", site=f"sync.py:{20 + i}")
+    assert diagnose(job.snapshot(), end + 0.1) == []
+    job.coll(0, end, 3, op="send", reduce_op=None, pg="default/p2p/0-1", site="sync.py:30")
+    job.coll(1, end, 3, op="send", reduce_op=None, pg="default/p2p/0-1", site="sync.py:31")
+    m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
+    assert m.seq == 3 and m.culprit_ranks == [1] and "same direction" in m.message

@@ -1,0 +1,163 @@
+"""Analysis functions over rows: the definitions of DESIGN.md, checked on hand-built and synthetic steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ddpscope.server.analysis.buckets import bucket_stats, out_of_order
+from ddpscope.server.analysis.collectives import mismatches
+from ddpscope.server.analysis.steps import step_metrics, union_after
+from ddpscope.server.analysis.stragglers import stragglers
+from ddpscope.server.analysis.timeline import timeline
+from ddpscope.server.analysis.trace import trace_events
+from ddpscope.server.analysis.unused import aggregate_unused, unused_report
+from ddpscope.server.rows import StepRow, step_rows_from_wire
+from tests.support.synth import synth_job
+
+MS = 1_000_000
+
+
+def _row(
+    rank=0,
+    step=0,
+    fs=0,
+    fe=10,
+    bs=10,
+    be=40,
+    ready=(20, 30),
+    ar_start=(20, 30),
+    ar_end=(28, 38),
+    order=(0, 1),
+):
+    ms = lambda xs: [x * MS for x in xs]  # noqa: E731
+    return StepRow(
+        rank, step, True, fs * MS, fe * MS, bs * MS, be * MS,
+        ms(ready), ms(ar_start), ms(ar_end), [100] * len(ready), list(order), list(range(len(ready))),
+    )  # fmt: skip
+
+
+def test_step_metrics_follow_the_design_definitions():
+    # Buckets ready at 20 and 30 ms, all-reduces 20-28 and 30-38, backward ends at 40 ms.
+    m = step_metrics(_row())
+    assert m.step_s == pytest.approx(0.040)
+    assert m.forward_s == pytest.approx(0.010)
+    assert m.backward_s == pytest.approx(0.030)
+    assert m.comm_s == pytest.approx(0.016)  # two disjoint 8 ms spans
+    assert m.exposed_comm_s == pytest.approx(0.008)  # after the last ready (30 ms): 30-38
+    assert m.overlap_ratio == pytest.approx(0.5)
+    assert m.compute_s == pytest.approx(0.030)
+    assert m.wait_s == pytest.approx(0.010)
+
+
+def test_overlapping_all_reduces_are_counted_once():
+    assert union_after([0, 5, 20], [10, 12, 25], after=8) == (17, 4 + 5)
+
+
+def test_a_step_without_all_reduce_has_no_overlap_ratio():
+    m = step_metrics(_row(ready=(), ar_start=(), ar_end=(), order=()))
+    assert m.comm_s == 0 and m.overlap_ratio is None
+
+
+def test_a_bucket_ready_before_a_lower_index_is_out_of_order():
+    assert out_of_order([0, 1, 2, 3]) == set()
+    assert out_of_order([2, 0, 1, 3]) == {2}
+    assert out_of_order([3, 2, 1, 0]) == {1, 2, 3}
+
+
+def test_bucket_stats_report_layout_out_of_order_counts_and_order_penalty():
+    layout = {"rank": 0, "step": 0, "time_ns": 0, "buckets": [
+        {"index": 0, "bytes": 8, "dtype": "float32", "device": "cpu", "parameters": ["b"]},
+        {"index": 1, "bytes": 16, "dtype": "float32", "device": "cpu", "parameters": ["a", "c"]},
+    ]}  # fmt: skip
+    # Bucket 1 ready at 20 ms but bucket 0 only at 30: bucket 1 waits 10 ms to launch.
+    late = _row(ready=(30, 20), ar_start=(30, 30), ar_end=(35, 38), order=(1, 0))
+    stats = bucket_stats([layout], [late, _row(step=1)])
+    assert [(b.index, b.bytes, b.parameters) for b in stats] == [(0, 8, ["b"]), (1, 16, ["a", "c"])]
+    assert [b.out_of_order for b in stats] == [0, 1]
+    assert stats[1].order_penalty_s == pytest.approx(0.010 / 2)
+
+
+def test_timeline_puts_every_rank_on_one_clock_from_the_earliest_start():
+    rows = [_row(rank=0, fs=100, fe=110, bs=110, be=140), _row(rank=1, fs=102, fe=112, bs=112, be=140)]
+    tl = timeline(0, rows)
+    assert tl is not None
+    assert tl.ranks[0].forward == (0.0, pytest.approx(0.010))
+    assert tl.ranks[1].forward == (pytest.approx(0.002), pytest.approx(0.012))
+    assert tl.ranks[1].buckets[0].allreduce == (pytest.approx(-0.080), pytest.approx(-0.072))
+    assert timeline(5, rows) is None
+
+
+def _rows(**kw):
+    return step_rows_from_wire(synth_job(**kw))
+
+
+def test_a_healthy_noisy_job_flags_nobody():
+    # 4 ranks with ±30 % per-step jitter (an oversubscribed 2-core machine) and a few huge outliers.
+    rows = _rows(world_size=4, steps=40, buckets=4, jitter=0.3, seed=7)
+    rng = random.Random(3)
+    for r in rng.sample(rows, 12):  # a rank losing the CPU for a whole step, now and then
+        r.bucket_ready_ns = [t + 40 * MS for t in r.bucket_ready_ns]
+    assert [s.rank for s in stragglers(rows) if s.flagged] == []
+
+
+@pytest.mark.parametrize("slow_rank", [0, 3])
+def test_a_rank_fifty_percent_slower_is_flagged_alone(slow_rank):
+    rows = _rows(world_size=4, steps=30, buckets=4, slow_rank=slow_rank, slowdown=1.5, jitter=0.2, seed=1)
+    result = stragglers(rows)
+    assert [s.rank for s in result if s.flagged] == [slow_rank]
+    top = result[0]
+    assert top.rank == slow_rank and 1.3 < top.slowdown < 1.7
+    assert top.steps_flagged > top.steps_considered // 2
+    others = [s for s in result if s.rank != slow_rank]
+    assert all(o.wait_s > top.wait_s for o in others)  # the others wait in all-reduce for it
+
+
+def test_straggler_phase_names_forward_when_only_forward_is_slow():
+    rows = _rows(world_size=3, steps=20, buckets=2, jitter=0.05)
+    for r in rows:
+        if r.rank == 2:
+            extra = 20 * MS  # forward twice as long; backward unchanged
+            r.forward_end_ns += extra
+            r.backward_start_ns += extra
+            r.bucket_ready_ns = [t + extra for t in r.bucket_ready_ns]
+    (top,) = [s for s in stragglers(rows) if s.flagged]
+    assert (top.rank, top.phase) == (2, "forward")
+
+
+def test_unused_parameters_are_aggregated_by_name_across_ranks_and_steps():
+    found = aggregate_unused([(0, 1, ["a"]), (1, 1, ["a", "b"]), (1, 2, ["a"])])
+    assert [(u.name, u.ranks, u.steps) for u in found] == [("a", [0, 1], 3), ("b", [1], 1)]
+
+
+def test_find_unused_parameters_without_any_unused_parameter_is_called_out():
+    report = unused_report([], find_unused_parameters=True, steps_seen=50)
+    assert report.advice is not None and "set it to False" in report.advice
+    assert unused_report([], find_unused_parameters=False, steps_seen=50).advice is None
+
+
+def test_trace_has_one_process_per_rank_and_communication_on_its_own_track():
+    rows = _rows(world_size=2, steps=2, buckets=3)
+    events = trace_events("synth", rows)["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    assert {e["name"] for e in spans if e["tid"] == 0} == {"forward", "backward"}
+    assert {e["name"] for e in spans if e["tid"] == 1} == {"all-reduce b0", "all-reduce b1", "all-reduce b2"}
+    assert min(e["ts"] for e in spans) == 0.0
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {"rank 0", "rank 1"}
+
+
+def test_ranks_issuing_different_collectives_at_one_sequence_number_are_a_mismatch():
+    base = {
+        "pg": "default",
+        "coll_seq": 7,
+        "op": "all_reduce",
+        "reduce_op": "SUM",
+        "shapes": [[4]],
+        "dtypes": ["float32"],
+    }
+    colls = [{**base, "rank": 0}, {**base, "rank": 1, "shapes": [[5]]}, {**base, "rank": 0, "coll_seq": 8}]
+    (m,) = mismatches(colls)
+    assert (m.pg, m.coll_seq, sorted(m.signatures)) == ("default", 7, [0, 1])

@@ -1,0 +1,76 @@
+"""``ddpscope serve`` as a real process: uvicorn on loopback, real HTTP, real databases."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.server.live import live_collector
+from tests.support.synth import batch, by_rank, synth_job
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ddpscope.cli.main", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _send(url: str, records: list, token: str | None = None) -> httpx.Response:
+    headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return httpx.post(
+        f"{url}/api/v1/ingest",
+        content=gzip.compress(json.dumps(batch(records)).encode()),
+        headers=headers,
+        timeout=30,
+    )
+
+
+def test_help_names_the_default_database_file():
+    out = _serve("--help")
+    assert out.returncode == 0 and "ddpscope.db" in out.stdout and "postgresql+psycopg" in out.stdout
+
+
+def test_a_public_host_without_a_token_refuses_to_start(tmp_path):
+    out = _serve("--host", "0.0.0.0", "--db", f"sqlite:///{tmp_path}/c.db")
+    assert out.returncode == 2
+    assert "--token" in out.stderr and "--no-auth" in out.stderr
+    assert not (tmp_path / "c.db").exists()
+
+
+def test_a_real_server_ingests_gzip_batches_and_answers_the_api(db_url):
+    records = synth_job(2, 6, 3, slow_rank=1, finished=False)
+    with live_collector(db_url, args=["--token", "t0k"]) as url:
+        assert _send(url, records).status_code == 401
+        for rank_records in by_rank(records).values():
+            r = _send(url, rank_records, token="t0k")
+            assert r.status_code == 200 and r.json()["duplicates"] == 0
+        (job,) = httpx.get(f"{url}/api/v1/jobs").json()["items"]
+        assert (job["job"], job["world_size"], job["steps"]) == ("synth", 2, 6)
+        assert len(httpx.get(f"{url}/api/v1/jobs/synth/steps").json()["items"]) == 12
+        metrics = httpx.get(f"{url}/metrics").text
+        assert f"ddpscope_ingested_records_total {float(len(records))}" in metrics
+
+
+@pytest.mark.postgres
+def test_two_collector_processes_share_one_postgresql(pg_server):
+    db = pg_server.create_database("shared")
+    records = synth_job(4, 5, 2, finished=False)
+    with live_collector(db) as a, live_collector(db) as b:
+        for rank, rank_records in by_rank(records).items():
+            assert _send((a, b)[rank % 2], rank_records).status_code == 200
+        for url in (a, b):
+            (job,) = httpx.get(f"{url}/api/v1/jobs").json()["items"]
+            assert job["world_size"] == 4 and job["steps"] == 5
+            assert (
+                f"ddpscope_ingested_records_total {float(len(records))}" in httpx.get(f"{url}/metrics").text
+            )
