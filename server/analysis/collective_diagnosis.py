@@ -54,9 +54,15 @@ class CollectiveIndex:
         return seqs[max(seqs)] if seqs else None
 
 
+P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
+"""Point-to-point ops: a send on one rank pairs with a recv on its peer at the same sequence number."""
+
+
 def _signature(c: Record) -> tuple[Any, ...]:
     shapes = tuple(tuple(s) for s in c.get("shapes") or [])
-    return (c.get("op"), c.get("reduce_op"), shapes, tuple(c.get("dtypes") or []))
+    # send and recv are the two halves of one transfer: compare them as one op (direction checked apart).
+    op = "send/recv" if c.get("op") in P2P_OPS else c.get("op")
+    return (op, c.get("reduce_op"), shapes, tuple(c.get("dtypes") or []))
 
 
 def _full_key(c: Record) -> tuple[Any, ...]:
@@ -77,6 +83,12 @@ def _disagreement(
             if len({k[i] for k in groups}) > 1
         ]
         return " and ".join(differs), groups
+    directions = [P2P_OPS.get(c.get("op", "")) for c in recs.values()]
+    if all(directions):
+        # Both peers sending (or both receiving) deadlocks; call sites of a pair differ by nature.
+        if len(recs) == 2 and len(set(directions)) == 1:
+            return "direction", {(c.get("op"), r): [r] for r, c in sorted(recs.items())}
+        return "", {}
     call_sites = {c.get("call_site") for c in recs.values()}
     if len(call_sites) < 2 or None in call_sites:
         return "", {}
@@ -140,7 +152,9 @@ def _mismatch(
     shift = _shift(ranks.get(c0, {}), ranks.get(r0, {}), seq)
     if shift:
         msg += f": {ranks_phrase([c0])} {shift}"
-    if reason == "order":
+    if reason == "direction":
+        msg += ". Both peers of a point-to-point transfer issued the same direction: they wait for each other forever"
+    elif reason == "order":
         msg += ". Same-shaped collectives issued in a different order: gloo pairs them silently and every rank gets a wrong result"
     elif "shapes" in reason or "dtypes" in reason:
         msg += f". The {reason} differ: gloo aborts on the size mismatch (NCCL may hang or corrupt memory)"
