@@ -145,10 +145,11 @@ class Config:
         rank = _env(env, "RANK", int, None, _non_negative)
         if rank is not None:
             values["rank"] = rank
-        values.update(overrides)
-        if not values.get("job"):
+        # None means "not given" (configure(job=None) is the same as leaving it out).
+        values.update({k: v for k, v in overrides.items() if v is not None or k in ("rank", "token")})
+        if values.get("job") is None:
             values["job"] = env.get(DDPSCOPE_JOB) or default_job_id(env)
-        if not values.get("spool_dir"):
+        if values.get("spool_dir") is None:
             values["spool_dir"] = env.get(DDPSCOPE_SPOOL_DIR) or default_spool_dir(str(values["job"]))
         return cls(**values)
 

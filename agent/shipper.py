@@ -106,6 +106,7 @@ class Shipper:
     def run(self) -> bool:
         """True when everything was delivered and the files removed; False after the linger window."""
         gone_at: float | None = None
+        retry_at = 0.0
         while True:
             done = self.writer_done()
             if done and gone_at is None:
@@ -114,6 +115,11 @@ class Shipper:
             dropped = self.reader.drop_over_cap(self.s["spool_max_bytes"], done)
             for kind, n in dropped.items():
                 self.dropped[f"spool_full:{kind}"] += n
+            now = time.monotonic()
+            if now < retry_at:
+                # Backing off: wake-ups only keep the cap enforced, they do not cut the pause short.
+                self.wait(min(retry_at - now, self.s["poll_s"]))
+                continue
             state, delay = self.ship_once(done)
             if state == "drained" and done:
                 self.cleanup()
@@ -121,9 +127,10 @@ class Shipper:
             if gone_at is not None and time.monotonic() - gone_at > self.s["linger_s"]:
                 logger.error("ddpscope shipper: collector unreachable; leaving %s in the spool", self.prefix)
                 return False
-            if state == "sent":
-                continue
-            self.wait(delay if state == "failed" else self.s["poll_s"])
+            if state == "failed":
+                retry_at = time.monotonic() + delay
+            elif state == "drained":
+                self.wait(self.s["poll_s"])
 
     def ship_once(self, writer_done: bool) -> tuple[str, float]:
         chunk = self.reader.read(MAX_POST_BYTES, writer_done)
@@ -154,7 +161,8 @@ class Shipper:
             logger.error(
                 "ddpscope shipper: collector refused a batch (%s): %s", outcome.status, outcome.detail
             )
-            set_aside(os.path.join(self.dir, f"{self.prefix}.rejected"), encoded, outcome)
+            lines = [encode_record(r) for payload in chunk.payloads for r in _records(payload)]
+            set_aside(os.path.join(self.dir, f"{self.prefix}.rejected"), lines, outcome)
             for payload in chunk.payloads:
                 for kind, n in spool.count_kinds(payload).items():
                     self.dropped[f"rejected:{kind}"] += n
@@ -237,6 +245,14 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _records(payload: bytes) -> list[dict[str, Any]]:
+    try:
+        records = json.loads(payload)
+    except ValueError:
+        return []
+    return [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
 
 
 def _read_json(path: str) -> dict[str, Any]:

@@ -162,7 +162,8 @@ class HttpExporter:
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self.dropped: collections.Counter[str] = collections.Counter()
-        """'unserializable:kind' -> records this exporter could not encode (merged into agent_stats)."""
+        """'reason:kind' -> records this exporter did not deliver (merged into agent_stats): reasons
+        'unserializable', 'rejected' (4xx), 'export_failed' (retries exhausted)."""
         self.rejected_batches = 0
 
     def export(self, batch: list[dict[str, Any]]) -> ExportResult:
@@ -189,6 +190,7 @@ class HttpExporter:
                     )
                     if self._rejected_path:
                         set_aside(self._rejected_path, encoded, outcome)
+                    self._count(batch, "rejected")
                     return ExportResult.FAILURE
                 delay = backoff.next_delay(outcome.retry_after_s)
                 if time.monotonic() + delay > deadline:
@@ -196,7 +198,12 @@ class HttpExporter:
                 logger.debug("ddpscope: ingest failed (%s), retrying in %.2fs", outcome.detail, delay)
                 # The sleep is the shutdown event: shutdown() cuts it short (OTel OTLP exporter).
                 self._closed.wait(delay)
+        self._count(batch, "export_failed")
         return ExportResult.RETRY
+
+    def _count(self, batch: list[dict[str, Any]], reason: str) -> None:
+        for record in batch:
+            self.dropped[f"{reason}:{record.get('kind')}"] += 1
 
     def force_flush(self, timeout_s: float = 5.0) -> bool:
         return True  # export() is synchronous: nothing is buffered here

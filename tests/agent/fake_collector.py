@@ -17,6 +17,7 @@ duplicate must be ignored). Reusable by any test::
 from __future__ import annotations
 
 import collections
+import contextlib
 import gzip
 import json
 import socket
@@ -42,6 +43,16 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
 
+    def setup(self) -> None:
+        super().setup()
+        with self.server.collector._lock:
+            self.server.collector._conns.add(self.connection)
+
+    def finish(self) -> None:
+        with self.server.collector._lock:
+            self.server.collector._conns.discard(self.connection)
+        super().finish()
+
     def log_message(self, format: str, *args: Any) -> None:
         return None  # keep pytest output readable
 
@@ -54,6 +65,7 @@ class _Handler(BaseHTTPRequestHandler):
         body = self.rfile.read(length)
         behaviour = c._next_behaviour()
         c.requests.append(behaviour)
+        c.request_times.append(time.monotonic())
         if behaviour == "reset":
             # SO_LINGER 0 then close: the client sees ECONNRESET, not a clean close.
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -106,10 +118,12 @@ class FakeCollector:
         """Stored records by idempotency key (first copy wins)."""
         self.duplicates = 0
         self.requests: list[Behaviour] = []
+        self.request_times: list[float] = []
         self.bad_batches: list[str] = []
         self._script: collections.deque[Behaviour] = collections.deque()
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+        self._conns: set[socket.socket] = set()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -133,6 +147,12 @@ class FakeCollector:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+        # Kept-alive connections outlive server_close(); a stopped collector must not answer them.
+        with self._lock:
+            conns, self._conns = list(self._conns), set()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
         if self._thread is not None:
             self._thread.join(5)
 

@@ -1,0 +1,111 @@
+"""A collector that fails in every way HTTP allows: the records still arrive exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from ddpscope import agent
+from ddpscope.agent.transport import HttpExporter, parse_retry_after
+from tests.agent.fake_collector import FakeCollector
+
+FAULTS = [500, ("429", 0.1), "reset", "hang", "commit-then-500", ("503", 0), 502, "reset"]
+
+
+def heartbeat(i: int) -> dict[str, object]:
+    return {"kind": "heartbeat", "phase": "backward", "step": i, "last_coll_seq": i, "pid": os.getpid()}
+
+
+def configure(pipeline: str, collector: FakeCollector, spool_dir: Path, **kw: object) -> agent.Agent:
+    common = dict(
+        job="faults",
+        rank=0,
+        url=collector.url,
+        spool_dir=str(spool_dir),
+        http_timeout_s=0.5,
+        retry_max_backoff_s=0.2,
+    )
+    if pipeline == "http":
+        exporter = HttpExporter(
+            collector.url + "/api/v1/ingest",
+            timeout_s=0.5,
+            retry_max_backoff_s=0.2,
+            rejected_path=str(spool_dir / "rejected.jsonl"),
+        )
+        return agent.configure(**common, exporter=exporter, **kw)
+    return agent.configure(**common, **kw)
+
+
+@pytest.mark.parametrize("pipeline", ["spool", "http"])
+def test_every_record_arrives_exactly_once_through_a_flaky_collector(pipeline, collector, spool_dir) -> None:
+    collector.hang_s = 2.0
+    collector.script(*FAULTS)
+    a = configure(pipeline, collector, spool_dir)
+    for i in range(2000):
+        agent.emit(heartbeat(i))
+        if i % 500 == 499:
+            assert a.force_flush(20.0)
+    assert sorted(r["step"] for r in collector.of_kind("heartbeat")) == list(range(2000))
+    assert collector.requests[: len(FAULTS)] == FAULTS, "every fault was served"
+    assert collector.duplicates >= 1, "commit-then-500 forces a resend, which the key deduplicates"
+
+
+def test_retry_after_is_honoured_before_the_next_attempt(collector, spool_dir) -> None:
+    collector.script(("429", 1))
+    a = configure("spool", collector, spool_dir)
+    agent.emit(heartbeat(0))
+    assert a.force_flush(10.0)
+    assert len(collector.request_times) >= 2
+    assert collector.request_times[1] - collector.request_times[0] >= 0.9
+
+
+def test_retry_after_accepts_seconds_and_http_dates_and_is_capped() -> None:
+    assert parse_retry_after("2") == 2.0
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past: retry now
+    assert parse_retry_after("86400") == 60.0
+    assert parse_retry_after("soon") is None
+
+
+@pytest.mark.parametrize("pipeline", ["spool", "http"])
+def test_a_refused_batch_is_set_aside_and_counted_and_never_retried(pipeline, collector, spool_dir) -> None:
+    collector.script(400)
+    a = configure(pipeline, collector, spool_dir)
+    for i in range(5):
+        agent.emit(heartbeat(i))
+    a.force_flush(10.0)
+    for i in range(5, 8):
+        agent.emit(heartbeat(i))
+    assert a.force_flush(10.0)
+    assert collector.requests.count(400) == 1
+    assert sorted(r["step"] for r in collector.of_kind("heartbeat")) == [5, 6, 7]
+    assert collector.dropped_total() == 5
+    (rejected,) = [p for p in spool_dir.iterdir() if "rejected" in p.name]
+    lines = rejected.read_text().splitlines()
+    assert json.loads(lines[0][1:])["rejected_status"] == 400
+    assert sorted(json.loads(x)["step"] for x in lines[1:] if json.loads(x)["kind"] == "heartbeat") == list(
+        range(5)
+    )
+
+
+def test_the_token_is_sent_as_a_bearer_header(spool_dir) -> None:
+    with FakeCollector(token="s3cret") as collector:
+        a = configure("spool", collector, spool_dir, token="s3cret")
+        agent.emit(heartbeat(1))
+        assert a.force_flush(10.0)
+        assert [r["step"] for r in collector.of_kind("heartbeat")] == [1]
+
+
+def test_a_collector_restart_loses_nothing(collector, spool_dir) -> None:
+    a = configure("spool", collector, spool_dir)
+    agent.emit(heartbeat(0))
+    assert a.force_flush(10.0)
+    collector.stop()
+    for i in range(1, 100):
+        agent.emit(heartbeat(i))
+    assert not a.force_flush(0.5), "nothing can be acknowledged while the collector is down"
+    collector.start()
+    assert a.force_flush(15.0)
+    assert sorted(r["step"] for r in collector.of_kind("heartbeat")) == list(range(100))
