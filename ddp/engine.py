@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from ddpscope import agent
 from ddpscope.agent import clock as agent_clock
@@ -137,9 +138,7 @@ class DistributedDataParallel(nn.Module):
         agent_clock.set_offset(estimate.offset_ns, estimate.error_ns)
         buffers = list(module.named_buffers()) if broadcast_buffers else []
         check_same_layout(describe(named, buffers), process_group, self._pg)
-        broadcast_coalesced(
-            [p for _, p in named] + [b for _, b in buffers], group=process_group, pg=self._pg
-        )
+        broadcast_coalesced([p for _, p in named] + [b for _, b in buffers], group=process_group, pg=self._pg)
 
         self._timer = StepTimer(self._global_rank)
         self._reducer = Reducer(
@@ -231,7 +230,7 @@ class DistributedDataParallel(nn.Module):
         if not buffers:
             return
         # In-place writes must not invalidate tensors autograd saved (torch does the same).
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+        with torch.no_grad(), _unsafe_preserve_version_counter(tuple(buffers)):
             broadcast_coalesced(buffers, group=self.process_group, pg=self._pg, step=self._step)
 
     # -- gradient accumulation -------------------------------------------------------------------

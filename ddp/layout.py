@@ -19,7 +19,9 @@ import torch.distributed as dist
 from ddpscope.ddp.collectives import RECORDER
 
 
-def describe(named_params: Iterable[tuple[str, torch.Tensor]], named_buffers: Iterable[tuple[str, Any]] = ()) -> list[str]:
+def describe(
+    named_params: Iterable[tuple[str, torch.Tensor]], named_buffers: Iterable[tuple[str, Any]] = ()
+) -> list[str]:
     """One line per parameter (and buffer): what must be identical on every rank."""
     lines = []
     for name, p in named_params:

@@ -80,7 +80,9 @@ class Reducer:
         self.queued = False
         """The finalizer is queued for the backward in progress."""
         self.ready_log: list[int] | None = None
-        """Parameter indices in gradient-ready order, recorded during the first synced backward."""
+        """Parameter indices in gradient-ready order, recorded in synced backwards until the rebuild."""
+        self.log_complete = False
+        """The last synced backward succeeded on every rank: ``ready_log`` is safe to rebuild from."""
         self.rebuilt = find_unused_parameters  # torch never rebuilds with find_unused_parameters=True
         self.expected_unused: list[int] = []
         self.set_layout(assign_buckets(self.specs, self.limits))
@@ -106,7 +108,9 @@ class Reducer:
         self.rebuilt = True
 
     def wants_rebuild(self) -> bool:
-        return not self.rebuilt and self.ready_log is not None and len(self.ready_log) == len(self.params)
+        # Every rank agrees on log_complete (a failed step fails on every rank), so every rank takes
+        # the rebuild, and its broadcast, at the same forward.
+        return not self.rebuilt and self.log_complete
 
     def layout_wire(self) -> list[dict[str, Any]]:
         return [b.to_wire() for b in self.buckets]
@@ -151,8 +155,9 @@ class Reducer:
         tensors = _grad_tensors(outputs)
         if synced:
             self.active = True
-            if self.ready_log is None and not self.rebuilt:
+            if not self.rebuilt:
                 self.ready_log = []
+                self.log_complete = False
             if self.find_unused:
                 used = _reachable_params(tensors)
                 self.expected_unused = [i for i, p in enumerate(self.params) if id(p) not in used]
@@ -200,7 +205,7 @@ class Reducer:
             view.mul_(self.scale)  # the grad already lives in the bucket
         else:
             # Scale while copying (one pass), exactly as torch's reducer does before a SUM all-reduce.
-            torch.mul(grad, self.scale, out=view)
+            torch.mul(grad, self.scale, out=view)  # type: ignore[arg-type]  # a post-accumulate hook always has a grad
             if self.as_view:
                 param.grad = view
         if self.ready_log is not None:
@@ -245,7 +250,12 @@ class Reducer:
             self.used_tensor = torch.frombuffer(bytearray(self.used), dtype=torch.uint8).to(torch.int32)
             with RECORDER.engine_call():
                 self.used_seq = RECORDER.begin(
-                    self.pg, "all_reduce", (self.used_tensor,), reduce_op="SUM", source="engine", step=self.step
+                    self.pg,
+                    "all_reduce",
+                    (self.used_tensor,),
+                    reduce_op="SUM",
+                    source="engine",
+                    step=self.step,
                 )
                 self.used_work = dist.all_reduce(self.used_tensor, group=self.group, async_op=True)
         if self.next_done < self.next_launch:
@@ -317,6 +327,7 @@ class Reducer:
                 agent.emit(self.timer.finish(unused))
                 raise UnreducedGradientsError(self._failure_message(bad_ranks, flags[self.world_size :]))
         self._write_back(global_used)
+        self.log_complete = self.ready_log is not None and len(self.ready_log) == len(self.params)
         agent.emit(self.timer.finish(unused))
 
     def _write_back(self, global_used: list[int] | None) -> None:

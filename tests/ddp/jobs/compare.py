@@ -27,7 +27,9 @@ SCENARIO = ""
 class Mlp(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+        self.layers = nn.Sequential(
+            nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
@@ -140,7 +142,10 @@ def run_scenario(rank: int) -> dict[str, Any]:
         diffs[name] = (value.double() - ours_state[name].double()).abs().max().item()
     exact = all(torch.equal(value, ours_state[name]) for name, value in theirs_state.items())
     grads = {
-        name: {"ours_none": p.grad is None, "theirs_none": dict(theirs.module.named_parameters())[name].grad is None}
+        name: {
+            "ours_none": p.grad is None,
+            "theirs_none": dict(theirs.module.named_parameters())[name].grad is None,
+        }
         for name, p in ours.module.named_parameters()
     }
     return {

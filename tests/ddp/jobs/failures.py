@@ -1,0 +1,86 @@
+"""One rank of a job that makes the engine fail on purpose; writes what happened to OUTDIR/rank<R>.json.
+
+Usage: failures.py SCENARIO OUTDIR
+- ``mismatch``: rank 1 builds a model whose second layer is wider; the constructor must raise.
+- ``missing_grad``: rank 1 skips a branch while find_unused_parameters=False; backward must raise on
+  every rank, and the job must then go on (the collectives stayed aligned) with a step that is fine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpscope import agent
+from ddpscope.ddp import DistributedDataParallel
+
+SCENARIO, OUTDIR = sys.argv[1], sys.argv[2]
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.branch, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+        self.skip_branch = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.trunk(x))
+        if not self.skip_branch:
+            h = h + self.branch(h)
+        return self.head(h)
+
+
+def mismatch(rank: int) -> dict[str, Any]:
+    width = 16 if rank == 1 else 8
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, width), nn.Linear(width, 2))
+    try:
+        DistributedDataParallel(model)
+    except ValueError as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None}
+
+
+def missing_grad(rank: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    module = Branchy()
+    model = DistributedDataParallel(module, bucket_cap_mb=0.0005)  # several buckets
+    module.skip_branch = rank == 1
+    x = torch.randn(4, 8)
+    out: dict[str, Any] = {"layout": model.bucket_layout}
+    try:
+        model(x).sum().backward()
+        out["error"] = None
+    except RuntimeError as e:
+        out["error"], out["message"] = type(e).__name__, str(e)
+        out["traceback"] = traceback.format_exc()
+    out["branch_grad_none"] = module.branch.weight.grad is None
+    # The collectives stayed aligned, so a healthy step afterwards works on every rank.
+    module.skip_branch = False
+    module.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    out["after_ok"] = True
+    return out
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    exporter = agent.InMemoryExporter()
+    agent.configure(exporter=exporter, job=f"failures-{SCENARIO}", rank=rank)
+    result = {"mismatch": mismatch, "missing_grad": missing_grad}[SCENARIO](rank)
+    agent.get_agent().force_flush(5.0)
+    result["records"] = exporter.records
+    with open(os.path.join(OUTDIR, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

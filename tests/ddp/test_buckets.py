@@ -1,0 +1,93 @@
+"""Bucket assignment and buffers, checked against torch's own C++ assignment."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddpscope.ddp.buckets import (
+    FIRST_BUCKET_BYTES,
+    MIB,
+    ParamSpec,
+    assign_buckets,
+    build_buckets,
+    size_limits,
+)
+
+DTYPES = (torch.float32, torch.float64, torch.float16)
+
+tensor_lists = st.lists(
+    st.tuples(st.integers(1, 3000), st.sampled_from(DTYPES)), min_size=1, max_size=25
+).map(lambda specs: [torch.zeros(n, dtype=d) for n, d in specs])
+limit_lists = st.sampled_from([[1024], [512, 4096], [64, 256, 100_000], [10**9]])
+
+
+def specs_of(tensors: list[torch.Tensor]) -> list[ParamSpec]:
+    return [ParamSpec.of(f"p{i}", t) for i, t in enumerate(tensors)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(tensor_lists, limit_lists)
+def test_initial_assignment_is_torch_assignment_reversed(
+    tensors: list[torch.Tensor], limits: list[int]
+) -> None:
+    theirs, _ = dist._compute_bucket_assignment_by_size(tensors, limits)
+    assert assign_buckets(specs_of(tensors), limits) == list(reversed(theirs))
+
+
+@settings(max_examples=200, deadline=None)
+@given(tensor_lists, limit_lists, st.randoms(use_true_random=False))
+def test_rebuilt_assignment_matches_torch_for_an_observed_ready_order(
+    tensors: list[torch.Tensor], limits: list[int], rnd
+) -> None:
+    order = list(range(len(tensors)))
+    rnd.shuffle(order)
+    theirs, _ = dist._compute_bucket_assignment_by_size(
+        [tensors[i] for i in order], limits, [False] * len(order), order
+    )
+    ours = assign_buckets(specs_of(tensors), limits, order)
+    if len({t.dtype for t in tensors}) == 1:
+        assert ours == theirs
+    else:
+        # torch appends the still-open buckets from an unordered_map: only their order may differ.
+        assert sorted(ours) == sorted(theirs)
+
+
+def test_default_cap_has_a_small_first_bucket_and_an_explicit_cap_does_not() -> None:
+    assert size_limits(None) == [FIRST_BUCKET_BYTES, 25 * MIB]
+    assert size_limits(25) == [25 * MIB]
+    assert size_limits(0.5) == [MIB // 2]
+
+
+def test_each_dtype_gets_its_own_buckets() -> None:
+    tensors = [torch.zeros(10), torch.zeros(10, dtype=torch.float64), torch.zeros(10)]
+    buckets = assign_buckets(specs_of(tensors), [10**9])
+    assert sorted(buckets) == [[0, 2], [1]]
+
+
+def test_bucket_views_alias_one_flat_buffer_in_bucket_order() -> None:
+    params = [torch.ones(2, 3), torch.ones(4), torch.ones(5)]
+    names = ["a", "b", "c"]
+    (bucket,) = build_buckets([[2, 0]], params, names)
+    assert bucket.names == ["c", "a"]
+    assert bucket.nbytes == (5 + 6) * 4
+    assert [v.shape for v in bucket.views] == [torch.Size([5]), torch.Size([2, 3])]
+    bucket.views[1].fill_(7.0)
+    assert bucket.buffer[5:].tolist() == [7.0] * 6
+    assert bucket.status is None
+
+
+def test_only_the_last_bucket_carries_status_slots() -> None:
+    params = [torch.ones(3), torch.ones(4)]
+    first, last = build_buckets([[1], [0]], params, ["a", "b"], status_slots=5)
+    assert first.status is None and first.buffer.numel() == 4
+    assert last.status is not None and last.status.numel() == 5 and last.buffer.numel() == 8
+    assert last.to_wire() == {
+        "index": 1,
+        "bytes": 12,
+        "dtype": "float32",
+        "device": "cpu",
+        "parameters": ["a"],
+    }

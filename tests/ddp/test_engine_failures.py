@@ -1,0 +1,36 @@
+"""Wrong setups fail loudly and on every rank, and nobody hangs."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.ddp.engine_jobs import run_job
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_different_parameter_on_one_rank_raises_value_error_on_every_rank_naming_it(tmp_path) -> None:
+    ranks = run_job("failures.py", 3, ["mismatch"], tmp_path, timeout_s=90)
+    for rank in ranks:
+        assert rank["error"] == "ValueError"
+        assert "Ranks [1] differ from rank 0" in rank["message"]
+        assert "rank 0 has parameter 1.weight float32[8, 8]" in rank["message"]
+        assert "rank 1 has parameter 1.weight float32[16, 8]" in rank["message"]
+
+
+def test_a_parameter_without_gradient_on_one_rank_fails_that_backward_on_every_rank(tmp_path) -> None:
+    ranks = run_job("failures.py", 2, ["missing_grad"], tmp_path, timeout_s=90)
+    for rank in ranks:
+        message = rank["message"]
+        assert rank["error"] == "UnreducedGradientsError"
+        assert "['branch.weight', 'branch.bias']" in message
+        assert "bucket(s) [0, 1]" in message
+        assert "rank(s) [1]" in message
+        assert "find_unused_parameters=True" in message
+        # The collectives stayed aligned: the next, healthy step ran on both ranks.
+        assert rank["after_ok"] is True
+    assert "On this rank the missing parameters are" in ranks[1]["message"]
+    assert "On this rank" not in ranks[0]["message"]
+    # The failed step is still recorded, with the missing parameters named.
+    failed = next(r for r in ranks[1]["records"] if r["kind"] == "step")
+    assert failed["step"] == 0 and failed["unused_parameters"] == ["branch.weight", "branch.bias"]

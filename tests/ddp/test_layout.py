@@ -1,0 +1,47 @@
+"""The layout-mismatch diagnosis (the collective part runs in tests/ddp/test_engine_failures.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ddpscope.ddp.layout import describe, first_difference, mismatch_message
+
+
+def test_describe_lists_names_dtypes_shapes_and_frozen_parameters_then_buffers() -> None:
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    model[0].bias.requires_grad_(False)
+    lines = describe(model.named_parameters(), model.named_buffers())
+    assert lines[:2] == ["parameter 0.weight float32[2, 3]", "parameter 0.bias float32[2] (frozen)"]
+    assert "buffer 1.num_batches_tracked int64[]" in lines
+
+
+def test_the_first_difference_is_reported_with_every_ranks_entry() -> None:
+    per_rank = [["a f32[2]", "b f32[3]"], ["a f32[2]", "b f32[3]"], ["a f32[2]", "b f32[4]"]]
+    pos, entries = first_difference(per_rank)
+    assert pos == 1
+    assert entries == {0: "b f32[3]", 1: "b f32[3]", 2: "b f32[4]"}
+
+
+def test_a_rank_with_fewer_parameters_is_reported_as_having_nothing_there() -> None:
+    pos, entries = first_difference([["a", "b"], ["a"]])
+    assert (pos, entries[1]) == (1, "nothing")
+
+
+def test_the_mismatch_message_names_the_parameter_and_the_differing_ranks() -> None:
+    message = mismatch_message(
+        [["parameter w float32[2]"], ["parameter w float32[2]"], ["parameter w float64[2]"]]
+    )
+    assert "Ranks [2] differ from rank 0" in message
+    assert "rank 2 has parameter w float64[2]" in message
+    assert "rank 0 has parameter w float32[2]" in message
+
+
+def test_identical_lists_have_no_difference() -> None:
+    with pytest.raises(ValueError):
+        first_difference([["a"], ["a"]])
+
+
+def test_describe_skips_buffers_that_are_none() -> None:
+    assert describe([], [("running_mean", None), ("x", torch.zeros(1))]) == ["buffer x float32[1]"]

@@ -1,0 +1,67 @@
+"""StepTimer: the engine-independent builder of 'step' records."""
+
+from __future__ import annotations
+
+from ddpscope.agent.records import validate_record
+from ddpscope.ddp.step_record import StepTimer
+
+
+def stamp(record: dict) -> dict:
+    """What the agent adds before a record leaves the process."""
+    return {**record, "job": "j", "stream": "s", "seq": 0, "time_ns": 1}
+
+
+def test_a_synced_step_record_has_one_entry_per_bucket_in_the_order_they_happened() -> None:
+    timer = StepTimer(rank=3, bucket_bytes=[400, 100])
+    timer.forward_start(step=7, synced=True, t_ns=10)
+    timer.forward_end(t_ns=20)
+    timer.backward_start(t_ns=25)
+    timer.backward_start(t_ns=99)  # a later hook does not move the start
+    timer.bucket_ready(1, t_ns=30)
+    timer.bucket_ready(0, t_ns=40)
+    timer.allreduce_launched(0, coll_seq=5, t_ns=41)
+    timer.allreduce_launched(1, coll_seq=6, t_ns=42)
+    timer.allreduce_done(0, t_ns=50)
+    timer.allreduce_done(1, t_ns=55)
+    record = timer.finish(unused_parameters=["fc.bias"], backward_end_ns=60)
+    assert validate_record(stamp(record)) == "step"
+    assert record["rank"] == 3 and record["step"] == 7 and record["synced"] is True
+    assert (record["forward_start_ns"], record["forward_end_ns"]) == (10, 20)
+    assert (record["backward_start_ns"], record["backward_end_ns"]) == (25, 60)
+    assert record["bucket_ready_ns"] == [40, 30]
+    assert record["ready_order"] == [1, 0]
+    assert record["allreduce_start_ns"] == [41, 42]
+    assert record["allreduce_end_ns"] == [50, 55]
+    assert record["collective_seqs"] == [5, 6]
+    assert record["bucket_bytes"] == [400, 100]
+    assert record["unused_parameters"] == ["fc.bias"]
+
+
+def test_an_unsynced_step_has_no_bucket_entries_and_still_validates() -> None:
+    timer = StepTimer(rank=0, bucket_bytes=[4])
+    timer.forward_start(step=1, synced=False)
+    timer.forward_end()
+    record = timer.finish()
+    assert validate_record(stamp(record)) == "step"
+    assert record["synced"] is False
+    assert record["bucket_ready_ns"] == record["allreduce_end_ns"] == record["bucket_bytes"] == []
+    # No hook fired: backward is reported as an empty span at its end rather than as time 0.
+    assert record["backward_start_ns"] == record["backward_end_ns"] >= record["forward_end_ns"]
+
+
+def test_a_new_step_forgets_the_previous_steps_bucket_times() -> None:
+    timer = StepTimer(rank=0, bucket_bytes=[4, 4])
+    timer.forward_start(step=0)
+    timer.bucket_ready(0)
+    timer.allreduce_launched(0, coll_seq=1)
+    timer.forward_start(step=1)
+    record = timer.finish()
+    assert record["bucket_ready_ns"] == [0, 0] and record["ready_order"] == []
+    assert record["collective_seqs"] == [0, 0]
+
+
+def test_a_relayout_changes_the_bucket_count_of_the_next_record() -> None:
+    timer = StepTimer(rank=0, bucket_bytes=[8])
+    timer.set_buckets([2, 2, 4])
+    timer.forward_start(step=0)
+    assert timer.finish()["bucket_bytes"] == [2, 2, 4]
