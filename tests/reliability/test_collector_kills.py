@@ -1,0 +1,77 @@
+"""The collector SIGKILLed again and again under load, restarted on the same SQLite file."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.reliability.conftest import GLOO_JOB, Started, agent_env, finish, integrity_ok, wait_for
+from tests.support.collector_proc import CollectorProc
+from tests.support.procs import started_ranks, wait_all
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+KILLS = 10
+PER_RANK = 4000
+RATE = 100.0
+GLOO_STEPS = 30
+
+
+def test_ten_collector_sigkills_lose_and_duplicate_no_step_record(
+    tmp_path: Path, collector: CollectorProc, started: Started, figures: dict[str, Any]
+) -> None:
+    db = Path(collector.db_url.removeprefix("sqlite:///"))
+    url = collector.start()
+    synth_job, real_job = "kills-synthetic", "kills-gloo"
+    emitters = [
+        started.emitter(agent_env(url, tmp_path / "spool", synth_job, rank=r), PER_RANK, RATE) for r in (0, 1)
+    ]
+    gloo_env = agent_env(url, tmp_path / "spool-gloo", real_job)
+    del gloo_env["RANK"]  # set per rank by started_ranks
+    started.spool_dirs.append(tmp_path / "spool-gloo")
+    rng = random.Random(10)
+    checks: list[str] = []
+    downtime = 0.0
+    with started_ranks(GLOO_JOB, 2, args=[str(GLOO_STEPS), "0.8"], env=gloo_env) as ranks:
+        for _ in range(KILLS):
+            time.sleep(rng.uniform(0.2, 0.7))  # a random moment: mid-request, mid-commit, idle
+            down_at = time.monotonic()
+            collector.kill()
+            checks.append(integrity_ok(db))
+            time.sleep(rng.uniform(0.0, 0.4))
+            collector.start()
+            downtime += time.monotonic() - down_at
+        results = wait_all(ranks, 120)
+    assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
+    summaries = [finish(p, 60) for p in emitters]
+
+    synth = wait_for(db, synth_job, 2 * PER_RANK, 60)
+    real = wait_for(db, real_job, 2 * GLOO_STEPS, 30)
+    collector.kill()
+    final_check = integrity_ok(db)
+
+    emitted = sum(s["emitted"] for s in summaries)
+    lost = emitted - synth.rows - synth.dropped_steps
+    real_lost = 2 * GLOO_STEPS - real.rows
+    figures["collector_sigkill"] = {
+        "kills": collector.kills - 1,
+        "restarts": collector.starts - 1,
+        "collector_down_s": round(downtime, 1),
+        "step_records_emitted": emitted + 2 * GLOO_STEPS,
+        "step_records_delivered": synth.rows + real.rows,
+        "step_records_dropped_counted": synth.dropped_steps + real.dropped_steps,
+        "step_records_lost": lost + real_lost,
+        "duplicates": synth.duplicates + real.duplicates,
+        "integrity_checks_ok": sum(c == "ok" for c in [*checks, final_check]),
+    }
+    assert checks == ["ok"] * KILLS and final_check == "ok"
+    assert collector.kills - 1 == KILLS
+    assert synth.dropped_steps == 0 and real.dropped_steps == 0, (synth.dropped, real.dropped)
+    assert (synth.rows, synth.duplicates, lost) == (emitted, 0, 0)
+    assert {r: len(s) for r, s in synth.per_rank.items()} == {0: PER_RANK, 1: PER_RANK}
+    assert (real.rows, real.duplicates) == (2 * GLOO_STEPS, 0)
+    assert real.per_rank == {0: set(range(GLOO_STEPS)), 1: set(range(GLOO_STEPS))}
