@@ -44,10 +44,12 @@ def render_page(
             if href
             else f"<span>{escape(label)}</span>"
         )
-    tags = []
+    # All deferred, page scripts first: they start their API fetches at once, and those run on the
+    # network while the browser is still evaluating plotly.js (seconds on a slow machine); the scripts
+    # draw only after ``ddp.plotlyReady``.
+    tags = [f'<script defer src="{asset_url(s)}"></script>' for s in ("common.js", *scripts)]
     if plotly:
-        tags.append(f'<script src="{PLOTLY_URL}"></script>')
-    tags += [f'<script src="{asset_url(s)}"></script>' for s in ("common.js", *scripts)]
+        tags.append(f'<script defer src="{PLOTLY_URL}"></script>')
     return (
         "<!doctype html>\n"
         '<html lang="en"><head><meta charset="utf-8">'

@@ -107,11 +107,18 @@ const ddp = (() => {
 
   // Plotly.react keeps zoom when uirevision is stable; also makes re-draws cheap.
   const plotConfig = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
-  function plot(id, traces, layout) {
+  // plotly.js is the last deferred script: it has run once the document is fully parsed.
+  const plotlyReady = new Promise((resolve) => {
+    if (window.Plotly) resolve();
+    else document.addEventListener("DOMContentLoaded", resolve, { once: true });
+  });
+
+  async function plot(id, traces, layout) {
+    await plotlyReady;
     const node = document.getElementById(id);
     const base = { margin: { l: 60, r: 20, t: 10, b: 40 }, uirevision: "keep", font: { size: 12 } };
     return Plotly.react(node, traces, Object.assign(base, layout || {}), plotConfig);
   }
 
-  return { cfg, api, apiAll, jobPath, jobHref, el, say, fmtSeconds, fmtBytes, fmtRatio, fmtAgo, poll, plot, plotText, withParam };
+  return { cfg, api, apiAll, jobPath, jobHref, el, say, fmtSeconds, fmtBytes, fmtRatio, fmtAgo, poll, plot, plotlyReady, plotText, withParam };
 })();

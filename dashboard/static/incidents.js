@@ -60,12 +60,12 @@
   }
 
   async function refresh() {
-    const [data, jobs] = await Promise.all([
+    const [data, info] = await Promise.all([
       ddp.api(ddp.jobPath(job, "/incidents")),
-      ddp.api("/api/v1/jobs").catch(() => ({ items: [] })),
+      ddp.api(ddp.jobPath(job)).catch(() => null),
     ]);
     const items = data.items || [];
-    const world = (jobs.items || []).find((j) => j.job === job);
+    const world = info;
     const payload = JSON.stringify([items, world ? world.world_size : null]);
     window.ddpIncidentUpdates += 1;
     if (payload === lastPayload) return; // keep scroll and open <details> when nothing changed

@@ -125,7 +125,7 @@
     a.setAttribute("download", `${job}-steps-${start || 0}-${end || "end"}.trace.json`);
   }
 
-  function drawStragglers(items) {
+  function drawStragglers(items, threshold) {
     if (!items.length) {
       document.getElementById("stragglers").replaceChildren();
       ddp.say("stragglers-msg", "No straggler scores yet.");
@@ -145,7 +145,10 @@
     ddp.plot("stragglers", traces, {
       height: 260, barmode: "group", showlegend: phases.size > 1,
       yaxis: { title: { text: "slowdown vs median of others" }, rangemode: "tozero" },
-      shapes: [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: 1, y1: 1, line: { dash: "dot", color: "#888" } }],
+      // The analysis' own threshold, when the API reports it: bars above the red line count against a rank.
+      shapes: [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: 1, y1: 1, line: { dash: "dot", color: "#888" } }]
+        .concat(typeof threshold === "number" ? [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: 1 + threshold, y1: 1 + threshold,
+          line: { dash: "dash", color: "#c62828", width: 1 } }] : []),
     });
     const flagged = items.filter((i) => (i.flagged ?? (i.steps_flagged ?? 0) > 0));
     ddp.say("stragglers-msg", flagged.length
@@ -162,14 +165,15 @@
     ddp.say("incidents-msg", items.length ? `${items.length} in total.` : "No incidents.");
   }
 
-  function drawUnused(items) {
+  function drawUnused(items, advice) {
     const table = document.getElementById("unused");
     table.querySelector("tbody").replaceChildren(...items.map((it) => ddp.el("tr", {},
       ddp.el("td", { class: "params" }, it.name),
       ddp.el("td", {}, Array.isArray(it.ranks) ? it.ranks.join(", ") : it.ranks),
       ddp.el("td", { class: "num" }, it.steps))));
     table.hidden = !items.length;
-    ddp.say("unused-msg", items.length ? "" : "Every parameter got a gradient in every recorded step.");
+    const none = "Every parameter got a gradient in every recorded step.";
+    ddp.say("unused-msg", [items.length ? "" : none, advice || ""].filter(Boolean).join(" "));
   }
 
   function drawBuckets(items) {
@@ -204,28 +208,28 @@
   const settled = (p) => p.then((v) => ({ ok: true, v }), (e) => ({ ok: false, e }));
 
   async function refresh() {
-    const [jobs, steps, strag, incid, unused, buckets] = await Promise.all([
-      settled(ddp.api("/api/v1/jobs")),
+    const [info, steps, strag, incid, unused, buckets] = await Promise.all([
+      settled(ddp.api(ddp.jobPath(job))),
       settled(fetchSteps()),
       settled(ddp.api(ddp.jobPath(job, "/stragglers"))),
       settled(ddp.api(ddp.jobPath(job, "/incidents"))),
       settled(ddp.api(ddp.jobPath(job, "/unused-parameters"))),
       settled(ddp.api(ddp.jobPath(job, "/buckets"))),
     ]);
-    if (jobs.ok) world = (jobs.v.items || []).find((j) => j.job === job) || world;
+    if (info.ok) world = info.v;
     const badge = document.getElementById("job-status");
     badge.textContent = world ? world.status : "";
     badge.className = "badge " + (world ? world.status : "");
-    const errors = [jobs, steps, strag, incid, unused, buckets].filter((r) => !r.ok).map((r) => r.e.message);
+    const errors = [info, steps, strag, incid, unused, buckets].filter((r) => !r.ok).map((r) => r.e.message);
     const w = windowed();
     if (rows.size) {
       drawHeatmap(w);
       drawOverlap(w);
     }
     drawSummary(w);
-    if (strag.ok) drawStragglers(strag.v.items || []);
+    if (strag.ok) drawStragglers(strag.v.items || [], strag.v.threshold);
     if (incid.ok) drawIncidents(incid.v.items || []);
-    if (unused.ok) drawUnused(unused.v.items || []);
+    if (unused.ok) drawUnused(unused.v.items || [], unused.v.advice);
     if (buckets.ok) drawBuckets(buckets.v.items || []);
     let msg = rows.size ? "" : "This job has not reported any steps yet. The page updates by itself.";
     if (errors.length) msg = (msg ? msg + " " : "") + "Some data could not be loaded: " + errors.join("; ");

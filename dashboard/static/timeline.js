@@ -1,12 +1,17 @@
 // The overlap timeline of one step: one row per rank, a compute lane (forward, backward, bucket-ready
 // ticks) above a communication lane (each bucket's all-reduce from launch to end, the exposed tail in
-// red). Each kind is ONE scatter trace of None-separated segments, so 64 ranks x 100 buckets stays a
-// handful of SVG paths instead of thousands of traces.
+// red).
+//
+// Speed at 64 ranks x 100 buckets: Plotly draws every gap-separated piece of a scatter line as its own
+// SVG <path> (13 000 elements, seconds to draw). So each kind of bar is ONE layout shape whose SVG path
+// holds all its segments (one element per kind), and hover comes from one invisible scatter line per
+// kind through the points worth hovering (a single <path> each): a few dozen elements in all.
 "use strict";
 (() => {
   const job = ddp.cfg.job;
   const step = Number(ddp.cfg.step);
-  const COLORS = { forward: "#9cc0ee", backward: "#1f5fbf", ready: "#111111", allreduce: "#f0a030", exposed: "rgba(211, 47, 47, 0.55)" };
+  const COLORS = { forward: "#9cc0ee", backward: "#1f5fbf", ready: "#111111", allreduce: "#f0a030",
+    allreduce2: "#c77d12", exposed: "rgba(211, 47, 47, 0.55)" };
 
   function paramsText(names) {
     if (!names || !names.length) return "parameters: unknown";
@@ -14,20 +19,37 @@
     return `parameters (${names.length}):<br>  ${shown}${names.length > 8 ? `<br>  … ${names.length - 8} more` : ""}`;
   }
 
-  // Push a horizontal segment [x0, x1] at height y, with one hover text for both ends.
-  function seg(t, x0, x1, y, text) {
-    t.x.push(x0, x1, null);
-    t.y.push(y, y, null);
-    t.text.push(text, text, null);
+  // One kind of mark: an SVG path (drawn as a shape) plus the hover points along it.
+  function kind(name, color, width) {
+    return { name, color, width, path: [], hx: [], hy: [], ht: [], segments: 0 };
   }
-  function trace(name, color, width) {
-    return { type: "scatter", mode: "lines", name, x: [], y: [], text: [], hoverinfo: "text",
-      line: { color, width }, connectgaps: false };
+  function bar(k, x0, x1, y, text, hoverPoints) {
+    k.path.push(`M${x0},${y}H${x1}`);
+    k.segments += 1;
+    for (const x of hoverPoints || [x0, x1]) { k.hx.push(x); k.hy.push(y); k.ht.push(text); }
+  }
+  function tick(k, x, y0, y1, text) {
+    k.path.push(`M${x},${y0}V${y1}`);
+    k.segments += 1;
+    k.hx.push(x); k.hy.push((y0 + y1) / 2); k.ht.push(text);
+  }
+  function shapeOf(k) {
+    return { type: "path", path: k.path.join("") || "M0,0", xref: "x", yref: "y", layer: "above",
+      line: { color: k.color, width: k.path.length ? k.width : 0 }, name: k.name };
+  }
+  function hoverTraceOf(k) {
+    // Invisible (zero-width line) but hoverable at its points; "kind" lets tests count segments.
+    return { type: "scatter", mode: "lines", name: k.name, x: k.hx, y: k.hy, text: k.ht, hoverinfo: "text",
+      line: { width: 0, color: k.color }, showlegend: false, meta: { kind: k.name, segments: k.segments },
+      hoverlabel: { bgcolor: "#fff", bordercolor: k.color === COLORS.ready ? "#111" : k.color } };
+  }
+  function legendTraceOf(k) {
+    return { type: "scatter", mode: "lines", name: k.name, x: [null], y: [null], hoverinfo: "skip",
+      line: { color: k.color, width: Math.min(10, Math.max(2, k.width)) } };
   }
 
-  function draw(timeline, buckets, stepRows, worldSize) {
+  function draw(timeline, buckets, worldSize) {
     const byIndex = new Map((buckets || []).map((b) => [b.index, b]));
-    const exposedByRank = new Map((stepRows || []).map((r) => [r.rank, r.exposed_comm_s]));
     const ranks = [...timeline.ranks].sort((a, b) => a.rank - b.rank);
     const present = new Set(ranks.map((r) => r.rank));
     const allRanks = new Set(present);
@@ -36,59 +58,67 @@
     const row = new Map(rankList.map((r, i) => [r, i]));
     const n = rankList.length;
     const rowPx = n <= 4 ? 70 : n <= 16 ? 40 : n <= 40 ? 28 : 22;
-    const fwd = trace("forward", COLORS.forward, rowPx * 0.32);
-    const bwd = trace("backward", COLORS.backward, rowPx * 0.32);
-    const ready = trace("bucket ready", COLORS.ready, 1.5);
-    const ar = trace("all-reduce", COLORS.allreduce, rowPx * 0.14);
-    const tail = trace("exposed tail", COLORS.exposed, rowPx * 0.4);
+    const fwd = kind("forward", COLORS.forward, rowPx * 0.32);
+    const bwd = kind("backward", COLORS.backward, rowPx * 0.32);
+    const ready = kind("bucket ready", COLORS.ready, 1.5);
+    const ar = kind("all-reduce", COLORS.allreduce, rowPx * 0.14);
+    const ar2 = kind("all-reduce (odd buckets)", COLORS.allreduce2, rowPx * 0.14);
+    const tail = kind("exposed tail", COLORS.exposed, rowPx * 0.4);
     let lastT = 0;
     for (const r of ranks) {
       const y = row.get(r.rank);
       const yc = y - 0.18; // compute lane
       const ym = y + 0.22; // communication lane
-      if (r.forward) seg(fwd, r.forward[0], r.forward[1], yc, `rank ${r.rank} · forward<br>${ddp.fmtSeconds(r.forward[1] - r.forward[0])}`);
-      if (r.backward) seg(bwd, r.backward[0], r.backward[1], yc, `rank ${r.rank} · backward<br>${ddp.fmtSeconds(r.backward[1] - r.backward[0])}`);
+      for (const [k, span, label] of [[fwd, r.forward, "forward"], [bwd, r.backward, "backward"]]) {
+        if (!span) continue;
+        bar(k, span[0], span[1], yc, `rank ${r.rank} · ${label}<br>${ddp.fmtSeconds(span[1] - span[0])}`,
+          [span[0], (span[0] + span[1]) / 2, span[1]]);
+      }
       let lastEnd = null;
       for (const b of r.buckets || []) {
         const meta = byIndex.get(b.index) || {};
         const head = `rank ${r.rank} · bucket ${b.index} · ${ddp.fmtBytes(b.bytes ?? meta.bytes)}`;
         if (b.ready !== null && b.ready !== undefined) {
-          const text = `${head}<br>ready at ${ddp.fmtSeconds(b.ready)}<br>${paramsText(meta.parameters)}`;
-          ready.x.push(b.ready, b.ready, null);
-          ready.y.push(yc - 0.17, yc + 0.17, null);
-          ready.text.push(text, text, null);
+          tick(ready, b.ready, yc - 0.17, yc + 0.17, `${head}<br>ready at ${ddp.fmtSeconds(b.ready)}<br>${paramsText(meta.parameters)}`);
         }
         if (b.allreduce && b.allreduce[0] !== null && b.allreduce[1] !== null) {
           const [s, e] = b.allreduce;
-          // Alternate buckets by a hair so back-to-back all-reduces read as separate spans.
-          seg(ar, s, e, ym + (b.index % 2 ? 0.07 : -0.07),
+          // Alternate buckets by a hair (and a shade) so back-to-back all-reduces read as separate spans.
+          const odd = b.index % 2 === 1;
+          bar(odd ? ar2 : ar, s, e, ym + (odd ? 0.07 : -0.07),
             `${head}<br>all-reduce ${ddp.fmtSeconds(s)} → ${ddp.fmtSeconds(e)} (${ddp.fmtSeconds(e - s)})` +
             (b.order_penalty_s > 0 ? `<br>waited ${ddp.fmtSeconds(b.order_penalty_s)} for earlier buckets` : "") +
             `<br>${paramsText(meta.parameters)}`);
           lastEnd = lastEnd === null ? e : Math.max(lastEnd, e);
         }
       }
-      // The exposed tail ends at the last all-reduce end; its length is the analysis' exposed_comm_s
-      // (from the timeline itself, else from the steps endpoint), never recomputed here.
-      const exposedS = r.exposed_comm_s ?? exposedByRank.get(r.rank);
-      const exposed = lastEnd !== null && exposedS > 0 ? [lastEnd - exposedS, lastEnd] : null;
-      if (exposed) seg(tail, exposed[0], exposed[1], ym, `rank ${r.rank} · exposed communication<br>${ddp.fmtSeconds(exposed[1] - exposed[0])} after the last gradient`);
+      // The exposed tail ends at the last all-reduce end; its length is the analysis' exposed_comm_s,
+      // never recomputed here.
+      const exposedS = r.exposed_comm_s;
+      if (lastEnd !== null && exposedS > 0) {
+        bar(tail, lastEnd - exposedS, lastEnd, ym,
+          `rank ${r.rank} · exposed communication<br>${ddp.fmtSeconds(exposedS)} after the last gradient`);
+      }
       lastT = Math.max(lastT, lastEnd || 0, r.backward ? r.backward[1] : 0);
     }
+    const kinds = [tail, ar, ar2, fwd, bwd, ready];
     const silent = rankList.filter((r) => !present.has(r));
     const annotations = silent.map((r) => ({
       x: 0, y: row.get(r), xref: "x", yref: "y", xanchor: "left", showarrow: false,
       text: `rank ${r}: no record for this step (silent or not there yet)`, font: { color: "#c62828" },
     }));
+    const separators = rankList.slice(1).map((_, i) => `M0,${i + 0.5}H${lastT * 1.02 || 1}`).join("");
+    const shapes = [{ type: "path", path: separators || "M0,0", xref: "x", yref: "y", layer: "below", line: { color: "#eef0f3", width: 1 } }]
+      .concat(kinds.map(shapeOf));
+    const legend = [fwd, bwd, ready, ar, tail].map(legendTraceOf);
     const div = document.getElementById("timeline");
-    return Plotly.react(div, [fwd, bwd, tail, ar, ready], {
+    return Plotly.react(div, legend.concat(kinds.map(hoverTraceOf)), {
       height: 90 + n * rowPx, margin: { l: 70, r: 20, t: 30, b: 50 }, hovermode: "closest",
-      legend: { orientation: "h", x: 0, y: 1.0, yanchor: "bottom" }, annotations,
+      legend: { orientation: "h", x: 0, y: 1.0, yanchor: "bottom", itemclick: false, itemdoubleclick: false },
+      annotations, shapes,
       xaxis: { title: { text: "seconds since the step began" }, range: [0, lastT * 1.02 || 1], zeroline: false },
       yaxis: { tickvals: rankList.map((r) => row.get(r)), ticktext: rankList.map((r) => "rank " + r),
         range: [n - 0.5, -0.5], zeroline: false, showgrid: false },
-      shapes: rankList.slice(1).map((_, i) => ({ type: "line", xref: "paper", x0: 0, x1: 1, y0: i + 0.5, y1: i + 0.5,
-        line: { color: "#eef0f3", width: 1 }, layer: "below" })),
     }, { displaylogo: false, responsive: true });
   }
 
@@ -133,28 +163,34 @@
 
   async function main() {
     document.getElementById("trace-link").href = ddp.jobPath(job, `/trace?start=${step}&end=${step}`);
-    const navDone = navigation().catch((e) => console.warn("navigation:", e.message));
-    const [tl, buckets, stepRows, jobs] = await Promise.all([
+    // Only what the figure needs is on the critical path; the per-rank table and the navigation
+    // (which read the steps endpoint) are fetched once the figure is drawn.
+    const [tl, buckets, info] = await Promise.all([
       ddp.api(ddp.jobPath(job, `/timeline?step=${step}`)).catch((e) => { if (e.status === 404) return { ranks: [] }; throw e; }),
       ddp.api(ddp.jobPath(job, "/buckets")).then((b) => b.items || []).catch(() => []),
-      ddp.apiAll(ddp.jobPath(job, `/steps?start=${step}&end=${step + 1}`)).catch(() => []),
-      ddp.api("/api/v1/jobs").then((j) => (j.items || []).find((x) => x.job === job)).catch(() => null),
+      ddp.api(ddp.jobPath(job)).catch(() => null),
     ]);
-    const worldSize = jobs ? jobs.world_size : 0;
-    const rowsHere = stepRows.filter((r) => r.step === step);
+    performance.mark("ddp-data"); // the API answered: the rest is drawing (bench/dashboard.py reads both marks)
+    const worldSize = info ? info.world_size : 0;
     if (!tl.ranks || !tl.ranks.length) {
       ddp.say("message", `Step ${step} has no records. It may not have run yet, or the job never reached it.`);
       window.ddpTimelineRendered = performance.now();
-      await navDone;
+      await navigation().catch((e) => console.warn("navigation:", e.message));
       return;
     }
-    await draw(tl, buckets, rowsHere, worldSize);
+    await ddp.plotlyReady;
+    await draw(tl, buckets, worldSize);
+    performance.mark("ddp-drawn");
     window.ddpTimelineRendered = performance.now();
     const missing = [];
     for (let r = 0; r < worldSize; r++) if (!tl.ranks.some((x) => x.rank === r)) missing.push(r);
     ddp.say("message", missing.length ? `No record of this step from rank ${missing.join(", ")} (silent, or not reported yet).` : "");
-    drawTable(rowsHere, worldSize);
-    await navDone;
+    const [stepRows] = await Promise.all([
+      ddp.apiAll(ddp.jobPath(job, `/steps?start=${step}&end=${step}`)).catch(() => []),
+      navigation().catch((e) => console.warn("navigation:", e.message)),
+    ]);
+    drawTable(stepRows.filter((r) => r.step === step), worldSize);
+    window.ddpTimelineComplete = true;
   }
 
   main().catch((e) => ddp.say("message", "Could not load the timeline: " + e.message, true));

@@ -106,7 +106,7 @@ class SynthJob:
                 for r in ranks:
                     start[r][b] = max(ready[r][b], start[r][b - 1] if b else 0)
                 joined = max(start[r][b] for r in ranks)
-                end[b] = max(joined, prev_end) + int(0.4 * MS) + self.bucket_bytes[b] * 10
+                end[b] = max(joined, prev_end) + MS // 10 + self.bucket_bytes[b]  # ~1 GB/s
                 prev_end = end[b]
             for r in ranks:
                 bwd_end = max(end[-1], ready[r][-1]) + MS // 5

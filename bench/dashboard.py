@@ -1,0 +1,165 @@
+"""Time to first render of the step timeline in Chromium, 64 ranks x 100 buckets.
+
+Synthetic step records for 64 ranks with 100 buckets each go through the real ingest endpoint into a
+real collector (``ddpscope serve`` on a fresh SQLite file); headless Chromium then opens
+``/jobs/{job}/steps/{step}`` several times. "First render" is navigation start to the moment the
+timeline's Plotly figure has been drawn (``window.ddpTimelineRendered``, set after ``Plotly.react``
+resolves). Cold = a fresh browser context (plotly.js not cached yet); warm = the same context again.
+Target: <= 1 s. Prints the machine and writes bench/results/dashboard.json. Runs in well under 2 min.
+
+    .venv/bin/python -m bench.dashboard [--ranks 64] [--buckets 100] [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from tests.browser.conftest import CHROMIUM, CHROMIUM_ARGS, running_collector
+from tests.browser.wire import SynthJob, post
+
+RESULTS = Path(__file__).parent / "results" / "dashboard.json"
+TARGET_S = 1.0
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "os": platform.platform(),
+    }
+
+
+def render_once(context: Any, url: str) -> dict[str, float]:
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    page.wait_for_function("window.ddpTimelineRendered !== undefined", timeout=60_000)
+    timing = page.evaluate(
+        """() => {
+        const mark = (n) => (performance.getEntriesByName(n)[0] || {}).startTime;
+        const nav = performance.getEntriesByType('navigation')[0];
+        const div = document.getElementById('timeline');
+        const ready = div.data.find((t) => t.meta && t.meta.kind === 'bucket ready');
+        return { rendered_ms: window.ddpTimelineRendered, data_ms: mark('ddp-data'), drawn_ms: mark('ddp-drawn'),
+                 scripts_ready_ms: nav.domContentLoadedEventEnd,
+                 ranks: div.layout.yaxis.tickvals.length, ready_ticks: ready.meta.segments,
+                 svg_paths: div.querySelectorAll('path').length };
+    }"""
+    )
+    page.close()
+    if errors:
+        raise RuntimeError(f"the page reported errors: {errors}")
+    return timing
+
+
+def summary(runs: list[dict[str, float]]) -> dict[str, Any]:
+    med = lambda key: round(statistics.median(r[key] for r in runs) / 1000, 4)  # noqa: E731
+    return {
+        "first_render_s": med("rendered_ms"),
+        "scripts_ready_s": med("scripts_ready_ms"),
+        "api_data_s": med("data_ms"),
+        "plotly_draw_s": round(statistics.median(r["drawn_ms"] - r["data_ms"] for r in runs) / 1000, 4),
+        "runs_s": [round(r["rendered_ms"] / 1000, 4) for r in runs],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=64)
+    ap.add_argument("--buckets", type=int, default=100)
+    ap.add_argument("--runs", type=int, default=5)
+    args = ap.parse_args(argv)
+    from playwright.sync_api import sync_playwright
+
+    info = machine()
+    print(f"machine: {info['cpu']}, {info['cores']} cores, Python {info['python']}, {info['os']}")
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp, running_collector(Path(tmp)) as collector:
+        job = f"bench-{args.ranks}x{args.buckets}"
+        synth = SynthJob(
+            job, world_size=args.ranks, buckets=args.buckets, slow_rank=args.ranks // 3, params_per_bucket=3
+        )
+        t = time.monotonic()
+        post(collector.url, synth.start() + synth.steps(3), chunk=500)
+        ingest_s = time.monotonic() - t
+        url = f"{collector.url}/jobs/{quote(job, safe='')}/steps/1"
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            version = browser.version
+            print(
+                f"chromium {version}; {args.ranks} ranks x {args.buckets} buckets, ingest took {ingest_s:.2f} s"
+            )
+            # Cold: a fresh incognito context per run, as a first visit (plotly.js downloaded and compiled).
+            cold = []
+            for _ in range(args.runs):
+                context = browser.new_context(viewport={"width": 1400, "height": 1000})
+                cold.append(render_once(context, url))
+                context.close()
+            browser.close()
+            # Warm: a normal profile that has seen the page before (HTTP cache and V8 code cache primed by
+            # two visits), as when a user steps through timelines.
+            context = p.chromium.launch_persistent_context(
+                str(Path(tmp) / "profile"), executable_path=CHROMIUM, args=CHROMIUM_ARGS,
+                viewport={"width": 1400, "height": 1000})  # fmt: skip
+            for _ in range(2):
+                render_once(context, url)
+            warm = [render_once(context, url) for _ in range(args.runs)]
+            context.close()
+    first = cold[0]
+    if first["ranks"] != args.ranks or first["ready_ticks"] != args.ranks * args.buckets:
+        raise RuntimeError(f"the timeline does not hold every rank and bucket: {first}")
+    cold_sum, warm_sum = summary(cold), summary(warm)
+    result = {
+        "benchmark": "dashboard step timeline: time to first render (navigation start to figure drawn)",
+        "machine": info,
+        "chromium": version,
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "ranks": args.ranks,
+        "buckets": args.buckets,
+        "runs": args.runs,
+        "svg_paths_in_figure": first["svg_paths"],
+        "cold": cold_sum,
+        "warm": warm_sum,
+        "target_s": TARGET_S,
+        "meets_target_warm": warm_sum["first_render_s"] <= TARGET_S,
+        "meets_target_cold": cold_sum["first_render_s"] <= TARGET_S,
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    for name, s in (("cold", cold_sum), ("warm", warm_sum)):
+        print(
+            f"{name}: first render {s['first_render_s']:.3f} s (median of {args.runs}); scripts ready at "
+            f"{s['scripts_ready_s']:.3f} s, API data at {s['api_data_s']:.3f} s, drawing {s['plotly_draw_s']:.3f} s"
+        )
+    print(
+        f"target <= {TARGET_S} s: warm {'met' if result['meets_target_warm'] else 'NOT met'}, "
+        f"cold {'met' if result['meets_target_cold'] else 'NOT met'}; load average {result['load_average_1m']}"
+    )
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
