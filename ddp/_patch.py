@@ -141,7 +141,7 @@ def _make_wrapper(
                     peer = arg(args, kwargs, p_pos, spec.peer)
                     me = dist.get_rank()
                     pair = "any" if peer is None else f"{min(me, peer)}-{max(me, peer)}"
-                    pg = f"{pg}/p2p/{pair}"
+                    pg = f"{pg}:p2p:{pair}"
                 tensors = arg(args, kwargs, t_pos, spec.tensor) if t_pos >= 0 else None
                 if tensors is None:
                     tensors = ()

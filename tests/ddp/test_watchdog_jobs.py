@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -78,7 +79,40 @@ def test_collectives_of_several_kinds_are_recorded_alike_on_both_ranks(stall: Jo
     # Point-to-point calls live on their own pair channel, numbered alike on both ends.
     (send,) = [r for r in stall.of(0, "collective") if r["op"] == "send"]
     (recv,) = [r for r in stall.of(1, "collective") if r["op"] == "recv"]
-    assert send["pg"] == recv["pg"] == "default/p2p/0-1" and send["coll_seq"] == recv["coll_seq"] == 1
+    assert send["pg"] == recv["pg"] == "default:p2p:0-1" and send["coll_seq"] == recv["coll_seq"] == 1
     for rank in (0, 1):
         ends = {(r["pg"], r["coll_seq"]) for r in stall.of(rank, "collective_end") if r["ok"]}
         assert ends == {(r["pg"], r["coll_seq"]) for r in stall.of(rank, "collective")}
+
+
+def test_with_the_ddpscope_engine_a_straggling_peer_shows_as_a_hang_in_a_launched_bucket(
+    tmp_path: Path,
+) -> None:
+    env = {"DDPSCOPE_HANG_TIMEOUT": "1.0", "DDPSCOPE_HEARTBEAT_S": "0.5", "JOB_STALL_S": "3.5"}
+    run = run_job("engine", tmp_path, env=env)
+    assert [r.returncode for r in run.results] == [0, 0], run.output()
+    assert all("internal_errors=0" in r.stdout for r in run.results)
+    (hang,) = run.of(0, "hang")
+    assert hang["step"] == 2 and hang["phase"] in ("backward", "allreduce")
+    assert hang["pending_buckets"] and all(
+        b["launched"] and not b["missing"] for b in hang["pending_buckets"]
+    )
+    assert f"bucket {hang['pending_buckets'][0]['index']}" in hang["message"]
+    engine_seqs = {
+        r["coll_seq"] for r in run.of(0, "collective") if r["source"] == "engine" and r["step"] == 2
+    }
+    assert {c["coll_seq"] for c in hang["inflight"]} <= engine_seqs
+    assert len(run.of(0, "hang_resolved")) == 1
+
+    def view(rank: int) -> list[tuple[object, ...]]:
+        return [
+            (r["coll_seq"], r["op"], r["source"], r["shapes"])
+            for r in run.of(rank, "collective")
+            if r["pg"] == "default"
+        ]
+
+    # The engine's collectives and the user's share one numbering, alike on both ranks, and the
+    # engine's own torch.distributed calls are not recorded a second time as user calls.
+    assert view(0) == view(1)
+    user = [r for r in run.of(0, "collective") if r["source"] == "user"]
+    assert len(user) == 4 and all(r["call_site"].endswith(site("engine_loss")) for r in user)

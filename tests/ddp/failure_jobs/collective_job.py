@@ -13,6 +13,8 @@ Scenarios:
   order    same-shape all-reduces in a different order on the two ranks (silently wrong on gloo).
   raise    rank 1 raises an uncaught exception at step 2.
   healthy  torch DDP training of a small MLP plus a user all-reduce of the loss each step.
+  engine   the same with ddpscope's engine (small buckets); rank 1 sleeps before the forward of
+           step 2, so rank 0 waits in its bucket all-reduces.
 """
 
 from __future__ import annotations
@@ -112,6 +114,26 @@ def healthy(rank: int) -> None:
     print(f"internal_errors={collectives.RECORDER.internal_errors}")
 
 
+def engine(rank: int) -> None:
+    from ddpscope.ddp import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)),
+        bucket_cap_mb=0.005,
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(4):
+        if rank == 1 and step == 2:
+            time.sleep(STALL_S)  # a straggler far slower than the hang timeout
+        loss = model(torch.randn(8, 32)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(loss.detach())  # SITE:engine_loss
+    print(f"internal_errors={collectives.RECORDER.internal_errors}")
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     _capture.capture(out_dir)
@@ -120,7 +142,9 @@ def main() -> None:
     start_watchdog()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    {"stall": stall, "extra": extra, "order": order, "raise": raise_error, "healthy": healthy}[scenario](rank)
+    scenarios = {"stall": stall, "extra": extra, "order": order, "raise": raise_error, "healthy": healthy}
+    scenarios["engine"] = engine
+    scenarios[scenario](rank)
     _capture.flush()
     dist.destroy_process_group()
 
