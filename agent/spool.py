@@ -178,9 +178,13 @@ class SpoolWriter:
             self.size = 0
             self._fd = self._open()
             self._measure()
-        elif self.disk_bytes + self.size > self.hard_cap_bytes and time.monotonic() - self._checked_at > 0.2:
-            self._measure()
         data = frame(payload)
+        # Re-measure whenever this frame would not fit: the shipper may have freed old segments since.
+        if (
+            self.disk_bytes + self.size + len(data) > self.hard_cap_bytes
+            and time.monotonic() - self._checked_at > 0.2
+        ):
+            self._measure()
         if self.disk_bytes + self.size + len(data) > self.hard_cap_bytes:
             return False
         view = memoryview(data)
