@@ -61,3 +61,16 @@ def test_a_healthy_torch_ddp_job_records_every_user_collective_and_reports_nothi
         assert all(r["call_site"].endswith(site("loss")) for r in begun)
         assert len(run.of(rank, "collective_end")) == 5
         assert run.of(rank, "heartbeat")
+
+
+def test_mismatched_sizes_abort_one_rank_and_the_survivor_records_the_sizes_it_issued(tmp_path: Path) -> None:
+    run = run_job("mismatch", tmp_path, env={"JOB_STALL_S": "5"})
+    codes = sorted(r.returncode for r in run.results if r.returncode is not None)
+    assert -6 in codes, run.output()  # gloo's enforce aborts the receiving process (SIGABRT)
+    survivor = next(r.rank for r in run.results if r.returncode != -6)
+    (last,) = [r for r in run.of(survivor, "collective") if r["coll_seq"] == 4]
+    assert last["shapes"] == ([[8]] if survivor == 0 else [[16]])
+    assert last["call_site"].endswith(site("mismatch"))
+    (failed,) = [r for r in run.of(survivor, "collective_end") if r["coll_seq"] == 4]
+    assert failed["ok"] is False and "Connection" in (failed["error"] or "")
+    assert run.of(survivor, "rank_error")[0]["fatal"] is True

@@ -188,3 +188,22 @@ def test_the_ring_is_bounded(gloo: None) -> None:
     for _ in range(12):
         rec.end("default", rec.begin("default", "barrier", []))
     assert [c["coll_seq"] for c in rec.recent(100)] == [8, 9, 10, 11, 12]
+
+
+def test_the_collective_record_is_handed_to_the_agent_before_torch_is_entered(
+    records: Records, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # gloo aborts the process on mismatched sizes before any end: the issue-time record is the evidence.
+    from ddpscope.ddp import _patch
+
+    handed: list[dict[str, Any]] = []
+    monkeypatch.setattr(collectives, "emit", handed.append)
+    seen_at_call: list[list[str]] = []
+
+    def fake_all_reduce(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> None:
+        seen_at_call.append([r["kind"] for r in handed])
+
+    wrapped = _patch._make_wrapper(RECORDER, "all_reduce", _patch.OPS["all_reduce"], fake_all_reduce)
+    wrapped(torch.ones(3), group=None)
+    assert seen_at_call == [["collective"]]
+    assert [r["kind"] for r in handed] == ["collective", "collective_end"]

@@ -13,6 +13,7 @@ Scenarios:
   order    same-shape all-reduces in a different order on the two ranks (silently wrong on gloo).
   raise    rank 1 raises an uncaught exception at step 2.
   healthy  torch DDP training of a small MLP plus a user all-reduce of the loss each step.
+  mismatch an all-reduce of different sizes on the two ranks: gloo aborts a process.
   engine   the same with ddpscope's engine (small buckets); rank 1 sleeps before the forward of
            step 2, so rank 0 waits in its bucket all-reduces.
 """
@@ -134,6 +135,14 @@ def engine(rank: int) -> None:
     print(f"internal_errors={collectives.RECORDER.internal_errors}")
 
 
+def mismatch(rank: int) -> None:
+    for _ in range(3):
+        dist.all_reduce(torch.ones(8))
+    # Different sizes at the same sequence number: gloo aborts the receiving process (SIGABRT).
+    dist.all_reduce(torch.ones(8 if rank == 0 else 16))  # SITE:mismatch
+    time.sleep(STALL_S)
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     _capture.capture(out_dir)
@@ -143,7 +152,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     scenarios = {"stall": stall, "extra": extra, "order": order, "raise": raise_error, "healthy": healthy}
-    scenarios["engine"] = engine
+    scenarios.update(engine=engine, mismatch=mismatch)
     scenarios[scenario](rank)
     _capture.flush()
     dist.destroy_process_group()
