@@ -170,8 +170,12 @@ class SpoolWriter:
     def position(self) -> Position:
         return (self.segno, self.size)
 
-    def append(self, payload: bytes) -> bool:
-        """Write one frame; False (nothing written) when the spool is over its hard cap."""
+    def append(self, payload: bytes, *, over_cap: bool = False) -> bool:
+        """Write one frame; False (nothing written) when the spool is over its hard cap.
+
+        ``over_cap`` writes anyway: for the agent's own small drop accounting, which must reach the
+        collector precisely when the spool is full.
+        """
         if self.size >= self.segment_bytes:
             os.close(self._fd)
             self.segno += 1
@@ -185,7 +189,7 @@ class SpoolWriter:
             and time.monotonic() - self._checked_at > 0.2
         ):
             self._measure()
-        if self.disk_bytes + self.size + len(data) > self.hard_cap_bytes:
+        if self.disk_bytes + self.size + len(data) > self.hard_cap_bytes and not over_cap:
             return False
         view = memoryview(data)
         while view:

@@ -115,7 +115,9 @@ class SpoolExporter:
                 encoded.append(encode_record(record))
             except (TypeError, ValueError):
                 self.dropped[f"unserializable:{record.get('kind')}"] += 1
-        if encoded and not self._writer.append(b"[" + b",".join(encoded) + b"]"):
+        # agent_stats (sent alone) passes the cap: otherwise the drops of a full spool go unreported.
+        stats_only = all(record.get("kind") == "agent_stats" for record in batch)
+        if encoded and not self._writer.append(b"[" + b",".join(encoded) + b"]", over_cap=stats_only):
             for record in batch:
                 self.dropped[f"spool_full:{record.get('kind')}"] += 1
             return ExportResult.FAILURE
