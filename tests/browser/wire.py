@@ -137,3 +137,28 @@ def post(base_url: str, records: Sequence[dict[str, Any]], chunk: int = 2000) ->
         with urllib.request.urlopen(req, timeout=60) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"ingest answered {resp.status}: {resp.read()[:500]!r}")
+
+
+def collectives(
+    job: SynthJob, ops: dict[int, list[tuple[str, str]]], *, pg: str = "default"
+) -> list[dict[str, Any]]:
+    """``collective`` + ``collective_end`` records: ``ops[rank]`` is that rank's ``(op, call_site)`` list."""
+    out = []
+    for rank, calls in ops.items():
+        for i, (op, site) in enumerate(calls):
+            t = job.clock_ns + i * MS
+            out.append(job._record(
+                "collective", rank, t, pg=pg, coll_seq=i + 1, op=op, reduce_op="sum" if op == "all_reduce" else None,
+                shapes=[[1024]], dtypes=["float32"], call_site=site, start_ns=t, step=None, source="user"))  # fmt: skip
+            out.append(
+                job._record(
+                    "collective_end", rank, t + MS // 2, pg=pg, coll_seq=i + 1, end_ns=t + MS // 2, ok=True
+                )
+            )
+    return out
+
+
+def rank_error(job: SynthJob, rank: int, *, message: str, stack: str, step: int = 0) -> dict[str, Any]:
+    """A fatal exception on ``rank``, as the engine ships it before the process dies."""
+    return job._record("rank_error", rank, job.clock_ns, step=step, phase="forward", error_type="ValueError",
+                       message=message, stack=stack, fatal=True)  # fmt: skip
