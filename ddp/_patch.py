@@ -14,12 +14,11 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ddpscope.ddp.collectives import CollectiveRecorder
+from ddpscope.ddp.collectives import CollectiveRecorder, disabled
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +190,7 @@ def _reduce_name(red: Any) -> str:
 
 
 def install(rec: CollectiveRecorder) -> bool:
-    if os.environ.get("DDPSCOPE_DISABLED", "").strip().lower() in ("1", "true", "yes"):
+    if disabled():
         return False
     try:
         import torch.distributed as dist

@@ -31,7 +31,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ddpscope.agent import emit
+from ddpscope.agent import emit, get_agent
 from ddpscope.agent.clock import now_ns
 from ddpscope.ddp.progress import PROGRESS, Progress
 
@@ -217,22 +217,31 @@ class CollectiveRecorder:
                 frame: Any = sys._getframe(depth + 1)
             except ValueError:  # called near the bottom of the stack (e.g. from a module's top level)
                 frame = sys._getframe(1)
-            skip = self._skip_files
-            while frame is not None:
-                filename = frame.f_code.co_filename
-                skipped = skip.get(filename)
-                if skipped is None:
-                    skipped = skip[filename] = self._is_internal(filename)
-                if not skipped:
-                    key = (filename, frame.f_lineno)
-                    site = self._sites.get(key)
-                    if site is None:
-                        shown = filename.removeprefix(self._cwd)
-                        site = self._sites[key] = f"{shown}:{frame.f_lineno}"
-                    return site
-                frame = frame.f_back
+            return self.frame_site(frame)
         except Exception:
             self._failed("call_site")
+        return None
+
+    def frame_site(self, frame: Any) -> str | None:
+        """``file:line`` of ``frame`` or of the first frame above it outside torch and ddpscope.
+
+        Walks ``f_back`` with cached per-file verdicts: a few hundred nanoseconds, where
+        ``traceback.extract_stack`` costs tens of microseconds.
+        """
+        skip = self._skip_files
+        while frame is not None:
+            filename = frame.f_code.co_filename
+            skipped = skip.get(filename)
+            if skipped is None:
+                skipped = skip[filename] = self._is_internal(filename)
+            if not skipped:
+                key = (filename, frame.f_lineno)
+                site = self._sites.get(key)
+                if site is None:
+                    shown = filename.removeprefix(self._cwd)
+                    site = self._sites[key] = f"{shown}:{frame.f_lineno}"
+                return site
+            frame = frame.f_back
         return None
 
     def _is_internal(self, filename: str) -> bool:
@@ -286,6 +295,20 @@ def _dtype_name(dtype: Any) -> str:
 
 
 RECORDER = CollectiveRecorder()
+
+
+def disabled() -> bool:
+    """True when ddpscope is switched off (``DDPSCOPE_DISABLED=1`` or ``configure(disabled=True)``):
+    then no patches, no hooks and no watchdog thread are installed."""
+    try:
+        config = getattr(get_agent(), "config", None)
+        if config is not None and hasattr(config, "disabled"):
+            return bool(config.disabled)
+    except Exception:
+        logger.debug("no agent config; reading DDPSCOPE_DISABLED", exc_info=True)
+    return os.environ.get("DDPSCOPE_DISABLED", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 """The process-wide recorder; the engine, the adapter, the patches and the watchdog share it."""
 
 

@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import Any
 
 from ddpscope.agent import emit, get_agent
+from ddpscope.ddp.collectives import disabled
 from ddpscope.ddp.progress import PROGRESS
 
 logger = logging.getLogger(__name__)
@@ -117,7 +118,10 @@ def _threading_excepthook(args: Any) -> None:
 
 
 def install_error_hooks() -> None:
-    """Wrap ``sys.excepthook`` and ``threading.excepthook`` (idempotent; the previous hooks still run)."""
+    """Wrap ``sys.excepthook`` and ``threading.excepthook`` (idempotent; the previous hooks still run).
+    Does nothing when ddpscope is disabled."""
+    if disabled():
+        return
     try:
         # Create the agent first: it installs its own last-resort excepthook (no step or phase), which
         # must sit under this one so that this richer record is the one sent.

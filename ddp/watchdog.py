@@ -21,13 +21,14 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ddpscope.agent import emit, get_agent
-from ddpscope.ddp.collectives import RECORDER, CollectiveRecorder
+from ddpscope.ddp.collectives import RECORDER, CollectiveRecorder, disabled
 from ddpscope.ddp.progress import PROGRESS, Progress
 from ddpscope.ddp.stacks import thread_stacks
 
@@ -97,6 +98,7 @@ def hang_message(
     stalled_s: float,
     pending: list[dict[str, Any]],
     inflight: list[dict[str, Any]],
+    main_site: str | None = None,
 ) -> str:
     """The sentence of a hang report: where this rank is stuck and what to look at next."""
     where = _PHASE_WORDS.get(phase, phase)
@@ -119,6 +121,8 @@ def hang_message(
     if missing:
         extra = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
         parts.append(f"parameters whose gradients never arrived: {', '.join(missing[:10])}{extra}")
+    if main_site:
+        parts.append(f"the main thread waits at {main_site}")
     text = "; ".join(parts) + "."
     if inflight:
         first = inflight[0]
@@ -129,7 +133,7 @@ def hang_message(
     elif missing:
         text += " Those parameters took no part in this step's forward on this rank."
     else:
-        text += " No collective is in flight: the main thread's stack below shows where it waits."
+        text += " No collective is in flight: this rank itself is stuck; see the main thread's stack."
     return text
 
 
@@ -252,7 +256,9 @@ class Watchdog:
             pending = []
         inflight = self._recorder.inflight()
         phase, step = progress.phase, progress.step
-        message = hang_message(_rank(), phase, step, stalled_s, pending, inflight)
+        main_frame = sys._current_frames().get(threading.main_thread().ident or -1)
+        main_site = self._recorder.frame_site(main_frame) if main_frame is not None else None
+        message = hang_message(_rank(), phase, step, stalled_s, pending, inflight, main_site)
         emit(
             {
                 "kind": "hang",
@@ -296,7 +302,7 @@ def start_watchdog(timeout_s: float | None = None, heartbeat_s: float | None = N
                 return current
             current.stop()
         _watchdog = Watchdog(timeout_s=timeout, heartbeat_s=heartbeat)
-        if os.environ.get("DDPSCOPE_DISABLED", "").strip().lower() not in ("1", "true", "yes"):
+        if not disabled():
             _watchdog.start()
             global _atexit_registered
             if not _atexit_registered:

@@ -166,9 +166,13 @@ def test_install_is_idempotent_and_uninstall_restores_torch(gloo: None) -> None:
 
 def test_disabled_means_no_patches(gloo: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DDPSCOPE_DISABLED", "1")
+    agent.configure()  # the agent's config reads the environment
     original = dist.all_reduce
-    assert collectives.install() is False
-    assert dist.all_reduce is original
+    try:
+        assert collectives.disabled() and collectives.install() is False
+        assert dist.all_reduce is original
+    finally:
+        agent.configure(exporter=agent.InMemoryExporter(), disabled=False)
 
 
 def test_recent_keeps_completion_and_inflight_lists_only_open_collectives(records: Records) -> None:

@@ -111,6 +111,7 @@ def test_install_is_idempotent_and_uninstall_restores_the_hooks() -> None:
     assert (sys.excepthook, threading.excepthook) == before
 
 
+@pytest.mark.slow
 def test_an_uncaught_exception_reaches_the_records_before_the_process_exits(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(JOBS / "uncaught_job.py"), str(tmp_path)],

@@ -90,6 +90,7 @@ def test_a_busy_rank_without_progress_gets_one_hang_report_naming_bucket_collect
     ):
         assert part in message
     assert any(s["thread"] == "MainThread" and "test_watchdog_unit.py" in s["stack"] for s in hang["stacks"])
+    assert "the main thread waits at tests/ddp/test_watchdog_unit.py:" in message
     assert dog.hung and dog.hangs_reported == 1
 
 
@@ -223,3 +224,39 @@ def test_a_bad_environment_value_falls_back_to_the_default(monkeypatch: pytest.M
 def test_a_non_positive_explicit_timeout_is_a_value_error_naming_the_field() -> None:
     with pytest.raises(ValueError, match="hang_timeout_s"):
         wd.start_watchdog(timeout_s=0)
+
+
+def test_monitor_enable_turns_everything_on_and_disable_turns_it_off() -> None:
+    import sys
+
+    import torch.distributed as dist
+
+    from ddpscope.ddp import monitor
+
+    agent.configure(exporter=agent.InMemoryExporter(), rank=0)
+    original_hook, original_all_reduce = sys.excepthook, dist.all_reduce
+    try:
+        dog = monitor.enable(hang_timeout_s=60, heartbeat_s=1)
+        assert dog.running and dist.all_reduce is not original_all_reduce
+        assert sys.excepthook is not original_hook
+    finally:
+        monitor.disable()
+    assert not dog.running and dist.all_reduce is original_all_reduce and sys.excepthook is original_hook
+
+
+def test_disabled_ddpscope_starts_no_thread_and_installs_no_hook() -> None:
+    import sys
+
+    import torch.distributed as dist
+
+    from ddpscope.ddp import monitor
+
+    agent.configure(disabled=True)
+    original_hook, original_all_reduce = sys.excepthook, dist.all_reduce
+    try:
+        dog = monitor.enable()
+        assert not dog.running
+        assert sys.excepthook is original_hook and dist.all_reduce is original_all_reduce
+    finally:
+        monitor.disable()
+        agent.configure(exporter=agent.InMemoryExporter(), rank=0)

@@ -29,10 +29,8 @@ import _capture
 import torch
 import torch.distributed as dist
 
-from ddpscope.ddp import collectives
-from ddpscope.ddp.errors import install_error_hooks
+from ddpscope.ddp import collectives, monitor
 from ddpscope.ddp.progress import PROGRESS
-from ddpscope.ddp.watchdog import start_watchdog
 
 STALL_S = float(os.environ.get("JOB_STALL_S", "3.0"))
 
@@ -146,9 +144,7 @@ def mismatch(rank: int) -> None:
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     _capture.capture(out_dir)
-    install_error_hooks()
-    collectives.install()
-    start_watchdog()
+    monitor.enable()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     scenarios = {"stall": stall, "extra": extra, "order": order, "raise": raise_error, "healthy": healthy}
