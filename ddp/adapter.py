@@ -1,0 +1,397 @@
+"""``instrument(torch_ddp_model)``: ddpscope's step records from stock torch DDP.
+
+Usage (every rank, right after wrapping; a collective call like DDP's constructor)::
+
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    model = instrument(model)                                # same object, now measured
+    # or, with your own communication hook (torch allows one per model, so pass it through):
+    model = instrument(model, comm_hook=fp16_compress_hook, comm_state=None)
+
+What it attaches (torch's engine keeps doing all the work; gradients are bit-identical):
+
+- a **comm hook** that runs each bucket's all-reduce exactly as torch's default one does (scale by
+  1/world size, SUM all-reduce) or calls the user's hook, and records its launch, its completion
+  (the ``then`` callback, on a gloo thread) and a ``collective`` record;
+- a **post-accumulate-grad hook** per parameter: its ready time (it fires just before the Reducer's);
+- **forward pre/post hooks** on the DDP module, and a hook on the forward's outputs: backward start;
+- two **queued autograd callbacks**: the first one, queued at backward start, runs before the Reducer's
+  finalizer (queued later, once every bucket is launched) and queues the second, which therefore runs
+  after the finalizer waited for every all-reduce: that is backward end, and the ``step`` record.
+
+The bucket layout is torch's own (``adapter_layout``). Unused parameters of a synchronised step are
+those whose post-accumulate hook never fired. ``no_sync()`` steps are recorded with ``synced=False``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpscope import agent
+from ddpscope.agent import clock as agent_clock
+from ddpscope.agent.clock import now_ns
+from ddpscope.ddp import monitor
+from ddpscope.ddp.adapter_layout import (
+    Layout,
+    LayoutLearner,
+    empty_layout,
+    predict_initial,
+    reducer_parameters,
+)
+from ddpscope.ddp.clock import estimate_offset
+from ddpscope.ddp.collectives import RECORDER
+from ddpscope.ddp.engine import _version
+from ddpscope.ddp.groups import global_rank, pg_name
+from ddpscope.ddp.progress import PROGRESS
+from ddpscope.ddp.reducer import _grad_tensors
+from ddpscope.ddp.step_record import StepTimer
+
+logger = logging.getLogger(__name__)
+
+_ATTR = "_ddpscope_instrumentation"
+_MIB = 1024 * 1024
+
+CommHook = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
+"""A torch DDP communication hook: (state, dist.GradBucket) -> Future[Tensor]."""
+
+
+def instrument(
+    ddp: DistributedDataParallel, *, comm_hook: CommHook | None = None, comm_state: Any = None
+) -> DistributedDataParallel:
+    """Measure a torch ``DistributedDataParallel`` model; returns the same object.
+
+    Call it on every rank before the first forward: it exchanges clock samples with rank 0. A model
+    that already has a communication hook is refused (torch allows only one, and ddpscope needs
+    its own): register nothing yourself and pass ``comm_hook``/``comm_state`` here instead.
+    Instrumenting twice returns the model unchanged. With ``DDPSCOPE_DISABLED=1`` nothing is attached
+    (the user's ``comm_hook``, if given, is registered as torch would).
+    """
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(
+            f"instrument() expects a torch.nn.parallel.DistributedDataParallel model, got "
+            f"{type(ddp).__name__}; ddpscope's own engine is ddpscope.ddp.DistributedDataParallel."
+        )
+    if getattr(ddp, _ATTR, None) is not None:
+        if comm_hook is not None:
+            raise ValueError(
+                "instrument(): this model is already instrumented; pass comm_hook the first time."
+            )
+        return ddp
+    if getattr(agent.get_agent().config, "disabled", False):
+        if comm_hook is not None:
+            ddp.register_comm_hook(comm_state, comm_hook)
+        return ddp
+    _refuse_unsupported(ddp)
+    monitor.enable()  # recorder patches, rank_error hooks, hang watchdog: as the engine does
+    setattr(ddp, _ATTR, Instrumentation(ddp, comm_hook, comm_state))
+    return ddp
+
+
+def instrumentation(ddp: DistributedDataParallel) -> Instrumentation | None:
+    """The ``Instrumentation`` attached by ``instrument()``, if any (tests, tools)."""
+    return getattr(ddp, _ATTR, None)
+
+
+def _refuse_unsupported(ddp: DistributedDataParallel) -> None:
+    hooks = getattr(ddp, "_comm_hooks", None)
+    builtin = ""
+    if not hooks:
+        try:
+            builtin = str(ddp._get_ddp_logging_data().get("comm_hook") or "")
+        except (AttributeError, RuntimeError):
+            logger.debug("no DDP logging data to look for a built-in comm hook", exc_info=True)
+    if hooks or builtin:
+        name = getattr(hooks[0][0], "__qualname__", repr(hooks[0][0])) if hooks else builtin
+        raise ValueError(
+            f"instrument(): this DistributedDataParallel model already has a communication hook ({name}), "
+            "and torch allows only one per model. Create the model without calling register_comm_hook() "
+            "and pass your hook through ddpscope instead: instrument(model, comm_hook=your_hook, "
+            "comm_state=your_state). (A built-in C++ hook has a Python twin in "
+            "torch.distributed.algorithms.ddp_comm_hooks.default_hooks, e.g. fp16_compress_hook.)"
+        )
+    if getattr(ddp, "_use_python_reducer", False) or getattr(ddp, "_delay_all_reduce_all_params", False):
+        raise ValueError(
+            "instrument(): this model does not use torch's C++ Reducer (compiled autograd or every "
+            "parameter in delay_all_reduce_named_params), so there are no buckets to measure."
+        )
+
+
+class Instrumentation:
+    """The hooks and per-step state attached to one torch DDP model by ``instrument()``."""
+
+    def __init__(self, ddp: DistributedDataParallel, comm_hook: CommHook | None, comm_state: Any) -> None:
+        self.ddp = ddp
+        self._group = ddp.process_group
+        self._pg = pg_name(self._group)
+        self._rank = global_rank()
+        world = self._group.size()
+        self._scale = 1.0 / world
+        self._user_hook = comm_hook
+        self._user_state = comm_state
+
+        estimate = estimate_offset(self._group)
+        agent_clock.set_offset(estimate.offset_ns, estimate.error_ns)
+
+        params, names = reducer_parameters(ddp)
+        self.params = params
+        self._base = empty_layout(params, names)
+        self._learner = LayoutLearner(params)
+        self._confirmed = False
+        """The layout in use was observed in the comm hook (not just predicted)."""
+        self._learning = False
+        self._set_layout(predict_initial(ddp, self._base))
+
+        self.timer = StepTimer(self._rank, self._bucket_bytes)
+        self._step = 0
+        """The number the next training forward gets (no_sync forwards count too, as in the engine)."""
+        self._cur = 0
+        self._synced = True
+        self._active = False
+        """A synchronised backward is under way: pending buckets mean something."""
+        self._queued = False
+        self._rebuilt_before = bool(getattr(ddp, "_has_rebuilt_buckets", False))
+        self._reset_step()
+
+        agent.emit(self._rank_start(estimate.offset_ns, estimate.error_ns, world, params))
+        self._emit_layout("initial")
+
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._make_param_hook(i)) for i, p in enumerate(params)
+        ]
+        self._handles.append(ddp.register_forward_pre_hook(self._before_forward))
+        self._handles.append(ddp.register_forward_hook(self._after_forward))
+        # torch's own register_comm_hook: it also names the hook in _get_ddp_logging_data().
+        ddp.register_comm_hook(None, self._comm_hook)
+        PROGRESS.pending_buckets = self.pending_wire
+
+    # -- records ---------------------------------------------------------------------------------
+
+    def _rank_start(
+        self, offset_ns: int, error_ns: int, world: int, params: list[torch.Tensor]
+    ) -> dict[str, Any]:
+        # The same fields the engine sends at construction (engine.py builds its record inline).
+        ddp = self.ddp
+        return {
+            "kind": "rank_start",
+            "rank": self._rank,
+            "world_size": world,
+            "backend": str(dist.get_backend(self._group)),
+            "device": str(params[0].device) if params else "cpu",
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "engine": "torch",
+            "torch_version": torch.__version__,
+            "ddpscope_version": _version(),
+            "python_version": platform.python_version(),
+            "find_unused_parameters": bool(ddp.find_unused_parameters),
+            "bucket_cap_mb": float(ddp.bucket_bytes_cap) / _MIB,
+            "clock_offset_ns": offset_ns,
+            "clock_error_ns": error_ns,
+            "process_group": self._pg,
+        }
+
+    def _emit_layout(self, reason: str, step: int = 0) -> None:
+        agent.emit(
+            {
+                "kind": "layout",
+                "rank": self._rank,
+                "step": step,
+                "reason": reason,
+                "buckets": self.layout.wire(),
+            }
+        )
+
+    def _set_layout(self, layout: Layout) -> None:
+        self.layout = layout
+        self._bucket_bytes = layout.bucket_bytes
+
+    @property
+    def bucket_layout(self) -> list[dict[str, Any]]:
+        """torch's current buckets in the wire shape (index, bytes, dtype, device, parameters)."""
+        return self.layout.wire()
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def _reset_step(self) -> None:
+        n = len(self.params)
+        self._times = [0] * n
+        # A bucket count can never exceed the parameter count, and a rebuild may change it mid-step.
+        self._launch = [0] * n
+        self._done = [0] * n
+        self._seqs = [0] * n
+
+    def _before_forward(self, module: Any, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            return  # evaluation: no backward follows
+        self._synced = synced = bool(self.ddp.require_backward_grad_sync)
+        self._rebuilt_before = bool(getattr(self.ddp, "_has_rebuilt_buckets", False))
+        self._active = False
+        self._queued = False
+        self._reset_step()
+        self.timer.forward_start(self._step, synced)
+        PROGRESS.enter("forward", self._step)
+
+    def _after_forward(self, module: Any, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self.timer.forward_end()
+        self._cur = self._step
+        self._step += 1
+        if self._synced:
+            self._active = True
+            # torch rebuilt its buckets in this forward (_pre_forward): learn the new ones in backward.
+            rebuilt_now = bool(getattr(self.ddp, "_has_rebuilt_buckets", False)) and not self._rebuilt_before
+            if not self._confirmed or rebuilt_now:
+                self._learning = True
+                self._learner.reset()
+        # A hook on the outputs marks backward start even when no parameter gets a gradient here.
+        for t in _grad_tensors(output):
+            t.register_hook(self._on_output_grad)
+
+    # -- backward --------------------------------------------------------------------------------
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        if not self._queued:
+            self._begin_backward()
+
+    def _begin_backward(self) -> None:
+        self._queued = True
+        self.timer.backward_start()
+        PROGRESS.enter("backward")
+        torch.autograd.Variable._execution_engine.queue_callback(self._after_gradients)
+
+    def _after_gradients(self) -> None:
+        # Runs before torch's Reducer finalizer (queued later); queue the end behind it.
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _make_param_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            if not self._queued:
+                self._begin_backward()
+            self._times[index] = now_ns()
+            PROGRESS.counter += 1
+
+        return hook
+
+    # No annotations on purpose: torch checks them against dist.GradBucket and Future at registration,
+    # and postponed annotations (``from __future__ import annotations``) are strings to it.
+    def _comm_hook(self, state, bucket):
+        t = now_ns()
+        k = bucket.index()
+        last = bucket.is_last()
+        if self._learning:
+            self._learn(bucket, last)
+        buf = bucket.buffer()
+        user = self._user_hook
+        with RECORDER.engine_call():
+            seq = RECORDER.begin(
+                self._pg, "all_reduce", (buf,), reduce_op="SUM", source="engine", step=self._cur
+            )
+            if user is None:
+                # Exactly torch's default path: scale while in the bucket, then a SUM all-reduce.
+                buf.mul_(self._scale)
+                fut = self._group.allreduce([buf]).get_future()
+            else:
+                fut = user(self._user_state, bucket)
+        self._launch[k] = t
+        self._seqs[k] = seq
+        if last:
+            PROGRESS.enter("allreduce")
+        return fut.then(functools.partial(self._on_reduced, k, seq, user is None))
+
+    def _on_reduced(self, k: int, seq: int, listed: bool, fut: torch.futures.Future[Any]) -> torch.Tensor:
+        """On a gloo thread when bucket k's communication completes; the value goes back to torch."""
+        try:
+            value = fut.value()
+        except Exception as e:
+            RECORDER.end(self._pg, seq, ok=False, error=str(e))
+            raise
+        self._done[k] = now_ns()
+        RECORDER.end(self._pg, seq, ok=True)
+        return value[0] if listed else value
+
+    def _learn(self, bucket: Any, last: bool) -> None:
+        try:
+            self._learner.observe(bucket)
+            if not last:
+                return
+            self._learning = False
+            layout = self._learner.result(self._base)
+            if layout is None:
+                logger.warning("ddpscope: could not read torch's bucket layout at step %d", self._cur)
+                return
+            changed = layout.buckets != self.layout.buckets
+            reason = "rebuilt" if self._confirmed else "initial"
+            self._confirmed = True
+            if changed:
+                self._set_layout(layout)
+                self._emit_layout(reason, self._cur)
+        except Exception:
+            # The all-reduce must go on whatever went wrong in the bookkeeping.
+            logger.warning("ddpscope: reading torch's buckets failed", exc_info=True)
+
+    def _end_backward(self) -> None:
+        """Second queued callback: after torch's finalizer waited for every bucket."""
+        end = now_ns()
+        try:
+            agent.emit(self._step_record(end))
+        except Exception:
+            logger.warning("ddpscope: building the step record failed", exc_info=True)
+        finally:
+            self._active = False
+            self._queued = False
+            PROGRESS.enter("idle")
+
+    def _step_record(self, end: int) -> dict[str, Any]:
+        timer = self.timer
+        if not self._synced:
+            return timer.finish((), backward_end_ns=end)
+        buckets = self.layout.buckets
+        times, launch, done, seqs = self._times, self._launch, self._done, self._seqs
+        # A bucket whose parameters all went unused is ready when torch launches it.
+        ready = [max([times[i] for i in b], default=0) or launch[k] for k, b in enumerate(buckets)]
+        timer.set_buckets(self._bucket_bytes)
+        for k in sorted(range(len(buckets)), key=ready.__getitem__):
+            if ready[k]:
+                timer.bucket_ready(k, ready[k])
+        for k in range(len(buckets)):
+            timer.allreduce_launched(k, seqs[k], launch[k])
+            timer.allreduce_done(k, done[k])
+        names = self._base.names
+        unused = [names[i] for i, t in enumerate(times) if not t]
+        return timer.finish(unused, backward_end_ns=end)
+
+    # -- watchdog view ---------------------------------------------------------------------------
+
+    def pending_wire(self) -> list[dict[str, Any]]:
+        """Buckets not reduced yet, in the PENDING_BUCKET wire shape (read from the watchdog thread)."""
+        if not self._active:
+            return []
+        names = self._base.names
+        times, launch, done = self._times, self._launch, self._done
+        out = []
+        for k, members in enumerate(self.layout.buckets):
+            if done[k]:
+                continue
+            launched = bool(launch[k])
+            missing = [] if launched else [names[i] for i in members if not times[i]]
+            out.append({"index": k, "missing": missing, "launched": launched})
+        return out
+
+    def remove_hooks(self) -> None:
+        """Detach the parameter and forward hooks (torch cannot unregister a comm hook; it keeps
+        reducing exactly as the default one does)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._active = False
+        self._learning = False

@@ -1,0 +1,147 @@
+"""torch's own bucket layout, as the ``instrument()`` adapter sees it.
+
+torch's C++ Reducer does not expose its buckets to Python, so the adapter learns them two ways:
+
+- **Predicted** at ``instrument()`` time by calling the very functions torch's constructor used
+  (``_build_params_for_reducer``, ``compute_bucket_size_limits``, ``_compute_bucket_assignment_by_size``,
+  buckets reversed), so a hang in the first step can already name the parameters of each bucket.
+- **Observed** in the comm hook: ``GradBucket.parameters()`` of every bucket, read during the first
+  synchronised step and during the step in which torch rebuilds its buckets (after iteration 0, in the
+  observed gradient-ready order). The observation is the truth; the prediction is only a head start.
+
+A ``Layout`` holds, per bucket, the indices into the reducer's parameter list (torch's order: the
+module's trainable parameters, shared ones once), plus names and bytes in the wire shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Buckets as lists of parameter indices (into the adapter's parameter list), in bucket order."""
+
+    buckets: tuple[tuple[int, ...], ...]
+    names: tuple[str, ...]
+    """Name of every parameter of the adapter's list (index -> name)."""
+    nbytes: tuple[int, ...]
+    """Bytes of every parameter (index -> bytes)."""
+    dtypes: tuple[str, ...]
+    devices: tuple[str, ...]
+
+    @property
+    def bucket_bytes(self) -> list[int]:
+        return [sum(self.nbytes[i] for i in b) for b in self.buckets]
+
+    def wire(self) -> list[dict[str, Any]]:
+        """The BUCKET objects of a ``layout`` record (agent/records.py)."""
+        out = []
+        for index, members in enumerate(self.buckets):
+            first = members[0] if members else 0
+            out.append(
+                {
+                    "index": index,
+                    "bytes": sum(self.nbytes[i] for i in members),
+                    "dtype": self.dtypes[first],
+                    "device": self.devices[first],
+                    "parameters": [self.names[i] for i in members],
+                }
+            )
+        return out
+
+    def with_buckets(self, buckets: Sequence[Sequence[int]]) -> Layout:
+        return Layout(tuple(tuple(b) for b in buckets), self.names, self.nbytes, self.dtypes, self.devices)
+
+
+def reducer_parameters(ddp: Any) -> tuple[list[torch.Tensor], list[str]]:
+    """The parameters torch's Reducer works on, in its order, with their names in ``ddp.module``.
+
+    The Reducer receives every parameter that requires grad, module by module, shared ones once and
+    ``_ddp_params_and_buffers_to_ignore`` left out (``_build_params_for_reducer``); the names come from
+    ``named_modules`` in the same walk so a shared parameter keeps its first name.
+    """
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+    seen: set[int] = set()
+    params: list[torch.Tensor] = []
+    names: list[str] = []
+    for module_name, module in ddp.module.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            if not param.requires_grad or full in ignored or id(param) in seen:
+                continue
+            seen.add(id(param))
+            params.append(param)
+            names.append(full)
+    return params, names
+
+
+def empty_layout(params: Sequence[torch.Tensor], names: Sequence[str]) -> Layout:
+    """No bucket yet, but the per-parameter facts every layout shares."""
+    return Layout(
+        (),
+        tuple(names),
+        tuple(p.numel() * p.element_size() for p in params),
+        tuple(str(p.dtype).removeprefix("torch.") for p in params),
+        tuple(str(p.device) for p in params),
+    )
+
+
+def predict_initial(ddp: Any, base: Layout) -> Layout:
+    """The layout torch's constructor built, recomputed with torch's own functions.
+
+    Falls back to one bucket holding every parameter (torch's choice for iteration 0 unless
+    ``find_unused_parameters=True``) when a private helper is missing in this torch version.
+    """
+    count = len(base.names)
+    try:
+        params, expect_sparse = ddp._build_params_for_reducer()
+        limits, _ = ddp._bucket_config.compute_bucket_size_limits(
+            static_graph=bool(ddp.static_graph), find_unused_parameters=bool(ddp.find_unused_parameters)
+        )
+        assign = dist._compute_bucket_assignment_by_size  # type: ignore[attr-defined]  # private in torch
+        indices, _ = assign(params, limits, expect_sparse)
+        if sorted(i for b in indices for i in b) == list(range(count)):
+            return base.with_buckets(list(reversed(indices)))
+        logger.debug("predicted buckets do not cover the %d parameters; using one bucket", count)
+    except (AttributeError, TypeError, RuntimeError):
+        logger.debug("cannot recompute torch's initial buckets; the comm hook will tell", exc_info=True)
+    return base.with_buckets([list(range(count))])
+
+
+class LayoutLearner:
+    """Assembles a layout from the GradBucket objects one backward's comm hook calls see."""
+
+    __slots__ = ("_index_of", "_seen")
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self._index_of = {id(p): i for i, p in enumerate(params)}
+        self._seen: dict[int, tuple[int, ...]] = {}
+
+    def reset(self) -> None:
+        self._seen = {}
+
+    def observe(self, bucket: Any) -> None:
+        """Remember which parameters ``bucket`` holds (one call per bucket and step)."""
+        index_of = self._index_of
+        self._seen[int(bucket.index())] = tuple(index_of.get(id(p), -1) for p in bucket.parameters())
+
+    def result(self, base: Layout) -> Layout | None:
+        """The observed layout, or None when the buckets seen so far do not form a complete layout."""
+        seen = self._seen
+        if not seen or sorted(seen) != list(range(len(seen))):
+            return None
+        buckets = [seen[k] for k in range(len(seen))]
+        members = sorted(i for b in buckets for i in b)
+        if members != list(range(len(base.names))):
+            logger.debug("observed buckets do not cover the parameters exactly: %s", buckets)
+            return None
+        return base.with_buckets(buckets)

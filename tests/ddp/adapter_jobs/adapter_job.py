@@ -1,0 +1,179 @@
+"""Stock torch DDP with and without ``instrument()``, side by side in one job, per scenario.
+
+    python adapter_job.py SCENARIO OUT_DIR
+
+Each rank writes its records to OUT_DIR/rank<R>.jsonl (the failure jobs' JSON-lines exporter) and
+what the test checks to OUT_DIR/rank<R>.json.
+
+Scenarios:
+  parity   a plain and an instrumented DDP model from the same seed, trained on the same batches
+           (one no_sync() accumulation step included); DDP's own sampled timings of every step.
+  unused   the same with find_unused_parameters=True and a branch used only on odd steps.
+  userhook torch's fp16_compress_hook registered on the plain model and passed through instrument();
+           and the refusal of a model that already has a hook.
+  hang     rank 1 sleeps inside backward at step 2 (JOB_STALL_S); DDPSCOPE_HANG_TIMEOUT set by the test.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "failure_jobs"))
+import _capture  # noqa: E402  (the failure jobs' JSON-lines exporter, shared)
+
+from ddpscope.ddp.adapter import instrument, instrumentation  # noqa: E402
+
+STEPS = 6
+NO_SYNC_STEP = 3
+STALL_S = float(os.environ.get("JOB_STALL_S", "3.0"))
+
+
+def mlp(layers: int = 6, width: int = 256) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+
+class Branchy(nn.Module):
+    """``odd`` takes part on odd steps only; ``never`` never does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(64, 64)
+        self.odd = nn.Linear(64, 64)
+        self.never = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 8)
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.trunk(x))
+        if self.step % 2:
+            h = h + self.odd(h)
+        return self.head(h)
+
+
+def batch(rank: int, step: int, width: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(8, width, generator=g)
+
+
+def timings(model: DDP) -> dict[str, Any]:
+    data = model._get_ddp_logging_data()
+    return {k: v for k, v in data.items() if isinstance(v, (int, str))}
+
+
+def train_pair(plain: DDP, inst: DDP, rank: int, width: int, set_step: bool = False) -> list[dict[str, Any]]:
+    """The same steps on both models; returns DDP's logging data read after each synced forward."""
+    inst._set_ddp_runtime_logging_sample_rate(1)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (plain, inst)]
+    logged = []
+    for step in range(STEPS):
+        x = batch(rank, step, width)
+        for m, opt in zip((plain, inst), opts, strict=True):
+            if set_step:
+                m.module.step = step
+            if step == NO_SYNC_STEP:
+                with m.no_sync():
+                    m(x).square().mean().backward()
+                continue  # gradients accumulate into the next step
+            out = m(x)
+            if m is inst:
+                logged.append({"read_at_step": step, **timings(m)})
+            out.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return logged
+
+
+def compare(plain: DDP, inst: DDP) -> dict[str, Any]:
+    pairs = list(zip(plain.module.parameters(), inst.module.parameters(), strict=True))
+    return {
+        "identical": all(torch.equal(a, b) for a, b in pairs),
+        "max_diff": max(float((a - b).detach().abs().max()) for a, b in pairs),
+    }
+
+
+def parity(rank: int) -> dict[str, Any]:
+    plain = DDP(mlp())
+    inst = instrument(DDP(mlp()))
+    logged = train_pair(plain, inst, rank, 256)
+    state = instrumentation(inst)
+    assert state is not None
+    return {**compare(plain, inst), "logged": logged, "reducer_parameters": list(state.layout.names)}
+
+
+def unused(rank: int) -> dict[str, Any]:
+    plain = DDP(Branchy(), find_unused_parameters=True)
+    inst = instrument(DDP(Branchy(), find_unused_parameters=True))
+    train_pair(plain, inst, rank, 64, set_step=True)
+    return compare(plain, inst)
+
+
+def userhook(rank: int) -> dict[str, Any]:
+    plain = DDP(mlp())
+    plain.register_comm_hook(None, fp16_compress_hook)
+    inst = instrument(DDP(mlp()), comm_hook=fp16_compress_hook)
+    train_pair(plain, inst, rank, 256)
+    hooked = DDP(mlp(2, 16))
+    hooked.register_comm_hook(None, fp16_compress_hook)
+    try:
+        instrument(hooked)
+        refusal = ""
+    except ValueError as e:
+        refusal = str(e)
+    return {**compare(plain, inst), "refusal": refusal}
+
+
+class Stall(nn.Module):
+    """Identity whose gradient hook sleeps on the chosen rank and step: a rank stuck in backward."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rank == 1 and self.step == 2 and x.requires_grad:
+            x.register_hook(lambda g: time.sleep(STALL_S))
+        return x
+
+
+def hang(rank: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    stall = Stall(rank)
+    layers = [nn.Linear(256, 256) for _ in range(6)]
+    model = instrument(DDP(nn.Sequential(*layers[:2], stall, *layers[2:])))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(4):
+        stall.step = step
+        model(batch(rank, step, 256)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {}
+
+
+def main() -> None:
+    scenario, out_dir = sys.argv[1], sys.argv[2]
+    _capture.capture(out_dir)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    result = {"parity": parity, "unused": unused, "userhook": userhook, "hang": hang}[scenario](rank)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    _capture.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

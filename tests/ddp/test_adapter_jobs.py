@@ -1,0 +1,224 @@
+"""``instrument(torch DDP)`` in real 2-rank gloo jobs (tests/ddp/adapter_jobs/adapter_job.py).
+
+Each scenario runs once per module; the tests read what every rank wrote: its records (validated
+against the wire format) and the facts the job measured itself (parameters bit-for-bit against an
+uninstrumented twin, torch's own ``_get_ddp_logging_data()`` of every step).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddpscope.agent.records import validate_record
+from tests.ddp.failure_jobs.runner import JobRun
+from tests.support.procs import run_ranks
+
+pytestmark = pytest.mark.slow
+
+JOB = Path(__file__).parent / "adapter_jobs" / "adapter_job.py"
+HANG_ENV = {"DDPSCOPE_HANG_TIMEOUT": "1.0", "DDPSCOPE_HEARTBEAT_S": "0.2", "JOB_STALL_S": "3.0"}
+
+
+class AdapterRun(JobRun):
+    results_json: dict[int, dict[str, Any]]
+
+
+def run(scenario: str, out: Path, env: dict[str, str] | None = None) -> AdapterRun:
+    results = run_ranks(JOB, 2, args=[scenario, str(out)], env=env or {}, timeout_s=120)
+    records = {}
+    for rank in (0, 1):
+        path = out / f"rank{rank}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        records[rank] = [json.loads(line) for line in lines]
+        for record in records[rank]:
+            validate_record(record)
+    job = AdapterRun(results, records)
+    assert [r.returncode for r in results] == [0, 0], job.output()
+    job.results_json = {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
+    return job
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory: pytest.TempPathFactory) -> AdapterRun:
+    return run("parity", tmp_path_factory.mktemp("parity"))
+
+
+@pytest.fixture(scope="module")
+def unused(tmp_path_factory: pytest.TempPathFactory) -> AdapterRun:
+    return run("unused", tmp_path_factory.mktemp("unused"))
+
+
+@pytest.fixture(scope="module")
+def userhook(tmp_path_factory: pytest.TempPathFactory) -> AdapterRun:
+    return run("userhook", tmp_path_factory.mktemp("userhook"))
+
+
+@pytest.fixture(scope="module")
+def hang(tmp_path_factory: pytest.TempPathFactory) -> AdapterRun:
+    return run("hang", tmp_path_factory.mktemp("hang"), HANG_ENV)
+
+
+def steps(job: JobRun, rank: int) -> list[dict[str, Any]]:
+    return job.of(rank, "step")
+
+
+# -- gradients -------------------------------------------------------------------------------------
+
+
+def test_parameters_are_bit_identical_to_uninstrumented_torch_ddp_after_several_steps(
+    parity: AdapterRun,
+) -> None:
+    for rank in (0, 1):
+        assert parity.results_json[rank]["identical"], parity.results_json[rank]["max_diff"]
+
+
+def test_find_unused_parameters_still_trains_identically(unused: AdapterRun) -> None:
+    for rank in (0, 1):
+        assert unused.results_json[rank]["identical"], unused.results_json[rank]["max_diff"]
+
+
+def test_a_users_comm_hook_passed_through_instrument_gives_the_same_parameters(userhook: AdapterRun) -> None:
+    for rank in (0, 1):
+        assert userhook.results_json[rank]["identical"], userhook.results_json[rank]["max_diff"]
+
+
+def test_a_model_with_its_own_comm_hook_is_refused_with_the_way_to_pass_it_through(
+    userhook: AdapterRun,
+) -> None:
+    message = userhook.results_json[0]["refusal"]
+    assert "fp16_compress_hook" in message
+    assert "instrument(model, comm_hook=" in message
+
+
+# -- records ---------------------------------------------------------------------------------------
+
+
+def test_rank_start_says_torch_engine_and_the_layout_is_learned_then_rebuilt(parity: AdapterRun) -> None:
+    for rank in (0, 1):
+        (start,) = parity.of(rank, "rank_start")
+        assert start["engine"] == "torch" and start["world_size"] == 2 and start["bucket_cap_mb"] == 25.0
+        layouts = parity.of(rank, "layout")
+        assert [(lay["reason"], lay["step"]) for lay in layouts] == [("initial", 0), ("rebuilt", 1)]
+        initial, rebuilt = layouts
+        assert len(initial["buckets"]) == 1  # torch's iteration 0: one bucket with every parameter
+        # Rebuilt in gradient-ready order: the last layer first, a ~1 MiB first bucket.
+        assert rebuilt["buckets"][0]["parameters"][:2] == ["5.bias", "5.weight"]
+        assert [b["bytes"] for b in rebuilt["buckets"]] == [4 * 263168, 2 * 263168]
+
+
+def test_bucket_count_and_sizes_match_torchs_own_logging_data(parity: AdapterRun) -> None:
+    for rank in (0, 1):
+        logged = parity.results_json[rank]["logged"][-1]
+        initial, rebuilt = parity.of(rank, "layout")
+        assert [b["bytes"] for b in initial["buckets"]] == [int(s) for s in logged["bucket_sizes"].split(",")]
+        assert [b["bytes"] for b in rebuilt["buckets"]] == [
+            int(s) for s in logged["rebuilt_bucket_sizes"].split(",")
+        ]
+        names = parity.results_json[rank]["reducer_parameters"]
+        torch_buckets = [
+            [names[int(i)] for i in group.split()]
+            for group in logged["rebuilt_per_bucket_param_indices"].split(",")
+        ]
+        assert [b["parameters"] for b in rebuilt["buckets"]] == torch_buckets
+        for record in steps(parity, rank):
+            if record["synced"] and record["step"] >= 1:
+                assert record["bucket_bytes"] == [b["bytes"] for b in rebuilt["buckets"]]
+                assert logged["num_buckets_reduced"] == len(record["bucket_bytes"])
+
+
+def test_allreduce_span_and_overlap_agree_with_torchs_sampled_timings(parity: AdapterRun) -> None:
+    for rank in (0, 1):
+        synced = [s for s in steps(parity, rank) if s["synced"]]
+        start_diff, ready_diff, overlap_diff, end_lag = [], [], [], []
+        # DDP writes a step's timings at the start of the next synced forward (TORCH-FACTS).
+        for logged in parity.results_json[rank]["logged"][1:]:
+            mine = [s for s in synced if s["step"] < logged["read_at_step"]][-1]
+            first_launch, last_ready = min(mine["allreduce_start_ns"]), max(mine["bucket_ready_ns"])
+            last_end = max(mine["allreduce_end_ns"])
+            start_diff.append(abs(first_launch - logged["backward_comm_time_start"]))
+            ready_diff.append(abs(last_ready - logged["backward_compute_time_end"]))
+            overlap_diff.append(
+                abs((last_ready - first_launch) - logged["backward_compute_comm_overlap_time"])
+            )
+            # torch stamps comm end after its finalizer woke up from the wait: never before ours.
+            end_lag.append(logged["backward_comm_time_end"] - last_end)
+        assert len(start_diff) >= 4
+        ms = 1_000_000
+        assert statistics.median(start_diff) < 1 * ms, start_diff
+        assert statistics.median(ready_diff) < 3 * ms, ready_diff
+        assert statistics.median(overlap_diff) < 3 * ms, overlap_diff
+        assert min(end_lag) > -ms // 2 and statistics.median(end_lag) < 15 * ms, end_lag
+
+
+def test_step_records_are_ordered_in_time_with_one_collective_per_bucket(parity: AdapterRun) -> None:
+    for rank in (0, 1):
+        records = steps(parity, rank)
+        assert [r["step"] for r in records] == list(range(6))
+        seqs = [r["coll_seq"] for r in parity.of(rank, "collective") if r["pg"] == "default"]
+        for r in records:
+            assert (
+                r["forward_start_ns"] <= r["forward_end_ns"] <= r["backward_start_ns"] <= r["backward_end_ns"]
+            )
+            if not r["synced"]:
+                continue
+            assert all(seq in seqs for seq in r["collective_seqs"])
+            for ready, start, end in zip(
+                r["bucket_ready_ns"], r["allreduce_start_ns"], r["allreduce_end_ns"], strict=True
+            ):
+                assert r["backward_start_ns"] <= ready <= start < end <= r["backward_end_ns"]
+        assert records[0]["collective_seqs"] == [seqs[0]]
+        # The two ranks number their bucket all-reduces identically.
+    assert [r["collective_seqs"] for r in steps(parity, 0)] == [
+        r["collective_seqs"] for r in steps(parity, 1)
+    ]
+
+
+def test_no_sync_steps_are_recorded_unsynchronised_without_buckets(parity: AdapterRun) -> None:
+    record = steps(parity, 0)[3]
+    assert record["synced"] is False
+    assert record["bucket_bytes"] == [] and record["collective_seqs"] == []
+
+
+def test_unused_parameters_are_those_without_a_gradient_in_a_synced_step(unused: AdapterRun) -> None:
+    for rank in (0, 1):
+        by_step = {r["step"]: r for r in steps(unused, rank)}
+        for step in (0, 2, 4):
+            assert sorted(by_step[step]["unused_parameters"]) == sorted(
+                ["odd.weight", "odd.bias", "never.weight", "never.bias"]
+            )
+        for step in (1, 5):
+            assert sorted(by_step[step]["unused_parameters"]) == ["never.bias", "never.weight"]
+        # find_unused_parameters=True: torch never rebuilds, the initial layout stays.
+        assert [lay["reason"] for lay in unused.of(rank, "layout")] == ["initial"]
+
+
+# -- hangs -----------------------------------------------------------------------------------------
+
+
+def test_a_rank_stalled_in_backward_names_the_parameters_whose_gradients_never_arrived(
+    hang: AdapterRun,
+) -> None:
+    (report,) = hang.of(1, "hang")
+    assert (report["phase"], report["step"]) == ("backward", 2)
+    waiting = [b for b in report["pending_buckets"] if not b["launched"]]
+    missing = {name for b in waiting for name in b["missing"]}
+    # The sleep sits between layers 1 and 2: the first two layers' gradients never arrived.
+    assert {"0.weight", "0.bias", "1.weight", "1.bias"} <= missing
+    assert "5.weight" not in missing
+    assert "0.weight" in report["message"]
+
+
+def test_its_peer_reports_the_launched_bucket_and_the_inflight_all_reduce(hang: AdapterRun) -> None:
+    (report,) = hang.of(0, "hang")
+    assert report["step"] == 2
+    assert report["pending_buckets"] and all(b["launched"] for b in report["pending_buckets"])
+    assert any(c["op"] == "all_reduce" and c["pg"] == "default" for c in report["inflight"])
+    for rank in (0, 1):
+        (resolved,) = hang.of(rank, "hang_resolved")
+        assert resolved["hang_s"] >= 1.0
+        assert [r["step"] for r in steps(hang, rank)] == [0, 1, 2, 3]
