@@ -115,9 +115,7 @@ class BatchWriter:
             if self.dialect == "sqlite":
                 n = conn.exec_driver_sql(self._steps_sql, rows).rowcount
             else:
-                n = self._insert_count(
-                    conn, schema.steps, [dict(zip(STEP_COLUMNS, row, strict=True)) for row in rows]
-                )
+                n = _copy_steps_pg(conn, rows)
             inserted[rank] = n
             result.accepted += n
             result.duplicates += len(group) - n
@@ -252,6 +250,27 @@ class BatchWriter:
 
     def _bump(self, conn: Connection, name: str, n: int) -> None:
         bump(conn, self.dialect, name, n)
+
+
+_COLS = ", ".join(STEP_COLUMNS)
+
+
+def _copy_steps_pg(conn: Connection, rows: list[tuple[Any, ...]]) -> int:
+    """PostgreSQL: COPY the rows into a session temp table, then one INSERT ... SELECT ... ON CONFLICT
+    DO NOTHING whose row count is exact. COPY is several times faster than row-by-row INSERTs."""
+    raw = conn.connection.driver_connection
+    assert raw is not None
+    with raw.cursor() as cur:
+        cur.execute(
+            "CREATE TEMP TABLE IF NOT EXISTS steps_incoming (LIKE steps INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
+        )
+        with cur.copy(f"COPY steps_incoming ({_COLS}) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row(row)
+        cur.execute(f"INSERT INTO steps ({_COLS}) SELECT {_COLS} FROM steps_incoming ON CONFLICT DO NOTHING")
+        n = int(cur.rowcount)
+        cur.execute("DELETE FROM steps_incoming")  # the next rank's group uses it in this transaction
+    return n
 
 
 def _groups(records: list[Any], key: Any, order: Any) -> list[list[Any]]:

@@ -9,7 +9,7 @@ backward pass (e.g. parameters used in a different order than declared).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ddpscope.server.analysis.steps import NS
@@ -28,7 +28,6 @@ class BucketStats:
     """Number of (rank, step) observed."""
     order_penalty_s: float = 0.0
     """Mean launch-minus-ready delay over the observed steps, seconds."""
-    _penalty_sum_ns: int = field(default=0, repr=False)
 
 
 def out_of_order(ready_order: Sequence[int]) -> set[int]:
@@ -59,6 +58,7 @@ def bucket_stats(layouts: Sequence[Mapping[str, Any]], rows: Sequence[StepRow]) 
         for b in layout["buckets"]:
             stats[b["index"]] = BucketStats(b["index"], b["bytes"], list(b["parameters"]), b.get("dtype"))
     since = layout["step"] if layout is not None else None
+    penalty_ns: dict[int, int] = {}
     for r in rows:
         if since is not None and r.step < since:
             continue  # measured under an older layout
@@ -70,7 +70,7 @@ def bucket_stats(layouts: Sequence[Mapping[str, Any]], rows: Sequence[StepRow]) 
                 st = stats[i] = BucketStats(i, nbytes, [])
             st.steps += 1
             st.out_of_order += i in late
-            st._penalty_sum_ns += max(0, r.allreduce_start_ns[i] - r.bucket_ready_ns[i])
-    for st in stats.values():
-        st.order_penalty_s = st._penalty_sum_ns / NS / st.steps if st.steps else 0.0
+            penalty_ns[i] = penalty_ns.get(i, 0) + max(0, r.allreduce_start_ns[i] - r.bucket_ready_ns[i])
+    for i, st in stats.items():
+        st.order_penalty_s = penalty_ns.get(i, 0) / NS / st.steps if st.steps else 0.0
     return [stats[i] for i in sorted(stats)]

@@ -1,16 +1,23 @@
-"""Analysis dataclasses -> JSON-ready dicts (private fields, starting with '_', left out)."""
+"""Responses: analysis dataclasses encoded to JSON by msgspec, in C.
+
+FastAPI's default path (``jsonable_encoder`` walking every nested dict, then ``json.dumps``) costs more
+than the query itself for a 10 000-row steps page; msgspec encodes dataclasses, tuples and dicts
+directly.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+import msgspec
+from fastapi import Response
+
 
 def item(obj: Any) -> Any:
+    """A dataclass (nested) as plain dicts and lists, for callers that filter or merge items."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {
-            f.name: item(getattr(obj, f.name)) for f in dataclasses.fields(obj) if not f.name.startswith("_")
-        }
+        return {f.name: item(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):
         return {k: item(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
@@ -18,5 +25,21 @@ def item(obj: Any) -> Any:
     return obj
 
 
-def items(objs: Any) -> dict[str, list[Any]]:
-    return {"items": [item(o) for o in objs]}
+def _fallback(obj: Any) -> Any:
+    if isinstance(obj, set | frozenset):
+        return sorted(obj)
+    raise TypeError(f"cannot encode {type(obj).__name__} as JSON")
+
+
+_encoder = msgspec.json.Encoder(enc_hook=_fallback)
+
+
+class JSONResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return _encoder.encode(content)
+
+
+def items(objs: Any, **extra: Any) -> JSONResponse:
+    return JSONResponse({"items": list(objs), **extra})

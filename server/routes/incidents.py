@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query, Response
 from fastapi.concurrency import run_in_threadpool
 
 from ddpscope.server.analysis.jobs import diagnose
 from ddpscope.server.analysis.trace import trace_events
 from ddpscope.server.deps import JobIdDep, StorageDep
-from ddpscope.server.routes._items import item
+from ddpscope.server.routes._items import JSONResponse, item
 from ddpscope.server.storage import Storage
 
 router = APIRouter(prefix="/api/v1/jobs/{job}", tags=["incidents"])
@@ -20,25 +20,23 @@ TRACE_MAX_STEPS = 2000
 """A whole-job trace covers at most this many steps (the last ones); ask for ?start=&end= for others."""
 
 
-def _incidents(storage: Storage, job: str, kind: str | None) -> dict[str, Any]:
+def _incidents(storage: Storage, job: str, kind: str | None) -> Response:
     snap = storage.load_snapshot(job)
     if snap is None:
         raise HTTPException(404, f"job {job!r} not found")
     found = [item(i) for i in diagnose(snap, time.time())]
     if kind is not None:
         found = [i for i in found if i.get("kind") == kind]
-    return {"items": found}
+    return JSONResponse({"items": found})
 
 
 @router.get("/incidents")
-async def incidents(
-    job: str, _job_id: JobIdDep, storage: StorageDep, kind: str | None = None
-) -> dict[str, Any]:
+async def incidents(job: str, _job_id: JobIdDep, storage: StorageDep, kind: str | None = None) -> Response:
     """One item per diagnosis: ``kind``, ``rank``, ``step``, ``seq``, ``culprit_ranks``, ``message``, ..."""
     return await run_in_threadpool(_incidents, storage, job, kind)
 
 
-def _trace(storage: Storage, job: str, job_id: int, start: int | None, end: int | None) -> dict[str, Any]:
+def _trace(storage: Storage, job: str, job_id: int, start: int | None, end: int | None) -> Response:
     if start is not None and end is not None and end < start:
         raise HTTPException(400, f"end ({end}) is before start ({start})")
     truncated = False
@@ -50,7 +48,7 @@ def _trace(storage: Storage, job: str, job_id: int, start: int | None, end: int 
     out = trace_events(job, storage.steps(job_id, start=start, end=end))
     if truncated:
         out["otherData"]["note"] = f"last {TRACE_MAX_STEPS} steps only; pass ?start=&end= for others"
-    return out
+    return JSONResponse(out)
 
 
 @router.get("/trace")
@@ -60,6 +58,6 @@ async def trace(
     storage: StorageDep,
     start: Annotated[int | None, Query(description="first step")] = None,
     end: Annotated[int | None, Query(description="last step")] = None,
-) -> dict[str, Any]:
+) -> Response:
     """Chrome/Perfetto trace-event JSON: one process per rank, compute and all-reduce on separate tracks."""
     return await run_in_threadpool(_trace, storage, job, job_id, start, end)

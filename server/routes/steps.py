@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query, Response
 from fastapi.concurrency import run_in_threadpool
 
 from ddpscope.server.analysis.buckets import bucket_stats
@@ -13,7 +13,7 @@ from ddpscope.server.analysis.stragglers import THRESHOLD, WINDOW_STEPS, straggl
 from ddpscope.server.analysis.timeline import timeline
 from ddpscope.server.analysis.unused import aggregate_unused, unused_report
 from ddpscope.server.deps import JobIdDep, StorageDep
-from ddpscope.server.routes._items import item, items
+from ddpscope.server.routes._items import JSONResponse, items
 from ddpscope.server.storage import Storage
 
 router = APIRouter(prefix="/api/v1/jobs/{job}", tags=["steps"])
@@ -40,14 +40,14 @@ def _steps(
     end: int | None,
     limit: int,
     cursor: str | None,
-) -> dict[str, Any]:
+) -> Response:
     rows = storage.steps(
         job_id, rank=rank, start=start, end=end, limit=limit + 1, after=_parse_cursor(cursor)
     )
     more = len(rows) > limit
     rows = rows[:limit]
     nxt = f"{rows[-1].step}.{rows[-1].rank}" if more else None
-    return {"items": [item(step_metrics(r)) for r in rows], "next": nxt}
+    return items((step_metrics(r) for r in rows), next=nxt)
 
 
 @router.get("/steps")
@@ -59,12 +59,12 @@ async def steps(
     end: Annotated[int | None, Query(description="last step (inclusive)")] = None,
     limit: Annotated[int, Query(ge=1, le=100_000)] = DEFAULT_LIMIT,
     cursor: Annotated[str | None, Query(description="the 'next' value of the previous page")] = None,
-) -> dict[str, Any]:
+) -> Response:
     """Per rank and step: ``step_s``, ``forward_s``, ``backward_s``, ``comm_s``, ``exposed_comm_s``, ``overlap_ratio``."""
     return await run_in_threadpool(_steps, storage, job_id, rank, start, end, limit, cursor)
 
 
-def _timeline(storage: Storage, job: str, job_id: int, step: int | None) -> dict[str, Any]:
+def _timeline(storage: Storage, job: str, job_id: int, step: int | None) -> Response:
     if step is None:
         step = storage.last_step(job_id)
         if step is None:
@@ -72,18 +72,16 @@ def _timeline(storage: Storage, job: str, job_id: int, step: int | None) -> dict
     tl = timeline(step, storage.steps(job_id, start=step, end=step))
     if tl is None:
         raise HTTPException(404, f"job {job!r} has no records of step {step}")
-    return item(tl)
+    return JSONResponse(tl)
 
 
 @router.get("/timeline")
-async def get_timeline(
-    job: str, job_id: JobIdDep, storage: StorageDep, step: int | None = None
-) -> dict[str, Any]:
+async def get_timeline(job: str, job_id: JobIdDep, storage: StorageDep, step: int | None = None) -> Response:
     """``ranks``: per rank ``forward``/``backward`` [start, end] s from the step's earliest start, and ``buckets``."""
     return await run_in_threadpool(_timeline, storage, job, job_id, step)
 
 
-def _buckets(storage: Storage, job: str, job_id: int, recent: int) -> dict[str, Any]:
+def _buckets(storage: Storage, job: str, job_id: int, recent: int) -> Response:
     layouts = storage.fetch_records(job, ["layout"])
     return items(bucket_stats(layouts, storage.recent_steps(job_id, recent)))
 
@@ -91,18 +89,14 @@ def _buckets(storage: Storage, job: str, job_id: int, recent: int) -> dict[str, 
 @router.get("/buckets")
 async def buckets(
     job: str, job_id: JobIdDep, storage: StorageDep, steps: Annotated[int, Query(ge=1, le=10_000)] = 200
-) -> dict[str, Any]:
+) -> Response:
     """The current bucket layout with out-of-order counts and order penalty over the last ``steps`` steps."""
     return await run_in_threadpool(_buckets, storage, job, job_id, steps)
 
 
-def _stragglers(storage: Storage, job_id: int, threshold: float, window: int) -> dict[str, Any]:
+def _stragglers(storage: Storage, job_id: int, threshold: float, window: int) -> Response:
     rows = storage.recent_steps(job_id, window)
-    return {
-        **items(stragglers(rows, threshold=threshold, window=window)),
-        "threshold": threshold,
-        "window": window,
-    }
+    return items(stragglers(rows, threshold=threshold, window=window), threshold=threshold, window=window)
 
 
 @router.get("/stragglers")
@@ -111,25 +105,21 @@ async def get_stragglers(
     storage: StorageDep,
     threshold: Annotated[float, Query(gt=0, le=10)] = THRESHOLD,
     window: Annotated[int, Query(ge=3, le=1000)] = WINDOW_STEPS,
-) -> dict[str, Any]:
+) -> Response:
     """Every rank: ``slowdown`` (compute over the median of the others), ``steps_flagged``, ``flagged``, ``phase``."""
     return await run_in_threadpool(_stragglers, storage, job_id, threshold, window)
 
 
-def _unused(storage: Storage, job: str, job_id: int) -> dict[str, Any]:
+def _unused(storage: Storage, job: str, job_id: int) -> Response:
     found = aggregate_unused(storage.unused_rows(job_id))
     ranks = storage.fetch_records(job, ["rank_start"])
     row = storage.job_row(job)
     seen = max((r.step_records for r in row.ranks), default=0) if row else 0
     report = unused_report(found, any(r["find_unused_parameters"] for r in ranks), seen)
-    return {
-        **items(report.items),
-        "find_unused_parameters": report.find_unused_parameters,
-        "advice": report.advice,
-    }
+    return items(report.items, find_unused_parameters=report.find_unused_parameters, advice=report.advice)
 
 
 @router.get("/unused-parameters")
-async def unused_parameters(job: str, job_id: JobIdDep, storage: StorageDep) -> dict[str, Any]:
+async def unused_parameters(job: str, job_id: JobIdDep, storage: StorageDep) -> Response:
     """Parameters that got no gradient: ``name``, ``ranks``, ``steps``; ``advice`` on find_unused_parameters."""
     return await run_in_threadpool(_unused, storage, job, job_id)
