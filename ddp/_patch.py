@@ -189,6 +189,31 @@ def _reduce_name(red: Any) -> str:
     return name
 
 
+def _patch_work_wait(rec: CollectiveRecorder, work_type: Any) -> None:
+    """End a user's async collective when its ``Work.wait()`` returns: the precise end time.
+
+    Every wait in the process goes through this (torch's own synchronous calls wait in Python too);
+    while no user async collective is pending the extra cost is one call and one dict truth test.
+    """
+    original = work_type.wait
+    pending = rec._pending
+
+    @functools.wraps(original)
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not pending:
+            return original(self, *args, **kwargs)
+        try:
+            result = original(self, *args, **kwargs)
+        except BaseException as exc:
+            rec.waited(self, exc)
+            raise
+        rec.waited(self)
+        return result
+
+    _originals["Work.wait"] = original
+    work_type.wait = wait
+
+
 def install(rec: CollectiveRecorder) -> bool:
     if disabled():
         return False
@@ -210,6 +235,12 @@ def install(rec: CollectiveRecorder) -> bool:
         setattr(c10d, op, wrapped)
         if getattr(dist, op, None) is fn:
             setattr(dist, op, wrapped)
+    work_type = getattr(c10d, "Work", None)
+    if work_type is not None:
+        try:
+            _patch_work_wait(rec, work_type)
+        except (AttributeError, TypeError):  # a torch whose Work refuses new attributes: poll() covers it
+            logger.debug("ddpscope could not wrap Work.wait", exc_info=True)
     logger.debug("ddpscope recorder patched %d torch.distributed functions", len(_originals))
     return True
 
@@ -218,6 +249,10 @@ def uninstall() -> None:
     import torch.distributed as dist
 
     c10d = dist.distributed_c10d
+    wait = _originals.pop("Work.wait", None)
+    if wait is not None:
+        work_type: Any = c10d.Work
+        work_type.wait = wait
     for op, fn in _originals.items():
         wrapped = getattr(c10d, op, None)
         setattr(c10d, op, fn)

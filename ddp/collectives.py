@@ -59,6 +59,8 @@ class CollectiveRecorder:
         self._ring: collections.deque[dict[str, Any]] = collections.deque(maxlen=ring_size)
         self._ends: collections.deque[tuple[str, int, int, bool]] = collections.deque(maxlen=ring_size)
         self._pending: dict[tuple[str, int], Any] = {}
+        self._pending_ids: dict[int, tuple[str, int]] = {}
+        """id(Work) -> (pg, seq): lets the patched ``Work.wait`` find its collective."""
         """Async user collectives (pg, seq) -> torch Work, completed by ``poll()``."""
         self._skip_files: dict[str, bool] = {}
         self._sites: dict[tuple[str, int], str] = {}
@@ -162,22 +164,32 @@ class CollectiveRecorder:
     # -- async completion ------------------------------------------------------------------------
 
     def track(self, pg: str, seq: int, work: Any) -> None:
-        """Remember the Work of an async collective; ``poll()`` ends it once it has completed.
+        """Remember the Work of an async collective; it ends when ``Work.wait()`` returns (the patch in
+        ``_patch`` calls ``waited``) or, if nobody waits, when ``poll()`` sees it completed.
 
-        Polling rather than a future callback: a Python callback runs on a gloo thread and must take
-        the GIL from the training thread, which cost 40-200 us per collective on a 2-core machine.
-        The end time is when completion was observed (next recorded collective or watchdog tick).
+        Not a future callback: a Python callback runs on a gloo thread and must take the GIL from the
+        training thread, which cost 40-200 us per collective on a 2-core machine.
         """
-        self._pending[(pg, seq)] = work
+        key = (pg, seq)
+        self._pending[key] = work
+        self._pending_ids[id(work)] = key
+
+    def waited(self, work: Any, error: BaseException | None = None) -> None:
+        """``work.wait()`` returned (or raised ``error``): end its collective if it is tracked."""
+        key = self._pending_ids.pop(id(work), None)
+        if key is not None and self._pending.pop(key, None) is not None:
+            self.end(key[0], key[1], ok=error is None, error=None if error is None else str(error))
 
     def poll(self) -> None:
-        """End every tracked async collective whose Work has completed. Never raises."""
+        """End every tracked async collective whose Work has completed (the end time is when this
+        saw it: the next recorded collective or watchdog tick). Never raises."""
         try:
             for key, work in list(self._pending.items()):
                 if not work.is_completed():
                     continue
                 if self._pending.pop(key, None) is None:
-                    continue  # another thread (the watchdog) got it first
+                    continue  # another thread (the watchdog, a wait) got it first
+                self._pending_ids.pop(id(work), None)
                 exc = work.exception()
                 self.end(key[0], key[1], ok=exc is None, error=None if exc is None else str(exc))
         except Exception:
@@ -266,6 +278,7 @@ class CollectiveRecorder:
         self._ring.clear()
         self._ends.clear()
         self._pending.clear()
+        self._pending_ids.clear()
         self.progress.inflight.clear()
         self.progress.last_coll_seq = 0
 

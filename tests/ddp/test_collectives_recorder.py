@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -109,15 +110,28 @@ def test_engine_calls_are_recorded_once_by_the_engine_not_again_as_user_calls(re
     assert [(r["coll_seq"], r["source"], r["step"]) for r in begun] == [(1, "engine", 3), (2, "user", None)]
 
 
-def test_an_async_collective_ends_once_its_work_has_completed(records: Records) -> None:
+def test_an_async_collective_ends_when_its_wait_returns(records: Records) -> None:
     work = dist.all_reduce(torch.ones(5, dtype=torch.float64), async_op=True)
+    assert PROGRESS.inflight
     work.wait()
-    RECORDER.poll()
+    assert not PROGRESS.inflight
     (begun,) = records("collective")
     (ended,) = records("collective_end")
     assert begun["dtypes"] == ["float64"] and ended["ok"] is True
     assert ended["end_ns"] >= begun["start_ns"]
-    assert not PROGRESS.inflight
+
+
+def test_an_async_collective_nobody_waits_for_ends_at_the_next_poll(records: Records) -> None:
+    work = dist.broadcast(torch.ones(2), src=0, async_op=True)
+    deadline = time.monotonic() + 30
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert records("collective_end") == []
+    RECORDER.poll()
+    (ended,) = records("collective_end")
+    assert ended["ok"] is True and not PROGRESS.inflight
+    work.wait()  # a late wait ends nothing twice
+    assert len(records("collective_end")) == 1
 
 
 def test_a_new_group_has_its_own_sequence_under_a_name_every_rank_agrees_on(records: Records) -> None:
@@ -155,13 +169,15 @@ def test_a_failure_inside_the_recorder_never_reaches_training(records: Records) 
 
 
 def test_install_is_idempotent_and_uninstall_restores_torch(gloo: None) -> None:
-    original = dist.all_reduce
+    original, original_wait = dist.all_reduce, dist.distributed_c10d.Work.wait
     assert collectives.install() and collectives.install()
     patched = dist.all_reduce
     assert patched is not original and dist.distributed_c10d.all_reduce is patched
     assert patched.__ddpscope_original__ is original  # type: ignore[attr-defined]
+    assert dist.distributed_c10d.Work.wait is not original_wait
     collectives.uninstall()
     assert dist.all_reduce is original and dist.distributed_c10d.all_reduce is original
+    assert dist.distributed_c10d.Work.wait is original_wait
 
 
 def test_disabled_means_no_patches(gloo: None, monkeypatch: pytest.MonkeyPatch) -> None:
