@@ -16,19 +16,22 @@ import msgspec
 
 from ddpscope.agent import records as wire
 
+# Integers the databases can store (BIGINT): a larger one is bad input (422), not a server error.
+_INT64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+
 _SCALARS: dict[str, Any] = {
-    wire.INT: int,
+    wire.INT: _INT64,
     wire.FLOAT: float,
     wire.STR: str,
     wire.BOOL: bool,
-    wire.INTS: list[int],
+    wire.INTS: list[_INT64],
     wire.STRS: list[str],
     wire.FLOATS: list[float],
-    wire.INT_LISTS: list[list[int]],
-    wire.COUNTS: dict[str, int],
+    wire.INT_LISTS: list[list[_INT64]],
+    wire.COUNTS: dict[str, _INT64],
 }
 
-_NON_NEGATIVE = Annotated[int, msgspec.Meta(ge=0)]
+_NON_NEGATIVE = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
 
 class BatchError(ValueError):
