@@ -83,6 +83,14 @@ def _disagreement(
             if len({k[i] for k in groups}) > 1
         ]
         return " and ".join(differs), groups
+    sources = {c.get("source") for c in recs.values()}
+    if len(sources) > 1 and None not in sources:
+        # The engine issues its all-reduces in lockstep on every rank; a user call paired with one of
+        # them means the user call was made on some ranks only, even when the shapes happen to match.
+        by_source: dict[Any, list[int]] = {}
+        for r, c in sorted(recs.items()):
+            by_source.setdefault(c.get("source"), []).append(r)
+        return "source", by_source
     directions = [P2P_OPS.get(c.get("op", "")) for c in recs.values()]
     if all(directions):
         # Both peers sending (or both receiving) deadlocks; call sites of a pair differ by nature.
@@ -137,7 +145,11 @@ def _mismatch(
     keys: Mapping[int, set[tuple[Any, ...]]],
     blame: dict[int, str],
 ) -> Incident:
-    ref, why = _reference(groups, recs, keys)
+    if reason == "source":
+        # The engine's side is right by construction: it runs the same schedule on every rank.
+        ref, why = groups["engine"], ""
+    else:
+        ref, why = _reference(groups, recs, keys)
     culprits = sorted(r for members in groups.values() for r in members if r not in ref)
     c0, r0 = culprits[0], ref[0]
     crec, rrec = recs[c0], recs[r0]
@@ -152,7 +164,9 @@ def _mismatch(
     shift = _shift(ranks.get(c0, {}), ranks.get(r0, {}), seq)
     if shift:
         msg += f": {ranks_phrase([c0])} {shift}"
-    if reason == "direction":
+    if reason == "source":
+        msg += ". One side is the DDP engine's own all-reduce: a collective in user code was issued on some ranks only"
+    elif reason == "direction":
         msg += ". Both peers of a point-to-point transfer issued the same direction: they wait for each other forever"
     elif reason == "order":
         msg += ". Same-shaped collectives issued in a different order: gloo pairs them silently and every rank gets a wrong result"

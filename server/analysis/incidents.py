@@ -15,6 +15,8 @@
   ranks calling from different lines at #N is only an ordering bug when each rank also uses the other's
   line elsewhere in the window (same code, different order: gloo pairs them silently and returns wrong
   results); lines one rank never uses are different code paths, legitimately rank-dependent.
+  A user collective paired with the engine's own all-reduce is a mismatch whatever its shape (the
+  engine runs in lockstep). A send pairs with a recv; two sends (or recvs) at one number deadlock.
   Culprits are the minority; on a tie, the side whose call the others never make anywhere, else every
   rank but rank 0's side (the message says so). An extra or skipped collective is recognised by the
   shift it leaves in the sequence.

@@ -61,7 +61,7 @@ class Liveness:
     fatal: dict[int, Record] = field(default_factory=dict)
     """The rank's first fatal ``rank_error`` that counts (after its start, before any clean exit)."""
     errors: list[Record] = field(default_factory=list)
-    """Every ``rank_error`` that counts, fatal or not, by time."""
+    """Every ``rank_error`` that counts, fatal or not, by time, up to each rank's first fatal one."""
     active_hangs: dict[int, Record] = field(default_factory=dict)
     """The rank's latest hang report not followed by ``hang_resolved``, an exit or a fatal error."""
     silent: list[int] = field(default_factory=list)
@@ -120,6 +120,10 @@ def liveness(
             continue
         clean_exit = live.exits.get(err["rank"])
         if clean_exit is not None and clean_exit.get("reason") == "finished" and _s(clean_exit) <= _s(err):
+            continue
+        if err["rank"] in live.fatal:
+            # Already dead of an earlier error: a later one (an abort while exiting, the same exception
+            # reported again) is the same death, not a new cause.
             continue
         live.errors.append(err)
         if err.get("fatal"):

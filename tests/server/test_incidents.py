@@ -497,3 +497,12 @@ def test_a_send_paired_with_a_recv_is_not_a_mismatch_but_two_sends_are() -> None
     job.coll(1, end, 3, op="send", reduce_op=None, pg="default/p2p/0-1", site="sync.py:31")
     m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
     assert m.seq == 3 and m.culprit_ranks == [1] and "same direction" in m.message
+
+
+def test_a_user_collective_paired_with_the_engines_all_reduce_is_flagged_even_with_the_same_shape() -> None:
+    job = started(2)
+    end = job.train(3)  # engine all-reduces [10] and [1024] at ddp/reducer.py:88, seqs 1..6
+    job.coll(0, end, 7, shapes=[[10]], site="train.py:33", source="user")
+    job.coll(1, end, 7, shapes=[[10]], site=None, source="engine", step=3)
+    m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
+    assert m.culprit_ranks == [0] and m.call_site == "train.py:33" and "some ranks only" in m.message

@@ -110,3 +110,13 @@ def test_peer_failures_are_recognised_as_secondary_errors() -> None:
 def test_a_job_with_no_records_is_running() -> None:
     job = started(2)
     assert job_status(job.snapshot(), T0 + 1) == "running"
+
+
+def test_an_abort_after_a_rank_already_died_of_a_peer_error_is_not_a_new_cause() -> None:
+    job = started(2)
+    end = job.train(3)
+    job.error(0, end + 0.03, "Connection reset by peer")
+    job.error(0, end + 0.2, "Fatal Python error: Aborted", error_type="SIGABRT")
+    live = liveness(job.snapshot(), end + 1)
+    assert [e["error_type"] for e in live.errors] == ["RuntimeError"]
+    assert live.crashed == [1]

@@ -1,0 +1,272 @@
+"""The diagnosis on real failures: 2-rank gloo jobs with ddpscope's engine stream to a real collector,
+and its incidents endpoint must name the culprit rank, the call site or the parameters.
+
+This file is also the rank script (``python test_incidents_jobs.py SCENARIO STEPS``, run once per rank
+by the tests below; torch is imported only there). Every job has a deadline and every rank is killed by
+pid when its test ends (a SIGSTOPped rank included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+FAULT_STEP = 3
+"""Step at which the injected fault happens: after a few healthy steps (layout, collectives, heartbeats)."""
+
+
+# ------------------------------------------------------------------------------------- the rank script
+
+
+def rank_main(scenario: str, steps: int) -> None:  # pragma: no cover - runs in the rank processes
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from ddpscope.agent import get_agent
+    from ddpscope.ddp import DistributedDataParallel, collectives
+    from ddpscope.ddp.errors import install_error_hooks
+    from ddpscope.ddp.watchdog import start_watchdog
+
+    # The engine may do these itself; each is idempotent, and the job must not depend on it.
+    install_error_hooks()
+    collectives.install()
+    start_watchdog()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(16, 32)
+            self.head = nn.Linear(32, 4)
+            self.aux = nn.Linear(32, 4)
+            self.use_aux = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.body(x))
+            return self.head(h) + self.aux(h) if self.use_aux else self.head(h)
+
+    def reduce_sum(t: torch.Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)  # SITE:sum
+
+    def reduce_max(t: torch.Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # SITE:max
+
+    net = Net()
+    model = DistributedDataParallel(net, find_unused_parameters=scenario == "unused")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    for step in range(steps):
+        if step == FAULT_STEP:
+            a, b = torch.ones(4), torch.ones(4)
+            if scenario == "sigstop" and rank == 1:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif scenario == "sigkill" and rank == 1:
+                get_agent().force_flush(2.0)
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif scenario == "one_rank_only" and rank == 0:
+                dist.all_reduce(torch.ones(3))  # SITE:one_rank_only
+            elif scenario == "order":
+                # The same two helper calls, in the opposite order on rank 1: gloo sums silently wrong.
+                for reduce in (reduce_sum, reduce_max) if rank == 0 else (reduce_max, reduce_sum):
+                    reduce(a if reduce is reduce_sum else b)
+            elif scenario == "shapes":
+                dist.all_reduce(torch.ones(4 + rank))  # SITE:shapes
+            elif scenario == "unused" and rank == 1:
+                net.use_aux = False
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    rank_main(sys.argv[1], int(sys.argv[2]))
+    sys.exit(0)
+
+
+# ------------------------------------------------------------------------------------------- the tests
+
+import pytest  # noqa: E402
+
+from tests.support.collector_proc import CollectorProc  # noqa: E402
+from tests.support.procs import free_port, kill_group, rank_env  # noqa: E402
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__)
+SCENARIOS = ("healthy", "sigstop", "sigkill", "one_rank_only", "order", "shapes", "unused")
+WAIT_S = 90.0
+"""Deadline for one diagnosis to show up; all the jobs run at once on a 2-core machine."""
+
+
+def site(name: str) -> str:
+    """``file:line`` of the line marked ``# SITE:<name>`` in this file."""
+    for number, line in enumerate(SCRIPT.read_text().splitlines(), start=1):
+        if line.rstrip().endswith(f"# SITE:{name}"):
+            return f"{SCRIPT.name}:{number}"
+    raise KeyError(name)
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+class Job:
+    """A running 2-rank job and what the collector says about it."""
+
+    def __init__(self, url: str, job: str, procs: list[subprocess.Popen[str]]) -> None:
+        self.url, self.job, self.procs = url, job, procs
+
+    def incidents(self) -> list[dict[str, Any]]:
+        return list(get_json(f"{self.url}/api/v1/jobs/{self.job}/incidents")["items"])
+
+    def status(self) -> str | None:
+        jobs = get_json(f"{self.url}/api/v1/jobs")["items"]
+        return next((j["status"] for j in jobs if j["job"] == self.job), None)
+
+    def wait_for(self, what: str, found: Callable[[list[dict[str, Any]]], Any]) -> Any:
+        """Poll the incidents until ``found(incidents)`` is truthy; fail with what was seen and the logs."""
+        deadline = time.monotonic() + WAIT_S
+        seen: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                seen = self.incidents()
+                result = found(seen)
+                if result:
+                    return result
+            time.sleep(0.5)
+        raise AssertionError(f"{what} not diagnosed within {WAIT_S} s; incidents: {seen}\n{self.logs()}")
+
+    def wait_exit(self) -> list[int | None]:
+        deadline = time.monotonic() + WAIT_S
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        return [p.poll() for p in self.procs]
+
+    def logs(self) -> str:
+        out = ""
+        for rank, p in enumerate(self.procs):
+            kill_group(p)
+            with contextlib.suppress(Exception):
+                out += f"--- rank {rank} rc={p.returncode}\n{p.communicate(timeout=10)[1][-2500:]}\n"
+        return out
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Job]]:
+    """Every scenario's job, started at once against one real collector (the waits overlap)."""
+    tmp = tmp_path_factory.mktemp("incident-jobs")
+    started: dict[str, Job] = {}
+    with CollectorProc(f"sqlite:///{tmp / 'ddpscope.db'}", log_path=tmp / "collector.log") as collector:
+        url = collector.start()
+        try:
+            for scenario in SCENARIOS:
+                job_id = f"{scenario}-{uuid.uuid4().hex[:6]}"
+                env = {
+                    "DDPSCOPE_URL": url,
+                    "DDPSCOPE_JOB": job_id,
+                    # Short only where a hang is the point: elsewhere a busy machine must not look hung.
+                    "DDPSCOPE_HANG_TIMEOUT": "2" if scenario == "sigstop" else "60",
+                    "DDPSCOPE_HEARTBEAT_S": "0.5",
+                    "DDPSCOPE_SPOOL_DIR": str(tmp / "spool" / scenario),
+                }
+                port = free_port()
+                procs = [
+                    subprocess.Popen(
+                        [sys.executable, str(SCRIPT), scenario, "6"],
+                        env=rank_env(rank, 2, port, env),
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        start_new_session=True,
+                    )  # fmt: skip
+                    for rank in range(2)
+                ]
+                started[scenario] = Job(url, job_id, procs)
+            yield started
+        finally:
+            for j in started.values():
+                for p in j.procs:
+                    kill_group(p)  # SIGKILL also ends the SIGSTOPped rank
+                for p in j.procs:
+                    with contextlib.suppress(Exception):
+                        p.communicate(timeout=10)
+
+
+def kind(incidents: list[dict[str, Any]], k: str) -> list[dict[str, Any]]:
+    return [i for i in incidents if i["kind"] == k]
+
+
+def test_a_healthy_real_job_gets_no_incident_and_finishes(jobs: dict[str, Job]) -> None:
+    j = jobs["healthy"]
+    assert j.wait_exit() == [0, 0], j.logs()
+    j.wait_for("finished", lambda _: j.status() == "finished")
+    assert j.incidents() == []
+
+
+def test_a_sigstopped_rank_is_named_as_the_silent_culprit_of_the_hang(jobs: dict[str, Job]) -> None:
+    j = jobs["sigstop"]
+    silent = j.wait_for("rank 1 silent", lambda inc: kind(inc, "rank_silent"))
+    hangs = j.wait_for("rank 0 hang", lambda inc: [h for h in kind(inc, "hang") if h["rank"] == 0])
+    assert [s["culprit_ranks"] for s in silent] == [[1]]
+    assert 1 in hangs[0]["culprit_ranks"] and hangs[0]["stack"]
+    assert j.status() == "hung"
+
+
+def test_a_sigkilled_rank_is_the_culprit_and_the_survivors_errors_are_attached(jobs: dict[str, Job]) -> None:
+    j = jobs["sigkill"]
+    j.wait_exit()
+    crash = j.wait_for(
+        "rank 1 crashed", lambda inc: kind(inc, "rank_crashed") and kind(inc, "rank_crashed")[0]["related"]
+    )
+    incidents = j.incidents()
+    assert crash[0]["rank"] == 1 and crash[0]["culprit_ranks"] == [1]
+    assert [r["rank"] for r in crash[0]["related"]] == [0]
+    assert all(0 not in i["culprit_ranks"] for i in incidents), incidents
+    assert j.status() == "failed"
+
+
+def test_a_user_all_reduce_issued_on_one_rank_only_names_that_rank_and_its_line(jobs: dict[str, Job]) -> None:
+    # gloo aborts one of the ranks on the size mismatch: rank 0's record of its call must still arrive.
+    m = jobs["one_rank_only"].wait_for("the extra all_reduce", lambda inc: kind(inc, "mismatch"))
+    assert m[0]["culprit_ranks"] == [0], m
+    assert (m[0]["call_site"] or "").endswith(site("one_rank_only")), m
+
+
+def test_same_shape_collectives_in_a_different_order_are_flagged(jobs: dict[str, Job]) -> None:
+    j = jobs["order"]
+    m = j.wait_for("the swapped reductions", lambda inc: kind(inc, "mismatch"))
+    assert m[0]["culprit_ranks"] == [1] and m[0]["call_site"].endswith(site("max")), m
+    assert "opposite order" in m[0]["message"]
+    # gloo does not notice: both ranks finish, with silently wrong sums.
+    assert j.wait_exit() == [0, 0], j.logs()
+
+
+def test_mismatched_shapes_are_flagged_although_gloo_aborts_the_process(jobs: dict[str, Job]) -> None:
+    m = jobs["shapes"].wait_for("the shape mismatch", lambda inc: kind(inc, "mismatch"))
+    assert (
+        m[0]["call_site"].endswith(site("shapes")) and "[4]" in m[0]["message"] and "[5]" in m[0]["message"]
+    )
+    assert m[0]["culprit_ranks"] == [1]
+
+
+def test_parameters_unused_on_one_rank_are_named_with_that_rank(jobs: dict[str, Job]) -> None:
+    u = jobs["unused"].wait_for("aux unused on rank 1", lambda inc: kind(inc, "unused_parameters"))
+    assert u[0]["culprit_ranks"] == [1]
+    assert sorted(u[0]["parameters"]) == ["aux.bias", "aux.weight"]
+    assert u[0]["bucket"] is not None
