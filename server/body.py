@@ -33,12 +33,14 @@ async def read_limited(chunks: AsyncIterator[bytes], content_length: str | None,
             raise BodyTooLarge(
                 f"request body of {declared} bytes exceeds the limit of {limit} bytes; send smaller batches"
             )
-    buf = bytearray()
+    parts: list[bytes] = []
+    size = 0
     async for chunk in chunks:
-        buf += chunk
-        if len(buf) > limit:
+        parts.append(chunk)
+        size += len(chunk)
+        if size > limit:
             raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes; send smaller batches")
-    return bytes(buf)
+    return b"".join(parts)
 
 
 def decode_content(body: bytes, encoding: str | None, limit: int) -> bytes:
@@ -49,14 +51,16 @@ def decode_content(body: bytes, encoding: str | None, limit: int) -> bytes:
     if enc not in ("gzip", "x-gzip"):
         raise BadEncoding(f"Content-Encoding {encoding!r} is not supported; use gzip or none")
     inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    out = bytearray()
+    parts: list[bytes] = []  # joined once at the end: no repeated copies of a multi-MB body
+    size = 0
     data = body
     try:
         while True:
             # max_length bounds this call's output; the rest of the input waits in unconsumed_tail.
-            chunk = inflater.decompress(data, limit - len(out) + 1)
-            out += chunk
-            if len(out) > limit:
+            chunk = inflater.decompress(data, limit - size + 1)
+            parts.append(chunk)
+            size += len(chunk)
+            if size > limit:
                 raise BodyTooLarge(
                     f"decompressed body exceeds the limit of {limit} bytes; send smaller batches"
                 )
@@ -67,4 +71,4 @@ def decode_content(body: bytes, encoding: str | None, limit: int) -> bytes:
         raise BadEncoding(f"body is not valid gzip: {e}") from None
     if not inflater.eof:
         raise BadEncoding("body is not valid gzip: the stream is truncated")
-    return bytes(out)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
