@@ -11,6 +11,10 @@ Per collective: the wrapper the recorder puts around ``torch.distributed.all_red
 Python function of the same signature that does nothing (so gloo's latency noise is not in the
 figure), and the real small all-reduce patched vs unpatched on the 2-rank group, interleaved.
 
+Three figures, from noisiest to steadiest: the wall-time step difference (median of ABBA quads, with
+its interquartile range), the process CPU time per step (all threads: training, gloo, agent worker,
+watchdog), and the per-collective cost times the collectives per step.
+
 Target: recorder + watchdog <= 1 % of the step time. Prints the machine; writes
 bench/results/watchdog.json. ``--quick`` runs in well under a minute.
 
@@ -123,27 +127,52 @@ def _step_bench(steps: int, block: int) -> dict[str, Any]:
     for _ in range(20):  # warm-up, and the engine's bucket rebuild
         step()
     seq_before = sum(RECORDER.last_seq(pg) for pg in list(RECORDER._counters))
-    blocks: dict[str, list[float]] = {"on": [], "off": []}
+    on_ms: list[float] = []
+    off_ms: list[float] = []
+    ratios: list[float] = []
+    cpu_ratios: list[float] = []
+    cpu_on: list[float] = []
+    cpu_off: list[float] = []
     on_steps = 0
-    for b in range(steps // block):
-        # ABBA order cancels a slow drift of the machine between the arms.
-        on = b % 4 in (0, 3)
-        _set_mode(on)
-        t0 = time.perf_counter_ns()
-        for _ in range(block):
-            step()
-        blocks["on" if on else "off"].append((time.perf_counter_ns() - t0) / block / 1e6)
-        on_steps += block if on else 0
+    for quad in range(max(1, steps // (4 * block))):
+        # ABBA (then BAAB) quads: a drift of the machine within a quad cancels out, and each quad
+        # gives one on/off ratio; the median over quads shrugs off the load spikes of a shared box.
+        order = (True, False, False, True) if quad % 2 == 0 else (False, True, True, False)
+        medians: dict[bool, list[float]] = {True: [], False: []}
+        cpu: dict[bool, float] = {True: 0.0, False: 0.0}
+        for on in order:
+            _set_mode(on)
+            times = []
+            c0 = time.process_time_ns()
+            for _ in range(block):
+                t0 = time.perf_counter_ns()
+                step()
+                times.append((time.perf_counter_ns() - t0) / 1e6)
+            # CPU time of the whole process (training, gloo, agent and watchdog threads): what the
+            # instrumentation costs, and far less sensitive than wall time to other jobs on the box.
+            cpu[on] += (time.process_time_ns() - c0) / block / 1e6
+            medians[on].append(statistics.median(times))
+            on_steps += block if on else 0
+        on_ms.extend(medians[True])
+        off_ms.extend(medians[False])
+        ratios.append(sum(medians[True]) / sum(medians[False]))
+        cpu_ratios.append(cpu[True] / cpu[False])
+        cpu_on.append(cpu[True] / 2)
+        cpu_off.append(cpu[False] / 2)
     _set_mode(False)
     recorded = sum(RECORDER.last_seq(pg) for pg in list(RECORDER._counters)) - seq_before
-    on_ms, off_ms = statistics.median(blocks["on"]), statistics.median(blocks["off"])
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
     return {
         "engine": engine,
         "steps": steps,
         "block": block,
-        "step_ms_on": on_ms,
-        "step_ms_off": off_ms,
-        "overhead_pct": (on_ms - off_ms) / off_ms * 100,
+        "step_ms_on": statistics.median(on_ms),
+        "step_ms_off": statistics.median(off_ms),
+        "overhead_pct": (statistics.median(ratios) - 1) * 100,
+        "overhead_pct_iqr": [(quartiles[0] - 1) * 100, (quartiles[2] - 1) * 100],
+        "cpu_ms_per_step_on": statistics.median(cpu_on),
+        "cpu_ms_per_step_off": statistics.median(cpu_off),
+        "cpu_overhead_pct": (statistics.median(cpu_ratios) - 1) * 100,
         "collectives_recorded_per_step": recorded / max(1, on_steps),
     }
 
@@ -209,7 +238,7 @@ def worker(quick: bool) -> None:
     agent.configure(exporter=_Discard())
     dist.init_process_group("gloo")
     result: dict[str, Any] = {"rank": dist.get_rank()}
-    result.update(_step_bench(steps=160 if quick else 800, block=10))
+    result.update(_step_bench(steps=240 if quick else 1200, block=5))
     result.update(_allreduce_bench(calls=100 if quick else 400))
     result.update(_wrapper_bench(calls=5_000 if quick else 50_000))
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -247,6 +276,7 @@ def main() -> None:
     step_pct = statistics.mean(r["overhead_pct"] for r in ranks)
     step_ms = statistics.mean(r["step_ms_off"] for r in ranks)
     per_coll_ns = statistics.mean(r["wrapper_ns"] for r in ranks)
+    cpu_pct = statistics.mean(r["cpu_overhead_pct"] for r in ranks)
     per_step_coll = ranks[0]["collectives_recorded_per_step"]
     # The per-collective cost times the collectives per step, as a share of the step: a stable
     # estimate of the recorder's share, where the interleaved step difference is within noise.
@@ -259,19 +289,29 @@ def main() -> None:
         "step_ms_off": step_ms,
         "step_ms_on": statistics.mean(r["step_ms_on"] for r in ranks),
         "step_overhead_pct": step_pct,
+        "step_overhead_pct_iqr_rank0": ranks[0]["overhead_pct_iqr"],
+        "cpu_ms_per_step_off": statistics.mean(r["cpu_ms_per_step_off"] for r in ranks),
+        "cpu_overhead_pct": cpu_pct,
         "collectives_recorded_per_step": per_step_coll,
         "recorder_ns_per_collective": per_coll_ns,
         "recorder_share_of_step_pct": recorder_pct,
         "small_all_reduce_us_on": statistics.mean(r["small_all_reduce_us_on"] for r in ranks),
         "small_all_reduce_us_off": statistics.mean(r["small_all_reduce_us_off"] for r in ranks),
         "target_pct": TARGET_PCT,
-        "meets_target": step_pct <= TARGET_PCT,
+        # Judged on CPU time and on the per-collective estimate: on a shared 2-core box the wall-time
+        # difference of a 1 % effect is usually inside the quads' spread (see the IQR above).
+        "meets_target": cpu_pct <= TARGET_PCT and recorder_pct <= TARGET_PCT,
         "ranks": ranks,
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"engine: {summary['engine']}; step {step_ms:.2f} ms off, {summary['step_ms_on']:.2f} ms on")
-    print(f"watchdog + recorder, interleaved: {step_pct:+.2f} % of the step (target <= {TARGET_PCT} %)")
+    iqr = ranks[0]["overhead_pct_iqr"]
+    print(
+        f"watchdog + recorder, interleaved: {step_pct:+.2f} % of the step (target <= {TARGET_PCT} %; "
+        f"rank 0 quads' interquartile range {iqr[0]:+.1f} .. {iqr[1]:+.1f} %)"
+    )
+    print(f"process CPU time per step, interleaved: {cpu_pct:+.2f} %")
     print(
         f"recorder: {per_coll_ns:.0f} ns per collective x {per_step_coll:.1f} per step = {recorder_pct:.3f} % of the step"
     )
