@@ -70,6 +70,13 @@ def wait_ready(p: subprocess.Popen[str]) -> None:
     assert line.strip() == "READY", (line, p.stderr.read() if p.poll() is not None and p.stderr else "")
 
 
+def logs(spool_dir: Path) -> str:
+    """The shipper logs, for assertion messages."""
+    return (
+        "\n".join(f"{p.name}: {p.read_text()[-2000:]}" for p in spool_dir.glob("*.log")) or "(no shipper log)"
+    )
+
+
 def heartbeat_steps(c: FakeCollector) -> list[int]:
     return sorted(r["step"] for r in c.of_kind("heartbeat"))
 
@@ -79,9 +86,8 @@ def test_records_emitted_before_a_sigkill_reach_the_collector(collector, spool_d
     wait_ready(p)
     os.kill(p.pid, signal.SIGKILL)
     p.wait(10)
-    assert collector.wait_for(lambda c: len(c.of_kind("heartbeat")) == 500, 20), len(
-        collector.of_kind("heartbeat")
-    )
+    ok = collector.wait_for(lambda c: len(c.of_kind("heartbeat")) == 500, 20)
+    assert ok, (len(collector.of_kind("heartbeat")), sorted(os.listdir(spool_dir)), logs(spool_dir))
     assert heartbeat_steps(collector) == list(range(500))
     assert collector.duplicates == 0 or len(collector.records) >= 500
     assert wait_shippers_gone(spool_dir, 20), "the shipper must exit once its rank is gone and all is sent"
