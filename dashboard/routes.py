@@ -87,10 +87,10 @@ async def job_page(request: Request, job: str) -> HTMLResponse:
     <input id="trace-end" type="number" min="0" placeholder="end" size="6">
     <a id="trace-link" href="#" download>download</a></form>
 </nav>
-<section><h2>Step time per rank</h2><div id="heatmap" class="plot"></div></section>
-<section><h2>Overlap ratio and exposed communication</h2><div id="overlap" class="plot"></div></section>
+<section><h2>Step time per rank</h2><div id="heatmap" class="plot" hidden></div></section>
+<section><h2>Overlap ratio and exposed communication</h2><div id="overlap" class="plot" hidden></div></section>
 <section class="cols">
-  <div><h2>Stragglers</h2><div id="stragglers" class="plot small"></div>
+  <div><h2>Stragglers</h2><div id="stragglers" class="plot small" hidden></div>
        <p class="msg" id="stragglers-msg"></p></div>
   <div><h2>Latest incidents</h2><ul id="incidents" class="incidents"></ul>
        <p class="msg" id="incidents-msg"></p></div>
@@ -98,7 +98,7 @@ async def job_page(request: Request, job: str) -> HTMLResponse:
 <section><h2>Unused parameters</h2><p class="msg" id="unused-msg"></p>
   <table id="unused" class="grid" hidden><thead><tr><th>parameter</th><th>ranks</th><th>steps</th></tr></thead>
   <tbody></tbody></table></section>
-<section><h2>Bucket layout</h2><div id="buckets" class="plot small"></div><p class="msg" id="buckets-msg"></p></section>
+<section><h2>Bucket layout</h2><div id="buckets" class="plot small" hidden></div><p class="msg" id="buckets-msg"></p></section>
 """
     page = render_page(
         title=f"ddpscope: {job}",

@@ -126,9 +126,9 @@
   }
 
   function drawStragglers(items, threshold) {
+    show("stragglers", items.length > 0);
     if (!items.length) {
-      document.getElementById("stragglers").replaceChildren();
-      ddp.say("stragglers-msg", "No straggler scores yet.");
+      ddp.say("stragglers-msg", "No straggler scores yet: they need a few steps from every rank.");
       return;
     }
     // Scores by phase: the overall compute slowdown and, when the API splits it, forward and backward.
@@ -177,8 +177,8 @@
   }
 
   function drawBuckets(items) {
+    show("buckets", items.length > 0);
     if (!items.length) {
-      document.getElementById("buckets").replaceChildren();
       ddp.say("buckets-msg", "No bucket layout reported yet.");
       return;
     }
@@ -197,13 +197,18 @@
       { type: "bar", name: "order penalty", x, y: items.map((b) => b.order_penalty_s ?? 0), yaxis: "y3",
         hovertemplate: "bucket %{x}: waited %{y:.4f} s for earlier buckets<extra></extra>", marker: { color: "#b26a00" } },
     ], {
-      height: 380, showlegend: false, xaxis: { title: { text: "bucket index" }, anchor: "y3" },
+      height: 380, showlegend: false,
+      xaxis: { title: { text: "bucket index" }, anchor: "y3", tickmode: "linear", dtick: Math.max(1, Math.ceil(items.length / 25)) },
       yaxis: { title: { text: "bytes" }, domain: [0.56, 1] },
       yaxis2: { title: { text: "out of order" }, domain: [0.3, 0.5], rangemode: "tozero" },
       yaxis3: { title: { text: "penalty (s)" }, domain: [0, 0.24], rangemode: "tozero" },
     });
     ddp.say("buckets-msg", "");
   }
+
+  // Plot divs start hidden (an empty frame says nothing) and are shown before drawing, so Plotly
+  // measures their real width.
+  function show(id, visible) { document.getElementById(id).hidden = !visible; }
 
   const settled = (p) => p.then((v) => ({ ok: true, v }), (e) => ({ ok: false, e }));
 
@@ -222,6 +227,8 @@
     badge.className = "badge " + (world ? world.status : "");
     const errors = [info, steps, strag, incid, unused, buckets].filter((r) => !r.ok).map((r) => r.e.message);
     const w = windowed();
+    show("heatmap", rows.size > 0);
+    show("overlap", rows.size > 0);
     if (rows.size) {
       drawHeatmap(w);
       drawOverlap(w);

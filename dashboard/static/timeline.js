@@ -116,7 +116,8 @@
       height: 90 + n * rowPx, margin: { l: 70, r: 20, t: 30, b: 50 }, hovermode: "closest",
       legend: { orientation: "h", x: 0, y: 1.0, yanchor: "bottom", itemclick: false, itemdoubleclick: false },
       annotations, shapes,
-      xaxis: { title: { text: "seconds since the step began" }, range: [0, lastT * 1.02 || 1], zeroline: false },
+      xaxis: { title: { text: "time since the step began" }, range: [0, lastT * 1.02 || 1], zeroline: false,
+        exponentformat: "SI", ticksuffix: "s" },
       yaxis: { tickvals: rankList.map((r) => row.get(r)), ticktext: rankList.map((r) => "rank " + r),
         range: [n - 0.5, -0.5], zeroline: false, showgrid: false },
     }, { displaylogo: false, responsive: true });
