@@ -12,6 +12,7 @@ from ddpscope.server.analysis.jobs import diagnose
 from ddpscope.server.analysis.trace import trace_events
 from ddpscope.server.deps import JobIdDep, StorageDep
 from ddpscope.server.routes._items import JSONResponse, item
+from ddpscope.server.routes.steps import INT64_MAX, INT64_MIN
 from ddpscope.server.storage import Storage
 
 router = APIRouter(prefix="/api/v1/jobs/{job}", tags=["incidents"])
@@ -56,8 +57,8 @@ async def trace(
     job: str,
     job_id: JobIdDep,
     storage: StorageDep,
-    start: Annotated[int | None, Query(description="first step")] = None,
-    end: Annotated[int | None, Query(description="last step")] = None,
+    start: Annotated[int | None, Query(description="first step", ge=INT64_MIN, le=INT64_MAX)] = None,
+    end: Annotated[int | None, Query(description="last step", ge=INT64_MIN, le=INT64_MAX)] = None,
 ) -> Response:
     """Chrome/Perfetto trace-event JSON: one process per rank, compute and all-reduce on separate tracks."""
     return await run_in_threadpool(_trace, storage, job, job_id, start, end)

@@ -19,13 +19,16 @@ from ddpscope.server.storage import Storage
 router = APIRouter(prefix="/api/v1/jobs/{job}", tags=["steps"])
 
 DEFAULT_LIMIT = 10_000
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""Query integers are bounded to what the databases store; beyond it is a 422, not a server error."""
 
 
 def _parse_cursor(cursor: str | None) -> tuple[int, int] | None:
     if cursor is None:
         return None
     step, sep, rank = cursor.partition(".")
-    if not sep or not step.lstrip("-").isdigit() or not rank.isdigit():
+    # Bounded to BIGINT: a larger number would fail in the database driver (a 500, not a 400).
+    if not sep or not step.lstrip("-").isdigit() or not rank.isdigit() or max(len(step), len(rank)) > 18:
         raise HTTPException(
             400, f"cursor {cursor!r} is malformed: pass back the 'next' value of the previous page"
         )
@@ -54,9 +57,11 @@ def _steps(
 async def steps(
     job_id: JobIdDep,
     storage: StorageDep,
-    rank: int | None = None,
-    start: Annotated[int | None, Query(description="first step (inclusive)")] = None,
-    end: Annotated[int | None, Query(description="last step (inclusive)")] = None,
+    rank: Annotated[int | None, Query(ge=0, le=INT64_MAX)] = None,
+    start: Annotated[
+        int | None, Query(description="first step (inclusive)", ge=INT64_MIN, le=INT64_MAX)
+    ] = None,
+    end: Annotated[int | None, Query(description="last step (inclusive)", ge=INT64_MIN, le=INT64_MAX)] = None,
     limit: Annotated[int, Query(ge=1, le=100_000)] = DEFAULT_LIMIT,
     cursor: Annotated[str | None, Query(description="the 'next' value of the previous page")] = None,
 ) -> Response:
@@ -76,7 +81,12 @@ def _timeline(storage: Storage, job: str, job_id: int, step: int | None) -> Resp
 
 
 @router.get("/timeline")
-async def get_timeline(job: str, job_id: JobIdDep, storage: StorageDep, step: int | None = None) -> Response:
+async def get_timeline(
+    job: str,
+    job_id: JobIdDep,
+    storage: StorageDep,
+    step: Annotated[int | None, Query(ge=INT64_MIN, le=INT64_MAX)] = None,
+) -> Response:
     """``ranks``: per rank ``forward``/``backward`` [start, end] s from the step's earliest start, and ``buckets``."""
     return await run_in_threadpool(_timeline, storage, job, job_id, step)
 
