@@ -180,12 +180,14 @@ _REDUCE_NAMES: dict[Any, str] = {}
 
 
 def _reduce_name(red: Any) -> str:
+    """'SUM', 'MAX', ...: the same on every rank (a ReduceOp object's repr holds its address)."""
+    red = getattr(red, "op", red)  # a ReduceOp object (e.g. premul-sum) wraps its RedOpType
     try:
         name = _REDUCE_NAMES.get(red)
-    except TypeError:  # unhashable (a premul-sum ReduceOp): named once per call
+    except TypeError:
         return str(red).rsplit(".", 1)[-1]
     if name is None:
-        name = _REDUCE_NAMES[red] = str(red).rsplit(".", 1)[-1].split(":")[0]
+        name = _REDUCE_NAMES[red] = str(red).rsplit(".", 1)[-1]
     return name
 
 

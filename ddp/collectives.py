@@ -59,9 +59,9 @@ class CollectiveRecorder:
         self._ring: collections.deque[dict[str, Any]] = collections.deque(maxlen=ring_size)
         self._ends: collections.deque[tuple[str, int, int, bool]] = collections.deque(maxlen=ring_size)
         self._pending: dict[tuple[str, int], Any] = {}
+        """Async user collectives (pg, seq) -> torch Work, ended by ``waited()`` or ``poll()``."""
         self._pending_ids: dict[int, tuple[str, int]] = {}
         """id(Work) -> (pg, seq): lets the patched ``Work.wait`` find its collective."""
-        """Async user collectives (pg, seq) -> torch Work, completed by ``poll()``."""
         self._skip_files: dict[str, bool] = {}
         self._sites: dict[tuple[str, int], str] = {}
         self._torch_dir: str | None = None

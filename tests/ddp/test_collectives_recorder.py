@@ -227,3 +227,10 @@ def test_the_collective_record_is_handed_to_the_agent_before_torch_is_entered(
     wrapped(torch.ones(3), group=None)
     assert seen_at_call == [["collective"]]
     assert [r["kind"] for r in handed] == ["collective", "collective_end"]
+
+
+def test_reduce_ops_are_named_alike_on_every_rank_even_as_reduce_op_objects(records: Records) -> None:
+    dist.all_reduce(torch.ones(2), op=dist.ReduceOp(dist.ReduceOp.MIN))
+    dist.all_reduce(torch.ones(2), dist.ReduceOp.PRODUCT)
+    dist.reduce(torch.ones(2), dst=0)
+    assert [r["reduce_op"] for r in records("collective")] == ["MIN", "PRODUCT", "SUM"]
