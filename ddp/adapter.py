@@ -292,15 +292,15 @@ class Instrumentation:
             self._learn(bucket, last)
         buf = bucket.buffer()
         user = self._user_hook
-        with RECORDER.engine_call():
-            seq = RECORDER.begin(
-                self._pg, "all_reduce", (buf,), reduce_op="SUM", source="engine", step=self._cur
-            )
-            if user is None:
-                # Exactly torch's default path: scale while in the bucket, then a SUM all-reduce.
-                buf.mul_(self._scale)
-                fut = self._group.allreduce([buf]).get_future()
-            else:
+        seq = RECORDER.begin(self._pg, "all_reduce", (buf,), reduce_op="SUM", source="engine", step=self._cur)
+        if user is None:
+            # Exactly torch's default path: scale in the bucket, then a SUM all-reduce. Called on the
+            # process group itself, as torch's C++ default does (the patched dist.all_reduce is for users).
+            buf.mul_(self._scale)
+            fut = self._group.allreduce([buf]).get_future()
+        else:
+            # The user's own collectives are this bucket's reduction, recorded once above.
+            with RECORDER.engine_call():
                 fut = user(self._user_state, bucket)
         self._launch[k] = t
         self._seqs[k] = seq

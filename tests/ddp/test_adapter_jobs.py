@@ -28,18 +28,19 @@ class AdapterRun(JobRun):
     results_json: dict[int, dict[str, Any]]
 
 
-def run(scenario: str, out: Path, env: dict[str, str] | None = None) -> AdapterRun:
-    results = run_ranks(JOB, 2, args=[scenario, str(out)], env=env or {}, timeout_s=120)
+def run(scenario: str, out: Path, env: dict[str, str] | None = None, world_size: int = 2) -> AdapterRun:
+    ranks = range(world_size)
+    results = run_ranks(JOB, world_size, args=[scenario, str(out)], env=env or {}, timeout_s=120)
     records = {}
-    for rank in (0, 1):
+    for rank in ranks:
         path = out / f"rank{rank}.jsonl"
         lines = path.read_text().splitlines() if path.exists() else []
         records[rank] = [json.loads(line) for line in lines]
         for record in records[rank]:
             validate_record(record)
     job = AdapterRun(results, records)
-    assert [r.returncode for r in results] == [0, 0], job.output()
-    job.results_json = {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert [r.returncode for r in results] == [0] * world_size, job.output()
+    job.results_json = {r: json.loads((out / f"rank{r}.json").read_text()) for r in ranks}
     return job
 
 
@@ -222,3 +223,18 @@ def test_its_peer_reports_the_launched_bucket_and_the_inflight_all_reduce(hang: 
         (resolved,) = hang.of(rank, "hang_resolved")
         assert resolved["hang_s"] >= 1.0
         assert [r["step"] for r in steps(hang, rank)] == [0, 1, 2, 3]
+
+
+# -- disabled --------------------------------------------------------------------------------------
+
+
+def test_disabled_attaches_nothing_but_still_registers_the_users_hook(tmp_path: Path) -> None:
+    job = run("disabled", tmp_path, {"DDPSCOPE_DISABLED": "1"}, world_size=1)
+    assert job.results_json[0] == {
+        "same_object": True,
+        "instrumentation": False,
+        "forward_hooks": 0,
+        "comm_hooks": ["fp16_compress_hook"],
+        "param_hooks": 0,
+    }
+    assert job.records[0] == []

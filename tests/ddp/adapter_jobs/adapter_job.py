@@ -12,6 +12,7 @@ Scenarios:
   userhook torch's fp16_compress_hook registered on the plain model and passed through instrument();
            and the refusal of a model that already has a hook.
   hang     rank 1 sleeps inside backward at step 2 (JOB_STALL_S); DDPSCOPE_HANG_TIMEOUT set by the test.
+  disabled DDPSCOPE_DISABLED=1 (set by the test): what instrument() attached, if anything.
 """
 
 from __future__ import annotations
@@ -164,12 +165,29 @@ def hang(rank: int) -> dict[str, Any]:
     return {}
 
 
+def disabled(rank: int) -> dict[str, Any]:
+    model = DDP(mlp(2, 16))
+    same = instrument(model, comm_hook=fp16_compress_hook)
+    model(batch(rank, 0, 16)).sum().backward()
+    return {
+        "same_object": same is model,
+        "instrumentation": instrumentation(model) is not None,
+        "forward_hooks": len(model._forward_pre_hooks) + len(model._forward_hooks),
+        "comm_hooks": [hook.__name__ for hook, _ in model._comm_hooks],
+        "param_hooks": sum(
+            len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters()
+        ),
+    }
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     _capture.capture(out_dir)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    result = {"parity": parity, "unused": unused, "userhook": userhook, "hang": hang}[scenario](rank)
+    result = {"parity": parity, "unused": unused, "userhook": userhook, "hang": hang, "disabled": disabled}[
+        scenario
+    ](rank)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     _capture.flush()
     dist.destroy_process_group()
