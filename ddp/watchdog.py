@@ -137,6 +137,16 @@ def hang_message(
     return text
 
 
+def _pending_wire(bucket: Any) -> dict[str, Any]:
+    """Coerce one pending bucket to the wire shape: the agent drops a record that does not match,
+    and a hang report must not be lost to a stray type from the engine's callback."""
+    return {
+        "index": int(bucket["index"]),
+        "missing": [str(name) for name in bucket.get("missing", ())],
+        "launched": bool(bucket.get("launched", False)),
+    }
+
+
 class Watchdog:
     """Samples a ``Progress`` on a daemon thread; reports hangs, their end, and heartbeats."""
 
@@ -250,7 +260,7 @@ class Watchdog:
     def _report(self, stalled_s: float) -> None:
         progress = self._progress
         try:
-            pending = list(progress.pending_buckets())
+            pending = [_pending_wire(b) for b in progress.pending_buckets()]
         except Exception:  # the engine's callback must not cost us the report
             logger.warning("ddpscope: pending_buckets() failed", exc_info=True)
             pending = []

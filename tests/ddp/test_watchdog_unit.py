@@ -260,3 +260,17 @@ def test_disabled_ddpscope_starts_no_thread_and_installs_no_hook() -> None:
     finally:
         monitor.disable()
         agent.configure(exporter=agent.InMemoryExporter(), rank=0)
+
+
+def test_pending_buckets_in_loose_types_are_coerced_so_the_report_passes_the_wire_check(
+    records: Records, parts: tuple[Progress, CollectiveRecorder, ManualClock]
+) -> None:
+    progress, _, clock = parts
+    dog = make(parts, timeout_s=1.0)
+    progress.enter("backward", step=5)
+    progress.pending_buckets = lambda: [{"index": torch.tensor(2), "missing": ("fc.bias",), "launched": 0}]
+    dog.check()
+    clock.now += 2.0
+    dog.check()
+    (hang,) = records("hang")  # records() validates every record against the wire format
+    assert hang["pending_buckets"] == [{"index": 2, "missing": ["fc.bias"], "launched": False}]
