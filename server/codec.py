@@ -93,7 +93,7 @@ _schema_only = msgspec.json.Decoder(msgspec.defstruct("BatchHead", [("schema", A
 def decode_batch(body: bytes) -> list[Any]:
     """Parse and validate a JSON batch; return its records as Structs or raise ``BatchError``."""
     try:
-        batch = _decoder.decode(body)
+        batch: Any = _decoder.decode(body)
     except msgspec.ValidationError as e:
         _check_schema(body)
         raise BatchError(str(e).replace("$.", "batch.", 1)) from None
@@ -101,13 +101,15 @@ def decode_batch(body: bytes) -> list[Any]:
         raise BatchError(f"body is not valid JSON: {e}") from None
     if batch.schema != wire.SCHEMA_VERSION:
         _check_schema(body)
-    return batch.records  # type: ignore[no-any-return]
+    records: list[Any] = batch.records
+    return records
 
 
 def _check_schema(body: bytes) -> None:
     # A batch from a newer agent fails on its records first; name the real cause instead.
     try:
-        schema = _schema_only.decode(body).schema
+        head: Any = _schema_only.decode(body)
+        schema = head.schema
     except msgspec.MsgspecError:
         return
     if schema != wire.SCHEMA_VERSION:

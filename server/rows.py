@@ -74,7 +74,7 @@ def step_row(job_id: int, r: Any) -> tuple[Any, ...]:
     )
 
 
-def unpack_arrays(blob: bytes) -> tuple[list[int], ...]:
+def unpack_arrays(blob: bytes) -> tuple[list[int], list[int], list[int], list[int], list[int], list[int]]:
     return _unpack(bytes(blob))
 
 
@@ -111,16 +111,21 @@ class StepRow:
     @classmethod
     def from_db(cls, row: Any) -> StepRow:
         """From a ``steps`` row selected with ``STEP_READ_COLUMNS``."""
-        arrays = unpack_arrays(row.arrays)
+        ready, ar_start, ar_end, nbytes, order, seqs = unpack_arrays(row.arrays)
         return cls(
-            row.rank,
-            row.step,
-            bool(row.synced),
-            row.forward_start_ns,
-            row.forward_end_ns,
-            row.backward_start_ns,
-            row.backward_end_ns,
-            *arrays,
+            rank=row.rank,
+            step=row.step,
+            synced=bool(row.synced),
+            forward_start_ns=row.forward_start_ns,
+            forward_end_ns=row.forward_end_ns,
+            backward_start_ns=row.backward_start_ns,
+            backward_end_ns=row.backward_end_ns,
+            bucket_ready_ns=ready,
+            allreduce_start_ns=ar_start,
+            allreduce_end_ns=ar_end,
+            bucket_bytes=nbytes,
+            ready_order=order,
+            collective_seqs=seqs,
             time_ns=row.time_ns,
             stream=row.stream,
             seq=row.seq,
@@ -129,14 +134,19 @@ class StepRow:
     @classmethod
     def from_wire(cls, r: dict[str, Any]) -> StepRow:
         return cls(
-            r["rank"],
-            r["step"],
-            r["synced"],
-            r["forward_start_ns"],
-            r["forward_end_ns"],
-            r["backward_start_ns"],
-            r["backward_end_ns"],
-            *(list(r[name]) for name in STEP_ARRAYS),
+            rank=r["rank"],
+            step=r["step"],
+            synced=r["synced"],
+            forward_start_ns=r["forward_start_ns"],
+            forward_end_ns=r["forward_end_ns"],
+            backward_start_ns=r["backward_start_ns"],
+            backward_end_ns=r["backward_end_ns"],
+            bucket_ready_ns=list(r["bucket_ready_ns"]),
+            allreduce_start_ns=list(r["allreduce_start_ns"]),
+            allreduce_end_ns=list(r["allreduce_end_ns"]),
+            bucket_bytes=list(r["bucket_bytes"]),
+            ready_order=list(r["ready_order"]),
+            collective_seqs=list(r["collective_seqs"]),
             time_ns=r["time_ns"],
             stream=r["stream"],
             seq=r["seq"],

@@ -79,25 +79,28 @@ class PostgresServer:
         return self.url(name)
 
     def stop(self) -> None:
+        """Immediate shutdown (no checkpoint: the data is thrown away), then SIGKILL by pid if needed."""
         with contextlib.suppress(Exception):
             subprocess.run(
-                [
-                    *_as_user(),
-                    str(PG_BIN / "pg_ctl"),
-                    "-D",
-                    str(self.datadir),
-                    "-m",
-                    "immediate",
-                    "-w",
-                    "stop",
-                ],
+                [*_as_user(), str(PG_BIN / "pg_ctl"), "-D", str(self.datadir), "-m", "immediate", "--no-wait", "stop"],
                 capture_output=True,
                 timeout=30,
             )
         if self.pid is not None:
+            deadline = time.monotonic() + 5
+            while _alive(self.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def start_postgres(*, durable: bool = False) -> PostgresServer:
