@@ -293,6 +293,8 @@ def main(argv: list[str]) -> int:
         if Shipper(settings, prefix, writer_pid=None).run():
             _unlink(os.path.join(directory, f"{prefix}.lock"))
         os.close(ofd)
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)  # only succeeds when nothing (no other stream, no rejected file) is left
     return 0
 
 

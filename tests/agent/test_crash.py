@@ -205,3 +205,38 @@ def test_dataloader_workers_under_fork_send_no_duplicates_and_do_not_deadlock(
     )
     assert collector.duplicates == 0
     assert len(collector.of_kind("rank_exit")) == 1, "forked workers do not report rank_exit"
+
+
+def test_a_spool_left_by_a_dead_shipper_is_adopted_and_its_damage_counted(collector, spool_dir) -> None:
+    import json
+
+    from ddpscope import agent
+    from ddpscope.agent import spool
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    writer = spool.SpoolWriter(str(spool_dir), "r5-deadbeef", segment_bytes=1 << 20, hard_cap_bytes=1 << 30)
+    for i in range(6):
+        rec = {"kind": "heartbeat", "job": "orphan", "rank": 5, "stream": "deadbeef", "seq": i, "time_ns": i,
+               "phase": "idle", "step": i, "last_coll_seq": 0, "pid": dead.pid}  # fmt: skip
+        writer.append(json.dumps([rec]).encode())
+    writer.close()
+    (seg,) = spool_dir.glob("r5-deadbeef-*.seg")
+    data = bytearray(seg.read_bytes())
+    data[len(data) // 2] ^= 0x01  # damage one frame in the middle
+    seg.write_bytes(bytes(data))
+    (spool_dir / "r5-deadbeef.meta").write_text(
+        json.dumps({"job": "orphan", "rank": 5, "stream": "deadbeef", "pid": dead.pid})
+    )
+    a = agent.configure(job="orphan", rank=0, url=collector.url, spool_dir=str(spool_dir))
+    agent.emit({"kind": "heartbeat", "phase": "idle", "step": 100, "last_coll_seq": 0, "pid": os.getpid()})
+    assert a.force_flush(10.0)
+    agent.shutdown(5.0)  # our shipper drains, then adopts what the dead one left behind
+    assert collector.wait_for(lambda c: len(c.of_kind("heartbeat")) == 6, 20), logs(spool_dir)
+    orphan_steps = sorted(r["step"] for r in collector.of_kind("heartbeat") if r["rank"] == 5)
+    assert len(orphan_steps) == 5 and set(orphan_steps) < set(range(6))
+    assert collector.wait_for(
+        lambda c: any(r["dropped"].get("corrupt:unknown") == 1 for r in c.of_kind("agent_stats")), 10
+    )
+    assert wait_shippers_gone(spool_dir, 20)
+    assert not list(spool_dir.glob("r5-deadbeef*.seg"))
