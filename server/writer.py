@@ -23,6 +23,10 @@ from ddpscope.server.rows import STEP_COLUMNS, encode_json, step_row
 
 _json = msgspec.json.Encoder().encode
 
+KEEP_COLLECTIVES = 20_000
+"""Collectives kept per job and process group (the newest sequence numbers)."""
+PRUNE_EVERY = 1_000
+
 
 @dataclass(slots=True)
 class WriteResult:
@@ -158,6 +162,7 @@ class BatchWriter:
             for r in by_kind.get("collective", [])
         ]
         self._insert_ignore(conn, schema.collectives, colls, result)
+        self._prune_collectives(conn, job_id, by_kind.get("collective", []))
         ends = [
             {**key(r), "time_ns": r.time_ns, "pg": r.pg, "coll_seq": r.coll_seq, "end_ns": r.end_ns, "ok": r.ok,
              "error": r.error if isinstance(r.error, str) else None}
@@ -170,6 +175,25 @@ class BatchWriter:
             for r in by_kind.get(kind, [])
         ]
         self._insert_ignore(conn, schema.events, events, result)
+
+    def _prune_collectives(self, conn: Connection, job_id: int, collectives: list[Any]) -> None:
+        """Keep the last ``KEEP_COLLECTIVES`` sequence numbers per process group: the engine issues one
+        collective per bucket per step, so an unbounded log would dwarf everything else. Ranks move in
+        lockstep on a group, so no rank still needs what is dropped; the post-mortem needs the last."""
+        span: dict[str, tuple[int, int]] = {}
+        for r in collectives:
+            lo, hi = span.get(r.pg, (r.coll_seq, r.coll_seq))
+            span[r.pg] = (min(lo, r.coll_seq), max(hi, r.coll_seq))
+        for pg, (lo, hi) in sorted(span.items()):
+            # Prune when this batch crosses a multiple of PRUNE_EVERY: rarely, not on every batch.
+            if hi <= KEEP_COLLECTIVES or (lo - 1) // PRUNE_EVERY == hi // PRUNE_EVERY:
+                continue
+            for t in (schema.collectives, schema.collective_ends):
+                conn.execute(
+                    t.delete().where(
+                        t.c.job_id == job_id, t.c.pg == pg, t.c.coll_seq <= hi - KEEP_COLLECTIVES
+                    )
+                )
 
     def _write_latest(
         self, conn: Connection, job_id: int, by_kind: dict[str, list[Any]], result: WriteResult

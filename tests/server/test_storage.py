@@ -166,3 +166,18 @@ def test_unknown_jobs_and_kinds(storage):
     with pytest.raises(ValueError, match="unknown record kinds"):
         storage.fetch_records("nope", ["stepz"])
     assert storage.ping()
+
+
+def test_the_collective_log_keeps_only_the_newest_sequence_numbers(storage, monkeypatch):
+    from ddpscope.server import writer
+
+    monkeypatch.setattr(writer, "KEEP_COLLECTIVES", 10)
+    monkeypatch.setattr(writer, "PRUNE_EVERY", 5)
+    records = [r for r in synth_job(2, 12, 2) if r["kind"] in ("collective", "collective_end")]
+    for rank_records in by_rank(records).values():
+        for i in range(0, len(rank_records), 4):
+            storage.write_batch(decoded(rank_records[i : i + 4]))
+    kept = storage.fetch_records("synth", ["collective", "collective_end"])
+    seqs = {r["coll_seq"] for r in kept}
+    assert max(seqs) == 24 and min(seqs) >= 24 - 10 - 5
+    assert {r["kind"] for r in kept if r["coll_seq"] == 24} == {"collective", "collective_end"}
