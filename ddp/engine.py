@@ -48,6 +48,8 @@ _HARMLESS_DEFAULTS: dict[str, Any] = {
     "device_mesh": None,
     "skip_all_reduce_unused_params": False,
     "bucket_cap_mb_list": None,
+    "batched_grad_copy": False,
+    "forward_sync_buffers": None,
 }
 
 _REMEDIES: dict[str, str] = {
