@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -58,6 +59,32 @@ def describe(c: Record) -> str:
 
 def record_s(record: Record) -> float:
     return float(record["time_ns"]) / 1e9
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+_LIBRARY = re.compile(r"site-packages|dist-packages|/lib/python\d|/(?:agent|ddp)/_?[a-z_]+\.py$|<frozen")
+"""Frames that are not the user's: installed packages, the standard library, ddpscope's agent and engine
+(an editable install keeps them in the repository's agent/ and ddp/ folders)."""
+
+
+def user_frame(stack: str | None) -> str | None:
+    """``file:line`` of the innermost frame of user code in a Python traceback or a faulthandler dump.
+
+    Tracebacks list the innermost frame last; faulthandler ("most recent call first") lists it first,
+    and its first thread is the one that crashed.
+    """
+    if not stack:
+        return None
+    if "most recent call first" in stack:
+        blocks = [b for b in stack.split("\n\n") if "most recent call first" in b]
+        blocks.sort(key=lambda b: not b.startswith("Current thread"))
+        frames = [f for b in blocks for f in _FRAME.findall(b)]
+    else:
+        frames = list(reversed(_FRAME.findall(stack)))
+    for path, line in frames:
+        if not _LIBRARY.search(path):
+            return f"{path}:{line}"
+    return None
 
 
 def first_line(text: str) -> str:

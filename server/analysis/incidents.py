@@ -48,6 +48,7 @@ from ddpscope.server.analysis.incident_model import (
     first_line,
     ranks_phrase,
     record_s,
+    user_frame,
     where,
 )
 from ddpscope.server.analysis.snapshot import JobSnapshot
@@ -142,7 +143,14 @@ def _error_incidents(
         msg = f"{head} at step {p.get('step')} in {p.get('phase')}: {p.get('error_type')}: {first_line(p.get('message', ''))}"
         if related:
             msg += f"; {ranks_phrase(v['rank'] for v in related)} then failed because of it (lost connection)"
-        msg += ". This rank is the origin: start from its stack."
+        msg += ". This rank is the origin: start from its stack"
+        if crash and "distributed_c10d" in (p.get("stack") or ""):
+            site = user_frame(p.get("stack"))
+            msg += (
+                f"; it died inside a torch.distributed call{f' at {site}' if site else ''}: gloo aborts when "
+                "ranks disagree on a collective's size, so compare what each rank issued there"
+            )
+        msg += "."
         out.append(_error_incident("rank_crashed" if crash else "rank_error", p, msg, related))
         if p.get("fatal"):
             blame.setdefault(p["rank"], "died of an error")
@@ -194,6 +202,7 @@ def _error_incident(
         rank=e["rank"],
         step=e.get("step"),
         culprit_ranks=[e["rank"]] if culprits is None else culprits,
+        call_site=user_frame(e.get("stack")),
         stack=e.get("stack"),
         time_s=record_s(e),
         related=[error_brief(v) for v in related],

@@ -506,3 +506,42 @@ def test_a_user_collective_paired_with_the_engines_all_reduce_is_flagged_even_wi
     job.coll(1, end, 7, shapes=[[10]], site=None, source="engine", step=3)
     m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
     assert m.culprit_ranks == [0] and m.call_site == "train.py:33" and "some ranks only" in m.message
+
+
+FAULTHANDLER_DUMP = """Fatal Python error: Aborted
+
+Thread 0x00007fc020c3d6c0 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+  File "/work/main/ddp/watchdog.py", line 211 in _run
+
+Thread 0x00007fc040c87b80 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
+  File "/work/main/ddp/_patch.py", line 164 in wrapper
+  File "/home/me/proj/train.py", line 82 in step
+  File "/home/me/proj/train.py", line 93 in <module>
+"""
+
+
+def test_a_crash_names_the_users_line_it_died_in() -> None:
+    job = started(2)
+    end = job.train(2)
+    job.add("rank_error", 0, end, step=None, phase="unknown", error_type="SIGABRT",
+            message="Fatal Python error: Aborted", stack=FAULTHANDLER_DUMP, fatal=True)  # fmt: skip
+    job.error(1, end + 0.02, "Connection reset by peer")
+    crash = only(diagnose(job.snapshot(), end + 1), "rank_crashed")
+    assert crash.rank == 0 and crash.call_site == "/home/me/proj/train.py:82"
+    assert "died inside a torch.distributed call at /home/me/proj/train.py:82" in crash.message
+
+
+def test_an_exception_names_the_innermost_line_of_user_code() -> None:
+    job = started(2)
+    end = job.train(2)
+    stack = (
+        'Traceback (most recent call last):\n  File "/home/me/proj/train.py", line 40, in <module>\n'
+        '  File "/home/me/proj/model.py", line 12, in forward\n'
+        '  File "/venv/lib/python3.11/site-packages/torch/nn/modules/linear.py", line 125, in forward\n'
+        "RuntimeError: mat1 and mat2 shapes cannot be multiplied"
+    )
+    job.add("rank_error", 1, end, step=2, phase="forward", error_type="RuntimeError",
+            message="mat1 and mat2 shapes cannot be multiplied", stack=stack, fatal=True)  # fmt: skip
+    assert only(diagnose(job.snapshot(), end + 1), "rank_error").call_site == "/home/me/proj/model.py:12"
