@@ -49,6 +49,9 @@ def test_the_sleeping_rank_is_reported_stuck_outside_any_collective(stall: JobRu
     assert hang["inflight"] == [] and "No collective is in flight" in hang["message"]
     main = next(s for s in hang["stacks"] if s["thread"] == "MainThread")
     assert "time.sleep" in main["stack"]
+    assert "the main thread waits at" in hang["message"] and site("sleep") in hang["message"]
+    # It resumed just before exiting: the watchdog's exit hook still reports the end of the hang.
+    assert len(stall.of(1, "hang_resolved")) == 1
 
 
 def test_heartbeats_arrive_at_the_configured_interval(stall: JobRun) -> None:

@@ -56,7 +56,7 @@ def stall(rank: int) -> None:
     for step in range(3):
         PROGRESS.enter("allreduce", step)
         if rank == 1 and step == 1:
-            time.sleep(STALL_S)
+            time.sleep(STALL_S)  # SITE:sleep
         dist.all_reduce(torch.ones(16), op=dist.ReduceOp.MAX)  # SITE:step_all_reduce
         PROGRESS.enter("idle")
 
