@@ -7,21 +7,18 @@ intervals (``fast_rules``): the expressions under test are the shipped ones.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
-import subprocess
-import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.procs import free_port, kill_group, started_ranks
+from tests.support.collector_proc import CollectorProc
+from tests.support.procs import kill_group, started_ranks
 from tests.support.prometheus import PROMETHEUS, fast_rules, running_prometheus
 
 pytestmark = [
@@ -40,38 +37,13 @@ def get_json(url: str) -> Any:
         return json.loads(resp.read())
 
 
-@contextlib.contextmanager
-def running_collector(tmp_path: Path, timeout_s: float = 30) -> Iterator[str]:
-    """``ddpscope serve`` on a free port and a fresh SQLite file; yields its base URL."""
-    port = free_port()
-    log = (tmp_path / "collector.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddpscope.cli.main", "serve", "--port", str(port), "--db",
-         f"sqlite:///{tmp_path / 'collector.db'}", "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"collector did not start:\n{(tmp_path / 'collector.log').read_text()}")
-            with contextlib.suppress(OSError):
-                if get_json(f"{url}/healthz").get("status") == "ok":
-                    break
-            time.sleep(0.2)
-        yield url
-    finally:
-        kill_group(proc)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-        log.close()
-
-
 def test_a_hanging_job_fires_ddpjobhang_in_prometheus_with_the_job_and_rank(tmp_path: Path) -> None:
     job = f"e2e-hang-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
-    with running_collector(tmp_path) as url:
+    with CollectorProc(
+        f"sqlite:///{tmp_path / 'collector.db'}", log_path=tmp_path / "collector.log"
+    ) as collector:
+        url = collector.start()
         host_port = url.removeprefix("http://")
         with running_prometheus(tmp_path / "prometheus", targets=[host_port], rules=fast_rules()) as prom:
             env = {
