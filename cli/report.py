@@ -12,8 +12,9 @@ from typing import Any
 
 from ddpscope.cli.client import Client
 
-# C0/C1 control characters and DEL, except newline and tab which stacks legitimately contain.
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# C0/C1 control characters and DEL, except newline and tab which stacks legitimately contain, and the
+# Unicode direction overrides/isolates, which can make a printed name read as something else.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 def safe(value: Any, *, multiline: bool = False) -> str:
