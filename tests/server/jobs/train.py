@@ -1,0 +1,49 @@
+"""A rank of a small real DDP job streaming to a collector (DDPSCOPE_URL, DDPSCOPE_JOB from the env).
+
+    python train.py STEPS [SLOW_RANK]
+
+Every rank sleeps BASE_SLEEP_S in its forward (data loading, say) so the step time is dominated by
+something the oversubscribed CPU cannot distort; SLOW_RANK sleeps EXTRA_SLEEP_S more: a straggler about 50 % slower.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpscope import agent
+from ddpscope.ddp import DistributedDataParallel
+
+BASE_SLEEP_S = 0.02
+EXTRA_SLEEP_S = 0.012  # about +50 % of a step on this machine
+
+
+def main() -> None:
+    steps = int(sys.argv[1])
+    slow_rank = int(sys.argv[2]) if len(sys.argv) > 2 else -1
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 8))
+    pause = BASE_SLEEP_S + (EXTRA_SLEEP_S if rank == slow_rank else 0.0)
+    net[0].register_forward_pre_hook(lambda *_: time.sleep(pause))
+    model = DistributedDataParallel(net, bucket_cap_mb=0.05)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(16, 32)).sum().backward()
+        opt.step()
+    agent.emit({"kind": "rank_exit", "step": steps - 1, "reason": "finished"})
+    agent.get_agent().force_flush(10.0)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

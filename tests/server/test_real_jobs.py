@@ -1,0 +1,73 @@
+"""Real 4-rank gloo jobs with ddpscope's engine stream to a real collector process; the API must
+describe them: every step of every rank, one clock, and stragglers only where there is one."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.live import live_collector
+from tests.support.procs import started_ranks, wait_all
+
+pytest.importorskip("torch")
+
+SCRIPT = Path(__file__).parent / "jobs" / "train.py"
+STEPS = 24
+WORLD = 4
+
+
+def _wait_for_steps(url: str, job: str, expected: int, deadline_s: float) -> list[dict]:
+    """Records reach the collector through the agent's spool and shipper, possibly after the ranks exit."""
+    end = time.monotonic() + deadline_s
+    while True:
+        r = httpx.get(f"{url}/api/v1/jobs/{job}/steps", timeout=30)
+        items = r.json()["items"] if r.status_code == 200 else []
+        if len(items) >= expected or time.monotonic() > end:
+            return items
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_real_jobs_healthy_flags_nobody_and_a_slow_rank_is_flagged_alone(tmp_path):
+    jobs = {"healthy": None, "slow": 2}
+    ids = {name: f"{name}-{uuid.uuid4().hex[:6]}" for name in jobs}
+    with live_collector(f"sqlite:///{tmp_path / 'c.db'}") as url:
+        running = {}
+        for name, slow in jobs.items():
+            env = {"DDPSCOPE_URL": url, "DDPSCOPE_JOB": ids[name], "DDPSCOPE_SPOOL_DIR": str(tmp_path / name)}
+            args = [str(STEPS)] + ([] if slow is None else [str(slow)])
+            running[name] = started_ranks(SCRIPT, WORLD, args=args, env=env)
+        procs = {name: ctx.__enter__() for name, ctx in running.items()}
+        try:
+            for name, ps in procs.items():
+                results = wait_all(ps, timeout_s=240)
+                failed = [r for r in results if r.returncode != 0]
+                assert not failed, (
+                    f"{name}: rank {failed[0].rank} rc={failed[0].returncode}\n{failed[0].stderr[-3000:]}"
+                )
+        finally:
+            for ctx in running.values():
+                ctx.__exit__(None, None, None)
+
+        for name in jobs:
+            items = _wait_for_steps(url, ids[name], WORLD * STEPS, deadline_s=60)
+            assert {(i["rank"], i["step"]) for i in items} == {
+                (r, s) for r in range(WORLD) for s in range(STEPS)
+            }
+
+        healthy = httpx.get(f"{url}/api/v1/jobs/{ids['healthy']}/stragglers", timeout=30).json()["items"]
+        assert len(healthy) == WORLD and [s["rank"] for s in healthy if s["flagged"]] == [], healthy
+        slow = httpx.get(f"{url}/api/v1/jobs/{ids['slow']}/stragglers", timeout=30).json()["items"]
+        assert [s["rank"] for s in slow if s["flagged"]] == [2], slow
+        assert next(s for s in slow if s["rank"] == 2)["phase"] == "forward"
+
+        tl = httpx.get(f"{url}/api/v1/jobs/{ids['healthy']}/timeline?step={STEPS - 1}", timeout=30).json()
+        assert [r["rank"] for r in tl["ranks"]] == list(range(WORLD))
+        # One clock: every rank's step starts within a fraction of a step of the earliest one.
+        assert max(r["forward"][0] for r in tl["ranks"]) < 0.5
+        jobs_list = {j["job"]: j for j in httpx.get(f"{url}/api/v1/jobs", timeout=30).json()["items"]}
+        assert jobs_list[ids["healthy"]]["status"] == "finished"
