@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ddpscope import agent
 from ddpscope.ddp.buckets import Bucket, ParamSpec, assign_buckets, build_buckets, size_limits
 from ddpscope.ddp.collectives import RECORDER
+from ddpscope.ddp.cuda_timing import CudaBucketEvents
 from ddpscope.ddp.progress import PROGRESS
 from ddpscope.ddp.step_record import StepTimer
 
@@ -76,7 +77,7 @@ class Reducer:
         # Python checks per call, and the recorder's user-call patches wrap only those module functions.
         self._pg_obj = group if group is not None else dist.distributed_c10d._get_default_group()
         self._sum = dist.AllreduceOptions()
-        self._sum.reduceOp = dist.ReduceOp.SUM
+        self._sum.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
         # Status slots only matter when a missing gradient is an error (see the module docstring).
         self.status_slots = 0 if find_unused_parameters else world_size + len(self.params)
         self.step = 0
@@ -105,6 +106,9 @@ class Reducer:
             for pos, i in enumerate(b.param_indices):
                 self.where[i] = (b, pos)
         self.timer.set_buckets([b.nbytes for b in self.buckets])
+        # GPU buckets are timed with CUDA events (cuda_timing.py); None keeps the CPU path free of checks.
+        on_gpu = any(b.device.type == "cuda" for b in self.buckets)
+        self.cuda = CudaBucketEvents(len(self.buckets)) if on_gpu else None
         self._reset_step_state()
 
     def rebuild(self, ready_order: Sequence[int]) -> None:
@@ -219,8 +223,10 @@ class Reducer:
         self.pending[b] -= 1
         if self.pending[b] == 0:
             self.timer.bucket_ready(b)
+            if self.cuda is not None:
+                self.cuda.bucket_ready(b)
             self._launch_ready()
-        elif self.next_done < self.next_launch:
+        elif self.next_done < self.next_launch and self.cuda is None:
             self._poll()
 
     def _mark_unused(self, i: int) -> None:
@@ -233,6 +239,8 @@ class Reducer:
         self.pending[bucket.index] -= 1
         if self.pending[bucket.index] == 0:
             self.timer.bucket_ready(bucket.index)
+            if self.cuda is not None:
+                self.cuda.bucket_ready(bucket.index)
 
     def _launch_ready(self) -> None:
         """Launch every bucket that is ready and whose predecessors are launched: strictly in order."""
@@ -248,6 +256,8 @@ class Reducer:
             self.works[k] = self._pg_obj.allreduce([bucket.buffer], self._sum)
             self.seqs[k] = seq
             self.timer.allreduce_launched(k, seq)
+            if self.cuda is not None:
+                self.cuda.allreduce_launched(k)
             self.next_launch = k + 1
         if self.next_launch == nb and self.find_unused and self.used_work is None:
             # The global used bitmap: a parameter unused on every rank keeps its .grad untouched.
@@ -256,7 +266,8 @@ class Reducer:
                 self.pg, "all_reduce", (self.used_tensor,), reduce_op="SUM", source="engine", step=self.step
             )
             self.used_work = self._pg_obj.allreduce([self.used_tensor], self._sum)
-        if self.next_done < self.next_launch:
+        if self.next_done < self.next_launch and self.cuda is None:
+            # On CUDA every bucket is waited in the finalizer, where its "done" event is recorded.
             self._poll()
 
     def _write_status(self, status: torch.Tensor) -> None:
@@ -309,6 +320,8 @@ class Reducer:
         self._launch_ready()
         for k in range(self.next_done, len(self.buckets)):
             self._wait(self.works[k], self.seqs[k])
+            if self.cuda is not None:
+                self.cuda.allreduce_done(k)
             self._done(k)
         global_used: list[int] | None = None
         if self.used_work is not None:
@@ -322,11 +335,22 @@ class Reducer:
             flags = status.tolist()
             bad_ranks = [r for r in range(self.world_size) if flags[r]]
             if bad_ranks:
+                self._device_times()
                 agent.emit(self.timer.finish(unused))
                 raise UnreducedGradientsError(self._failure_message(bad_ranks, flags[self.world_size :]))
         self._write_back(global_used)
         self.log_complete = self.ready_log is not None and len(self.ready_log) == len(self.params)
+        self._device_times()
         agent.emit(self.timer.finish(unused))
+
+    def _device_times(self) -> None:
+        if self.cuda is None:
+            return
+        try:
+            self.timer.set_bucket_times(*self.cuda.resolve())
+        except RuntimeError:
+            # An event never recorded (a bucket of a failed step): keep the host times for this step.
+            logger.debug("CUDA bucket events unavailable for step %d", self.step, exc_info=True)
 
     def _write_back(self, global_used: list[int] | None) -> None:
         copies_to: list[torch.Tensor] = []

@@ -90,6 +90,12 @@ class StepTimer:
         """Safe from a communication thread: a single list store."""
         self._done[index] = now_ns() if t_ns is None else t_ns
 
+    def set_bucket_times(
+        self, ready_ns: Sequence[int], launch_ns: Sequence[int], done_ns: Sequence[int]
+    ) -> None:
+        """Replace the host-clock bucket times (the CUDA path measures them with device events)."""
+        self._ready, self._launch, self._done = list(ready_ns), list(launch_ns), list(done_ns)
+
     def is_done(self, index: int) -> bool:
         return self._done[index] != 0
 

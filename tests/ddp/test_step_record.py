@@ -65,3 +65,15 @@ def test_a_relayout_changes_the_bucket_count_of_the_next_record() -> None:
     timer.set_buckets([2, 2, 4])
     timer.forward_start(step=0)
     assert timer.finish()["bucket_bytes"] == [2, 2, 4]
+
+
+def test_device_measured_bucket_times_replace_the_host_ones_but_keep_the_ready_order() -> None:
+    timer = StepTimer(rank=0, bucket_bytes=[4, 4])
+    timer.forward_start(step=0, t_ns=1)
+    timer.bucket_ready(1, t_ns=5)
+    timer.bucket_ready(0, t_ns=6)
+    timer.set_bucket_times([16, 15], [17, 18], [20, 21])
+    record = timer.finish(backward_end_ns=30)
+    assert record["bucket_ready_ns"] == [16, 15]
+    assert record["allreduce_start_ns"] == [17, 18] and record["allreduce_end_ns"] == [20, 21]
+    assert record["ready_order"] == [1, 0]
