@@ -42,7 +42,7 @@
     const z = w.ranks.map(() => w.steps.map(() => null));
     for (const it of w.items) z[ri.get(it.rank)][si.get(it.step)] = it.step_s;
     const height = Math.min(900, Math.max(180, 60 + 16 * w.ranks.length));
-    ddp.plot("heatmap", [{
+    return ddp.plot("heatmap", [{
       type: "heatmap", x: w.steps, y: w.ranks, z, colorscale: "YlOrRd", reversescale: true,
       hoverongaps: false, colorbar: { title: { text: "step s" } },
       hovertemplate: "rank %{y}<br>step %{x}<br>%{z:.4f} s<extra>click: timeline</extra>",
@@ -78,7 +78,7 @@
         hovertemplate: `rank ${rank} · step %{x}<br>exposed comm %{y:.4f} s<extra></extra>`,
       }));
     }
-    ddp.plot("overlap", traces, {
+    return ddp.plot("overlap", traces, {
       height: 360, showlegend: !many, hovermode: "closest",
       xaxis: { title: { text: "step" }, anchor: "y2" },
       yaxis: { title: { text: "overlap ratio" }, domain: [0.55, 1], range: [0, 1.05], tickformat: ".0%" },
@@ -142,7 +142,7 @@
       hovertemplate: `%{x} · ${phase}<br>slowdown %{y:.2f}×<br>flagged in %{customdata[0]} of %{customdata[1]} steps<extra></extra>`,
     }));
     const phases = new Map(series.map((s) => [s[0], s]));
-    ddp.plot("stragglers", traces, {
+    const drawn = ddp.plot("stragglers", traces, {
       height: 260, barmode: "group", showlegend: phases.size > 1,
       yaxis: { title: { text: "slowdown vs median of others" }, rangemode: "tozero" },
       // The analysis' own threshold, when the API reports it: bars above the red line count against a rank.
@@ -154,6 +154,7 @@
     ddp.say("stragglers-msg", flagged.length
       ? "Flagged: " + flagged.map((i) => `rank ${i.rank} (${(i.slowdown ?? 0).toFixed(2)}× slower${i.phase ? " in " + i.phase : ""}, ${i.steps_flagged ?? "?"} steps)`).join(", ")
       : "No rank is flagged as a straggler.");
+    return drawn;
   }
 
   function drawIncidents(items) {
@@ -190,7 +191,7 @@
       return `bucket ${b.index} · ${ddp.fmtBytes(b.bytes)} · ${names.length} parameters<br>${shown}${names.length > 6 ? `<br>… ${names.length - 6} more` : ""}`;
     });
     // Three stacked panels sharing the bucket axis: size, how often ready out of order, order penalty.
-    ddp.plot("buckets", [
+    const drawn = ddp.plot("buckets", [
       { type: "bar", name: "bytes", x, y: items.map((b) => b.bytes), hovertext: hover, hoverinfo: "text", marker: { color: "#8fb3e8" } },
       { type: "bar", name: "ready out of order", x, y: items.map((b) => b.out_of_order ?? 0), yaxis: "y2",
         hovertemplate: "bucket %{x}: ready out of order %{y} times<extra></extra>", marker: { color: "#c62828" } },
@@ -204,6 +205,7 @@
       yaxis3: { title: { text: "penalty (s)" }, domain: [0, 0.24], rangemode: "tozero" },
     });
     ddp.say("buckets-msg", "");
+    return drawn;
   }
 
   // Plot divs start hidden (an empty frame says nothing) and are shown before drawing, so Plotly
@@ -229,15 +231,15 @@
     const w = windowed();
     show("heatmap", rows.size > 0);
     show("overlap", rows.size > 0);
-    if (rows.size) {
-      drawHeatmap(w);
-      drawOverlap(w);
-    }
+    // Every figure is awaited before the refresh counts as done (tests and the next poll rely on it).
+    const drawing = [];
+    if (rows.size) drawing.push(drawHeatmap(w), drawOverlap(w));
     drawSummary(w);
-    if (strag.ok) drawStragglers(strag.v.items || [], strag.v.threshold);
+    if (strag.ok) drawing.push(drawStragglers(strag.v.items || [], strag.v.threshold));
     if (incid.ok) drawIncidents(incid.v.items || []);
     if (unused.ok) drawUnused(unused.v.items || [], unused.v.advice);
-    if (buckets.ok) drawBuckets(buckets.v.items || []);
+    if (buckets.ok) drawing.push(drawBuckets(buckets.v.items || []));
+    await Promise.all(drawing);
     let msg = rows.size ? "" : "This job has not reported any steps yet. The page updates by itself.";
     if (errors.length) msg = (msg ? msg + " " : "") + "Some data could not be loaded: " + errors.join("; ");
     ddp.say("message", msg, errors.length > 0);

@@ -131,6 +131,7 @@ class PageProblems:
 @pytest.fixture
 def page(browser: Any) -> Iterator[Any]:
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    context.set_default_timeout(90_000)  # see pages.WAIT_MS: the machine is shared
     pg = context.new_page()
     problems = PageProblems()
     pg.on(

@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import quote
 
-WAIT_MS = 45_000
-"""Generous: other engineers' tests share the two cores, and plotly.js takes seconds to compile then."""
+WAIT_MS = 90_000
+"""Generous: other engineers' tests share the two cores (load averages of 15 were seen), and plotly.js
+then takes many seconds to compile. Waits end as soon as the page is ready, so this costs nothing
+when the machine is quiet."""
 
 
 def job_url(base: str, job: str, suffix: str = "") -> str:
@@ -14,26 +16,26 @@ def job_url(base: str, job: str, suffix: str = "") -> str:
 
 
 def open_job_list(page: Any, base: str) -> Any:
-    resp = page.goto(base + "/")
+    resp = page.goto(base + "/", wait_until="commit")
     page.wait_for_function("window.ddpJobListUpdates >= 1", timeout=WAIT_MS)
     return resp
 
 
 def open_job(page: Any, base: str, job: str) -> Any:
-    resp = page.goto(job_url(base, job))
+    resp = page.goto(job_url(base, job), wait_until="commit")
     page.wait_for_function("window.ddpJobUpdates >= 1", timeout=WAIT_MS)
     return resp
 
 
 def open_step(page: Any, base: str, job: str, step: int | str) -> Any:
-    resp = page.goto(job_url(base, job, f"/steps/{step}"))
+    resp = page.goto(job_url(base, job, f"/steps/{step}"), wait_until="commit")
     page.wait_for_function("window.ddpTimelineComplete === true || window.ddpTimelineRendered !== undefined && "
                            "document.getElementById('message').textContent.startsWith('Step')", timeout=WAIT_MS)  # fmt: skip
     return resp
 
 
 def open_incidents(page: Any, base: str, job: str) -> Any:
-    resp = page.goto(job_url(base, job, "/incidents"))
+    resp = page.goto(job_url(base, job, "/incidents"), wait_until="commit")
     page.wait_for_function("window.ddpIncidentUpdates >= 1", timeout=WAIT_MS)
     return resp
 
