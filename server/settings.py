@@ -39,10 +39,26 @@ class Settings:
                 "write to this collector. Pass --token T (agents set DDPSCOPE_TOKEN=T) or --no-auth to "
                 "accept that."
             )
+        _check_db_url(self.db_url)
         if self.max_body_bytes <= 0 or self.max_decompressed_bytes < self.max_body_bytes:
             raise ValueError("max_body_bytes must be > 0 and max_decompressed_bytes >= max_body_bytes")
         if self.max_pending_ingest < 1:
             raise ValueError("max_pending_ingest must be >= 1")
+
+
+def _check_db_url(url: str) -> None:
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        backend = make_url(url).get_backend_name()
+    except ArgumentError:
+        raise ValueError(
+            f"--db {url!r} is not a database URL; use sqlite:///path/to/file.db or "
+            "postgresql+psycopg://user:password@host/dbname"
+        ) from None
+    if backend not in ("sqlite", "postgresql"):
+        raise ValueError(f"--db: unsupported database {backend!r}; use sqlite:/// or postgresql+psycopg://")
 
 
 def is_loopback(host: str) -> bool:

@@ -18,8 +18,8 @@ Every record inside is a **wire-shaped dict**: exactly the fields of ``ddpscope.
 - ``collectives``: ``collective`` records with their ``collective_end`` merged in as three extra keys,
   ``end_ns`` (int or None while in flight), ``ok`` (bool or None), ``error`` (str or None). Only a recent
   window is loaded: per process group, the collectives whose ``coll_seq`` is within
-  ``COLLECTIVE_WINDOW`` of the highest sequence number any rank issued on it, plus every one still in
-  flight. Sorted by ``(pg, coll_seq, rank)``.
+  ``COLLECTIVE_WINDOW`` of the highest sequence number any rank issued on it (ranks move in lockstep
+  on a group, so a hang or a mismatch is always inside it). Sorted by ``(pg, coll_seq, rank)``.
 - ``steps``: ``{rank: RankSteps}``: count of step records, the last step number and its
   ``backward_end_ns`` (the time the rank last completed a step).
 - ``unused``: ``[UnusedParameter]``: parameters that got no gradient, aggregated by name over ranks
@@ -118,11 +118,11 @@ def merge_collectives(
 
 
 def window_collectives(collectives: list[Record], window: int = COLLECTIVE_WINDOW) -> list[Record]:
-    """Keep, per process group, the last ``window`` sequence numbers plus everything still in flight."""
+    """Keep, per process group, the last ``window`` sequence numbers."""
     top: dict[str, int] = {}
     for c in collectives:
         top[c["pg"]] = max(top.get(c["pg"], 0), c["coll_seq"])
-    return [c for c in collectives if c["coll_seq"] > top[c["pg"]] - window or c["end_ns"] is None]
+    return [c for c in collectives if c["coll_seq"] > top[c["pg"]] - window]
 
 
 def snapshot_from_records(job: str, records: Iterable[Mapping[str, Any]]) -> JobSnapshot:

@@ -179,3 +179,32 @@ def test_incidents_can_be_filtered_by_kind(client):
     assert found and all(i["kind"] == "unused_parameters" for i in found)
     assert "layers.0.bias" in found[0]["parameters"]
     assert client.get("/api/v1/jobs/synth/incidents?kind=hang").json()["items"] == []
+
+
+def test_metrics_show_active_hangs_until_resolved_and_the_agents_drops(client):
+    records = synth_job(2, 3, 2, finished=False)
+    stats = next(r for r in records if r["kind"] == "agent_stats" and r["rank"] == 1)
+    stats["dropped"] = {"queue_full:step": 3, "queue_full:heartbeat": 2}
+    env = {"job": "synth", "rank": 0, "stream": "synth-r0"}
+    hang = {
+        **env, "kind": "hang", "seq": 10_000, "time_ns": records[-1]["time_ns"] + 1, "phase": "allreduce", "step": 3,
+        "stalled_s": 60.0, "pending_buckets": [], "inflight": [], "stacks": [], "message": "no progress for 60 s",
+    }  # fmt: skip
+    _feed(client, [*records, hang])
+    text = client.get("/metrics").text
+    assert 'ddpscope_hang_active{job="synth",rank="0"} 1.0' in text
+    assert 'ddpscope_hang_active{job="synth",rank="1"} 0.0' in text
+    assert (
+        'ddpscope_agent_dropped_records_total{job="synth",kind="step",rank="1",reason="queue_full"} 3.0'
+        in text
+    )
+    resolved = {
+        **env,
+        "kind": "hang_resolved",
+        "seq": 10_001,
+        "time_ns": hang["time_ns"] + 1,
+        "step": 3,
+        "hang_s": 5.0,
+    }
+    assert post(client, [resolved]).status_code == 200
+    assert 'ddpscope_hang_active{job="synth",rank="0"} 0.0' in client.get("/metrics").text

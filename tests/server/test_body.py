@@ -70,3 +70,10 @@ def test_other_hosts_need_a_token_or_an_explicit_no_auth(host):
 def test_an_empty_token_is_refused():
     with pytest.raises(ValueError, match="empty token"):
         Settings(token=" ").check()
+
+
+def test_a_database_url_that_cannot_work_is_refused_with_the_forms_that_do():
+    with pytest.raises(ValueError, match="sqlite:///"):
+        Settings(db_url="ddpscope.db").check()
+    with pytest.raises(ValueError, match="unsupported database 'mysql'"):
+        Settings(db_url="mysql://x@y/z").check()
