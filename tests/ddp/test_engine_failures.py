@@ -34,3 +34,17 @@ def test_a_parameter_without_gradient_on_one_rank_fails_that_backward_on_every_r
     # The failed step is still recorded, with the missing parameters named.
     failed = next(r for r in ranks[1]["records"] if r["kind"] == "step")
     assert failed["step"] == 0 and failed["unused_parameters"] == ["branch.weight", "branch.bias"]
+
+
+def test_the_watchdog_sees_the_phase_and_the_parameters_each_pending_bucket_still_waits_for(tmp_path) -> None:
+    ranks = run_job("failures.py", 2, ["progress"], tmp_path, timeout_s=90)
+    for rank in ranks:
+        seen = rank["mid_backward"]
+        assert (seen["phase"], seen["step"]) == ("backward", 1)
+        by_index = {b["index"]: b for b in seen["pending"]}
+        assert sorted(by_index) == [b["index"] for b in rank["layout"]]
+        missing = [name for b in seen["pending"] for name in b["missing"]]
+        # The sampling hook runs after the engine's own: head.bias has just arrived.
+        assert "head.bias" not in missing and "trunk.weight" in missing
+        assert not any(b["launched"] for b in seen["pending"])
+        assert rank["after"] == {"phase": "idle", "pending": []}

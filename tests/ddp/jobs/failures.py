@@ -4,6 +4,7 @@ Usage: failures.py SCENARIO OUTDIR
 - ``mismatch``: rank 1 builds a model whose second layer is wider; the constructor must raise.
 - ``missing_grad``: rank 1 skips a branch while find_unused_parameters=False; backward must raise on
   every rank, and the job must then go on (the collectives stayed aligned) with a step that is fine.
+- ``progress``: a healthy step that samples what the hang watchdog would read (PROGRESS) mid-backward.
 """
 
 from __future__ import annotations
@@ -69,12 +70,36 @@ def missing_grad(rank: int) -> dict[str, Any]:
     return out
 
 
+def progress(rank: int) -> dict[str, Any]:
+    from ddpscope.ddp.progress import PROGRESS
+
+    torch.manual_seed(0)
+    module = Branchy()
+    model = DistributedDataParallel(module, bucket_cap_mb=0.0005)
+    seen: dict[str, Any] = {}
+
+    def sample(_: torch.Tensor) -> None:
+        # head.bias is the first gradient to arrive: every bucket is still pending here.
+        seen["phase"], seen["step"] = PROGRESS.phase, PROGRESS.step
+        seen["pending"] = PROGRESS.pending_buckets()
+
+    module.head.bias.register_post_accumulate_grad_hook(sample)
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    model(x).sum().backward()  # step 1: the hook samples again, after the rebuild
+    return {
+        "mid_backward": seen,
+        "after": {"phase": PROGRESS.phase, "pending": PROGRESS.pending_buckets()},
+        "layout": model.bucket_layout,
+    }
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     exporter = agent.InMemoryExporter()
     agent.configure(exporter=exporter, job=f"failures-{SCENARIO}", rank=rank)
-    result = {"mismatch": mismatch, "missing_grad": missing_grad}[SCENARIO](rank)
+    result = {"mismatch": mismatch, "missing_grad": missing_grad, "progress": progress}[SCENARIO](rank)
     agent.get_agent().force_flush(5.0)
     result["records"] = exporter.records
     with open(os.path.join(OUTDIR, f"rank{rank}.json"), "w") as f:
