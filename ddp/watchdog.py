@@ -99,6 +99,7 @@ def hang_message(
     pending: list[dict[str, Any]],
     inflight: list[dict[str, Any]],
     main_site: str | None = None,
+    last: dict[str, Any] | None = None,
 ) -> str:
     """The sentence of a hang report: where this rank is stuck and what to look at next."""
     where = _PHASE_WORDS.get(phase, phase)
@@ -121,6 +122,10 @@ def hang_message(
     if missing:
         extra = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
         parts.append(f"parameters whose gradients never arrived: {', '.join(missing[:10])}{extra}")
+    if last and not inflight:
+        # Where this rank stands in the collective order: peers waiting in a later seq point here.
+        at = f" at {last['call_site']}" if last.get("call_site") else ""
+        parts.append(f"its last collective was {last['pg']}#{last['coll_seq']} {last['op']}{at}")
     if main_site:
         parts.append(f"the main thread waits at {main_site}")
     text = "; ".join(parts) + "."
@@ -268,7 +273,10 @@ class Watchdog:
         phase, step = progress.phase, progress.step
         main_frame = sys._current_frames().get(threading.main_thread().ident or -1)
         main_site = self._recorder.frame_site(main_frame) if main_frame is not None else None
-        message = hang_message(_rank(), phase, step, stalled_s, pending, inflight, main_site)
+        recent = self._recorder.recent(1)
+        message = hang_message(
+            _rank(), phase, step, stalled_s, pending, inflight, main_site, recent[-1] if recent else None
+        )
         emit(
             {
                 "kind": "hang",

@@ -50,6 +50,8 @@ def test_the_sleeping_rank_is_reported_stuck_outside_any_collective(stall: JobRu
     main = next(s for s in hang["stacks"] if s["thread"] == "MainThread")
     assert "time.sleep" in main["stack"]
     assert "the main thread waits at" in hang["message"] and site("sleep") in hang["message"]
+    last_seq = [r["coll_seq"] for r in stall.of(1, "collective") if r["pg"] == "default"][-3]
+    assert f"its last collective was default#{last_seq} all_reduce" in hang["message"]
     # It resumed just before exiting: the watchdog's exit hook still reports the end of the hang.
     assert len(stall.of(1, "hang_resolved")) == 1
 

@@ -154,6 +154,21 @@ def test_heartbeats_follow_the_configured_interval_with_phase_step_and_sequence(
     assert {(b["phase"], b["step"], b["last_coll_seq"]) for b in beats} == {("optimizer", 9, 1)}
 
 
+def test_a_rank_stuck_outside_collectives_names_its_last_collective(
+    records: Records, parts: tuple[Progress, CollectiveRecorder, ManualClock]
+) -> None:
+    progress, recorder, clock = parts
+    dog = make(parts, timeout_s=1.0)
+    recorder.end("default", recorder.begin("default", "broadcast", [torch.ones(2)], call_site="data.py:12"))
+    progress.enter("forward", step=8)
+    dog.check()
+    clock.now += 1.5
+    dog.check()
+    (hang,) = records("hang")
+    assert "its last collective was default#1 broadcast at data.py:12" in hang["message"]
+    assert "this rank itself is stuck" in hang["message"]
+
+
 def test_a_failing_pending_buckets_callback_does_not_cost_the_report(
     records: Records, parts: tuple[Progress, CollectiveRecorder, ManualClock]
 ) -> None:
