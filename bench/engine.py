@@ -35,7 +35,7 @@ TARGET_RATIO = 1.00
 # (warm-up steps per engine, rounds, steps per block) for each model, full and quick.
 PLANS = {
     False: {"mlp": (10, 16, 15), "transformer": (2, 8, 3)},
-    True: {"mlp": (5, 8, 10), "transformer": (1, 4, 2)},
+    True: {"mlp": (5, 8, 10), "transformer": (1, 3, 2)},
 }
 
 

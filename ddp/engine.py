@@ -27,6 +27,7 @@ from ddpscope import agent
 from ddpscope.agent import clock as agent_clock
 from ddpscope.ddp.broadcast import broadcast_coalesced
 from ddpscope.ddp.clock import estimate_offset
+from ddpscope.ddp.collectives import disabled
 from ddpscope.ddp.groups import global_rank, pg_name
 from ddpscope.ddp.layout import check_same_layout, describe
 from ddpscope.ddp.reducer import Reducer
@@ -97,7 +98,15 @@ class DistributedDataParallel(nn.Module):
     """Data parallelism with per-bucket measurements; see the module docstring.
 
     ``bucket_cap_mb=None`` means torch's default: 25 MiB buckets with a 1 MiB first bucket.
+    With ddpscope disabled (``DDPSCOPE_DISABLED=1``) the constructor returns torch's own
+    ``DistributedDataParallel`` instead: same training, no hooks, nothing recorded.
     """
+
+    def __new__(cls, module: nn.Module, **kwargs: Any) -> Any:
+        if disabled():
+            kwargs.setdefault("bucket_cap_mb", None)
+            return nn.parallel.DistributedDataParallel(module, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,

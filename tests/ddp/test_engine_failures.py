@@ -48,3 +48,10 @@ def test_the_watchdog_sees_the_phase_and_the_parameters_each_pending_bucket_stil
         assert "head.bias" not in missing and "trunk.weight" in missing
         assert not any(b["launched"] for b in seen["pending"])
         assert rank["after"] == {"phase": "idle", "pending": []}
+
+
+def test_with_ddpscope_disabled_the_wrapper_is_torchs_own_ddp(tmp_path) -> None:
+    ranks = run_job("failures.py", 2, ["disabled"], tmp_path, timeout_s=90)
+    for rank in ranks:
+        assert rank["type"] == "torch.nn.parallel.distributed.DistributedDataParallel"
+        assert [r for r in rank["records"] if r["kind"] in ("rank_start", "step")] == []

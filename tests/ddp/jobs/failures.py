@@ -4,6 +4,7 @@ Usage: failures.py SCENARIO OUTDIR
 - ``mismatch``: rank 1 builds a model whose second layer is wider; the constructor must raise.
 - ``missing_grad``: rank 1 skips a branch while find_unused_parameters=False; backward must raise on
   every rank, and the job must then go on (the collectives stayed aligned) with a step that is fine.
+- ``disabled``: with ddpscope switched off the wrapper is torch's own DDP, and trains.
 - ``progress``: a healthy step that samples what the hang watchdog would read (PROGRESS) mid-backward.
 """
 
@@ -94,12 +95,21 @@ def progress(rank: int) -> dict[str, Any]:
     }
 
 
+def disabled(rank: int) -> dict[str, Any]:
+    agent.configure(disabled=True)
+    model = DistributedDataParallel(nn.Linear(4, 2))
+    model(torch.randn(3, 4)).sum().backward()
+    return {"type": f"{type(model).__module__}.{type(model).__name__}"}
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     exporter = agent.InMemoryExporter()
     agent.configure(exporter=exporter, job=f"failures-{SCENARIO}", rank=rank)
-    result = {"mismatch": mismatch, "missing_grad": missing_grad, "progress": progress}[SCENARIO](rank)
+    result = {"mismatch": mismatch, "missing_grad": missing_grad, "progress": progress, "disabled": disabled}[
+        SCENARIO
+    ](rank)
     agent.get_agent().force_flush(5.0)
     result["records"] = exporter.records
     with open(os.path.join(OUTDIR, f"rank{rank}.json"), "w") as f:
