@@ -7,7 +7,9 @@ dtypes. See ``incidents`` for the rules (call-site ordering bugs, tie-breaks, ex
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
+from operator import itemgetter
 from typing import Any
 
 from ddpscope.server.analysis.incident_model import Incident, Record, describe, ranks_phrase, where
@@ -21,9 +23,12 @@ class CollectiveIndex:
     def __init__(self, snapshot: JobSnapshot, live: Liveness) -> None:
         self.by_pg: dict[str, dict[int, dict[int, Record]]] = {}
         self.max_seq: dict[tuple[int, str], int] = {}
+        max_seq = self.max_seq
         for c in snapshot.collectives:
-            self.by_pg.setdefault(c["pg"], {}).setdefault(c["rank"], {})[c["coll_seq"]] = c
-            self._saw(c["rank"], c["pg"], c["coll_seq"])
+            rank, pg, seq = c["rank"], c["pg"], c["coll_seq"]
+            self.by_pg.setdefault(pg, {}).setdefault(rank, {})[seq] = c
+            if seq > max_seq.get((rank, pg), 0):
+                max_seq[(rank, pg)] = seq
         for r, hb in snapshot.heartbeats.items():
             self._saw(r, "default", int(hb.get("last_coll_seq") or 0))
         # waits[pg][rank] = {seq: collective}: what each live rank is blocked in, from its own hang
@@ -37,13 +42,9 @@ class CollectiveIndex:
                 full = self.by_pg.get(c["pg"], {}).get(r, {}).get(c["coll_seq"], c)
                 self.waits.setdefault(c["pg"], {}).setdefault(r, {})[c["coll_seq"]] = full
         dead = set(live.exits) | set(live.fatal) | set(live.crashed)
+        stuck_before_ns = (live.now_s - live.silent_after_s) * 1e9
         for c in snapshot.collectives:
-            started_s = c["start_ns"] / 1e9
-            if (
-                c.get("end_ns") is None
-                and c["rank"] not in dead
-                and live.now_s - started_s > live.silent_after_s
-            ):
+            if c.get("end_ns") is None and c["start_ns"] < stuck_before_ns and c["rank"] not in dead:
                 self.waits.setdefault(c["pg"], {}).setdefault(c["rank"], {})[c["coll_seq"]] = c
 
     def _saw(self, rank: int, pg: str, seq: int) -> None:
@@ -65,14 +66,25 @@ def _signature(c: Record) -> tuple[Any, ...]:
     return (op, c.get("reduce_op"), shapes, tuple(c.get("dtypes") or []))
 
 
+_COMPARED_FIELDS = ("op", "shapes", "dtypes", "reduce_op", "call_site", "source")
+_compared = itemgetter(*_COMPARED_FIELDS)
+
+
 def _full_key(c: Record) -> tuple[Any, ...]:
     return (*_signature(c), c.get("call_site"))
 
 
 def _disagreement(
-    recs: Mapping[int, Record], sites: Mapping[int, set[str]]
+    recs: Mapping[int, Record], sites: Callable[[], Mapping[int, set[str]]]
 ) -> tuple[str, dict[Any, list[int]]]:
     """('', {}) when ranks agree at one sequence number, else (reason, ranks grouped by what they did)."""
+    # Fast path, the healthy case: every rank's record has the same fields as the first one's.
+    try:
+        values = [_compared(c) for c in recs.values()]
+    except KeyError:  # a record without an optional field: take the slow path
+        values = [tuple(c.get(f) for f in _COMPARED_FIELDS) for c in recs.values()]
+    if values.count(values[0]) == len(values):
+        return "", {}
     groups: dict[Any, list[int]] = {}
     for r, c in sorted(recs.items()):
         groups.setdefault(_signature(c), []).append(r)
@@ -101,7 +113,8 @@ def _disagreement(
     if len(call_sites) < 2 or None in call_sites:
         return "", {}
     # Same op and shapes from different lines: an ordering bug only if every rank runs both lines.
-    if not all(site in sites.get(r, set()) for site in call_sites for r in recs):
+    used = sites()
+    if not all(site in used.get(r, set()) for site in call_sites for r in recs):
         return "", {}
     by_site: dict[Any, list[int]] = {}
     for r, c in sorted(recs.items()):
@@ -109,13 +122,32 @@ def _disagreement(
     return "order", by_site
 
 
+class _Lazy:
+    """A value computed on the first call and kept."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make, self._value, self._done = make, None, False
+
+    def __call__(self) -> Any:
+        if not self._done:
+            self._value, self._done = self._make(), True
+        return self._value
+
+
+def _sites_by_rank(ranks: Mapping[int, Mapping[int, Record]]) -> dict[int, set[str]]:
+    return {r: {c["call_site"] for c in q.values() if c.get("call_site")} for r, q in ranks.items()}
+
+
+def _keys_by_rank(ranks: Mapping[int, Mapping[int, Record]]) -> dict[int, set[tuple[Any, ...]]]:
+    return {r: {_full_key(c) for c in q.values()} for r, q in ranks.items()}
+
+
 def mismatch_incidents(colls: CollectiveIndex, blame: dict[int, str]) -> list[Incident]:
     out = []
     for pg, ranks in sorted(colls.by_pg.items()):
-        sites = {
-            r: {c["call_site"] for c in seqs.values() if c.get("call_site")} for r, seqs in ranks.items()
-        }
-        keys = {r: {_full_key(c) for c in seqs.values()} for r, seqs in ranks.items()}
+        # Needed only once ranks disagree somewhere: built on first use.
+        sites = _Lazy(partial(_sites_by_rank, ranks))
+        keys = _Lazy(partial(_keys_by_rank, ranks))
         all_seqs = sorted({s for seqs in ranks.values() for s in seqs})
         found: tuple[int, str, dict[Any, list[int]], dict[int, Record]] | None = None
         later = 0
@@ -129,7 +161,7 @@ def mismatch_incidents(colls: CollectiveIndex, blame: dict[int, str]) -> list[In
             elif reason:
                 later += 1
         if found is not None:
-            out.append(_mismatch(pg, *found, later=later, ranks=ranks, keys=keys, blame=blame))
+            out.append(_mismatch(pg, *found, later=later, ranks=ranks, keys=keys(), blame=blame))
     return out
 
 
