@@ -257,7 +257,8 @@ def _hang(
     elif wait:
         msg += "; every rank seen issued this collective: the wait is inside the backend (network, or a peer stuck in native code)"
     if not active:
-        msg = f"(resolved) {msg}"
+        resolved = any(r["rank"] == rank and record_s(r) >= record_s(h) for r in snapshot.hang_resolved)
+        msg = f"({'resolved' if resolved else 'over: the rank exited or died'}) {msg}"
     return Incident(
         kind="hang",
         message=msg + ".",
