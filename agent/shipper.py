@@ -138,15 +138,23 @@ class Shipper:
             self.dropped["corrupt:unknown"] += chunk.corrupt
         if chunk.truncated:
             self.dropped["truncated:unknown"] += chunk.truncated
-        parts = [p[1:-1] for p in chunk.payloads if len(p) > 2]
+        encoded: list[bytes] = []
+        kinds: Counter[str] = Counter()
+        for payload in chunk.payloads:
+            for record in spool.decode_batch(payload):
+                try:
+                    encoded.append(encode_record(record))
+                    kinds[str(record.get("kind"))] += 1
+                except (TypeError, ValueError):  # NaN, inf: strict JSON parsers refuse them
+                    self.dropped[f"unserializable:{record.get('kind')}"] += 1
         extra = list(self.extra)
         stats = self.stats_record() if dict(self.dropped) != self.stats_sent else None
         if stats is not None:
             extra.append(stats)
-        if not parts and not extra:
+        if not encoded and not extra:
             self.reader.ack(chunk.end)
             return "drained", 0.0
-        encoded = parts + [encode_record(r) for r in extra]
+        encoded += [encode_record(r) for r in extra]
         outcome = self.poster.post(batch_body(encoded))
         if outcome.retry:
             delay = self.backoff.next_delay(outcome.retry_after_s)
@@ -161,11 +169,9 @@ class Shipper:
             logger.error(
                 "ddpscope shipper: collector refused a batch (%s): %s", outcome.status, outcome.detail
             )
-            lines = [encode_record(r) for payload in chunk.payloads for r in _records(payload)]
-            set_aside(os.path.join(self.dir, f"{self.prefix}.rejected"), lines, outcome)
-            for payload in chunk.payloads:
-                for kind, n in spool.count_kinds(payload).items():
-                    self.dropped[f"rejected:{kind}"] += n
+            set_aside(os.path.join(self.dir, f"{self.prefix}.rejected"), encoded, outcome)
+            for kind, n in kinds.items():
+                self.dropped[f"rejected:{kind}"] += n
         self.backoff.reset()
         self.reader.ack(chunk.end)
         self.extra = []
@@ -245,14 +251,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _records(payload: bytes) -> list[dict[str, Any]]:
-    try:
-        records = json.loads(payload)
-    except ValueError:
-        return []
-    return [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
 
 
 def _read_json(path: str) -> dict[str, Any]:

@@ -5,10 +5,10 @@ writer (in the training process) appends one frame per batch with a single ``wri
 descriptor and never rewrites; the reader (the shipper process) keeps its position in
 ``<prefix>.ack`` and deletes a segment only once everything in it was acknowledged by the collector.
 
-Frame: ``MAGIC (4 bytes) | payload length (u32 LE) | crc32(payload) (u32 LE) | payload``. The payload
-is a JSON array of records, ASCII only (``ensure_ascii``), so the 0xFF in ``MAGIC`` never occurs in
-it and the reader can resynchronise after damage: a flipped byte fails the crc, a garbled header
-fails the magic, and a torn tail (the writer died mid-write) is cut off; each is skipped and counted.
+Frame: ``MAGIC (4 bytes) | payload length (u32 LE) | crc32(payload) (u32 LE) | payload``; the payload
+is one batch of records (``encode_batch``). The reader resynchronises after damage on the next
+position where a header and its crc hold up: a flipped byte fails the crc, a garbled header fails
+the magic, and a torn tail (the writer died mid-write) is cut off; each is skipped and counted.
 
 Writes are not fsynced: a killed process's writes are already in the page cache, which is what crash
 durability needs; a power loss of the node may lose the last second.
@@ -16,8 +16,8 @@ durability needs; a power loss of the node may lose the last second.
 
 from __future__ import annotations
 
-import json
 import logging
+import marshal
 import os
 import re
 import struct
@@ -25,11 +25,13 @@ import time
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"\xffDS\x01"
 HEADER = struct.Struct("<4sII")
+MARSHAL_VERSION = 4
 MAX_FRAME = 64 * 2**20
 """A length field above this is damage, not data."""
 
@@ -62,15 +64,17 @@ def parse(buf: bytes, final: bool) -> Parsed:
     out = Parsed()
     n, pos = len(buf), 0
     while n - pos >= HEADER.size:
-        magic, length, crc = HEADER.unpack_from(buf, pos)
-        body = pos + HEADER.size
-        if magic != MAGIC or length > MAX_FRAME:
-            out.corrupt += 1
-            pos = _resync(buf, pos, final)
+        state = _frame_at(buf, pos)
+        if state == "valid":
+            length = HEADER.unpack_from(buf, pos)[1]
+            body = pos + HEADER.size
+            pos = body + length
+            out.entries.append((buf[body:pos], pos))
             continue
-        if body + length > n:
-            # Either still being written, or the length itself is damaged: a later frame start proves it.
-            nxt = buf.find(MAGIC, body)
+        if state == "partial":
+            # Still being written, or its length field is damaged: only a complete valid frame
+            # further on proves the damage.
+            nxt = _next_frame(buf, pos + HEADER.size, accept=("valid",))
             if nxt >= 0:
                 out.corrupt += 1
                 pos = nxt
@@ -79,13 +83,12 @@ def parse(buf: bytes, final: bool) -> Parsed:
                 out.truncated += 1
                 pos = n
             break
-        payload = buf[body : body + length]
-        if zlib.crc32(payload) != crc:
-            out.corrupt += 1
-            pos = _resync(buf, pos, final)
-            continue
-        pos = body + length
-        out.entries.append((payload, pos))
+        out.corrupt += 1
+        nxt = _next_frame(buf, pos + 1, accept=("valid", "partial"))
+        if nxt < 0:
+            # Keep a possibly partial magic at the very end: the next frame may be arriving.
+            nxt = n if final else max(pos + 1, n - len(MAGIC) + 1)
+        pos = nxt
     if final and pos < n:
         out.truncated += 1  # a few bytes of header and no more: the writer died mid-write
         pos = n
@@ -93,12 +96,31 @@ def parse(buf: bytes, final: bool) -> Parsed:
     return out
 
 
-def _resync(buf: bytes, pos: int, final: bool) -> int:
-    nxt = buf.find(MAGIC, pos + 1)
-    if nxt >= 0:
-        return nxt
-    # Keep a possible partial magic at the very end: the next frame may be arriving.
-    return len(buf) if final else max(pos + 1, len(buf) - len(MAGIC) + 1)
+def _frame_at(buf: bytes, pos: int) -> str:
+    """'valid' (complete, crc ok), 'partial' (runs past the end of buf) or 'bad'."""
+    if len(buf) - pos < HEADER.size:
+        return "partial"
+    magic, length, crc = HEADER.unpack_from(buf, pos)
+    if magic != MAGIC or length > MAX_FRAME:
+        return "bad"
+    body = pos + HEADER.size
+    if body + length > len(buf):
+        return "partial"
+    return "valid" if zlib.crc32(buf[body : body + length]) == crc else "bad"
+
+
+def _next_frame(buf: bytes, start: int, accept: tuple[str, ...]) -> int:
+    """The first position at or after ``start`` where a frame in an ``accept`` state begins; -1 if none.
+
+    Payloads are binary and may contain the magic bytes by chance, so a candidate counts only if its
+    header and crc hold up.
+    """
+    i = buf.find(MAGIC, start)
+    while i >= 0:
+        if _frame_at(buf, i) in accept:
+            return i
+        i = buf.find(MAGIC, i + 1)
+    return -1
 
 
 def segment_path(directory: str, prefix: str, segno: int) -> str:
@@ -136,12 +158,25 @@ def write_ack(directory: str, prefix: str, pos: Position) -> None:
     os.replace(tmp, path)  # atomic: a reader never sees half a position
 
 
+def encode_batch(records: list[dict[str, Any]]) -> bytes:
+    """One frame's payload. ``marshal`` (format 4, readable by every Python 3 since 3.4) is ~10x
+    cheaper than JSON for the training process; the shipper converts to JSON in its own process."""
+    return marshal.dumps(records, MARSHAL_VERSION)
+
+
+def decode_batch(payload: bytes) -> list[dict[str, Any]]:
+    """The records of one frame; [] for a payload that does not decode (counted by the caller)."""
+    try:
+        records = marshal.loads(payload)
+    except (ValueError, EOFError, TypeError):
+        return []
+    return [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
+
+
 def count_kinds(payload: bytes) -> Counter[str]:
     """Record kinds in one frame's payload (used only when dropping, to count drops by kind)."""
-    try:
-        return Counter(str(r.get("kind")) for r in json.loads(payload))
-    except (ValueError, AttributeError, TypeError):
-        return Counter({"unknown": 1})
+    records = decode_batch(payload)
+    return Counter(str(r.get("kind")) for r in records) if records else Counter({"unknown": 1})
 
 
 class SpoolWriter:

@@ -21,7 +21,6 @@ from typing import IO, Any
 
 from ddpscope.agent import spool
 from ddpscope.agent.exporters import ExportResult
-from ddpscope.agent.transport import encode_record
 
 logger = logging.getLogger(__name__)
 
@@ -109,15 +108,21 @@ class SpoolExporter:
     def export(self, batch: list[dict[str, Any]]) -> ExportResult:
         if self._closed:
             return ExportResult.FAILURE
-        encoded = []
-        for record in batch:
-            try:
-                encoded.append(encode_record(record))
-            except (TypeError, ValueError):
-                self.dropped[f"unserializable:{record.get('kind')}"] += 1
+        try:
+            payload = spool.encode_batch(batch)
+        except ValueError:
+            # Something marshal cannot write (a tensor, a numpy scalar): find and count it.
+            good = []
+            for record in batch:
+                try:
+                    spool.encode_batch([record])
+                    good.append(record)
+                except ValueError:
+                    self.dropped[f"unserializable:{record.get('kind')}"] += 1
+            batch, payload = good, spool.encode_batch(good)
         # agent_stats (sent alone) passes the cap: otherwise the drops of a full spool go unreported.
         stats_only = all(record.get("kind") == "agent_stats" for record in batch)
-        if encoded and not self._writer.append(b"[" + b",".join(encoded) + b"]", over_cap=stats_only):
+        if batch and not self._writer.append(payload, over_cap=stats_only):
             for record in batch:
                 self.dropped[f"spool_full:{record.get('kind')}"] += 1
             return ExportResult.FAILURE

@@ -30,9 +30,10 @@ from ddpscope.agent.clock import now_ns
 from ddpscope.agent.transport import HttpExporter
 
 SINK = r"""
-import gzip, json, sys
+import gzip, json, sys, threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 count = 0
+lock = threading.Lock()  # several shippers post at once: count += n must not lose updates
 class H(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     def log_message(self, *a): pass
@@ -42,7 +43,9 @@ class H(BaseHTTPRequestHandler):
     def do_POST(self):
         global count
         body = gzip.decompress(self.rfile.read(int(self.headers["Content-Length"])))
-        count += len(json.loads(body)["records"])
+        n = len(json.loads(body)["records"])
+        with lock:
+            count += n
         self._send(b"{}")
     def do_GET(self):
         self._send(str(count).encode())

@@ -219,7 +219,7 @@ def test_a_spool_left_by_a_dead_shipper_is_adopted_and_its_damage_counted(collec
     for i in range(6):
         rec = {"kind": "heartbeat", "job": "orphan", "rank": 5, "stream": "deadbeef", "seq": i, "time_ns": i,
                "phase": "idle", "step": i, "last_coll_seq": 0, "pid": dead.pid}  # fmt: skip
-        writer.append(json.dumps([rec]).encode())
+        writer.append(spool.encode_batch([rec]))
     writer.close()
     (seg,) = spool_dir.glob("r5-deadbeef-*.seg")
     data = bytearray(seg.read_bytes())

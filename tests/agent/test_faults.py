@@ -109,3 +109,20 @@ def test_a_collector_restart_loses_nothing(collector, spool_dir) -> None:
     collector.start()
     assert a.force_flush(15.0)
     assert sorted(r["step"] for r in collector.of_kind("heartbeat")) == list(range(100))
+
+
+def test_a_record_json_cannot_carry_is_counted_and_the_rest_of_its_batch_arrives(
+    collector, spool_dir
+) -> None:
+    a = configure("spool", collector, spool_dir)
+    agent.emit({"kind": "hang_resolved", "step": 1, "hang_s": float("nan")})
+    agent.emit(heartbeat(2))
+    assert a.force_flush(10.0)
+    assert [r["step"] for r in collector.of_kind("heartbeat")] == [2]
+    assert collector.of_kind("hang_resolved") == []
+    assert collector.wait_for(
+        lambda c: any(
+            r["dropped"].get("unserializable:hang_resolved") == 1 for r in c.of_kind("agent_stats")
+        ),
+        10,
+    )

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ddpscope.agent import spool
 
 
 def payload(i: int, kind: str = "step") -> bytes:
-    return json.dumps([{"kind": kind, "i": i}]).encode()
+    return spool.encode_batch([{"kind": kind, "i": i}])
+
+
+def index(p: bytes) -> int:
+    return int(spool.decode_batch(p)[0]["i"])
 
 
 def write(d: Path, n: int, *, segment_bytes: int = 1 << 20, kind: str = "step") -> spool.SpoolWriter:
@@ -27,7 +30,7 @@ def test_frames_read_back_in_order_across_segments(tmp_path: Path) -> None:
     write(tmp_path, 50, segment_bytes=200)
     assert len(spool.list_segments(str(tmp_path), "p")) > 3
     chunk = read_all(tmp_path)
-    assert [json.loads(p)[0]["i"] for p in chunk.payloads] == list(range(50))
+    assert [index(p) for p in chunk.payloads] == list(range(50))
     assert chunk.corrupt == chunk.truncated == 0
 
 
@@ -39,7 +42,7 @@ def test_acknowledged_segments_are_deleted_and_the_position_survives_a_new_reade
     reader.ack(first.end)
     assert spool.list_segments(str(tmp_path), "p")[0][0] == first.end[0]
     rest = spool.SpoolReader(str(tmp_path), "p").read(1 << 30, writer_done=True)
-    got = [json.loads(p)[0]["i"] for p in first.payloads + rest.payloads]
+    got = [index(p) for p in first.payloads + rest.payloads]
     assert got == list(range(30))
 
 
@@ -51,7 +54,7 @@ def test_a_flipped_byte_skips_only_the_damaged_frame_and_is_counted(tmp_path: Pa
     data[4 * frame_len + spool.HEADER.size + 3] ^= 0x20  # inside the 5th frame's payload
     Path(seg).write_bytes(bytes(data))
     chunk = read_all(tmp_path)
-    assert [json.loads(p)[0]["i"] for p in chunk.payloads] == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+    assert [index(p) for p in chunk.payloads] == [0, 1, 2, 3, 5, 6, 7, 8, 9]
     assert chunk.corrupt == 1
 
 
@@ -63,7 +66,7 @@ def test_a_garbled_header_is_skipped_by_resynchronising_on_the_next_frame(tmp_pa
     data[2 * frame_len + 5] ^= 0xFF  # the 3rd frame's length field
     Path(seg).write_bytes(bytes(data))
     chunk = read_all(tmp_path)
-    assert [json.loads(p)[0]["i"] for p in chunk.payloads] == [0, 1, 3, 4, 5]
+    assert [index(p) for p in chunk.payloads] == [0, 1, 3, 4, 5]
     assert chunk.corrupt == 1
 
 
@@ -86,7 +89,7 @@ def test_over_the_cap_the_oldest_segments_are_dropped_and_counted_by_kind(tmp_pa
     dropped = reader.drop_over_cap(total // 2, writer_done=False)
     assert reader.pending_bytes() <= total // 2
     rest = reader.read(1 << 30, writer_done=True)
-    kept = [json.loads(p)[0]["i"] for p in rest.payloads]
+    kept = [index(p) for p in rest.payloads]
     assert dropped["step"] + len(kept) == 40
     assert kept == list(range(40 - len(kept), 40))  # oldest first
 
@@ -97,3 +100,14 @@ def test_the_writer_refuses_past_its_hard_cap_instead_of_filling_the_disk(tmp_pa
     assert results[0] and not results[-1]
     size = sum(Path(p).stat().st_size for _, p in spool.list_segments(str(tmp_path), "p"))
     assert size <= 1024
+
+
+def test_magic_bytes_inside_a_payload_are_not_mistaken_for_a_frame_start() -> None:
+    tricky = spool.encode_batch([{"kind": "step", "i": 0, "blob": spool.MAGIC * 3}])
+    whole = spool.frame(tricky)
+    buf = spool.frame(payload(1)) + whole[: len(whole) - 4]  # the second frame is still being written
+    parsed = spool.parse(buf, final=False)
+    assert [index(p) for p, _ in parsed.entries] == [1]
+    assert parsed.corrupt == 0 and parsed.consumed == len(spool.frame(payload(1)))
+    done = spool.parse(buf + whole[-4:], final=False)
+    assert len(done.entries) == 2 and done.corrupt == 0
