@@ -9,10 +9,20 @@ from __future__ import annotations
 
 import threading
 
+import anyio
+
 
 class IngestGate:
-    def __init__(self, limit: int) -> None:
+    """``limit`` requests admitted at once; of those, ``workers`` decode and write at a time.
+
+    Decoding holds the GIL and SQLite's writer is one connection, so two workers already overlap
+    the two (one decodes while the other is inside SQLite with the GIL released); more threads only
+    fight over the GIL and hold more decoded batches in memory.
+    """
+
+    def __init__(self, limit: int, workers: int = 2) -> None:
         self.limit = limit
+        self.workers = anyio.CapacityLimiter(workers)
         self._inside = 0
         self._lock = threading.Lock()
 

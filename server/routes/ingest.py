@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import logging
 
+import anyio.to_thread
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 
@@ -67,7 +68,9 @@ async def ingest(request: Request, storage: StorageDep, settings: SettingsDep) -
             request.stream(), request.headers.get("content-length"), settings.max_body_bytes
         )
         encoding = request.headers.get("content-encoding")
-        return await run_in_threadpool(_store, storage, body, encoding, settings.max_decompressed_bytes)
+        return await anyio.to_thread.run_sync(
+            _store, storage, body, encoding, settings.max_decompressed_bytes, limiter=gate.workers
+        )
     except BodyTooLarge as e:
         raise await _reject(storage, "too_large", 413, e.message) from None
     except BadEncoding as e:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import gzip
 import json
 
+import pytest
+
 from tests.server.conftest import make_client, post
 from tests.support.synth import batch, by_rank, synth_job
 
@@ -208,3 +210,9 @@ def test_metrics_show_active_hangs_until_resolved_and_the_agents_drops(client):
     }
     assert post(client, [resolved]).status_code == 200
     assert 'ddpscope_hang_active{job="synth",rank="0"} 0.0' in client.get("/metrics").text
+
+
+def test_the_collector_serves_the_dashboard_pages_when_the_dashboard_is_installed(client):
+    pytest.importorskip("ddpscope.dashboard")
+    r = client.get("/")
+    assert r.status_code == 200 and "text/html" in r.headers["content-type"]
