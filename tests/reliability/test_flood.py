@@ -80,12 +80,12 @@ def test_a_flood_gets_429_with_retry_after_and_the_agent_in_it_waits_and_loses_n
     healthy_after = collector.healthy()
 
     # Each 429 the agent got, and how long it waited before its next request.
-    waits = []
-    for i, (t, what, value) in enumerate(events):
+    waits: list[float] = []
+    for i, (at, what, value) in enumerate(events):
         if what == "status" and value == 429:
             nxt = next((e[0] for e in events[i + 1 :] if e[1] == "request"), None)
             if nxt is not None:
-                waits.append(nxt - t)
+                waits.append(nxt - at)
     figures["flood"] = {
         "flood_threads": FLOOD_THREADS,
         "flood_requests": sum(statuses.values()),

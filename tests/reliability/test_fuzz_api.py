@@ -83,7 +83,7 @@ def test_requests_generated_from_the_openapi_schema_never_get_a_server_error(
 ) -> None:
     collector, _ = live
     schema = schemathesis.openapi.from_url(collector.url + "/openapi.json")
-    operations = [result.ok() for result in schema.get_all_operations()]
+    operations = [result.ok() for result in schema.get_all_operations()]  # type: ignore[union-attr]
     assert len(operations) >= 10
     statuses: Counter[int] = Counter()
     errors: list[str] = []
@@ -91,7 +91,7 @@ def test_requests_generated_from_the_openapi_schema_never_get_a_server_error(
 
     def fuzz(op: Any) -> None:
         @given(case=op.as_strategy(), real_job=st.booleans())
-        @fuzz_settings(80)
+        @fuzz_settings(50)
         def call(case: Any, real_job: bool) -> None:
             # Half the time the job exists, so the analysis behind each route runs on fuzzed queries.
             if real_job and case.path_parameters and "job" in case.path_parameters:
@@ -112,7 +112,7 @@ def test_requests_generated_from_the_openapi_schema_never_get_a_server_error(
         "statuses": {str(k): v for k, v in sorted(statuses.items())},
         "seconds": round(time.monotonic() - started, 1),
     }
-    assert sum(statuses.values()) >= 500
+    assert sum(statuses.values()) >= 300
     assert not errors, errors[:10]
     assert collector.healthy()
 
@@ -184,7 +184,7 @@ def test_mutated_ingest_batches_never_get_a_server_error_nor_store_part_of_a_ref
     started = time.monotonic()
 
     @given(mutated_batch())
-    @fuzz_settings(1500)
+    @fuzz_settings(1000)
     def send(case: tuple[bytes, dict[str, str], int]) -> None:
         body, headers, _n = case
         before = _rows(con)
@@ -208,6 +208,6 @@ def test_mutated_ingest_batches_never_get_a_server_error_nor_store_part_of_a_ref
         "statuses": {str(k): v for k, v in sorted(statuses.items())},
         "seconds": round(time.monotonic() - started, 1),
     }
-    assert sum(statuses.values()) >= 1000
+    assert sum(statuses.values()) >= 900
     assert not failures, failures[:5]
     assert statuses[200] > 0 and sum(n for s, n in statuses.items() if 400 <= s < 500) > 0

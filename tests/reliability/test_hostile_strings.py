@@ -140,7 +140,12 @@ def test_a_browser_runs_no_injected_script_on_any_dashboard_page(
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page()
-            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+
+            def on_dialog(dialog: Any) -> None:
+                dialogs.append(dialog.message)
+                dialog.dismiss()
+
+            page.on("dialog", on_dialog)
             for path in pages(JOB):
                 page.goto(hostile.url + path, wait_until="networkidle", timeout=30_000)
                 page.wait_for_timeout(300)  # the live pages render after their first fetches

@@ -47,7 +47,7 @@ def test_records_emitted_before_a_sigkill_of_every_rank_reach_the_collector(
     ]
     # Every step completed on rank 0 up to SEEN_STEP was also completed by rank 1 (all-reduce).
     must_arrive = 2 * (SEEN_STEP + 1)
-    acc = wait_for(db, job, sum(len(p) for p in printed), 30)
+    acc = wait_for(db, job, sum(len(p) for p in printed), 60)
 
     delivered_of_printed = sum(len(printed[r] & acc.per_rank.get(r, set())) for r in (0, 1))
     figures["training_sigkill"] = {
