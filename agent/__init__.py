@@ -4,10 +4,21 @@ Usage (training side; the engine and the adapter call ``emit`` for you)::
 
     from ddpscope import agent
     agent.emit({"kind": "rank_exit", "rank": 0, "step": 10, "reason": "finished"})
-    agent.get_agent().force_flush(5.0)
+    agent.get_agent().force_flush(5.0)     # True once the collector has acknowledged everything
+    agent.get_agent().config.heartbeat_s   # settings other parts read (hang_timeout_s, heartbeat_s, ...)
+
+The agent stamps ``job``, ``stream``, ``seq``, ``time_ns`` and (when missing) ``rank`` on a copy of
+each record on its worker thread; the caller's dict is never modified, but must not be changed after
+it was emitted. By default records go to an append-only disk spool every 20 ms (at once for hang,
+hang_resolved and rank_error, which are also printed on stderr) and a small shipper process per
+agent POSTs them to ``DDPSCOPE_URL``, so they arrive even if this process is SIGKILLed or aborts
+(a fatal signal's stacks come as a fatal ``rank_error``). ``Agent.flush_local(timeout_s)`` forces
+the spool write now (before a deliberate crash or exit). At exit and on SIGTERM a rank emits
+``rank_exit`` and flushes within 5 s; an uncaught exception becomes a fatal ``rank_error`` first.
 
 Configuration comes from ``DDPSCOPE_*`` environment variables (see ``config``); ``configure(**kw)``
-overrides them explicitly. ``DDPSCOPE_DISABLED=1`` turns everything into no-ops.
+overrides them explicitly (``exporter=InMemoryExporter()`` keeps records in memory, for tests).
+``DDPSCOPE_DISABLED=1`` turns everything into no-ops: no thread, no file, no hook.
 """
 
 from ddpscope.agent._core import (
