@@ -89,7 +89,7 @@ def test_records_emitted_before_a_sigkill_reach_the_collector(collector, spool_d
     ok = collector.wait_for(lambda c: len(c.of_kind("heartbeat")) == 500, 20)
     assert ok, (len(collector.of_kind("heartbeat")), sorted(os.listdir(spool_dir)), logs(spool_dir))
     assert heartbeat_steps(collector) == list(range(500))
-    assert collector.duplicates == 0 or len(collector.records) >= 500
+    assert collector.duplicates == 0
     assert wait_shippers_gone(spool_dir, 20), "the shipper must exit once its rank is gone and all is sent"
     assert not list(spool_dir.glob("*.seg")), "delivered segments are removed"
 
