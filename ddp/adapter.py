@@ -20,6 +20,13 @@ What it attaches (torch's engine keeps doing all the work; gradients are bit-ide
 
 The bucket layout is torch's own (``adapter_layout``). Unused parameters of a synchronised step are
 those whose post-accumulate hook never fired. ``no_sync()`` steps are recorded with ``synced=False``.
+
+Cost and limits. Any Python comm hook costs what torch's own Python ``allreduce_hook`` costs: the C++
+Reducer no longer scales while copying into the bucket (one more pass over the gradients) and takes
+the GIL for the hook, for the ``then`` callback (gloo thread) and to read its result; bench/adapter.py
+measures it next to this adapter. An all-reduce end is when its ``then`` callback got the GIL.
+Collectives torch issues from C++ (buffer broadcasts before forward, the rebuild's index broadcast,
+the unused-parameter bitmap) bypass the collective recorder, so they have no sequence numbers here.
 """
 
 from __future__ import annotations
