@@ -136,13 +136,14 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Traceback
     global _exit_reason
     try:
         agent = _current()
+        if not issubclass(exc_type, KeyboardInterrupt):
+            _exit_reason = "error"  # also when the engine reported it: rank_exit must not say 'finished'
         if (
             agent is not None
             and agent.live
             and not issubclass(exc_type, KeyboardInterrupt)
             and not getattr(exc, "_ddpscope_reported", False)
         ):
-            _exit_reason = "error"
             agent.emit(
                 {
                     "kind": "rank_error",
