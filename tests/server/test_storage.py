@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import threading
 
+import msgspec
 import pytest
 from sqlalchemy import select
 
 from ddpscope.server import migrations, schema
 from ddpscope.server.analysis.snapshot import snapshot_from_records
+from ddpscope.server.codec import kind_of
 from ddpscope.server.storage import ALL_KINDS, Storage
 from tests.server.conftest import decoded
 from tests.support.synth import by_rank, synth_job
@@ -49,9 +51,13 @@ def test_a_resent_batch_is_all_duplicates_and_changes_nothing(storage):
 
 def test_a_batch_that_fails_midway_stores_nothing(storage):
     records = synth_job(2, 3, 2)
-    poison = dict(next(r for r in records if r["kind"] == "step"), seq=2**63, job="synth")
+    good = decoded(records)
+    # A record the decoder would refuse, built directly so that it fails inside the transaction,
+    # after everything before it was written: the database rejects an integer beyond int64.
+    step = next(r for r in good if kind_of(r) == "step")
+    poison = msgspec.structs.replace(step, seq=2**63)
     with pytest.raises(Exception):  # noqa: B017 - the driver's overflow error differs per database
-        storage.write_batch(decoded([*records, poison]))
+        storage.write_batch([*good, poison])
     assert storage.job_row("synth") is None
     assert storage.fetch_records("synth") == []
     assert "ingested_records" not in storage.counters()
