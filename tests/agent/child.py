@@ -1,7 +1,8 @@
 """A training-like process for the agent's crash tests: ``python child.py MODE [N]``.
 
 The agent is configured from DDPSCOPE_* and RANK in the environment the test sets. Modes:
-``kill`` / ``sigterm``: emit N records, print READY, then wait to be killed;
+``kill`` / ``sigterm``: emit N records, print READY, then wait to be killed; ``sigterm_chain``: the
+same with the script's own SIGTERM handler, which stops the loop;
 ``abort``: emit N records, then ``os.abort()``; ``raise``: emit N records, then an uncaught error;
 ``exit``: emit N records and return normally; ``flood``: emit N records as fast as possible and
 print the peak RSS growth; ``job``: a gloo job of N steps, one step record per step per rank;
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
 import sys
 import time
 
@@ -81,6 +83,12 @@ def run_dataloader() -> None:
 def main() -> None:
     mode = sys.argv[1]
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 10
+    stop = []
+    if mode == "sigterm_chain":
+        # The training script's own handler, installed before the agent: the agent must chain to it.
+        signal.signal(
+            signal.SIGTERM, lambda signum, frame: (print("USER HANDLER", flush=True), stop.append(1))
+        )
     agent.configure()
     if mode == "job":
         run_job(n)
@@ -105,7 +113,10 @@ def main() -> None:
     if mode == "abort":
         crash_here()
     print("READY", flush=True)
-    time.sleep(120)
+    deadline = time.monotonic() + 120
+    while not stop and time.monotonic() < deadline:
+        time.sleep(0.01)
+    agent.emit(heartbeat(n))  # training goes on after a handled SIGTERM: still delivered
 
 
 if __name__ == "__main__":

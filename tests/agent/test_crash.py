@@ -114,6 +114,18 @@ def test_sigterm_flushes_and_reports_rank_exit_sigterm(collector, spool_dir, sta
     assert [r["reason"] for r in collector.of_kind("rank_exit")] == ["sigterm"]
 
 
+def test_sigterm_chains_to_the_scripts_own_handler_and_training_may_go_on(
+    collector, spool_dir, started
+) -> None:
+    p = start(started, "sigterm_chain", 20, child_env(collector.url, spool_dir, "chained"))
+    wait_ready(p)
+    os.kill(p.pid, signal.SIGTERM)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 0 and "USER HANDLER" in out, err[-2000:]
+    assert collector.wait_for(lambda c: c.of_kind("rank_exit") and len(c.of_kind("heartbeat")) == 21, 20)
+    assert [r["reason"] for r in collector.of_kind("rank_exit")] == ["sigterm"]
+
+
 def test_normal_exit_reports_rank_exit_finished_and_the_final_counts(collector, spool_dir, started) -> None:
     p = start(started, "exit", 30, child_env(collector.url, spool_dir, "finished"))
     assert p.wait(30) == 0
