@@ -6,12 +6,16 @@ Usage (after ``torch.distributed.init_process_group``)::
     model = DDP(model, find_unused_parameters=False)   # same signature as torch's common arguments
     loss = model(x).sum(); loss.backward()            # one 'step' record per backward via agent.emit()
 
+    from ddpscope.ddp import instrument                # or keep torch's DDP and observe it
+    model = instrument(torch.nn.parallel.DistributedDataParallel(model))
+
 Every collective the engine issues is numbered by ``collectives.RECORDER``; ``progress.PROGRESS`` tells
 the hang watchdog where this rank is. ``StepTimer`` (step_record.py) builds step records for any engine.
 """
 
+from ddpscope.ddp.adapter import instrument
 from ddpscope.ddp.engine import DistributedDataParallel
 from ddpscope.ddp.groups import pg_name
 from ddpscope.ddp.step_record import StepTimer
 
-__all__ = ["DistributedDataParallel", "StepTimer", "pg_name"]
+__all__ = ["DistributedDataParallel", "StepTimer", "instrument", "pg_name"]

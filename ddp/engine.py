@@ -148,6 +148,8 @@ class DistributedDataParallel(nn.Module):
         estimate = estimate_offset(process_group)
         agent_clock.set_offset(estimate.offset_ns, estimate.error_ns)
         buffers = list(module.named_buffers()) if broadcast_buffers else []
+        # A module without buffers skips the per-forward walk of its tree (torch decides once too).
+        self._has_buffers = any(b is not None for b in module.buffers())
         check_same_layout(describe(named, buffers), process_group, self._pg)
         broadcast_coalesced([p for _, p in named] + [b for _, b in buffers], group=process_group, pg=self._pg)
 
@@ -235,7 +237,7 @@ class DistributedDataParallel(nn.Module):
         logger.info("ddpscope: buckets rebuilt in gradient-ready order at step %d", self._step)
 
     def _sync_buffers(self) -> None:
-        if not self.broadcast_buffers or self._world == 1:
+        if not self.broadcast_buffers or self._world == 1 or not self._has_buffers:
             return
         buffers = [b for b in self.module.buffers() if b is not None]
         if not buffers:
