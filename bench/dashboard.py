@@ -25,7 +25,8 @@ from typing import Any
 from urllib.parse import quote
 
 from tests.browser.conftest import CHROMIUM, CHROMIUM_ARGS, running_collector
-from tests.browser.wire import SynthJob, post
+from tests.browser.wire import post
+from tests.support.synth import synth_job
 
 RESULTS = Path(__file__).parent / "results" / "dashboard.json"
 TARGET_S = 1.0
@@ -48,7 +49,50 @@ def machine() -> dict[str, Any]:
     }
 
 
-def render_once(context: Any, url: str) -> dict[str, float]:
+def _proc_table() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds used so far) for every process we can read."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
+        out[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def cpu_seconds(root: int) -> float:
+    """CPU seconds used so far by ``root`` and all its descendants (alive ones)."""
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += table.get(pid, (0, 0.0))[1]
+        todo.extend(children.get(pid, []))
+    return total
+
+
+class CpuMeter:
+    """CPU seconds the browser (every process under this one but the collector) and the collector
+    spend on one page load: unlike wall time, this does not grow when other work shares the cores."""
+
+    def __init__(self, collector_pid: int) -> None:
+        self.collector_pid = collector_pid
+
+    def read(self) -> tuple[float, float]:
+        collector = cpu_seconds(self.collector_pid)
+        return cpu_seconds(os.getpid()) - collector, collector
+
+
+def render_once(context: Any, url: str, meter: CpuMeter | None = None) -> dict[str, float]:
+    before = meter.read() if meter else (0.0, 0.0)
     page = context.new_page()
     errors: list[str] = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
@@ -67,6 +111,9 @@ def render_once(context: Any, url: str) -> dict[str, float]:
                  svg_paths: div.querySelectorAll('path').length };
     }"""
     )
+    after = meter.read() if meter else (0.0, 0.0)
+    timing["browser_cpu_ms"] = (after[0] - before[0]) * 1000
+    timing["collector_cpu_ms"] = (after[1] - before[1]) * 1000
     page.close()
     if errors:
         raise RuntimeError(f"the page reported errors: {errors}")
@@ -81,6 +128,8 @@ def summary(runs: list[dict[str, float]]) -> dict[str, Any]:
         "api_data_s": med("data_ms"),
         "plotly_draw_s": round(statistics.median(r["drawn_ms"] - r["data_ms"] for r in runs) / 1000, 4),
         "runs_s": [round(r["rendered_ms"] / 1000, 4) for r in runs],
+        "browser_cpu_s": med("browser_cpu_ms"),
+        "collector_cpu_s": med("collector_cpu_ms"),
     }
 
 
@@ -97,13 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, running_collector(Path(tmp)) as collector:
         job = f"bench-{args.ranks}x{args.buckets}"
-        synth = SynthJob(
-            job, world_size=args.ranks, buckets=args.buckets, slow_rank=args.ranks // 3, params_per_bucket=3
-        )
+        records = synth_job(args.ranks, 3, args.buckets, job=job, slow_rank=args.ranks // 3, collectives=False,
+                            finished=False, bucket_bytes=256 * 1024, t0_ns=time.time_ns() - 10**10)  # fmt: skip
         t = time.monotonic()
-        post(collector.url, synth.start() + synth.steps(3), chunk=500)
+        post(collector.url, records, chunk=500)
         ingest_s = time.monotonic() - t
         url = f"{collector.url}/jobs/{quote(job, safe='')}/steps/1"
+        meter = CpuMeter(collector.proc.pid)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             version = browser.version
@@ -114,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             cold = []
             for _ in range(args.runs):
                 context = browser.new_context(viewport={"width": 1400, "height": 1000})
-                cold.append(render_once(context, url))
+                cold.append(render_once(context, url, meter))
                 context.close()
             browser.close()
             # Warm: a normal profile that has seen the page before (HTTP cache and V8 code cache primed by
@@ -124,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 viewport={"width": 1400, "height": 1000})  # fmt: skip
             for _ in range(2):
                 render_once(context, url)
-            warm = [render_once(context, url) for _ in range(args.runs)]
+            warm = [render_once(context, url, meter) for _ in range(args.runs)]
             context.close()
     first = cold[0]
     if first["ranks"] != args.ranks or first["ready_ticks"] != args.ranks * args.buckets:
@@ -149,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, s in (("cold", cold_sum), ("warm", warm_sum)):
         print(
             f"{name}: first render {s['first_render_s']:.3f} s (median of {args.runs}); scripts ready at "
-            f"{s['scripts_ready_s']:.3f} s, API data at {s['api_data_s']:.3f} s, drawing {s['plotly_draw_s']:.3f} s"
+            f"{s['scripts_ready_s']:.3f} s, API data at {s['api_data_s']:.3f} s, drawing {s['plotly_draw_s']:.3f} s; "
+            f"CPU: browser {s['browser_cpu_s']:.3f} s, collector {s['collector_cpu_s']:.3f} s"
         )
     print(
         f"target <= {TARGET_S} s: warm {'met' if result['meets_target_warm'] else 'NOT met'}, "

@@ -49,7 +49,7 @@
   }
 
   function draw(timeline, buckets, worldSize) {
-    const byIndex = new Map((buckets || []).map((b) => [b.index, b]));
+    const byIndex = new Map((buckets || []).map((b) => [b.index, Object.assign({}, b)]));
     const ranks = [...timeline.ranks].sort((a, b) => a.rank - b.rank);
     const present = new Set(ranks.map((r) => r.rank));
     const allRanks = new Set(present);
@@ -77,9 +77,11 @@
       let lastEnd = null;
       for (const b of r.buckets || []) {
         const meta = byIndex.get(b.index) || {};
+        // Parameter lists are the same on every rank: format each bucket's once, not once per rank.
+        const names = meta.namesText || (meta.namesText = paramsText(meta.parameters));
         const head = `rank ${r.rank} · bucket ${b.index} · ${ddp.fmtBytes(b.bytes ?? meta.bytes)}`;
         if (b.ready !== null && b.ready !== undefined) {
-          tick(ready, b.ready, yc - 0.17, yc + 0.17, `${head}<br>ready at ${ddp.fmtSeconds(b.ready)}<br>${paramsText(meta.parameters)}`);
+          tick(ready, b.ready, yc - 0.17, yc + 0.17, `${head}<br>ready at ${ddp.fmtSeconds(b.ready)}<br>${names}`);
         }
         if (b.allreduce && b.allreduce[0] !== null && b.allreduce[1] !== null) {
           const [s, e] = b.allreduce;
@@ -88,7 +90,7 @@
           bar(odd ? ar2 : ar, s, e, ym + (odd ? 0.07 : -0.07),
             `${head}<br>all-reduce ${ddp.fmtSeconds(s)} → ${ddp.fmtSeconds(e)} (${ddp.fmtSeconds(e - s)})` +
             (b.order_penalty_s > 0 ? `<br>waited ${ddp.fmtSeconds(b.order_penalty_s)} for earlier buckets` : "") +
-            `<br>${paramsText(meta.parameters)}`);
+            `<br>${names}`);
           lastEnd = lastEnd === null ? e : Math.max(lastEnd, e);
         }
       }

@@ -1,17 +1,20 @@
 """Rank script of the live dashboard test: a small model under ddpscope's DDP engine on gloo.
 
-``python live_job.py STEPS PAUSE_S``; started once per rank by ``tests.support.procs.started_ranks``
-with ``DDPSCOPE_URL`` pointing at the test's collector. The pause between steps keeps the job running
-long enough for the browser to watch it grow. Imports torch, so the test module never imports this.
+``python live_job.py STOP_FILE PAUSE_S MAX_STEPS``; started once per rank by
+``tests.support.procs.started_ranks`` with ``DDPSCOPE_URL`` pointing at the test's collector. The job
+steps (pausing between steps) until the test creates STOP_FILE, so it is certainly still running while
+the browser watches; rank 0 reads the file and all ranks agree through an all-reduce, so every rank
+stops after the same step. Imports torch, so the test module never imports this.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 
-def main(steps: int, pause_s: float) -> None:
+def main(stop_file: str, pause_s: float, max_steps: int) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -26,10 +29,14 @@ def main(steps: int, pause_s: float) -> None:
     model = DistributedDataParallel(net, bucket_cap_mb=0.05)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(16, 32), torch.randn(16, 8)
-    for _ in range(steps):
+    for _ in range(max_steps):
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
+        stop = torch.tensor([1.0 if dist.get_rank() == 0 and os.path.exists(stop_file) else 0.0])
+        dist.all_reduce(stop)
+        if stop.item() > 0:
+            break
         time.sleep(pause_s)
     get_agent().force_flush(10.0)
     dist.barrier()
@@ -37,4 +44,4 @@ def main(steps: int, pause_s: float) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), float(sys.argv[2]))
+    main(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]))
