@@ -32,6 +32,12 @@ _SCALARS: dict[str, Any] = {
 }
 
 _NON_NEGATIVE = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+# The key strings go into VARCHAR columns (schema.py: jobs.job 200, stream 64); PostgreSQL refuses
+# longer ones and any NUL, which would be a 500 that the agent retries forever.
+_KEY_STRINGS: dict[str, Any] = {
+    name: Annotated[str, msgspec.Meta(max_length=length, pattern="^[^\x00]*$")]
+    for name, length in (("job", 200), ("stream", 64))
+}
 
 
 class BatchError(ValueError):
@@ -65,7 +71,7 @@ def _struct(name: str, fields: tuple[wire.Field, ...], **kw: Any) -> type[msgspe
 
 def _record_struct(kind: str) -> type[msgspec.Struct]:
     envelope = [
-        (f.name, _NON_NEGATIVE if f.name in ("rank", "seq") else _SCALARS[f.type])
+        (f.name, _NON_NEGATIVE if f.name in ("rank", "seq") else _KEY_STRINGS.get(f.name, _SCALARS[f.type]))
         for f in wire.ENVELOPE
         if f.name != "kind"  # the tag: msgspec picks the struct from it
     ]
