@@ -99,7 +99,7 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CollectorProc]
     tmp = tmp_path_factory.mktemp("hostile")
     with CollectorProc(f"sqlite:///{tmp / 'c.db'}", log_path=tmp / "collector.log") as c:
         c.start()
-        for job in (JOB, JOB_SCRIPT, "x" * 190 + XSS_IMG):
+        for job in (JOB, JOB_SCRIPT, "x" * 120 + XSS_IMG):
             conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=30)
             conn.request("POST", "/api/v1/ingest", body=json.dumps(batch(hostile_records(job))))
             resp = conn.getresponse()
