@@ -140,9 +140,9 @@ def worker(quick: bool, out: str) -> None:
             "steps_per_engine": len(times["torch"]),
             "median_step_s": med,
             "ratio": med["ddpscope"] / med["torch"],
-            "buckets": len(engines["ddpscope"].bucket_layout),  # type: ignore[union-attr]
+            "buckets": len(engines["ddpscope"].bucket_layout),
         }
-        engines["ddpscope"].remove_hooks()  # type: ignore[operator]
+        engines["ddpscope"].remove_hooks()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
