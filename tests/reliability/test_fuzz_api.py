@@ -8,7 +8,7 @@ import json
 import sqlite3
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sqlalchemy import create_engine, text
 
+from tests.support import postgres
 from tests.support.collector_proc import CollectorProc
 from tests.support.synth import batch, synth_job
 
@@ -173,24 +175,21 @@ def mutated_batch(draw: st.DrawFn) -> tuple[bytes, dict[str, str], int]:
     return body, headers, len(records)
 
 
-def test_mutated_ingest_batches_never_get_a_server_error_nor_store_part_of_a_refused_batch(
-    live: tuple[CollectorProc, Path], figures: dict[str, Any]
-) -> None:
-    collector, db = live
-    conn = http.client.HTTPConnection("127.0.0.1", collector.port, timeout=15)
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10, isolation_level=None)
+def fuzz_ingest(port: int, rows: Callable[[], dict[str, int]], examples: int) -> dict[str, Any]:
+    """POST ``examples`` mutated batches; return the figures and the failures (5xx, partial writes)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=15)
     statuses: Counter[int] = Counter()
     failures: list[str] = []
     started = time.monotonic()
 
     @given(mutated_batch())
-    @fuzz_settings(1000)
+    @fuzz_settings(examples)
     def send(case: tuple[bytes, dict[str, str], int]) -> None:
         body, headers, _n = case
-        before = _rows(con)
+        before = rows()
         status, text = _post(conn, body, headers)
         statuses[status] += 1
-        after = _rows(con)
+        after = rows()
         if status >= 500:
             failures.append(f"{status} {text[:200]!r} for {body[:300]!r}")
         elif status != 200 and after != before:
@@ -200,14 +199,53 @@ def test_mutated_ingest_batches_never_get_a_server_error_nor_store_part_of_a_ref
     try:
         send()
     finally:
-        con.close()
-    figures["fuzz_ingest"] = {
+        conn.close()
+    return {
         "requests": sum(statuses.values()),
         "server_errors": sum(n for s, n in statuses.items() if s >= 500),
         "partial_writes": sum("but stored" in f for f in failures),
         "statuses": {str(k): v for k, v in sorted(statuses.items())},
         "seconds": round(time.monotonic() - started, 1),
+        "failures": failures[:5],
     }
-    assert sum(statuses.values()) >= 900
-    assert not failures, failures[:5]
-    assert statuses[200] > 0 and sum(n for s, n in statuses.items() if 400 <= s < 500) > 0
+
+
+def test_mutated_ingest_batches_never_get_a_server_error_nor_store_part_of_a_refused_batch(
+    live: tuple[CollectorProc, Path], figures: dict[str, Any]
+) -> None:
+    collector, db = live
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10, isolation_level=None)
+    try:
+        result = fuzz_ingest(collector.port, lambda: _rows(con), 1000)
+    finally:
+        con.close()
+    failures = result.pop("failures")
+    figures["fuzz_ingest"] = result
+    assert result["requests"] >= 900
+    assert not failures, failures
+    assert result["statuses"].get("200", 0) > 0 and result["statuses"].get("422", 0) > 0
+
+
+@pytest.mark.postgres
+def test_mutated_ingest_batches_never_get_a_server_error_on_postgresql(
+    tmp_path: Path, figures: dict[str, Any]
+) -> None:
+    if not postgres.available():
+        pytest.skip(f"PostgreSQL 15 binaries not found in {postgres.PG_BIN}")
+    with postgres.running_postgres() as pg:
+        url = pg.create_database("fuzz")
+        engine = create_engine(url)
+        with CollectorProc(url, log_path=tmp_path / "collector.log") as collector, engine.connect() as con:
+            collector.start()
+
+            def rows() -> dict[str, int]:
+                counts = con.execute(text(_COUNT_ALL)).one()
+                con.rollback()  # a fresh snapshot for the next count
+                return dict(zip(RECORD_TABLES, counts, strict=True))
+
+            result = fuzz_ingest(collector.port, rows, 400)
+        engine.dispose()
+    failures = result.pop("failures")
+    figures["fuzz_ingest_postgresql"] = result
+    assert result["requests"] >= 350
+    assert not failures, failures
