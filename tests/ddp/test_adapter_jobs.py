@@ -135,17 +135,20 @@ def test_bucket_count_and_sizes_match_torchs_own_logging_data(parity: AdapterRun
 def test_allreduce_span_and_overlap_agree_with_torchs_sampled_timings(parity: AdapterRun) -> None:
     for rank in (0, 1):
         synced = [s for s in steps(parity, rank) if s["synced"]]
+        # Records are on the job's aligned clock; torch stamps this host's time_ns().
+        (start,) = parity.of(rank, "rank_start")
+        offset = start["clock_offset_ns"]
         start_diff, ready_diff, overlap_diff, end_lag = [], [], [], []
         # DDP writes a step's timings at the start of the next synced forward (TORCH-FACTS).
         for logged in parity.results_json[rank]["logged"][1:]:
             mine = [s for s in synced if s["step"] < logged["read_at_step"]][-1]
-            first_launch, last_ready = min(mine["allreduce_start_ns"]), max(mine["bucket_ready_ns"])
-            last_end = max(mine["allreduce_end_ns"])
+            first_launch = min(mine["allreduce_start_ns"]) - offset
+            last_ready = max(mine["bucket_ready_ns"]) - offset
+            last_end = max(mine["allreduce_end_ns"]) - offset
             start_diff.append(abs(first_launch - logged["backward_comm_time_start"]))
             ready_diff.append(abs(last_ready - logged["backward_compute_time_end"]))
-            overlap_diff.append(
-                abs((last_ready - first_launch) - logged["backward_compute_comm_overlap_time"])
-            )
+            overlap = last_ready - first_launch
+            overlap_diff.append(abs(overlap - logged["backward_compute_comm_overlap_time"]))
             # torch stamps comm end after its finalizer woke up from the wait: never before ours.
             end_lag.append(logged["backward_comm_time_end"] - last_end)
         assert len(start_diff) >= 4
@@ -201,11 +204,18 @@ def test_unused_parameters_are_those_without_a_gradient_in_a_synced_step(unused:
 # -- hangs -----------------------------------------------------------------------------------------
 
 
+def stalled(job: JobRun, rank: int) -> dict[str, Any]:
+    """The hang report of the planned stall (a loaded machine may add a spurious one elsewhere)."""
+    reports = [r for r in job.of(rank, "hang") if r["step"] == 2]
+    assert reports, job.of(rank, "hang")
+    return reports[0]
+
+
 def test_a_rank_stalled_in_backward_names_the_parameters_whose_gradients_never_arrived(
     hang: AdapterRun,
 ) -> None:
-    (report,) = hang.of(1, "hang")
-    assert (report["phase"], report["step"]) == ("backward", 2)
+    report = stalled(hang, 1)
+    assert report["phase"] == "backward"
     waiting = [b for b in report["pending_buckets"] if not b["launched"]]
     missing = {name for b in waiting for name in b["missing"]}
     # The sleep sits between layers 1 and 2: the first two layers' gradients never arrived.
@@ -215,13 +225,11 @@ def test_a_rank_stalled_in_backward_names_the_parameters_whose_gradients_never_a
 
 
 def test_its_peer_reports_the_launched_bucket_and_the_inflight_all_reduce(hang: AdapterRun) -> None:
-    (report,) = hang.of(0, "hang")
-    assert report["step"] == 2
+    report = stalled(hang, 0)
     assert report["pending_buckets"] and all(b["launched"] for b in report["pending_buckets"])
     assert any(c["op"] == "all_reduce" and c["pg"] == "default" for c in report["inflight"])
     for rank in (0, 1):
-        (resolved,) = hang.of(rank, "hang_resolved")
-        assert resolved["hang_s"] >= 1.0
+        assert max(r["hang_s"] for r in hang.of(rank, "hang_resolved")) >= 1.0
         assert [r["step"] for r in steps(hang, rank)] == [0, 1, 2, 3]
 
 
