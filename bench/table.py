@@ -1,0 +1,220 @@
+"""The README table: one row per published figure, built from the benchmarks' result files.
+
+Each benchmark writes its own JSON shape; ``ROWS`` maps a benchmark name to a function that pulls
+its figures out as ``Row``s (figure, measured, target, met). A missing key skips that figure rather
+than failing the table: a benchmark that crashed half-way still gets its other rows published.
+``met`` is None where there is no target (a comparison, or a figure published so users can plan).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Row:
+    bench: str
+    figure: str
+    measured: str
+    target: str
+    met: bool | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:+.1f} %"
+
+
+def _ratio_row(bench: str, figure: str, ratio: float, limit: float | None) -> Row:
+    target = f"≤ {limit:.2f}" if limit is not None else "—"
+    met = None if limit is None else ratio <= limit
+    return Row(bench, figure, f"{ratio:.3f}", target, met)
+
+
+def _engine(d: Mapping[str, Any]) -> Iterator[Row]:
+    limit = float(d.get("target_ratio", 1.0))
+    for name, m in d["models"].items():
+        yield _ratio_row("engine", f"ddpscope engine / torch DDP step, {name}, 2 ranks", m["ratio"], limit)
+
+
+def _adapter(d: Mapping[str, Any]) -> Iterator[Row]:
+    limit = float(d.get("target_overhead", 0.01))
+    for m in d["results"]:
+        over = m["overhead"]["instrumented"]
+        lo, hi = m["overhead_p10_p90"]["instrumented"]
+        yield Row(
+            "adapter",
+            f"instrument() step overhead, {m['model']}, 2 ranks (p10..p90 {_pct(lo)} .. {_pct(hi)})",
+            _pct(over),
+            f"≤ {limit * 100:.0f} %",
+            over <= limit,
+        )
+
+
+def _watchdog(d: Mapping[str, Any]) -> Iterator[Row]:
+    limit = float(d.get("target_pct", 1.0))
+    for key, label in (
+        ("step_overhead_pct", "recorder + watchdog, wall step time"),
+        ("cpu_overhead_pct", "recorder + watchdog, CPU per step"),
+        ("recorder_share_of_step_pct", "recorder cost x collectives / step"),
+    ):
+        if key in d:
+            yield Row("watchdog", label, f"{d[key]:+.2f} %", f"≤ {limit:.0f} %", d[key] <= limit)
+
+
+def _agent(d: Mapping[str, Any]) -> Iterator[Row]:
+    emit = d["latency"]["emit"]
+    yield Row("agent", "emit() p50", f"{emit['p50_ns'] / 1e3:.2f} µs", "≤ 1 µs", emit["p50_ns"] <= 1000)
+    yield Row("agent", "emit() p99", f"{emit['p99_ns'] / 1e3:.2f} µs", "≤ 10 µs", emit["p99_ns"] <= 10_000)
+    yield Row("agent", "emit() max", f"{emit['max_ns'] / 1e6:.1f} ms", "—", None)
+    ship = d["shipping"]["spool_and_shipper"]["records_per_s"]
+    yield Row("agent", "step records shipped/s (spool + shipper)", f"{ship:,.0f}", "—", None)
+    over = d["training_step"]["overhead"]
+    yield Row("agent", "agent step-time overhead", _pct(over), "≤ 1 %", over <= 0.01)
+
+
+def _collector(d: Mapping[str, Any]) -> Iterator[Row]:
+    targets = d.get("targets", {})
+    rate_t, ratio_t = targets.get("records_per_s", 20_000), targets.get("ratio_to_raw", 0.8)
+    for db in ("sqlite", "postgresql"):
+        if db in d["ingest"]:
+            r = d["ingest"][db]
+            yield Row(
+                "collector",
+                f"ingest, {db} (step records/s; x raw executemany)",
+                f"{r['records_per_s']:,.0f} ({r['ratio_to_raw']:.2f} x)",
+                f"≥ {rate_t:,} ({ratio_t} x)",
+                r["records_per_s"] >= rate_t and r["ratio_to_raw"] >= ratio_t,
+            )
+    q = d["queries"]
+    limit = targets.get("query_p95_ms", 50)
+    for name in ("timeline", "steps", "stragglers"):
+        if name in q:
+            p95 = q[name]["p95_ms"]
+            yield Row(
+                "collector",
+                f"query p95, {name} ({q['step_records']:,} step records)",
+                f"{p95:.1f} ms",
+                f"≤ {limit} ms",
+                p95 <= limit,
+            )
+
+
+def _dashboard(d: Mapping[str, Any]) -> Iterator[Row]:
+    limit = d.get("target_s", 1.0)
+    for phase in ("warm", "cold"):
+        s = d[phase]["first_render_s"]
+        yield Row(
+            "dashboard",
+            f"timeline first render, {d.get('ranks')} ranks x {d.get('buckets')} buckets, {phase}",
+            f"{s:.2f} s",
+            f"≤ {limit} s",
+            s <= limit,
+        )
+
+
+def _end_to_end(d: Mapping[str, Any]) -> Iterator[Row]:
+    for c in d["cases"]:
+        for variant, r in c["ratios"].items():
+            limit = d.get("targets", {}).get(variant)
+            fig = f"{variant} / torch DDP step, {c['model']}, {c['world_size']} ranks"
+            row = _ratio_row("end_to_end", fig, r["median"], limit)
+            row.figure += f" (p10..p90 {r['p10']:.2f} .. {r['p90']:.2f})"
+            yield row
+
+
+def _debug_aids(d: Mapping[str, Any]) -> Iterator[Row]:
+    for name, r in d["ratios"].items():
+        yield Row(
+            "debug_aids",
+            f"{name} / plain torch DDP step, {d['model']}, {d['world_size']} ranks",
+            f"{r['median']:.3f}",
+            "—",
+            None,
+        )
+    if "detail_all_reduce" in d:
+        r = d["detail_all_reduce"]
+        yield Row("debug_aids", "DETAIL / plain, small raw all_reduce", f"{r['ratio']:.2f}", "—", None)
+
+
+def _hang_latency(d: Mapping[str, Any]) -> Iterator[Row]:
+    limit = d["hang_timeout_s"] + 2.0
+    s = d["latency_s"]["median"]
+    yield Row(
+        "hang_latency",
+        f"hang start to incident at the collector (timeout {d['hang_timeout_s']} s, {d['runs']} runs, max "
+        f"{d['latency_s']['max']:.2f} s)",
+        f"{s:.2f} s",
+        f"≤ {limit:.0f} s",
+        d["latency_s"]["max"] <= limit,
+    )
+
+
+def _scale(d: Mapping[str, Any]) -> Iterator[Row]:
+    for r in d.get("buckets", []):
+        yield Row(
+            "scale",
+            f"step record, {r['buckets']} buckets: JSON / gzip bytes; ingest",
+            f"{r['json_bytes']:,} / {r['gzip_bytes']:,} B; {r['us_per_record']:.0f} µs/record",
+            "—",
+            None,
+        )
+    for r in d.get("ranks", []):
+        q = r.get("queries_ms", {})
+        qs = ", ".join(f"{k} {v:.0f} ms" for k, v in q.items())
+        yield Row(
+            "scale",
+            f"{r['ranks']} ranks x {r['steps']} steps: ingest; queries",
+            f"{r['records_per_s']:,.0f} rec/s; {qs}",
+            "—",
+            None,
+        )
+
+
+ROWS: dict[str, Callable[[Mapping[str, Any]], Iterator[Row]]] = {
+    "engine": _engine,
+    "end_to_end": _end_to_end,
+    "adapter": _adapter,
+    "debug_aids": _debug_aids,
+    "watchdog": _watchdog,
+    "agent": _agent,
+    "hang_latency": _hang_latency,
+    "collector": _collector,
+    "scale": _scale,
+    "dashboard": _dashboard,
+}
+
+
+def rows_for(name: str, data: Mapping[str, Any]) -> list[Row]:
+    """Every figure of one benchmark's result; figures whose keys are missing are skipped (logged)."""
+    builder = ROWS.get(name)
+    if builder is None:
+        return []
+    out: list[Row] = []
+    try:
+        for row in builder(data):
+            out.append(row)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        logger.warning("%s: result incomplete (%r); %d figure(s) kept", name, exc, len(out))
+        out.append(Row(name, "result incomplete", repr(exc), "—", False))
+    return out
+
+
+def _met(m: bool | None) -> str:
+    return "—" if m is None else ("yes" if m else "**no**")
+
+
+def markdown(rows: list[Row]) -> str:
+    """The README table: benchmark | figure | measured | target | met?"""
+    lines = ["| benchmark | figure | measured | target | met? |", "|---|---|---|---|---|"]
+    for r in rows:
+        cells = [r.bench, r.figure, r.measured, r.target, _met(r.met)]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)

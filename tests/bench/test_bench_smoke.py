@@ -1,0 +1,103 @@
+"""The README table builder and the shared bench helpers, on fixture result files (no benchmark runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import common
+from bench.run_all import collect
+from bench.table import markdown, rows_for
+
+ENGINE = {"target_ratio": 1.0, "models": {"mlp": {"ratio": 0.97}, "transformer": {"ratio": 1.08}}}
+HANG = {"hang_timeout_s": 3.0, "runs": 2, "latency_s": {"median": 3.6, "max": 5.4}}
+END_TO_END = {
+    "targets": {"engine": 1.0, "instrument": 1.01},
+    "cases": [
+        {
+            "model": "mlp",
+            "world_size": 2,
+            "ratios": {
+                "engine": {"median": 0.99, "p10": 0.9, "p90": 1.1},
+                "instrument": {"median": 1.05, "p10": 1.0, "p90": 1.2},
+                "engine+agent+collector": {"median": 1.02, "p10": 0.95, "p90": 1.1},
+            },
+        }
+    ],
+}
+
+
+def test_the_table_marks_each_figure_met_or_not_against_its_target() -> None:
+    rows = rows_for("engine", ENGINE)
+    assert [(r.measured, r.met) for r in rows] == [("0.970", True), ("1.080", False)]
+    table = markdown(rows)
+    assert table.splitlines()[0] == "| benchmark | figure | measured | target | met? |"
+    assert "| 1.080 | ≤ 1.00 | **no** |" in table
+
+
+def test_a_hang_slower_than_timeout_plus_two_seconds_misses_its_target_on_the_worst_run() -> None:
+    (row,) = rows_for("hang_latency", HANG)
+    assert row.measured == "3.60 s" and row.target == "≤ 5 s" and row.met is False
+
+
+def test_a_ratio_without_a_target_is_published_with_no_verdict() -> None:
+    rows = {r.figure.split(" /")[0]: r for r in rows_for("end_to_end", END_TO_END)}
+    assert rows["engine"].met is True and rows["instrument"].met is False
+    assert rows["engine+agent+collector"].met is None
+    assert "p10..p90 0.95 .. 1.10" in rows["engine+agent+collector"].figure
+
+
+def test_a_result_missing_keys_keeps_its_complete_figures_and_says_it_is_incomplete() -> None:
+    rows = rows_for("watchdog", {"target_pct": 1.0, "step_overhead_pct": 0.4, "cpu_overhead_pct": "x"})
+    assert rows[0].met is True
+    assert rows[-1].figure == "result incomplete" and rows[-1].met is False
+
+
+def test_collect_marks_result_files_older_than_the_run_as_stale(tmp_path: Path) -> None:
+    (tmp_path / "engine.json").write_text(json.dumps(ENGINE))
+    old = tmp_path / "hang_latency.json"
+    old.write_text(json.dumps(HANG))
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    runs: dict[str, dict[str, object]] = {}
+    results, rows = collect(["engine", "hang_latency", "scale"], runs, time.time() - 60, tmp_path)
+    assert set(results) == {"engine", "hang_latency"}
+    assert runs["engine"]["result"] == "fresh" and runs["scale"]["result"] == "missing"
+    assert runs["hang_latency"]["result"].startswith("stale")  # type: ignore[union-attr]
+    assert rows[-1].figure.endswith("[stale: earlier run]") and not rows[0].figure.endswith("]")
+
+
+def test_summary_gives_median_quartiles_and_spread() -> None:
+    s = common.summary([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (s["median"], s["p25"], s["p75"], s["iqr"], s["min"], s["max"], s["n"]) == (3, 2, 4, 2, 1, 5, 5)
+    assert s["p10"] == pytest.approx(1.4) and s["p90"] == pytest.approx(4.6)
+    assert common.summary([7.0])["iqr"] == 0
+    assert common.percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 90) == 9
+    with pytest.raises(ValueError):
+        common.summary([])
+
+
+def test_interleaved_blocks_rotate_their_order_and_ratios_are_taken_per_round() -> None:
+    calls: list[str] = []
+
+    def block(name: str, t: float) -> list[float]:
+        calls.append(name)
+        return [t, t, t * 3]
+
+    samples, per_round = common.interleave(
+        {"a": lambda: block("a", 1.0), "b": lambda: block("b", 2.0), "c": lambda: block("c", 1.5)}, 3
+    )
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert len(samples["a"]) == 9 and per_round[0] == {"a": 1.0, "b": 2.0, "c": 1.5}
+    assert common.ratios_to(per_round, "a") == {"b": [2.0] * 3, "c": [1.5] * 3}
+
+
+def test_write_result_adds_the_machine_with_its_load_average(tmp_path: Path) -> None:
+    path = common.write_result("fixture", {"x": 1}, tmp_path)
+    data = json.loads(path.read_text())
+    assert data["bench"] == "fixture" and data["x"] == 1
+    assert data["machine"]["cpu_count"] == os.cpu_count() and len(data["machine"]["load_average"]) == 3
+    assert "load average" in common.machine_line(data["machine"])
