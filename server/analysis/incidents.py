@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ddpscope.server.analysis.collective_diagnosis import (
@@ -60,9 +61,39 @@ CLOCK_SLACK_S = 1.0
 """Tolerance when ordering events of different ranks: aligned clocks agree to microseconds on one host,
 but records are emitted a little after the fact (an error is reported after its stack is formatted)."""
 
-_UNUSED_ERROR = re.compile(
+_TORCH_UNUSED = re.compile(
     r"(?:Parameters|Parameter indices) which did not receive grad for rank (\d+):\s*(.+)"
 )
+_ENGINE_UNUSED = re.compile(
+    r"parameters \[([^\]]*)\] in bucket\(s\) \[([^\]]*)\] received no gradient on rank\(s\) \[([^\]]*)\]"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Named:
+    """What an error message says is at fault: the ranks, and the parameters without a gradient."""
+
+    ranks: tuple[int, ...]
+    parameters: tuple[str, ...]
+    bucket: int | None = None
+
+
+def _named(error: Record) -> _Named | None:
+    """Parse the engines' unused-parameter errors (torch's and ddpscope's); None for other errors."""
+    message = str(error.get("message", ""))
+    m = _ENGINE_UNUSED.search(message)
+    if m:
+        buckets = [int(b) for b in re.findall(r"\d+", m.group(2))]
+        ranks = tuple(int(r) for r in re.findall(r"\d+", m.group(3)))
+        return _Named(ranks, tuple(re.findall(r"'([^']*)'", m.group(1))), buckets[0] if buckets else None)
+    m = _TORCH_UNUSED.search(message)
+    if m:
+        # Parameter names under TORCH_DISTRIBUTED_DEBUG=INFO, indices otherwise.
+        items = [t for t in re.split(r"[,\s]+", m.group(2).strip()) if t]
+        return _Named((int(m.group(1)),), tuple(t for t in items if not t.isdigit()) or tuple(items))
+    return None
+
+
 _SIGNAL = re.compile(r"\bSIG[A-Z]{2,}\b|fatal signal|killed by signal|abort", re.IGNORECASE)
 
 
@@ -131,19 +162,44 @@ def _error_incidents(
     victims = [e for e in live.errors if is_secondary(e)]
     attached: set[int] = set()
     out = []
+    # The same error raised on several ranks (the engine's cross-rank unused-parameter check fails
+    # everywhere at once) is one diagnosis, blamed on the ranks its message names.
+    groups: dict[Any, list[Record]] = {}
     for p in primaries:
-        related = [
+        named = _named(p)
+        key = (p.get("error_type"), p.get("step"), named.ranks) if named else id(p)
+        groups.setdefault(key, []).append(p)
+    for same in groups.values():
+        named = _named(same[0])
+        culprits = sorted(set(named.ranks)) if named else [same[0]["rank"]]
+        p = next((e for e in same if e["rank"] in culprits), same[0])
+        others = [e for e in same if e is not p]
+        related = others + [
             v
             for v in victims
             if v["rank"] != p["rank"] and record_s(v) >= record_s(p) - CLOCK_SLACK_S and id(v) not in attached
         ]
         attached.update(id(v) for v in related)
         crash = bool(_SIGNAL.search(f"{p.get('error_type', '')} {p.get('message', '')}"))
-        head = f"Rank {p['rank']} {'died' if p.get('fatal') else 'raised (and kept running)'}"
-        msg = f"{head} at step {p.get('step')} in {p.get('phase')}: {p.get('error_type')}: {first_line(p.get('message', ''))}"
-        if related:
-            msg += f"; {ranks_phrase(v['rank'] for v in related)} then failed because of it (lost connection)"
-        msg += ". This rank is the origin: start from its stack"
+        where_txt = "".join(
+            part
+            for part in (
+                f" at step {p['step']}" if p.get("step") is not None else "",
+                f" in {p['phase']}" if p.get("phase") not in (None, "", "unknown") else "",
+            )
+        )
+        head = f"Rank {p['rank']} {'died' if p.get('fatal') else 'raised (and kept running)'}{where_txt}"
+        msg = f"{head}: {p.get('error_type')}: {first_line(p.get('message', ''))}"
+        if others:
+            msg += f"; {ranks_phrase(e['rank'] for e in others)} reported the same error"
+        lost = [v for v in related if v not in others]
+        if lost:
+            msg += f"; {ranks_phrase(v['rank'] for v in lost)} then failed because of it (lost connection)"
+        msg += (
+            f". The cause is on {ranks_phrase(culprits)}"
+            if named and p["rank"] not in culprits
+            else ". This rank is the origin: start from its stack"
+        )
         if crash and "distributed_c10d" in (p.get("stack") or ""):
             site = user_frame(p.get("stack"))
             msg += (
@@ -151,15 +207,23 @@ def _error_incidents(
                 "ranks disagree on a collective's size, so compare what each rank issued there"
             )
         msg += "."
-        out.append(_error_incident("rank_crashed" if crash else "rank_error", p, msg, related))
-        if p.get("fatal"):
-            blame.setdefault(p["rank"], "died of an error")
+        incident = _error_incident(
+            "rank_crashed" if crash else "rank_error", p, msg, related, culprits=culprits
+        )
+        if named:
+            incident.parameters = list(named.parameters)
+            incident.bucket = named.bucket
+        out.append(incident)
+        if any(e.get("fatal") for e in same):
+            for r in culprits:
+                blame.setdefault(r, "died of an error")
     for r in live.crashed:
         last = colls.last(r, "default")
         step = snapshot.heartbeats.get(r, {}).get("step")
         msg = (
             f"Rank {r} stopped reporting with no error and no clean exit{where(snapshot, r)}, and "
-            f"{ranks_phrase(v['rank'] for v in victims)} then lost their connections to it: it was killed "
+            f"{ranks_phrase(v['rank'] for v in victims)} then lost "
+            f"{'its connection' if len({v['rank'] for v in victims}) == 1 else 'their connections'} to it: it was killed "
             "(SIGKILL, the OOM killer) or crashed in native code; check its log and the host's kernel log."
         )
         out.append(
@@ -322,26 +386,29 @@ def _unused_incidents(snapshot: JobSnapshot, live: Liveness) -> list[Incident]:
                 culprit_ranks=list(ranks),
             )
         )
+    reported = {frozenset(i.parameters) for i in out}
     for e in live.errors:
-        m = _UNUSED_ERROR.search(e.get("message", ""))
-        if not m:
+        named = _named(e)
+        if named is None or frozenset(named.parameters) in reported:
             continue
-        rank = int(m.group(1))
-        items = [t for t in re.split(r"[,\s]+", m.group(2).strip()) if t]
-        names = [t for t in items if not t.isdigit()]
-        bucket_of = _bucket_of(snapshot, rank)
-        bucket = next((bucket_of[n] for n in names if n in bucket_of), None)
+        reported.add(frozenset(named.parameters))
+        bucket_of = _bucket_of(snapshot, named.ranks[0])
+        bucket = (
+            named.bucket
+            if named.bucket is not None
+            else next((bucket_of[n] for n in named.parameters if n in bucket_of), None)
+        )
         out.append(
             Incident(
                 kind="unused_parameters",
-                message=f"Rank {rank}: parameters {', '.join(items[:10])} did not receive a gradient in step "
-                f"{e.get('step')}, so the reduction could not finish; use them on every rank or pass "
-                "find_unused_parameters=True.",
-                rank=rank,
+                message=f"Parameters {', '.join(named.parameters[:10])} received no gradient on "
+                f"{ranks_phrase(named.ranks)} in step {e.get('step')}, so the gradient reduction could not "
+                "finish; use them on every rank or pass find_unused_parameters=True.",
+                rank=named.ranks[0],
                 step=e.get("step"),
                 bucket=bucket,
-                parameters=names,
-                culprit_ranks=[rank],
+                parameters=list(named.parameters),
+                culprit_ranks=sorted(set(named.ranks)),
                 stack=e.get("stack"),
                 time_s=record_s(e),
             )

@@ -555,3 +555,27 @@ def test_a_hang_ended_by_the_ranks_death_is_no_longer_active_and_not_called_reso
     job.error(1, end + 3.9, "Timed out", step=3)
     hang = only(diagnose(job.snapshot(), end + 5), "hang")
     assert not hang.active and hang.message.startswith("(over: the rank exited or died)")
+
+
+def engine_unused_error(rank: int) -> str:
+    mine = " On this rank the missing parameters are ['aux.weight', 'aux.bias']." if rank == 1 else ""
+    return (
+        f"DistributedDataParallel (rank {rank}, step 6): parameters ['aux.weight', 'aux.bias'] in bucket(s) [0] "
+        f"received no gradient on rank(s) [1] during this backward, and find_unused_parameters=False.{mine} "
+        "Every rank still joined the gradient all-reduces."
+    )
+
+
+def test_the_same_engine_error_on_every_rank_is_one_incident_blamed_on_the_rank_it_names() -> None:
+    job = started(2)
+    end = job.train(6)
+    job.error(0, end, engine_unused_error(0), error_type="UnreducedGradientsError", step=6)
+    job.error(1, end + 0.001, engine_unused_error(1), error_type="UnreducedGradientsError", step=6)
+    incidents = diagnose(job.snapshot(), end + 1)
+    err = only(incidents, "rank_error")
+    assert err.rank == 1 and err.culprit_ranks == [1] and [r["rank"] for r in err.related] == [0]
+    assert "rank 0 reported the same error" in err.message and err.bucket == 0
+    unused = only(incidents, "unused_parameters")
+    assert (
+        unused.culprit_ranks == [1] and unused.parameters == ["aux.weight", "aux.bias"] and unused.bucket == 0
+    )
