@@ -30,6 +30,7 @@ from tests.support.synth import synth_job
 
 RESULTS = Path(__file__).parent / "results" / "dashboard.json"
 TARGET_S = 1.0
+SCREENSHOT = Path(__file__).resolve().parents[1] / "test-artifacts" / "bench-timeline-64x100.png"
 
 
 def machine() -> dict[str, Any]:
@@ -91,7 +92,9 @@ class CpuMeter:
         return cpu_seconds(os.getpid()) - collector, collector
 
 
-def render_once(context: Any, url: str, meter: CpuMeter | None = None) -> dict[str, float]:
+def render_once(
+    context: Any, url: str, meter: CpuMeter | None = None, shot: Path | None = None
+) -> dict[str, float]:
     before = meter.read() if meter else (0.0, 0.0)
     page = context.new_page()
     errors: list[str] = []
@@ -114,6 +117,9 @@ def render_once(context: Any, url: str, meter: CpuMeter | None = None) -> dict[s
     after = meter.read() if meter else (0.0, 0.0)
     timing["browser_cpu_ms"] = (after[0] - before[0]) * 1000
     timing["collector_cpu_ms"] = (after[1] - before[1]) * 1000
+    if shot is not None:
+        shot.parent.mkdir(exist_ok=True)
+        page.screenshot(path=str(shot))
     page.close()
     if errors:
         raise RuntimeError(f"the page reported errors: {errors}")
@@ -174,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(2):
                 render_once(context, url)
             warm = [render_once(context, url, meter) for _ in range(args.runs)]
+            render_once(context, url, shot=SCREENSHOT)
             context.close()
     first = cold[0]
     if first["ranks"] != args.ranks or first["ready_ticks"] != args.ranks * args.buckets:

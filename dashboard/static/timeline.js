@@ -60,7 +60,10 @@
     const rowPx = n <= 4 ? 70 : n <= 16 ? 40 : n <= 40 ? 28 : 22;
     const fwd = kind("forward", COLORS.forward, rowPx * 0.32);
     const bwd = kind("backward", COLORS.backward, rowPx * 0.32);
-    const ready = kind("bucket ready", COLORS.ready, 1.5);
+    // Many buckets put their ready ticks a pixel apart: thinner and translucent, they stay a texture
+    // over the backward bar instead of hiding it (zoom in to tell them apart).
+    const manyBuckets = ranks.some((r) => (r.buckets || []).length > 30);
+    const ready = kind("bucket ready", manyBuckets ? "rgba(17, 17, 17, 0.45)" : COLORS.ready, manyBuckets ? 1 : 1.5);
     const ar = kind("all-reduce", COLORS.allreduce, rowPx * 0.14);
     const ar2 = kind("all-reduce (odd buckets)", COLORS.allreduce2, rowPx * 0.14);
     const tail = kind("exposed tail", COLORS.exposed, rowPx * 0.4);
