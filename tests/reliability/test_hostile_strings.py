@@ -47,6 +47,7 @@ CHROMIUM_ARGS = [
 def hostile_records(job: str) -> list[dict[str, Any]]:
     records = synth_job(2, 3, 2, job=job, unused={0: PARAMS[:3]}, finished=False)
     for r in records:
+        r["stream"] = f"hostile-r{r['rank']}"  # a stream id is the agent's, at most 64 characters
         if r["kind"] == "layout":
             r["buckets"][0]["parameters"] = PARAMS
     end = max(r["time_ns"] for r in records)
@@ -57,7 +58,7 @@ def hostile_records(job: str) -> list[dict[str, Any]]:
             **env,
             "kind": "rank_error",
             "rank": 1,
-            "stream": f"{job}-r1",
+            "stream": "hostile-r1",
             "seq": seqs[1] + 1,
             "step": 2,
             "phase": f"backward{XSS_IMG}",
@@ -72,7 +73,7 @@ def hostile_records(job: str) -> list[dict[str, Any]]:
             **env,
             "kind": "hang",
             "rank": 0,
-            "stream": f"{job}-r0",
+            "stream": "hostile-r0",
             "seq": seqs[0] + 1,
             "phase": "allreduce",
             "step": 2,
