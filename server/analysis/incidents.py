@@ -5,7 +5,9 @@
 - ``rank_error`` / ``rank_crashed``: a rank raised (or died of a signal). Peers' "Connection reset by
   peer" or timeout errors are *victims*, attached to the origin as ``related``, never blamed. A rank
   that went quiet with no error and no exit just before its peers lost their connections crashed
-  (SIGKILL, the OOM killer): ``rank_crashed`` with the peers' errors attached.
+  (SIGKILL, the OOM killer): ``rank_crashed`` with the peers' errors attached. The same error raised
+  on several ranks (the engine's cross-rank unused-parameter check) is one incident, blamed on the
+  ranks its message names. ``call_site`` is the innermost user frame of the stack.
 - ``rank_silent``: no record for ``silent_after_s`` while other ranks are alive or waiting (SIGSTOP, a
   deadlocked data loader). ``job_silent``: every rank quiet without a clean exit.
 - ``missing_collective``: ranks stuck in collective #N of a process group that other ranks never
