@@ -25,6 +25,7 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from ddpscope import agent
 from ddpscope.agent import clock as agent_clock
+from ddpscope.ddp import monitor
 from ddpscope.ddp.broadcast import broadcast_coalesced
 from ddpscope.ddp.clock import estimate_offset
 from ddpscope.ddp.collectives import disabled
@@ -126,6 +127,8 @@ class DistributedDataParallel(nn.Module):
                 "DistributedDataParallel needs a process group: call "
                 "torch.distributed.init_process_group() before wrapping the module."
             )
+        # Recorder patches, rank_error hooks, hang watchdog and heartbeats: before the engine's first collective.
+        monitor.enable()
         self.module = module
         self.process_group = process_group
         self.broadcast_buffers = broadcast_buffers

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ddpscope import agent
+from ddpscope.ddp import errors
 from ddpscope.ddp.buckets import Bucket, ParamSpec, assign_buckets, build_buckets, size_limits
 from ddpscope.ddp.collectives import RECORDER
 from ddpscope.ddp.cuda_timing import CudaBucketEvents
@@ -337,7 +338,10 @@ class Reducer:
             if bad_ranks:
                 self._device_times()
                 agent.emit(self.timer.finish(unused))
-                raise UnreducedGradientsError(self._failure_message(bad_ranks, flags[self.world_size :]))
+                error = UnreducedGradientsError(self._failure_message(bad_ranks, flags[self.world_size :]))
+                # Shipped now, with step and phase: the caller may catch it, or the process may die of it.
+                errors.report_error(error)
+                raise error
         self._write_back(global_used)
         self.log_complete = self.ready_log is not None and len(self.ready_log) == len(self.params)
         self._device_times()
