@@ -105,6 +105,7 @@ def raw_ceiling(all_bodies: list[list[bytes]], workdir: Path) -> float:
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA cache_size=-65536")  # the collector's pragmas (server/engines.py), for fairness
     sql = f"INSERT INTO steps ({', '.join(STEP_COLUMNS)}) VALUES ({', '.join('?' * len(STEP_COLUMNS))}) ON CONFLICT DO NOTHING"
     n = sum(len(b) for b in rows)
     start = time.perf_counter()

@@ -48,6 +48,8 @@ def _sqlite_engine(url: str, *, pool_size: int, begin: str) -> Engine:
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA synchronous=NORMAL")
         cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        # Step rows are ~2 kB each: a 64 MB page cache keeps recent steps (what views read) in memory.
+        cur.execute("PRAGMA cache_size=-65536")
         cur.close()
 
     @event.listens_for(engine, "begin")
