@@ -100,7 +100,9 @@ def raw_ceiling(all_bodies: list[list[bytes]], workdir: Path) -> float:
     path = workdir / "raw.db"
     schema.metadata.create_all(create_engine(f"sqlite:///{path}"))  # the same table and indexes
     rows = [
-        [step_row(1, r) for r in decode_batch(gzip.decompress(body))] for per_rank in all_bodies for body in per_rank
+        [step_row(1, r) for r in decode_batch(gzip.decompress(body))]
+        for per_rank in all_bodies
+        for body in per_rank
     ]
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
@@ -186,7 +188,9 @@ def query_latency(db_url: str, job: str, steps: int, repeats: int) -> dict[str, 
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         queries = {
             "timeline": lambda: f"/api/v1/jobs/{job}/timeline?step={rng.randrange(steps)}",
-            "steps": lambda: (lambda s: f"/api/v1/jobs/{job}/steps?start={s}&end={s + 49}")(rng.randrange(steps - 50)),
+            "steps": lambda: (lambda s: f"/api/v1/jobs/{job}/steps?start={s}&end={s + 49}")(
+                rng.randrange(steps - 50)
+            ),
             "stragglers": lambda: f"/api/v1/jobs/{job}/stragglers",
         }
         for name, make in queries.items():
@@ -230,20 +234,26 @@ def main(argv: list[str] | None = None) -> int:
         result["ingest"] = {"raw_sqlite_executemany_records_per_s": ceiling, "sqlite": sq}
         result["ingest"]["sqlite"]["ratio_to_raw"] = sq["records_per_s"] / ceiling
         print(f"raw sqlite3.executemany ceiling: {ceiling:,.0f} step records/s")
-        print(f"HTTP ingest, SQLite:     {sq['records_per_s']:,.0f} records/s ({sq['records_per_s'] / ceiling:.2f}x raw)")
+        print(
+            f"HTTP ingest, SQLite:     {sq['records_per_s']:,.0f} records/s ({sq['records_per_s'] / ceiling:.2f}x raw)"
+        )
         if not args.no_postgres and postgres.available():
             with postgres.running_postgres(durable=True) as pg:
                 pq = http_ingest(pg.create_database("bench"), all_bodies)
             result["ingest"]["postgresql"] = pq
             pq["ratio_to_raw"] = pq["records_per_s"] / ceiling
-            print(f"HTTP ingest, PostgreSQL: {pq['records_per_s']:,.0f} records/s ({pq['ratio_to_raw']:.2f}x raw sqlite)")
+            print(
+                f"HTTP ingest, PostgreSQL: {pq['records_per_s']:,.0f} records/s ({pq['ratio_to_raw']:.2f}x raw sqlite)"
+            )
         if args.ingest_only:
             return 0
         qdb = f"sqlite:///{work / 'query.db'}"
         t = time.perf_counter()
         populate(qdb, "big", query_ranks, query_steps)
         n = query_ranks * query_steps
-        print(f"query database: {n:,} step records ({query_ranks} ranks) filled in {time.perf_counter() - t:.0f} s")
+        print(
+            f"query database: {n:,} step records ({query_ranks} ranks) filled in {time.perf_counter() - t:.0f} s"
+        )
         lat = query_latency(qdb, "big", query_steps, repeats=40)
         result["queries"] = {"step_records": n, "ranks": query_ranks, **lat}
         for name, v in lat.items():

@@ -82,7 +82,16 @@ class PostgresServer:
         """Immediate shutdown (no checkpoint: the data is thrown away), then SIGKILL by pid if needed."""
         with contextlib.suppress(Exception):
             subprocess.run(
-                [*_as_user(), str(PG_BIN / "pg_ctl"), "-D", str(self.datadir), "-m", "immediate", "--no-wait", "stop"],
+                [
+                    *_as_user(),
+                    str(PG_BIN / "pg_ctl"),
+                    "-D",
+                    str(self.datadir),
+                    "-m",
+                    "immediate",
+                    "--no-wait",
+                    "stop",
+                ],
                 capture_output=True,
                 timeout=30,
             )
