@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -30,25 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parent / "results" / "adapter.json"
+from bench.common import check_ranks, machine, machine_line, rotations, run_module_ranks, write_result
+
 TARGET = 0.01
-
-
-def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "os": platform.platform(),
-    }
 
 
 # -- worker (one per rank) -----------------------------------------------------------------------
@@ -118,9 +101,7 @@ def measure(kind: str, rounds: int, block: int, warmup: int) -> dict[str, Any]:
 
     for name in VARIANTS:
         run(name, warmup, keep=False)
-    for r in range(rounds):
-        # Rotate the order so that no variant always runs first (or last) in a round.
-        order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
+    for order in rotations(VARIANTS, rounds):
         got = {name: statistics.median(run(name, block, keep=True)) for name in order}
         for name in ratios:
             ratios[name].append(got[name] / got["plain"])
@@ -176,24 +157,21 @@ def main(argv: list[str] | None = None) -> int:
         worker(json.loads(args.plan), args.worker)
         return 0
 
-    from tests.support.procs import assert_all_ok, run_ranks
-
     plan = [{"kind": "mlp", "rounds": 30 if args.quick else 80, "block": 4, "warmup": 10}]
     if not args.quick:
         plan.append({"kind": "transformer", "rounds": 10, "block": 3, "warmup": 3})
     info = machine()
-    load = os.getloadavg()[0]
-    print(f"machine: {info['cpu']}, {info['cores']} cores, Python {info['python']}, load {load:.1f}")
+    print(machine_line(info), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         started = time.monotonic()
-        results = run_ranks(
-            Path(__file__).resolve(),
+        runs = run_module_ranks(
+            "bench.adapter",
             2,
             args=["--worker", out, "--plan", json.dumps(plan)],
-            timeout_s=300 if args.quick else 1200,
+            timeout_s=220 if args.quick else 1400,
         )
-        assert_all_ok(results)
+        check_ranks(runs, "bench.adapter")
         measured = json.loads(Path(out).read_text())
         elapsed = time.monotonic() - started
     for m in measured:
@@ -214,23 +192,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"{lo * 100:+.2f} .. {hi * 100:+.2f} %)"
                 + (f"  target <= {TARGET * 100:.0f} %" if k == "instrumented" else "")
             )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "benchmark": "instrument(torch DDP) step-time overhead vs stock torch DDP, interleaved",
-                "machine": info,
-                "load_average_1m": round(load, 2),
-                "quick": args.quick,
-                "target_overhead": TARGET,
-                "elapsed_s": round(elapsed, 1),
-                "results": measured,
-            },
-            indent=2,
-        )
-        + "\n"
+    path = write_result(
+        "adapter",
+        {
+            "benchmark": "instrument(torch DDP) step-time overhead vs stock torch DDP, interleaved",
+            "machine": info,
+            "quick": args.quick,
+            "target_overhead": TARGET,
+            "elapsed_s": round(elapsed, 1),
+            "results": measured,
+        },
     )
-    print(f"wrote {RESULTS}")
+    print(f"wrote {path}")
     return 0
 
 
