@@ -237,7 +237,7 @@ class Storage:
         if limit is not None:
             q = q.limit(limit)
         with self.engines.reader.connect() as conn:
-            return [StepRow.from_db(r) for r in conn.execute(q)]
+            return [StepRow.from_db(r) for r in conn.execute(q).all()]
 
     def last_step(self, job_id: int) -> int | None:
         with self.engines.reader.connect() as conn:

@@ -35,23 +35,28 @@ class StepMetrics:
 
 
 def union_after(starts: Sequence[int], ends: Sequence[int], after: int) -> tuple[int, int]:
-    """(length of the union of [start, end] spans, length of that union after ``after``), in ns."""
-    spans = sorted(zip(starts, ends, strict=False))
+    """(length of the union of [start, end] spans, length of that union after ``after``), in ns.
+
+    Written with plain comparisons (no ``max`` calls): it runs once per rank per step in every view.
+    """
     total = exposed = 0
-    cur_s = cur_e = None
-    for s, e in spans:
+    cur_s = cur_e = -1
+    for s, e in sorted(zip(starts, ends, strict=False)):
         if e < s:
             continue  # a span still in flight or garbled: it has no length to count
-        if cur_e is None or s > cur_e:
-            if cur_e is not None and cur_s is not None:
-                total += cur_e - cur_s
-                exposed += max(0, cur_e - max(cur_s, after))
+        if cur_e < 0:
+            cur_s, cur_e = s, e
+        elif s > cur_e:
+            total += cur_e - cur_s
+            if cur_e > after:
+                exposed += cur_e - (cur_s if cur_s > after else after)
             cur_s, cur_e = s, e
         elif e > cur_e:
             cur_e = e
-    if cur_e is not None and cur_s is not None:
+    if cur_e >= 0:
         total += cur_e - cur_s
-        exposed += max(0, cur_e - max(cur_s, after))
+        if cur_e > after:
+            exposed += cur_e - (cur_s if cur_s > after else after)
     return total, exposed
 
 
