@@ -7,7 +7,7 @@ timeline's Plotly figure has been drawn (``window.ddpTimelineRendered``, set aft
 resolves). Cold = a fresh browser context (plotly.js not cached yet); warm = the same context again.
 Target: <= 1 s. Prints the machine and writes bench/results/dashboard.json. Runs in well under 2 min.
 
-    .venv/bin/python -m bench.dashboard [--ranks 64] [--buckets 100] [--runs 5]
+    .venv/bin/python -m bench.dashboard [--ranks 64] [--buckets 100] [--runs 3]
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=64)
     ap.add_argument("--buckets", type=int, default=100)
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args(argv)
     from playwright.sync_api import sync_playwright
 

@@ -59,7 +59,13 @@ async def get_json(request: Request, path: str, query: str = "") -> tuple[int, A
         elif message["type"] == "http.response.body":
             chunks.append(message.get("body", b""))
 
-    await request.app(scope, receive, send)
+    try:
+        await request.app(scope, receive, send)
+    except Exception:
+        # Starlette re-raises a route's exception after answering 500; the page must still render
+        # (its script then shows the API's error), so the failure is logged here, not propagated.
+        logger.exception("internal GET %s failed", path)
+        return 500, None
     body = b"".join(chunks)
     try:
         return status, json.loads(body) if body else None

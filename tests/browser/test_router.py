@@ -73,3 +73,20 @@ def test_scripts_never_put_data_into_the_page_with_inner_html() -> None:
             assert "innerHTML" not in text and "outerHTML" not in text and "insertAdjacentHTML" not in text, (
                 res.name
             )
+
+
+def test_a_failing_api_does_not_turn_the_page_into_an_error() -> None:
+    from fastapi import FastAPI
+
+    from ddpscope.dashboard import router
+
+    app = FastAPI()
+    app.include_router(router)
+
+    @app.get("/api/v1/jobs/{job}")
+    def broken(job: str) -> None:
+        raise RuntimeError("database is gone")
+
+    resp = TestClient(app, raise_server_exceptions=False).get("/jobs/some-job")
+    assert resp.status_code == 200, "the page loads and its script reports the API error"
+    assert 'data-job="some-job"' in resp.text
