@@ -133,12 +133,20 @@ def run_scenario(client: Client, scenario: str, ranks: int, steps: int, deadline
                 )
             )
         deadline = started + deadline_s
+        # A live line on a terminal; in a log (CI, a pipe) only a start and an end line per scenario.
+        live = sys.stdout.isatty()
+        if not live:
+            print(f"  {scenario:<10} running ({ranks} ranks)", flush=True)
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             elapsed = time.monotonic() - started
             alive = sum(p.poll() is None for p in procs)
-            print(
-                f"\r  {scenario:<10} {elapsed:5.1f} s  ranks running: {alive}/{ranks}   ", end="", flush=True
-            )
+            if live:
+                print(
+                    f"\r  {scenario:<10} {elapsed:5.1f} s  ranks running: {alive}/{ranks}  "
+                    f"steps recorded: {_steps_seen(client, job)}   ",
+                    end="",
+                    flush=True,
+                )
             # A hung job never ends by itself: stop it once the collector has diagnosed it.
             if scenario == "hang" and elapsed > HANG_TIMEOUT_S and _has_incident(client, job, {"hang"}):
                 time.sleep(1.0)  # let the other ranks' reports land too
@@ -152,8 +160,26 @@ def run_scenario(client: Client, scenario: str, ranks: int, steps: int, deadline
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=10)
     elapsed = time.monotonic() - started
-    print(f"\r  {scenario:<10} {elapsed:5.1f} s  done" + " " * 30)
+    codes = ", ".join(f"rank {r}: {_describe_exit(p.returncode)}" for r, p in enumerate(procs))
+    print(f"\r  {scenario:<10} {elapsed:5.1f} s  done ({codes})" + " " * 20, flush=True)
     return ScenarioRun(scenario, job, [p.returncode for p in procs], elapsed)
+
+
+def _steps_seen(client: Client, job: str) -> int:
+    with contextlib.suppress(CollectorError):
+        for j in client.items("/api/v1/jobs"):
+            if j["job"] == job:
+                return int(j.get("steps") or 0)
+    return 0
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit {code}"
 
 
 def summarize(client: Client, run: ScenarioRun) -> list[str]:
