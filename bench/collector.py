@@ -64,6 +64,7 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "sqlite": sqlite3.sqlite_version,
         "os": platform.platform(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],  # a shared machine: read figures against it
     }
 
 

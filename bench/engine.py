@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import signal
 import socket
 import statistics
@@ -40,14 +39,9 @@ PLANS = {
 
 
 def machine() -> dict[str, Any]:
-    import torch
+    from bench.common import machine as describe  # platform, CPUs, load average, versions
 
-    return {
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
+    return describe()
 
 
 # -- the worker (one per rank) ------------------------------------------------------------------------
@@ -219,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.monotonic() - started, 1),
     }
     m = report["machine"]
-    print(f"machine: {m['platform']}, {m['cpu_count']} CPUs, python {m['python']}, torch {m['torch']}")
+    print(
+        f"machine: {m['platform']}, {m['cpu_count']} CPUs, python {m['python']}, torch {m['torch']}, "
+        f"load average {m['load_average']}"
+    )
     print("2 ranks, gloo, 1 thread per rank; median step time (forward + backward + SGD step)")
     for name, r in models.items():
         med = r["median_step_s"]

@@ -51,6 +51,7 @@ def machine() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "os": platform.platform(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],  # a shared machine: read figures against it
     }
 
 
@@ -265,7 +266,9 @@ def main() -> None:
     from tests.support.procs import assert_all_ok, started_ranks, wait_all
 
     info = machine()
-    print(f"machine: {info['cpu']}, {info['cores']} cores, Python {info['python']}")
+    print(
+        f"machine: {info['cpu']}, {info['cores']} cores, Python {info['python']}, load {info['load_average']}"
+    )
     argv = ["--worker"] + (["--quick"] if args.quick else [])
     started = time.monotonic()
     with started_ranks(Path(__file__), 2, args=argv) as procs:
