@@ -161,8 +161,9 @@ def _scale(d: Mapping[str, Any]) -> Iterator[Row]:
     for r in d.get("buckets", []):
         yield Row(
             "scale",
-            f"step record, {r['buckets']} buckets: JSON / gzip bytes; ingest",
-            f"{r['json_bytes']:,} / {r['gzip_bytes']:,} B; {r['us_per_record']:.0f} µs/record",
+            f"step record, {r['buckets']} buckets: JSON / gzip size; ingest µs/record wall (collector CPU)",
+            f"{r['json_bytes']:,} / {r['gzip_bytes']:,} B; {r['us_per_record']:.0f} "
+            f"({r['collector_cpu_us_per_record']:.0f}) µs",
             "—",
             None,
         )
@@ -171,8 +172,8 @@ def _scale(d: Mapping[str, Any]) -> Iterator[Row]:
         qs = ", ".join(f"{k} {v:.0f} ms" for k, v in q.items())
         yield Row(
             "scale",
-            f"{r['ranks']} ranks x {r['steps']} steps: ingest; queries",
-            f"{r['records_per_s']:,.0f} rec/s; {qs}",
+            f"{r['ranks']} ranks x {r['steps']} steps: ingest records/s (collector CPU/record); queries",
+            f"{r['records_per_s']:,.0f} ({r['collector_cpu_us_per_record']:.0f} µs); {qs}",
             "—",
             None,
         )

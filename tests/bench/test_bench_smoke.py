@@ -101,3 +101,40 @@ def test_write_result_adds_the_machine_with_its_load_average(tmp_path: Path) -> 
     assert data["bench"] == "fixture" and data["x"] == 1
     assert data["machine"]["cpu_count"] == os.cpu_count() and len(data["machine"]["load_average"]) == 3
     assert "load average" in common.machine_line(data["machine"])
+
+
+def test_scale_and_debug_aid_figures_are_published_without_a_verdict() -> None:
+    scale = {
+        "buckets": [
+            {
+                "buckets": 10,
+                "json_bytes": 1156,
+                "gzip_bytes": 356,
+                "us_per_record": 700.4,
+                "collector_cpu_us_per_record": 60.2,
+            }
+        ],
+        "ranks": [
+            {
+                "ranks": 1024,
+                "steps": 10,
+                "records_per_s": 2600.0,
+                "collector_cpu_us_per_record": 45.0,
+                "queries_ms": {"stragglers": 1200.0, "incidents": 80.0},
+            }
+        ],
+    }
+    rows = rows_for("scale", scale)
+    assert [r.measured for r in rows] == [
+        "1,156 / 356 B; 700 (60) µs",
+        "2,600 (45 µs); stragglers 1200 ms, incidents 80 ms",
+    ]
+    aids = {
+        "model": "mlp",
+        "world_size": 2,
+        "ratios": {"INFO, wall": {"median": 1.02}},
+        "detail_all_reduce": {"ratio": 6.5},
+    }
+    rows = rows_for("debug_aids", aids)
+    assert [(r.measured, r.met) for r in rows] == [("1.020", None), ("6.50", None)]
+    assert all(r.met is None for r in rows_for("scale", scale))
