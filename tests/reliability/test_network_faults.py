@@ -14,8 +14,8 @@ from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
-N = 1600
-RATE = 160.0
+N = 2400
+RATE = 150.0
 PHASES: list[tuple[str, dict[str, float]]] = [
     ("pass", {}),
     ("latency", {"delay_s": 0.3}),
@@ -38,9 +38,19 @@ def test_network_faults_lose_nothing_duplicate_nothing_and_never_block_emit(
     with TcpProxy(collector.port, max_lifetime_s=110) as proxy:
         # A 1 s request timeout: a hung connection costs the shipper one second, then it retries.
         p = started.emitter(agent_env(proxy.url, tmp_path / "spool", job), N, RATE)
+        # The shipper process may take a while to start on a loaded machine: faults begin with traffic.
+        deadline = time.monotonic() + 30
+        while not any(e[1] == "request" for e in proxy.events) and time.monotonic() < deadline:
+            time.sleep(0.05)
         for mode, params in PHASES:
             proxy.set(mode, **params)
-            time.sleep(PHASE_S)
+            # Each phase lasts until its fault really hit a request (bounded): a loaded machine may
+            # leave the shipper idle or backing off for a whole short phase.
+            phase_end = time.monotonic() + PHASE_S
+            while time.monotonic() < phase_end or (mode != "pass" and not proxy.faults[mode]):
+                if time.monotonic() > phase_end + 6 or p.poll() is not None:
+                    break
+                time.sleep(0.05)
         proxy.set("pass")
         summary = finish(p, 60)
         acc = wait_for(db, job, N, 45)
