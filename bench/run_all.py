@@ -30,14 +30,14 @@ logger = logging.getLogger(__name__)
 
 # name -> (deadline quick, deadline full), seconds. Order: cheap and central first.
 BENCHMARKS: dict[str, tuple[float, float]] = {
-    "engine": (240, 1800),
+    "engine": (300, 1800),
     "end_to_end": (300, 3600),
-    "adapter": (240, 1500),
+    "adapter": (360, 1500),
     "debug_aids": (240, 1800),
     "watchdog": (180, 900),
     "agent": (180, 900),
     "hang_latency": (150, 600),
-    "collector": (300, 1800),
+    "collector": (360, 1800),
     "scale": (240, 1800),
     "dashboard": (240, 600),
 }
