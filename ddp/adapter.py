@@ -141,7 +141,11 @@ class Instrumentation:
         self._pg = pg_name(self._group)
         self._rank = global_rank()
         world = self._group.size()
+        self._world = world
         self._scale = 1.0 / world
+        # torch scales a gradient that already lives in its bucket (gradient_as_bucket_view) with
+        # div_(world) and one it copies in with mul(1/world): the same bits only for powers of two.
+        self._exact_div = bool(ddp.gradient_as_bucket_view) and world & (world - 1) != 0
         self._user_hook = comm_hook
         self._user_state = comm_state
 
@@ -167,6 +171,8 @@ class Instrumentation:
         self._queued = False
         self._rebuilt_before = bool(getattr(ddp, "_has_rebuilt_buckets", False))
         self._reset_step()
+        self._in_bucket = [False] * len(params)
+        """Per parameter (``_exact_div`` only): its gradient was already a view of its bucket."""
 
         agent.emit(self._rank_start(estimate.offset_ns, estimate.error_ns, world, params))
         self._emit_layout("initial")
@@ -281,6 +287,20 @@ class Instrumentation:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _make_param_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        if self._exact_div:
+            in_bucket = self._in_bucket
+
+            def hook_noting_views(param: torch.Tensor) -> None:
+                if not self._queued:
+                    self._begin_backward()
+                self._times[index] = now_ns()
+                PROGRESS.counter += 1
+                # Runs before the Reducer's own hook, so this is the state torch decides on.
+                grad = param.grad
+                in_bucket[index] = grad is not None and grad._base is not None
+
+            return hook_noting_views
+
         def hook(param: torch.Tensor) -> None:
             if not self._queued:
                 self._begin_backward()
@@ -288,6 +308,24 @@ class Instrumentation:
             PROGRESS.counter += 1
 
         return hook
+
+    def _scale_bucket(self, bucket: Any, buf: torch.Tensor) -> None:
+        """Scale exactly as torch's C++ Reducer would have without a comm hook."""
+        if not self._exact_div:
+            buf.mul_(self._scale)
+            return
+        index_of = self._learner.index_of
+        flags = [self._in_bucket[index_of.get(id(p), -1)] for p in bucket.parameters()]
+        if not any(flags):
+            buf.mul_(self._scale)
+        elif all(flags):
+            buf.div_(self._world)
+        else:
+            for view, in_place in zip(bucket.gradients(), flags, strict=True):
+                if in_place:
+                    view.div_(self._world)
+                else:
+                    view.mul_(self._scale)
 
     # No annotations on purpose: torch checks them against dist.GradBucket and Future at registration,
     # and postponed annotations (``from __future__ import annotations``) are strings to it.
@@ -303,7 +341,7 @@ class Instrumentation:
         if user is None:
             # Exactly torch's default path: scale in the bucket, then a SUM all-reduce. Called on the
             # process group itself, as torch's C++ default does (the patched dist.all_reduce is for users).
-            buf.mul_(self._scale)
+            self._scale_bucket(bucket, buf)
             fut = self._group.allreduce([buf]).get_future()
         else:
             # The user's own collectives are this bucket's reduction, recorded once above.

@@ -120,10 +120,11 @@ def predict_initial(ddp: Any, base: Layout) -> Layout:
 class LayoutLearner:
     """Assembles a layout from the GradBucket objects one backward's comm hook calls see."""
 
-    __slots__ = ("_index_of", "_seen")
+    __slots__ = ("index_of", "_seen")
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
-        self._index_of = {id(p): i for i, p in enumerate(params)}
+        self.index_of = {id(p): i for i, p in enumerate(params)}
+        """id(parameter) -> its index in the adapter's parameter list."""
         self._seen: dict[int, tuple[int, ...]] = {}
 
     def reset(self) -> None:
@@ -131,7 +132,7 @@ class LayoutLearner:
 
     def observe(self, bucket: Any) -> None:
         """Remember which parameters ``bucket`` holds (one call per bucket and step)."""
-        index_of = self._index_of
+        index_of = self.index_of
         self._seen[int(bucket.index())] = tuple(index_of.get(id(p), -1) for p in bucket.parameters())
 
     def result(self, base: Layout) -> Layout | None:

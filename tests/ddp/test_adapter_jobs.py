@@ -78,6 +78,14 @@ def test_parameters_are_bit_identical_to_uninstrumented_torch_ddp_after_several_
         assert parity.results_json[rank]["identical"], parity.results_json[rank]["max_diff"]
 
 
+def test_gradients_kept_in_their_buckets_are_scaled_as_torch_does_on_three_ranks(tmp_path: Path) -> None:
+    # gradient_as_bucket_view + zero_grad(set_to_none=False): torch divides by 3 in the bucket, which
+    # differs in the last bit from multiplying by 1/3 (what it does to a gradient it copies in).
+    job = run("asview", tmp_path, world_size=3)
+    for rank in range(3):
+        assert job.results_json[rank]["identical"], job.results_json[rank]["max_diff"]
+
+
 def test_find_unused_parameters_still_trains_identically(unused: AdapterRun) -> None:
     for rank in (0, 1):
         assert unused.results_json[rank]["identical"], unused.results_json[rank]["max_diff"]

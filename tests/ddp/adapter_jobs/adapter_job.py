@@ -12,6 +12,8 @@ Scenarios:
   userhook torch's fp16_compress_hook registered on the plain model and passed through instrument();
            and the refusal of a model that already has a hook.
   hang     rank 1 sleeps inside backward at step 2 (JOB_STALL_S); DDPSCOPE_HANG_TIMEOUT set by the test.
+  asview   gradient_as_bucket_view=True, gradients kept between steps (zero_grad(set_to_none=False)):
+           torch then divides in the bucket instead of multiplying; run with 3 ranks to tell them apart.
   disabled DDPSCOPE_DISABLED=1 (set by the test): what instrument() attached, if anything.
 """
 
@@ -75,7 +77,9 @@ def timings(model: DDP) -> dict[str, Any]:
     return {k: v for k, v in data.items() if isinstance(v, (int, str))}
 
 
-def train_pair(plain: DDP, inst: DDP, rank: int, width: int, set_step: bool = False) -> list[dict[str, Any]]:
+def train_pair(
+    plain: DDP, inst: DDP, rank: int, width: int, set_step: bool = False, set_to_none: bool = True
+) -> list[dict[str, Any]]:
     """The same steps on both models; returns DDP's logging data read after each synced forward."""
     inst._set_ddp_runtime_logging_sample_rate(1)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (plain, inst)]
@@ -94,7 +98,7 @@ def train_pair(plain: DDP, inst: DDP, rank: int, width: int, set_step: bool = Fa
                 logged.append({"read_at_step": step, **timings(m)})
             out.square().mean().backward()
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
     return logged
 
 
@@ -119,6 +123,13 @@ def unused(rank: int) -> dict[str, Any]:
     plain = DDP(Branchy(), find_unused_parameters=True)
     inst = instrument(DDP(Branchy(), find_unused_parameters=True))
     train_pair(plain, inst, rank, 64, set_step=True)
+    return compare(plain, inst)
+
+
+def asview(rank: int) -> dict[str, Any]:
+    plain = DDP(mlp(), gradient_as_bucket_view=True)
+    inst = instrument(DDP(mlp(), gradient_as_bucket_view=True))
+    train_pair(plain, inst, rank, 256, set_to_none=False)
     return compare(plain, inst)
 
 
@@ -185,9 +196,14 @@ def main() -> None:
     _capture.capture(out_dir)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    result = {"parity": parity, "unused": unused, "userhook": userhook, "hang": hang, "disabled": disabled}[
-        scenario
-    ](rank)
+    result = {
+        "parity": parity,
+        "unused": unused,
+        "userhook": userhook,
+        "hang": hang,
+        "asview": asview,
+        "disabled": disabled,
+    }[scenario](rank)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     _capture.flush()
     dist.destroy_process_group()
