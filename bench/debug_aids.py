@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import logging
 import os
@@ -99,7 +100,7 @@ def worker(kind: str, rounds: int, block: int, out: str) -> None:
         for v in models:
             steps(v, 5)
             cpu[v].clear()
-        samples, per_round = interleave({v: (lambda v=v: steps(v, block)) for v in models}, rounds)
+        samples, per_round = interleave({v: functools.partial(steps, v, block) for v in models}, rounds)
         result["median_step_s"] = {k: statistics.median(v) for k, v in samples.items()}
         result["ratios"] = ratios_to(per_round, "torch")
         result["median_cpu_per_step_s"] = {k: statistics.median(v) for k, v in cpu.items()}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import logging
 import os
@@ -109,7 +110,7 @@ def worker(mode: str, plan: dict[str, list[int]], job: str, out: str) -> None:
 
         for variant in models:
             steps(variant, warmup)
-        blocks = {v: (lambda v=v: steps(v, block)) for v in models}  # noqa: B023
+        blocks = {v: functools.partial(steps, v, block) for v in models}
         samples, per_round = interleave(blocks, rounds)
         results[name] = {
             "parameters": sum(p.numel() for p in base.parameters()),
@@ -118,8 +119,9 @@ def worker(mode: str, plan: dict[str, list[int]], job: str, out: str) -> None:
             "ratios": ratios_to(per_round, "torch"),
         }
         for m in models.values():
-            if hasattr(m, "remove_hooks"):
-                m.remove_hooks()
+            remove = getattr(m, "remove_hooks", None)
+            if callable(remove):
+                remove()
     dist.barrier()
     if rank == 0:
         Path(out).write_text(json.dumps(results))

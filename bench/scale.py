@@ -66,7 +66,9 @@ def _post(url: str, records: list[dict[str, Any]]) -> None:
 
 
 def _batches(records: list[dict[str, Any]], per: int) -> list[list[dict[str, Any]]]:
-    out, cur, size = [], [], 0
+    out: list[list[dict[str, Any]]] = []
+    cur: list[dict[str, Any]] = []
+    size = 0
     for r in records:
         n = len(json.dumps(r))
         if cur and (len(cur) >= per or size + n > MAX_BATCH_BYTES):
@@ -107,7 +109,7 @@ def bucket_sweep(url: str, pid: int, quick: bool) -> list[dict[str, Any]]:
         step_recs = [r for r in recs if r["kind"] == "step"][:100]
         one = json.dumps(step, separators=(",", ":")).encode()
         batch = json.dumps({"schema": 1, "records": step_recs}, separators=(",", ":")).encode()
-        row = {
+        row: dict[str, Any] = {
             "buckets": buckets,
             "ranks": 8,
             "steps": steps,
