@@ -56,6 +56,12 @@ def run_one(name: str, quick: bool, deadline_s: float) -> dict[str, Any]:
             status = f"failed (exit {proc.returncode})"
     except subprocess.TimeoutExpired:
         status = f"killed at the {deadline_s:.0f} s deadline"
+        # SIGINT first: the benchmark's ranks and collectors run in sessions of their own, which only
+        # its own cleanup (finally blocks, context managers) kills; SIGKILL if it does not exit.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=20)
     finally:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
