@@ -1,6 +1,6 @@
 """The same job on stock torch DDP, observed with ``instrument()``: torch's Reducer keeps the gradients.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 examples/train_instrument.py
+OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 examples/train_instrument.py
 """
 
 import torch

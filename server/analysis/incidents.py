@@ -166,7 +166,7 @@ def _error_incidents(
     out = []
     # The same error raised on several ranks (the engine's cross-rank unused-parameter check fails
     # everywhere at once) is one diagnosis, blamed on the ranks its message names.
-    groups: dict[Any, list[Record]] = {}
+    groups: dict[Any, list[dict[str, Any]]] = {}
     for p in primaries:
         named = _named(p)
         key = (p.get("error_type"), p.get("step"), named.ranks) if named else id(p)
