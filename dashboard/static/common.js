@@ -113,12 +113,19 @@ const ddp = (() => {
     else document.addEventListener("DOMContentLoaded", resolve, { once: true });
   });
 
+  // With responsive: true Plotly sizes the figure to its div on every window resize; a div whose
+  // height comes only from its content then collapses (to min-height) and clips the figure.
+  function fixHeight(node, height) {
+    if (height) node.style.height = height + "px";
+  }
+
   async function plot(id, traces, layout) {
     await plotlyReady;
     const node = document.getElementById(id);
-    const base = { margin: { l: 60, r: 20, t: 10, b: 40 }, uirevision: "keep", font: { size: 12 } };
-    return Plotly.react(node, traces, Object.assign(base, layout || {}), plotConfig);
+    const full = Object.assign({ margin: { l: 60, r: 20, t: 10, b: 40 }, uirevision: "keep", font: { size: 12 } }, layout || {});
+    fixHeight(node, full.height);
+    return Plotly.react(node, traces, full, plotConfig);
   }
 
-  return { cfg, api, apiAll, jobPath, jobHref, el, say, fmtSeconds, fmtBytes, fmtRatio, fmtAgo, poll, plot, plotlyReady, plotText, withParam };
+  return { cfg, api, apiAll, jobPath, jobHref, el, say, fmtSeconds, fmtBytes, fmtRatio, fmtAgo, poll, plot, fixHeight, plotlyReady, plotText, withParam };
 })();

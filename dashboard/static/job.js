@@ -133,17 +133,18 @@
     }
     // Scores by phase: the overall compute slowdown and, when the API splits it, forward and backward.
     items = [...items].sort((a, b) => a.rank - b.rank);
-    const x = items.map((i) => "rank " + i.rank);
+    const x = items.map((i) => i.rank);
     const series = [["compute", "slowdown", "#1f5fbf"], ["forward", "forward_slowdown", "#9cc0ee"], ["backward", "backward_slowdown", "#f0a030"]]
       .filter(([, key]) => items.some((i) => typeof i[key] === "number"));
     const traces = series.map(([phase, key, color]) => ({
       type: "bar", name: phase, x, y: items.map((i) => i[key] ?? null), marker: { color },
       customdata: items.map((i) => [i.steps_flagged ?? 0, i.steps_considered ?? "?"]),
-      hovertemplate: `%{x} · ${phase}<br>slowdown %{y:.2f}×<br>flagged in %{customdata[0]} of %{customdata[1]} steps<extra></extra>`,
+      hovertemplate: `rank %{x} · ${phase}<br>slowdown %{y:.2f}×<br>flagged in %{customdata[0]} of %{customdata[1]} steps<extra></extra>`,
     }));
     const phases = new Map(series.map((s) => [s[0], s]));
     const drawn = ddp.plot("stragglers", traces, {
       height: 260, barmode: "group", showlegend: phases.size > 1,
+      xaxis: { title: { text: "rank" }, tickmode: "linear", dtick: Math.max(1, Math.ceil(items.length / 16)) },
       yaxis: { title: { text: "slowdown vs median of others" }, rangemode: "tozero" },
       // The analysis' own threshold, when the API reports it: bars above the red line count against a rank.
       shapes: [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: 1, y1: 1, line: { dash: "dot", color: "#888" } }]

@@ -117,8 +117,10 @@
       .concat(kinds.map(shapeOf));
     const legend = [fwd, bwd, ready, ar, tail].map(legendTraceOf);
     const div = document.getElementById("timeline");
+    const height = 90 + n * rowPx;
+    ddp.fixHeight(div, height);
     return Plotly.react(div, legend.concat(kinds.map(hoverTraceOf)), {
-      height: 90 + n * rowPx, margin: { l: 70, r: 20, t: 30, b: 50 }, hovermode: "closest",
+      height, margin: { l: 70, r: 20, t: 30, b: 50 }, hovermode: "closest",
       legend: { orientation: "h", x: 0, y: 1.0, yanchor: "bottom", itemclick: false, itemdoubleclick: false },
       annotations, shapes,
       xaxis: { title: { text: "time since the step began" }, range: [0, lastT * 1.02 || 1], zeroline: false,

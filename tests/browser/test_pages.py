@@ -71,7 +71,7 @@ def test_job_page_draws_every_rank_and_step_and_flags_the_straggler(collector: C
     overlap = figure(page, "overlap")["data"]
     assert {t["name"] for t in overlap} == {f"rank {r}" for r in range(4)}
     strag = figure(page, "stragglers")["data"]
-    assert strag[0]["x"] == [f"rank {r}" for r in range(4)]
+    assert strag[0]["x"] == [0, 1, 2, 3]
     assert text(page, "#stragglers-msg").startswith("Flagged: rank 2 (")
     buckets = figure(page, "buckets")["data"]
     assert buckets[0]["x"] == list(range(5))
@@ -80,6 +80,12 @@ def test_job_page_draws_every_rank_and_step_and_flags_the_straggler(collector: C
     href = page.get_attribute("#trace-link", "href")
     assert href.endswith("/trace?start=2&end=11")
     screenshot(page, "job-page")
+    # A narrower window re-lays the figures out (responsive) without collapsing them to their min-height.
+    page.set_viewport_size({"width": 900, "height": 700})
+    page.wait_for_function("document.getElementById('heatmap')._fullLayout.width < 900", timeout=WAIT_MS)
+    sizes = page.evaluate("() => ['heatmap', 'overlap', 'buckets'].map((id) => { const d = document.getElementById(id); "
+                          "return [d.clientHeight, d._fullLayout.height]; })")  # fmt: skip
+    assert all(shown == drawn for shown, drawn in sizes), sizes
 
 
 def test_trace_link_downloads_perfetto_json_of_the_chosen_steps(collector: Collector, page) -> None:
