@@ -57,6 +57,8 @@
     });
   }
 
+  const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"];
+
   function drawOverlap(w) {
     const byRank = new Map();
     for (const it of w.items) {
@@ -68,7 +70,9 @@
     for (const [rank, its] of [...byRank.entries()].sort((a, b) => a[0] - b[0])) {
       its.sort((a, b) => a.step - b.step);
       const x = its.map((i) => i.step);
-      const common = { type: "scatter", mode: "lines", x, legendgroup: "r" + rank, line: { width: 1.5 } };
+      // One colour per rank in both panels (Plotly's own cycle would give each trace its own).
+      const common = { type: "scatter", mode: "lines", x, legendgroup: "r" + rank,
+        line: { width: 1.5, color: PALETTE[rank % PALETTE.length] } };
       traces.push(Object.assign({}, common, {
         name: "rank " + rank, y: its.map((i) => i.overlap_ratio), yaxis: "y",
         hovertemplate: `rank ${rank} · step %{x}<br>overlap %{y:.0%}<extra></extra>`,
