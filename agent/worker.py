@@ -109,6 +109,13 @@ class Worker:
         """Export everything queued so far, in the caller's thread; False if the deadline passed."""
         return self._drain(deadline=time.monotonic() + timeout_s, final=True)
 
+    def persist(self, timeout_s: float) -> bool:
+        """Like ``flush`` but an ordinary round (no end-of-round extras such as a stats record): the
+        cheap synchronous write a caller does before something that may kill the process."""
+        if not self.queue:
+            return True  # the worker (or another caller) already exported everything
+        return self._drain(deadline=time.monotonic() + timeout_s, final=False)
+
     def shutdown(self, timeout_s: float) -> bool:
         """Stop the thread and drain what is left, all within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s

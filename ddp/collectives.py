@@ -15,6 +15,14 @@ User calls are recorded once ``install()`` has patched the public ``torch.distri
 aborts the process on mismatched sizes, and the record of the call that killed it is the evidence a
 post-mortem needs. Completion emits ``collective_end``.
 
+That record is written to the agent's on-disk spool before the call enters torch
+(``agent.emit_durable``, ~10-20 us): gloo's abort comes ~1 ms after the call, inside the agent's
+20 ms batching round, and a record still in memory dies with the process. The engine's bucket
+all-reduces get the same treatment: the layout check makes each bucket's shape equal on every rank,
+but not every rank's *sequence* (a user collective, ``no_sync`` or a branch on one rank only puts a
+bucket all-reduce against something else at the same seq, and either side may be the one aborted).
+Only the clock's ping-pong (engine send/recv) skips it: fixed sizes, and it times round trips.
+
 The recorder never raises into training: its own failures are counted in ``internal_errors`` and
 logged once; the collective still runs.
 """
@@ -31,7 +39,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ddpscope.agent import emit, get_agent
+from ddpscope.agent import emit, emit_durable, get_agent
 from ddpscope.agent.clock import now_ns
 from ddpscope.ddp.progress import PROGRESS, Progress
 
@@ -96,9 +104,12 @@ class CollectiveRecorder:
         source: str = "user",
         step: int | None = None,
         call_site: str | None = None,
+        durable: bool | None = None,
     ) -> int:
         """Number a collective about to be issued, emit its ``collective`` record; return its seq.
 
+        ``durable`` (default: every collective but the engine's send/recv) writes the record to the
+        spool before returning, so it survives an abort inside the collective (see the module doc).
         Never raises: on an internal failure it returns the seq (or 0 if even numbering failed).
         """
         seq = 0
@@ -135,7 +146,12 @@ class CollectiveRecorder:
                 progress.last_coll_seq = seq
             progress.counter += 1
             self._ring.append(record)
-            emit(record)
+            if durable is None:
+                durable = source != "engine" or op not in _UNDURABLE_ENGINE_OPS
+            if durable:
+                emit_durable(record)
+            else:
+                emit(record)
         except Exception:
             self._failed("begin")
         return seq
@@ -296,6 +312,10 @@ _RECORD_FIELDS = (
     "source",
 )
 _INFLIGHT_FIELDS = ("pg", "coll_seq", "op", "shapes", "dtypes", "call_site", "start_ns")
+
+_UNDURABLE_ENGINE_OPS = frozenset({"send", "recv"})
+"""Engine ops whose record need not reach the spool before the call: the clock's fixed-size
+ping-pong, where a spool write on one side would lengthen the round trip it measures."""
 
 _DTYPE_NAMES: dict[Any, str] = {}
 

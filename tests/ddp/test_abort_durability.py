@@ -1,0 +1,94 @@
+"""Crash durability on a real abort: gloo kills a rank ~1 ms after a mismatched all-reduce, and that
+rank's record of the call (written to the spool before the call entered torch) and its fatal-signal
+report (faulthandler's crash file, shipped by the shipper that outlives it) still reach a real
+collector, which then names both ranks' sizes and the call site in a 'mismatch' incident."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.ddp.failure_jobs.runner import site
+from tests.support.collector_proc import CollectorProc
+from tests.support.procs import run_ranks
+
+JOB = Path(__file__).parent / "abort_jobs" / "mismatch_job.py"
+DEADLINE_S = 60.0
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def incidents(url: str, job: str) -> list[dict[str, Any]]:
+    with urllib.request.urlopen(f"{url}/api/v1/jobs/{job}/incidents", timeout=5) as resp:
+        return list(json.load(resp)["items"])
+
+
+def kill_shippers_of(spool_dir: Path) -> None:
+    """SIGKILL, by pid, any shipper still tailing this test's spool (they exit by themselves once
+    they have shipped; this only bounds a failing run)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            if b"ddpscope.agent.shipper" in cmdline and str(spool_dir).encode() in cmdline:
+                os.kill(int(entry), signal.SIGKILL)
+
+
+def test_the_aborted_rank_s_last_collective_and_its_crash_reach_the_collector(tmp_path: Path) -> None:
+    job = f"abort-{uuid.uuid4().hex[:8]}"
+    spool_dir = tmp_path / "spool"
+    spool_dir.mkdir()
+    with CollectorProc(f"sqlite:///{tmp_path}/x.db", log_path=tmp_path / "collector.log") as collector:
+        url = collector.start()
+        env = {
+            "DDPSCOPE_URL": url,
+            "DDPSCOPE_JOB": job,
+            "DDPSCOPE_SPOOL_DIR": str(spool_dir),
+            "DDPSCOPE_SHIPPER_LINGER_S": "30",
+            "DDPSCOPE_HANG_TIMEOUT": "120",
+            # The worker's rounds 10 s apart: what reaches the spool before the abort got there by
+            # emit_durable alone, not by a lucky 20 ms round (which made this pass 1 run in 2 without it).
+            "DDPSCOPE_FLUSH_INTERVAL_S": "10",
+        }
+        try:
+            results = run_ranks(JOB, 2, env=env, timeout_s=DEADLINE_S)
+            output = "\n".join(f"--- rank {r.rank} rc={r.returncode}\n{r.stderr[-2000:]}" for r in results)
+            aborted = [r.rank for r in results if r.returncode == -signal.SIGABRT]
+            assert len(aborted) == 1, output  # gloo's enforce aborts the receiving rank only
+            (dead,) = aborted
+            deadline = time.monotonic() + DEADLINE_S
+            found: list[dict[str, Any]] = []
+            while time.monotonic() < deadline:
+                found = incidents(url, job)
+                kinds = {i["kind"] for i in found}
+                crashed = [
+                    i for i in found if i["kind"] in ("rank_crashed", "rank_error") and i["rank"] == dead
+                ]
+                if "mismatch" in kinds and crashed:
+                    break
+                time.sleep(0.25)
+        finally:
+            kill_shippers_of(spool_dir)
+        summary = json.dumps(found, indent=1)[:6000]
+        mismatches = [i for i in found if i["kind"] == "mismatch"]
+        assert mismatches, f"no mismatch incident\n{summary}\n{output}\n{collector.log_tail()}"
+        (mismatch,) = mismatches
+        # Both ranks' records of collective #4 are needed for the diagnosis: the aborted rank's one
+        # was only ever in the spool because it was written there before the call entered torch.
+        assert mismatch["seq"] == 4, summary
+        assert "[8]" in mismatch["message"] and "[16]" in mismatch["message"], summary
+        assert mismatch["call_site"].endswith(site("mismatch", JOB)), summary
+        assert mismatch["culprit_ranks"], summary
+        crashed = [i for i in found if i["kind"] in ("rank_crashed", "rank_error") and i["rank"] == dead]
+        assert crashed, f"no fatal report of rank {dead}\n{summary}"
+        assert "SIGABRT" in json.dumps(crashed), summary
