@@ -7,6 +7,7 @@
   let maxStep = -1;
   let firstLoad = true;
   let world = null;
+  let traceRangeEdited = false;
   window.ddpJobUpdates = 0; // count of completed refreshes: tests wait on it
 
   async function fetchSteps() {
@@ -112,8 +113,11 @@
         `slowest step (${slowest.step}, ${ddp.fmtSeconds(slowest.step_s)})`));
       const start = document.getElementById("trace-start");
       const end = document.getElementById("trace-end");
-      if (start.value === "") start.value = Math.max(0, maxStep - 9);
-      if (end.value === "") end.value = maxStep;
+      // Follow the last ten steps until the user picks a range.
+      if (!traceRangeEdited) {
+        start.value = Math.max(0, maxStep - 9);
+        end.value = maxStep;
+      }
       updateTraceLink();
     }
   }
@@ -251,7 +255,9 @@
     window.ddpJobUpdates += 1;
   }
 
-  for (const id of ["trace-start", "trace-end"]) document.getElementById(id).addEventListener("input", updateTraceLink);
+  for (const id of ["trace-start", "trace-end"]) {
+    document.getElementById(id).addEventListener("input", () => { traceRangeEdited = true; updateTraceLink(); });
+  }
   document.getElementById("trace-form").addEventListener("submit", (e) => e.preventDefault());
   ddp.poll(refresh, 2000, (e) => ddp.say("message", "Could not refresh: " + e.message, true));
 })();
