@@ -1,8 +1,9 @@
 """The bucket layout and how well it matches the order gradients actually arrive in.
 
 All-reduces launch strictly in bucket-index order, so a bucket that becomes ready while a lower-index
-bucket is still waiting for gradients is **ready out of order**: its all-reduce waits (the **order
-penalty**, launch minus ready). Many out-of-order buckets mean the layout does not follow the
+bucket is still waiting for gradients is **ready out of order**: its all-reduce waits until the
+previous index has launched (the **order penalty**: ``min(launch[i], launch[i-1]) - ready[i]`` when
+positive; bucket 0 never waits on order, and the engine's own launch latency is not counted). Many out-of-order buckets mean the layout does not follow the
 backward pass (e.g. parameters used in a different order than declared).
 """
 
@@ -27,7 +28,7 @@ class BucketStats:
     steps: int = 0
     """Number of (rank, step) observed."""
     order_penalty_s: float = 0.0
-    """Mean launch-minus-ready delay over the observed steps, seconds."""
+    """Mean time the bucket, once ready, waited for the previous index to launch, seconds."""
 
 
 def out_of_order(ready_order: Sequence[int]) -> set[int]:
@@ -42,6 +43,13 @@ def out_of_order(ready_order: Sequence[int]) -> set[int]:
         while lowest_missing in seen:
             lowest_missing += 1
     return late
+
+
+def order_wait_ns(ready_ns: Sequence[int], launch_ns: Sequence[int], i: int) -> int:
+    """How long bucket ``i`` waited, after its last gradient, for bucket ``i-1`` to launch."""
+    if i == 0 or not ready_ns[i] or not launch_ns[i] or not launch_ns[i - 1]:
+        return 0  # bucket 0 has no predecessor; 0 means "did not happen in this step"
+    return max(0, min(launch_ns[i], launch_ns[i - 1]) - ready_ns[i])
 
 
 def current_layout(layouts: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
@@ -70,7 +78,7 @@ def bucket_stats(layouts: Sequence[Mapping[str, Any]], rows: Sequence[StepRow]) 
                 st = stats[i] = BucketStats(i, nbytes, [])
             st.steps += 1
             st.out_of_order += i in late
-            penalty_ns[i] = penalty_ns.get(i, 0) + max(0, r.allreduce_start_ns[i] - r.bucket_ready_ns[i])
+            penalty_ns[i] = penalty_ns.get(i, 0) + order_wait_ns(r.bucket_ready_ns, r.allreduce_start_ns, i)
     for i, st in stats.items():
         st.order_penalty_s = penalty_ns.get(i, 0) / NS / st.steps if st.steps else 0.0
     return [stats[i] for i in sorted(stats)]

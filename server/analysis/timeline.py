@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ddpscope.server.analysis.buckets import order_wait_ns
 from ddpscope.server.analysis.steps import NS, step_metrics
 from ddpscope.server.rows import StepRow
 
@@ -60,7 +61,7 @@ def timeline(step: int, rows: Sequence[StepRow]) -> Timeline | None:
                 ready=s(r.bucket_ready_ns[i]),
                 allreduce=(s(r.allreduce_start_ns[i]), s(r.allreduce_end_ns[i])),
                 bytes=r.bucket_bytes[i] if i < len(r.bucket_bytes) else 0,
-                order_penalty_s=max(0, r.allreduce_start_ns[i] - r.bucket_ready_ns[i]) / NS,
+                order_penalty_s=order_wait_ns(r.bucket_ready_ns, r.allreduce_start_ns, i) / NS,
             )
             for i in range(min(len(r.bucket_ready_ns), len(r.allreduce_start_ns), len(r.allreduce_end_ns)))
         ]
