@@ -144,7 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=64)
     ap.add_argument("--buckets", type=int, default=100)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument(
+        "--quick", action="store_true", help="2 runs instead of 3 (as bench.run_all --quick asks)"
+    )
     args = ap.parse_args(argv)
+    if args.quick:
+        args.runs = min(args.runs, 2)
     from playwright.sync_api import sync_playwright
 
     info = machine()

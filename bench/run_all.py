@@ -5,8 +5,8 @@
 Each benchmark runs as ``python -m bench.<name> [--quick]`` in its own session with a deadline (its
 process group is killed by pid when the deadline passes). Afterwards every ``bench/results/<name>.json``
 is collected into ``bench/results/all.json`` with the machine, the load average before and after,
-each benchmark's exit status, and the table rows. A result file older than this run (its benchmark
-failed or was not run) is still published, but marked stale in the status column.
+each benchmark's exit status, and the table rows. A result file not written by this run (older than
+it, or its benchmark failed here) is still published, but marked stale.
 """
 
 from __future__ import annotations
@@ -87,12 +87,14 @@ def collect(
         except (OSError, json.JSONDecodeError) as exc:
             run["result"] = f"unreadable: {exc}"
             continue
-        fresh = path.stat().st_mtime >= since
-        run["result"] = "fresh" if fresh else "stale (from an earlier run)"
+        # A file written after the start by someone else's run, while this run's benchmark failed, is
+        # not this run's result either.
+        fresh = path.stat().st_mtime >= since and run.get("status", "ok") in ("ok", "not run")
+        run["result"] = "fresh" if fresh else "stale (not from this run)"
         results[name] = data
         for row in rows_for(name, data):
             if not fresh:
-                row.figure += " [stale: earlier run]"
+                row.figure += " [stale: not from this run]"
             rows.append(row)
     return results, rows
 

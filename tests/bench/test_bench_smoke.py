@@ -67,7 +67,15 @@ def test_collect_marks_result_files_older_than_the_run_as_stale(tmp_path: Path) 
     assert set(results) == {"engine", "hang_latency"}
     assert runs["engine"]["result"] == "fresh" and runs["scale"]["result"] == "missing"
     assert str(runs["hang_latency"]["result"]).startswith("stale")
-    assert rows[-1].figure.endswith("[stale: earlier run]") and not rows[0].figure.endswith("]")
+    assert rows[-1].figure.endswith("[stale: not from this run]") and not rows[0].figure.endswith("]")
+
+
+def test_a_fresh_file_is_not_this_runs_result_when_its_benchmark_failed_here(tmp_path: Path) -> None:
+    (tmp_path / "engine.json").write_text(json.dumps(ENGINE))
+    runs: dict[str, dict[str, object]] = {"engine": {"status": "failed (exit 2)"}}
+    _, rows = collect(["engine"], runs, time.time() - 60, tmp_path)
+    assert str(runs["engine"]["result"]).startswith("stale")
+    assert all(r.figure.endswith("[stale: not from this run]") for r in rows)
 
 
 def test_summary_gives_median_quartiles_and_spread() -> None:
