@@ -132,7 +132,7 @@ def _run(kind: str, rounds: int, block: int, timeout_s: float) -> dict[str, Any]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one round of jobs")
+    parser.add_argument("--quick", action="store_true", help="two rounds of jobs")
     parser.add_argument("--worker", choices=list(KINDS), help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--block", type=int, default=5)
@@ -144,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     m = machine()
     print(machine_line(m), flush=True)
     started = time.monotonic()
-    # Quick: one round (each job costs ~30 s of start-up on 2 loaded cores), so its cross-job ratios
-    # are single samples; the CPU ratios are the steadier ones under load.
-    job_rounds, inner_rounds, block = (1, 6, 5) if args.quick else (5, 6, 8)
+    # Quick: two rounds (a job costs 10-30 s of start-up on 2 loaded cores), so its cross-job ratios
+    # are two samples each; the CPU ratios are the steadier ones under load.
+    job_rounds, inner_rounds, block = (2, 6, 5) if args.quick else (5, 6, 8)
     per_round: list[dict[str, dict[str, Any]]] = []
     for order in rotations(list(KINDS), job_rounds):
         per_round.append({k: _run(k, inner_rounds, block, 300) for k in order})

@@ -50,7 +50,7 @@ TARGETS = {"engine": 1.00, "instrument": 1.01, "engine+agent+collector": 1.01}
 
 # model -> (warm-up steps per variant, rounds, steps per block); quick and full.
 PLANS: dict[bool, dict[int, dict[str, tuple[int, int, int]]]] = {
-    True: {2: {"mlp": (5, 6, 5)}, 4: {"mlp": (3, 6, 4)}},
+    True: {2: {"mlp": (5, 10, 5)}, 4: {"mlp": (3, 10, 4)}},
     False: {
         2: {"mlp": (10, 16, 10), "transformer": (2, 6, 2)},
         4: {"mlp": (5, 12, 6), "transformer": (1, 4, 1)},
