@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ddpscope.agent.records import MAX_JOB_LENGTH
+
 logger = logging.getLogger(__name__)
 
 DDPSCOPE_URL = "DDPSCOPE_URL"
@@ -148,7 +150,16 @@ class Config:
         # None means "not given" (configure(job=None) is the same as leaving it out).
         values.update({k: v for k, v in overrides.items() if v is not None or k in ("rank", "token")})
         if values.get("job") is None:
-            values["job"] = env.get(DDPSCOPE_JOB) or default_job_id(env)
+            job = env.get(DDPSCOPE_JOB)
+            if job and not _valid_job(job):
+                logger.warning(
+                    "ddpscope: ignoring %s=%r: a job id is 1-%d characters without '/' or NUL",
+                    DDPSCOPE_JOB,
+                    job[:80],
+                    MAX_JOB_LENGTH,
+                )
+                job = None
+            values["job"] = job or default_job_id(env)
         if values.get("spool_dir") is None:
             values["spool_dir"] = env.get(DDPSCOPE_SPOOL_DIR) or default_spool_dir(str(values["job"]))
         return cls(**values)
@@ -195,9 +206,18 @@ def _env(
     return default
 
 
+def _valid_job(job: str) -> bool:
+    # The collector stores job ids in an indexed column and serves them as one URL path segment.
+    return 0 < len(job) <= MAX_JOB_LENGTH and "/" not in job and "\x00" not in job
+
+
 # (field, test, what it must be) for the explicit-argument check.
 _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("job", lambda v: isinstance(v, str) and bool(v), "a non-empty string"),
+    (
+        "job",
+        lambda v: isinstance(v, str) and _valid_job(v),
+        f"1-{MAX_JOB_LENGTH} characters without '/' or NUL",
+    ),
     ("rank", lambda v: v is None or (type(v) is int and v >= 0), "None or an int >= 0"),
     ("url", lambda v: isinstance(v, str) and v.startswith(("http://", "https://")), "an http(s) URL"),
     ("token", lambda v: v is None or isinstance(v, str), "None or a string"),

@@ -23,6 +23,10 @@ from typing import Any
 SCHEMA_VERSION = 1
 """Bumped when a field changes meaning or a required field is added."""
 
+MAX_JOB_LENGTH = 200
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""Integers must fit the collector's BIGINT columns."""
+
 # Field type codes. Kept as strings so the spec can be printed in errors and docs as it is.
 INT, FLOAT, STR, BOOL = "int", "float", "str", "bool"
 INTS, STRS, FLOATS = "list[int]", "list[str]", "list[float]"
@@ -40,14 +44,18 @@ class Field:
     """None is a valid value (e.g. a collective's end time while it is still in flight)."""
     item: tuple[Field, ...] = ()
     """For ``list[object]``: the fields of each object."""
+    max_length: int | None = None
+    """For key strings the collector indexes: at most this many characters and no NUL."""
     doc: str = ""
 
 
 ENVELOPE: tuple[Field, ...] = (
     Field("kind", STR, doc="one of RECORD_KINDS"),
-    Field("job", STR, doc="job id (DDPSCOPE_JOB, TORCHELASTIC_RUN_ID or generated)"),
+    Field(
+        "job", STR, max_length=MAX_JOB_LENGTH, doc="job id (DDPSCOPE_JOB, TORCHELASTIC_RUN_ID or generated)"
+    ),
     Field("rank", INT, doc="global rank of the emitting process"),
-    Field("stream", STR, doc="agent incarnation id; new after fork or restart"),
+    Field("stream", STR, max_length=64, doc="agent incarnation id; new after fork or restart"),
     Field("seq", INT, doc="position in the stream, from 0; with job, rank, stream the idempotency key"),
     Field("time_ns", INT, doc="aligned-clock time the record was emitted"),
 )
@@ -123,7 +131,7 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
     ),
     # Every collective the process issues (engine and user), at issue time: crash-durable evidence.
     "collective": (
-        Field("pg", STR, doc="process group name"),
+        Field("pg", STR, max_length=200, doc="process group name"),
         Field("coll_seq", INT, doc="per-process-group sequence number, from 1"),
         Field("op", STR, doc="all_reduce, broadcast, all_gather, barrier, ..."),
         Field("reduce_op", STR, nullable=True),
@@ -136,7 +144,7 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
     ),
     # Completion of a collective issued earlier.
     "collective_end": (
-        Field("pg", STR),
+        Field("pg", STR, max_length=200),
         Field("coll_seq", INT),
         Field("end_ns", INT),
         Field("ok", BOOL),
@@ -211,6 +219,10 @@ def _check_value(path: str, value: Any, field: Field) -> None:
         # bool is an int in Python; an int field must not silently accept True.
         if t != BOOL and isinstance(value, bool) or not isinstance(value, _SCALAR_TYPES[t]):
             raise RecordError(f"{path}: expected {t}, got {type(value).__name__}")
+        if t == INT and not INT64_MIN <= value <= INT64_MAX:
+            raise RecordError(f"{path}: {value} does not fit in a signed 64-bit integer")
+        if field.max_length is not None and (len(value) > field.max_length or "\x00" in value):
+            raise RecordError(f"{path}: must be at most {field.max_length} characters with no NUL")
         return
     if t == COUNTS:
         if not isinstance(value, Mapping) or not all(

@@ -32,12 +32,12 @@ _SCALARS: dict[str, Any] = {
 }
 
 _NON_NEGATIVE = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-# The key strings go into VARCHAR columns (schema.py: jobs.job 200, stream 64); PostgreSQL refuses
-# longer ones and any NUL, which would be a 500 that the agent retries forever.
-_KEY_STRINGS: dict[str, Any] = {
-    name: Annotated[str, msgspec.Meta(max_length=length, pattern="^[^\x00]*$")]
-    for name, length in (("job", 200), ("stream", 64))
-}
+
+
+def _key_string(max_length: int) -> Any:
+    # Key strings go into VARCHAR columns; PostgreSQL refuses longer ones and any NUL, which would
+    # be a 500 that the agent retries forever. The limits come from the wire format (Field.max_length).
+    return Annotated[str, msgspec.Meta(max_length=max_length, pattern="^[^\x00]*$")]
 
 
 class BatchError(ValueError):
@@ -47,6 +47,8 @@ class BatchError(ValueError):
 def _field_type(field: wire.Field, owner: str) -> Any:
     if field.type == wire.OBJECTS:
         t: Any = list[_struct(f"{owner}_{field.name}", field.item)]  # type: ignore[misc]
+    elif field.max_length is not None:
+        t = _key_string(field.max_length)
     else:
         t = _SCALARS[field.type]
     if field.nullable:
@@ -71,7 +73,7 @@ def _struct(name: str, fields: tuple[wire.Field, ...], **kw: Any) -> type[msgspe
 
 def _record_struct(kind: str) -> type[msgspec.Struct]:
     envelope = [
-        (f.name, _NON_NEGATIVE if f.name in ("rank", "seq") else _KEY_STRINGS.get(f.name, _SCALARS[f.type]))
+        (f.name, _NON_NEGATIVE if f.name in ("rank", "seq") else _field_type(f, "envelope"))
         for f in wire.ENVELOPE
         if f.name != "kind"  # the tag: msgspec picks the struct from it
     ]

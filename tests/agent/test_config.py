@@ -95,3 +95,11 @@ def test_ranks_of_one_launch_agree_on_a_generated_job_id_and_another_launch_diff
     assert default_job_id({"TORCHELASTIC_RUN_ID": "elastic-1", **launch}) == "elastic-1"
     assert default_job_id({"TORCHELASTIC_RUN_ID": "none", **launch}) in ids  # torchrun's placeholder
     assert default_job_id({}) != default_job_id({})  # no launcher: random
+
+
+def test_a_job_id_the_collector_cannot_store_or_route_is_refused_as_an_argument_and_ignored_from_the_environment():
+    for bad in ("a" * 201, "team/run-1", "nul\x00"):
+        with pytest.raises(ValueError, match="job"):
+            Config.from_env({}, job=bad)
+        assert Config.from_env({"DDPSCOPE_JOB": bad}).job != bad
+    assert Config.from_env({"DDPSCOPE_JOB": "run-7"}).job == "run-7"
