@@ -13,9 +13,9 @@ it was emitted. By default records go to an append-only disk spool every 20 ms (
 hang_resolved and rank_error, which are also printed on stderr) and a small shipper process per
 agent POSTs them to ``DDPSCOPE_URL``, so they arrive even if this process is SIGKILLed or aborts
 (a fatal signal's stacks come as a fatal ``rank_error``). ``Agent.flush_local(timeout_s)`` forces
-the spool write now (before a deliberate crash or exit); ``emit_durable(record)`` queues one record
-and writes it to the spool before returning (~10-20 us), for a record that may be the last before
-an abort (the collective recorder uses it before each collective enters torch). At exit and on
+the spool write now (before a deliberate crash or exit); ``make_durable()`` writes what was emitted
+so far to the spool before returning (~10-20 us, lock-bounded), right after a record that may be the
+last before an abort (the collective recorder calls it before each collective enters torch). At exit and on
 SIGTERM a rank emits ``rank_exit`` and flushes within 5 s; an uncaught exception becomes a fatal
 ``rank_error`` first.
 
@@ -30,8 +30,8 @@ from ddpscope.agent._core import (
     InMemoryExporter,
     configure,
     emit,
-    emit_durable,
     get_agent,
+    make_durable,
     shutdown,
 )
 
@@ -41,7 +41,7 @@ __all__ = [
     "InMemoryExporter",
     "configure",
     "emit",
-    "emit_durable",
     "get_agent",
+    "make_durable",
     "shutdown",
 ]

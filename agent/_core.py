@@ -35,7 +35,7 @@ __all__ = [
     "InMemoryExporter",
     "configure",
     "emit",
-    "emit_durable",
+    "make_durable",
     "get_agent",
     "shutdown",
 ]
@@ -44,7 +44,7 @@ __all__ = [
 FULL_CHECKS = 16
 """Records of each kind checked field by field before switching to sampling."""
 DURABLE_WAIT_S = 0.05
-"""Longest ``emit_durable`` waits for the export lock (held by the worker while it writes a batch)
+"""Longest ``make_durable`` waits for the export lock (held by the worker while it writes a batch)
 before giving up and leaving the record to the worker's next round."""
 REQUIRED = {
     kind: frozenset(f.name for f in (*ENVELOPE, *fields) if f.required)
@@ -102,18 +102,17 @@ class Agent:
         except Exception:
             swallowed("emit")
 
-    def emit_durable(self, record: dict[str, Any], timeout_s: float = DURABLE_WAIT_S) -> bool:
-        """Queue one record and write it, with everything queued before it, to the exporter (the
-        on-disk spool) before returning: for the record that may be the last before this process is
-        aborted (a collective library's abort comes ~1 ms after the call, well inside the worker's
-        20 ms round). Costs one spool append (~10-20 us, see bench/agent.py); waits at most
-        ``timeout_s`` for the export lock, then leaves the record to the worker. Never raises; True
-        once the record is written."""
-        self.emit(record)
+    def make_durable(self, timeout_s: float = DURABLE_WAIT_S) -> bool:
+        """Write every record emitted so far to the exporter (the on-disk spool) before returning:
+        called right after emitting a record that may be the last before this process is aborted (a
+        collective library aborts ~1 ms after the call, well inside the worker's 20 ms round). Costs
+        one spool append (~10-20 us, see bench/agent.py) and nothing when the queue is empty; waits
+        at most ``timeout_s`` for the export lock, then leaves the records to the worker. Never
+        raises; True once everything is written."""
         try:
             return bool(self._worker.persist(timeout_s))
         except Exception:
-            swallowed("emit_durable")
+            swallowed("make_durable")
             return False
 
     def _drop(self, reason: str, record: Any) -> None:
@@ -284,7 +283,7 @@ class NullAgent:
     def emit(self, record: dict[str, Any]) -> None:
         return None
 
-    def emit_durable(self, record: dict[str, Any], timeout_s: float = DURABLE_WAIT_S) -> bool:
+    def make_durable(self, timeout_s: float = DURABLE_WAIT_S) -> bool:
         return True
 
     def force_flush(self, timeout_s: float = 5.0) -> bool:
@@ -384,17 +383,13 @@ def emit(record: dict[str, Any]) -> None:
     agent.emit(record)
 
 
-def emit_durable(record: dict[str, Any]) -> bool:
-    """Hand one record to the agent and write it to the spool before returning, so it survives an
-    abort or SIGKILL right after (see ``Agent.emit_durable``); never raises."""
+def make_durable(timeout_s: float = DURABLE_WAIT_S) -> bool:
+    """Write everything emitted so far to the spool before returning, so it survives an abort or a
+    SIGKILL right after (see ``Agent.make_durable``); never raises."""
     agent = _agent
     if agent is None:
-        try:
-            agent = get_agent()
-        except Exception:
-            swallowed("emit_durable: creating the agent")
-            return False
-    return agent.emit_durable(record)
+        return True  # nothing was ever emitted in this process
+    return agent.make_durable(timeout_s)
 
 
 def shutdown(timeout_s: float = 5.0) -> None:

@@ -15,8 +15,8 @@ User calls are recorded once ``install()`` has patched the public ``torch.distri
 aborts the process on mismatched sizes, and the record of the call that killed it is the evidence a
 post-mortem needs. Completion emits ``collective_end``.
 
-That record is written to the agent's on-disk spool before the call enters torch
-(``agent.emit_durable``, ~10-20 us): gloo's abort comes ~1 ms after the call, inside the agent's
+That record is written to the agent's on-disk spool before the call enters torch (``emit`` then
+``agent.make_durable()``, ~10-20 us): gloo's abort comes ~1 ms after the call, inside the agent's
 20 ms batching round, and a record still in memory dies with the process. The engine's bucket
 all-reduces get the same treatment: the layout check makes each bucket's shape equal on every rank,
 but not every rank's *sequence* (a user collective, ``no_sync`` or a branch on one rank only puts a
@@ -39,7 +39,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ddpscope.agent import emit, emit_durable, get_agent
+from ddpscope.agent import emit, get_agent, make_durable
 from ddpscope.agent.clock import now_ns
 from ddpscope.ddp.progress import PROGRESS, Progress
 
@@ -148,10 +148,9 @@ class CollectiveRecorder:
             self._ring.append(record)
             if durable is None:
                 durable = source != "engine" or op not in _UNDURABLE_ENGINE_OPS
+            emit(record)
             if durable:
-                emit_durable(record)
-            else:
-                emit(record)
+                make_durable()
         except Exception:
             self._failed("begin")
         return seq
