@@ -135,6 +135,7 @@ def durable_cost(n: int) -> dict[str, Any]:
     """emit() + make_durable() of one collective record (the recorder's path before each user collective:
     queue, stamp, encode and append to the spool in the caller) next to emit() of the same record,
     interleaved call by call."""
+    agent.get_agent().flush_local(30.0)  # start with the previous phase's backlog written
     pc = time.perf_counter_ns
     durable, plain = [], []
     written = 0

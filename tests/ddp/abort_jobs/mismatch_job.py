@@ -4,10 +4,12 @@
 
 ``user``: three matching all-reduces, then one of 8 elements on rank 0 and 16 on the others, from
 the line tagged ``mismatch``. ``engine``: a model wrapped in ddpscope's engine; at step 2 rank 1
-issues a stray all-reduce (line tagged ``stray``) where rank 0's backward launches its bucket
-all-reduce, so either side may be the one gloo aborts. The agent is configured from the environment only (spool + shipper to
-``DDPSCOPE_URL``), as in a real job: nothing here flushes, so whatever reaches the collector from
-the aborted rank got there by the agent's own durability.
+issues a stray all-reduce (line tagged ``stray``), larger than the bucket, where rank 0's backward
+launches its bucket all-reduce: gloo aborts the smaller receiver, the engine's side.
+
+The agent is configured from the environment only (spool + shipper to ``DDPSCOPE_URL``), as in a
+real job: nothing here flushes, so whatever reaches the collector from the aborted rank got there
+by the agent's own durability.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def engine(rank: int) -> None:
     for step in range(4):
         loss = model(torch.randn(8, 32)).square().mean()
         if rank == 1 and step == 2:
-            dist.all_reduce(torch.ones(3))  # SITE:stray
+            dist.all_reduce(torch.ones(10_000))  # SITE:stray
         loss.backward()
 
 
