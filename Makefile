@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(BIN)/ddpscope demo --scenario all --exit
 
 test: $(STAMP) $(SYSTEM_STAMP)
-	$(BIN)/python -m pytest -q tests
+	DDPSCOPE_TEST_STRICT=1 $(BIN)/python -m pytest -q tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m "not slow and not browser and not postgres and not prometheus"

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from tests.support.procs import free_port
+from tests.support.system import missing
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -94,17 +95,17 @@ def running_collector(tmp: Path) -> Iterator[Collector]:
         proc.wait(timeout=10)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Collector]:
     with running_collector(tmp_path_factory.mktemp("collector")) as c:
         yield c
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser() -> Iterator[Any]:
     sync_api = pytest.importorskip("playwright.sync_api")
     if not os.path.exists(CHROMIUM):
-        pytest.skip(f"no Chromium at {CHROMIUM}")
+        missing(f"no Chromium at {CHROMIUM}")
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:

@@ -21,6 +21,7 @@ from sqlalchemy import create_engine, text
 from tests.support import postgres
 from tests.support.collector_proc import CollectorProc
 from tests.support.synth import batch, synth_job
+from tests.support.system import missing
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -231,7 +232,7 @@ def test_mutated_ingest_batches_never_get_a_server_error_on_postgresql(
     tmp_path: Path, figures: dict[str, Any]
 ) -> None:
     if not postgres.available():
-        pytest.skip(f"PostgreSQL 15 binaries not found in {postgres.PG_BIN}")
+        missing(f"PostgreSQL 15 binaries not found in {postgres.PG_BIN}")
     with postgres.running_postgres() as pg:
         url = pg.create_database("fuzz")
         engine = create_engine(url)

@@ -18,6 +18,7 @@ import pytest
 
 from tests.support.collector_proc import CollectorProc
 from tests.support.synth import batch, synth_job
+from tests.support.system import missing
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
@@ -134,7 +135,7 @@ def test_a_browser_runs_no_injected_script_on_any_dashboard_page(
 ) -> None:
     sync_api = pytest.importorskip("playwright.sync_api")
     if not Path(CHROMIUM).exists():
-        pytest.skip("chromium not installed")
+        missing("chromium not installed")
     dialogs: list[str] = []
     visited = []
     with sync_api.sync_playwright() as p:

@@ -19,6 +19,7 @@ from ddpscope.server.settings import Settings
 from ddpscope.server.storage import Storage
 from tests.support import postgres
 from tests.support.synth import batch
+from tests.support.system import missing
 
 _db_names = itertools.count()
 
@@ -26,7 +27,7 @@ _db_names = itertools.count()
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[postgres.PostgresServer]:
     if not postgres.available():
-        pytest.skip(f"PostgreSQL 15 binaries not found in {postgres.PG_BIN}")
+        missing(f"PostgreSQL 15 binaries not found in {postgres.PG_BIN}")
     with postgres.running_postgres() as server:
         yield server
 
