@@ -1,0 +1,94 @@
+"""The ddpscope command against a real collector process: jobs, report, export and their exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.collector_proc import CollectorProc
+from tests.support.procs import free_port
+from tests.support.synth import batch, synth_job
+
+
+def _post(url: str, records: list[dict]) -> None:
+    body = json.dumps(batch(records)).encode()
+    request = urllib.request.Request(
+        f"{url}/api/v1/ingest", data=body, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+
+
+def ddpscope(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ddpscope.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+@pytest.fixture(scope="module")
+def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    db = tmp_path_factory.mktemp("cli") / "cli.db"
+    with CollectorProc(f"sqlite:///{db}") as proc:
+        proc.start()
+        _post(proc.url, synth_job(2, steps=12, buckets=3, job="cli-healthy"))
+        _post(
+            proc.url, synth_job(4, steps=12, buckets=3, job="cli-slow", slow_rank=2, slowdown=1.6, jitter=0.0)
+        )
+        yield proc.url
+
+
+def test_jobs_lists_every_job_with_its_status(collector: str) -> None:
+    out = ddpscope("jobs", "--url", collector)
+    assert out.returncode == 0, out.stderr
+    assert "cli-healthy" in out.stdout and "cli-slow" in out.stdout
+    listed = json.loads(ddpscope("jobs", "--url", collector, "--json").stdout)
+    assert {j["job"]: j["status"] for j in listed} == {"cli-healthy": "finished", "cli-slow": "finished"}
+
+
+def test_report_of_a_healthy_job_exits_zero_and_says_nothing_is_wrong(collector: str) -> None:
+    out = ddpscope("report", "cli-healthy", "--url", collector)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "== Incidents (0)" in out.stdout
+    assert "no rank is consistently slower" in out.stdout
+
+
+def test_report_names_the_straggler_and_exits_one(collector: str) -> None:
+    out = ddpscope("report", "cli-slow", "--url", collector)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "rank 2: compute 1.6" in out.stdout
+
+
+def test_report_of_an_unknown_job_exits_four_and_lists_the_known_ones(collector: str) -> None:
+    out = ddpscope("report", "no-such-job", "--url", collector)
+    assert out.returncode == 4
+    assert "no job 'no-such-job'" in out.stderr and "cli-healthy" in out.stderr
+
+
+def test_export_writes_a_perfetto_trace_of_the_requested_steps(collector: str, tmp_path: Path) -> None:
+    target = tmp_path / "trace.json"
+    out = ddpscope(
+        "export", "cli-healthy", "-o", str(target), "--start", "2", "--end", "3", "--url", collector
+    )
+    assert out.returncode == 0, out.stderr
+    events = json.loads(target.read_text())["traceEvents"]
+    assert events and {e.get("pid") for e in events if e.get("ph") == "X"} >= {0, 1}
+
+
+def test_an_unreachable_collector_exits_three_with_what_to_do() -> None:
+    out = ddpscope("jobs", "--url", f"http://127.0.0.1:{free_port()}")
+    assert out.returncode == 3
+    assert "cannot reach the collector" in out.stderr and "ddpscope serve" in out.stderr
+
+
+def test_a_usage_error_exits_two() -> None:
+    assert ddpscope("report").returncode == 2
+    assert ddpscope("frobnicate").returncode == 2
