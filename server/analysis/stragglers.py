@@ -15,6 +15,7 @@ is compared: every rank's step takes as long as the slowest one's.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
@@ -54,6 +55,17 @@ def _phases(r: StepRow) -> tuple[float, float, float, float]:
     return compute, forward, backward, wait
 
 
+def median_without(values: Sequence[float], x: float) -> float:
+    """Median of sorted ``values`` with one occurrence of ``x`` (which must be among them) removed."""
+    n = len(values) - 1
+    i = bisect.bisect_left(values, x)
+
+    def at(k: int) -> float:  # k-th element of the list without position i
+        return values[k + 1] if k >= i else values[k]
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
+
+
 def _ratio(x: float, ref: float) -> float:
     return x / ref if ref > 0 else 1.0
 
@@ -75,9 +87,11 @@ def stragglers(
     waits: dict[int, list[float]] = defaultdict(list)
     for step in recent:
         ranks = by_step[step]
+        # One sort per phase and step; each rank's "median of the others" is then a lookup, so a
+        # 1024-rank job costs O(n log n) per step rather than O(n^2).
+        columns = [sorted(v[i] for v in ranks.values()) for i in range(3)]
         for rank, (compute, fwd, bwd, wait) in ranks.items():
-            others = [v for k, v in ranks.items() if k != rank]
-            med = [statistics.median(o[i] for o in others) for i in range(4)]
+            med = [median_without(columns[i], x) for i, x in enumerate((compute, fwd, bwd))]
             ratio = _ratio(compute, med[0])
             ratios[rank].append((ratio, _ratio(fwd, med[1]), _ratio(bwd, med[2])))
             waits[rank].append(wait)
