@@ -165,7 +165,8 @@ class BatchWriter:
         self._prune_collectives(conn, job_id, by_kind.get("collective", []))
         ends = [
             {**key(r), "time_ns": r.time_ns, "pg": r.pg, "coll_seq": r.coll_seq, "end_ns": r.end_ns, "ok": r.ok,
-             "error": r.error if isinstance(r.error, str) else None}
+             # PostgreSQL text cannot hold NUL; free text keeps the rest (JSON bodies escape it).
+             "error": r.error.replace("\x00", "\ufffd") if isinstance(r.error, str) else None}
             for r in by_kind.get("collective_end", [])
         ]  # fmt: skip
         self._insert_ignore(conn, schema.collective_ends, ends, result)
