@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         post(collector.url, records, chunk=500)
         ingest_s = time.monotonic() - t
         url = f"{collector.url}/jobs/{quote(job, safe='')}/steps/1"
-        meter = CpuMeter(collector.proc.pid)
+        meter = CpuMeter(collector.pid)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             version = browser.version

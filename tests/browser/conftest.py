@@ -9,12 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.procs import free_port
+from tests.support.collector_proc import CollectorProc
 from tests.support.system import missing
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,64 +33,16 @@ CHROMIUM_ARGS = [
 STARTUP_DEADLINE_S = 30.0
 
 
-@dataclass
-class Collector:
-    url: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-
-def wait_healthy(
-    url: str, proc: subprocess.Popen[bytes], log: Path, deadline_s: float = STARTUP_DEADLINE_S
-) -> None:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"collector exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        with (
-            contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
-            urllib.request.urlopen(url + "/healthz", timeout=2) as resp,
-        ):
-            if resp.status == 200:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"collector at {url} not healthy after {deadline_s} s:\n{log.read_text()[-3000:]}")
-
-
 @contextlib.contextmanager
-def running_collector(tmp: Path) -> Iterator[Collector]:
+def running_collector(tmp: Path) -> Iterator[CollectorProc]:
     """Start a real collector on a fresh SQLite file; kill its process group on exit."""
-    port = free_port()
-    log = tmp / "collector.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ddpscope.cli.main",
-                "serve",
-                "--port",
-                str(port),
-                "--db",
-                f"sqlite:///{tmp / 'ddpscope.db'}",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            start_new_session=True,
-        )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, proc, log)
-        yield Collector(url, proc, log)
-    finally:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+    with CollectorProc(f"sqlite:///{tmp / 'ddpscope.db'}", log_path=tmp / "collector.log") as proc:
+        proc.start(timeout_s=STARTUP_DEADLINE_S)
+        yield proc
 
 
 @pytest.fixture(scope="package")
-def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Collector]:
+def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CollectorProc]:
     with running_collector(tmp_path_factory.mktemp("collector")) as c:
         yield c
 

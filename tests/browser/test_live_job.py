@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser.conftest import Collector, screenshot
+from tests.browser.conftest import screenshot
 from tests.browser.pages import WAIT_MS, figure, open_job, open_step, timeline_kinds
+from tests.support.collector_proc import CollectorProc as Collector
 from tests.support.procs import assert_all_ok, started_ranks, wait_all
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]

@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from tests.browser.conftest import Collector, screenshot
+from tests.browser.conftest import screenshot
 from tests.browser.pages import (
     WAIT_MS,
     figure,
@@ -28,6 +28,7 @@ from tests.browser.pages import (
     timeline_kinds,
 )
 from tests.browser.wire import SynthJob, collectives, post, rank_error
+from tests.support.collector_proc import CollectorProc as Collector
 from tests.support.synth import synth_job
 
 pytestmark = pytest.mark.browser
