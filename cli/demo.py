@@ -26,7 +26,7 @@ SCENARIOS = ("healthy", "straggler", "unused", "mismatch", "crash", "hang")
 
 DESCRIPTIONS = {
     "healthy": "a healthy job: no incident expected",
-    "straggler": "the last rank computes ~50% slower from step 6",
+    "straggler": "the last rank computes 50% slower from step 6",
     "unused": "the last rank stops using a layer at step 6 (find_unused_parameters=False)",
     "mismatch": "the last rank issues two same-shape all-reduces in the opposite order",
     "crash": "the last rank is SIGKILLed at step 6",

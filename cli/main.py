@@ -27,7 +27,13 @@ def _parser() -> argparse.ArgumentParser:
     from ddpscope.cli.demo import SCENARIOS
 
     demo.add_argument("--scenario", choices=(*SCENARIOS, "all"), default="all")
-    demo.add_argument("--ranks", type=int, default=2, help="processes per job (2-4 on a small machine)")
+    demo.add_argument(
+        "--ranks",
+        type=int,
+        default=4,
+        help="processes per job (default 4: with 2 ranks 'the median of the others' is one rank, "
+        "so any steady asymmetry between two cores reads as a straggler)",
+    )
     demo.add_argument("--steps", type=int, default=30)
     demo.add_argument("--exit", action="store_true", help="exit after the jobs instead of serving on")
     demo.add_argument("--db", help="database for a collector the demo starts (default ./ddpscope-demo.db)")

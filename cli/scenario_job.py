@@ -58,11 +58,13 @@ def main() -> None:
     torch.manual_seed(1 + rank)
     x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
 
+    forward_s: list[float] = []
     for step in range(args.steps):
         if step == FAULT_STEP and rank == unlucky:
             if scenario == "straggler":
-                # 50 % of a healthy step's compute, every step from here on.
-                model.slow_s = 0.02
+                # Compute is forward + backward, and backward costs about twice forward on this MLP:
+                # 1.5 forward times of extra work make this rank's compute about 50 % longer.
+                model.slow_s = 1.5 * sorted(forward_s)[len(forward_s) // 2]
             elif scenario == "unused":
                 # This rank stops using a branch; the engine names the parameters (no silent wrong grads).
                 model.use_aux = False
@@ -81,7 +83,10 @@ def main() -> None:
                 dist.all_reduce(a, op=dist.ReduceOp.SUM)
                 dist.all_reduce(b, op=dist.ReduceOp.MAX)
         optimizer.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(ddp(x), y)
+        started = time.perf_counter()
+        out = ddp(x)
+        forward_s.append(time.perf_counter() - started - model.slow_s)
+        loss = nn.functional.cross_entropy(out, y)
         loss.backward()
         optimizer.step()
     dist.barrier()
