@@ -219,9 +219,13 @@ def _check_value(path: str, value: Any, field: Field) -> None:
         # bool is an int in Python; an int field must not silently accept True.
         if t != BOOL and isinstance(value, bool) or not isinstance(value, _SCALAR_TYPES[t]):
             raise RecordError(f"{path}: expected {t}, got {type(value).__name__}")
-        if t == INT and not INT64_MIN <= value <= INT64_MAX:
+        if isinstance(value, int) and t == INT and not INT64_MIN <= value <= INT64_MAX:
             raise RecordError(f"{path}: {value} does not fit in a signed 64-bit integer")
-        if field.max_length is not None and (len(value) > field.max_length or "\x00" in value):
+        if (
+            isinstance(value, str)
+            and field.max_length is not None
+            and (len(value) > field.max_length or "\x00" in value)
+        ):
             raise RecordError(f"{path}: must be at most {field.max_length} characters with no NUL")
         return
     if t == COUNTS:
