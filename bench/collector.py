@@ -23,8 +23,6 @@ import gzip
 import http.client
 import json
 import multiprocessing
-import os
-import platform
 import random
 import sqlite3
 import statistics
@@ -36,6 +34,7 @@ from typing import Any
 
 from sqlalchemy import create_engine
 
+from bench.common import machine
 from ddpscope.server import schema
 from ddpscope.server.codec import STRUCTS, decode_batch
 from ddpscope.server.rows import STEP_COLUMNS, step_row
@@ -47,25 +46,6 @@ RESULTS = Path(__file__).parent / "results" / "collector.json"
 BUCKETS = 50
 BATCH = 1000
 T0 = 1_700_000_000_000_000_000
-
-
-def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "sqlite": sqlite3.sqlite_version,
-        "os": platform.platform(),
-        "load_average": [round(x, 2) for x in os.getloadavg()],  # a shared machine: read figures against it
-    }
 
 
 def step_record(job: str, rank: int, step: int, rng: random.Random) -> dict[str, Any]:
@@ -223,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     batches = 6 if args.quick else 15
     query_ranks, query_steps = (16, 6_250) if args.quick else (16, 62_500)
-    result: dict[str, Any] = {"machine": machine(), "quick": args.quick}
+    result: dict[str, Any] = {"machine": {**machine(), "sqlite": sqlite3.sqlite_version}, "quick": args.quick}
     print("machine:", json.dumps(result["machine"]))
     all_bodies = bodies("bench", args.ranks, batches)
     with tempfile.TemporaryDirectory(prefix="ddpscope-bench-") as tmp:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from bench.common import machine, machine_line
 from tests.browser.conftest import CHROMIUM, CHROMIUM_ARGS, running_collector
 from tests.browser.wire import post
 from tests.support.synth import synth_job
@@ -31,23 +31,6 @@ from tests.support.synth import synth_job
 RESULTS = Path(__file__).parent / "results" / "dashboard.json"
 TARGET_S = 1.0
 SCREENSHOT = Path(__file__).resolve().parents[1] / "test-artifacts" / "bench-timeline-64x100.png"
-
-
-def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "os": platform.platform(),
-    }
 
 
 def _proc_table() -> dict[int, tuple[int, float]]:
@@ -153,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     from playwright.sync_api import sync_playwright
 
     info = machine()
-    print(f"machine: {info['cpu']}, {info['cores']} cores, Python {info['python']}, {info['os']}")
+    print(machine_line(info))
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, running_collector(Path(tmp)) as collector:
         job = f"bench-{args.ranks}x{args.buckets}"
@@ -221,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"target <= {TARGET_S} s on wall time: warm {'met' if result['meets_target_warm'] else 'NOT met'}, "
         f"cold {'met' if result['meets_target_cold'] else 'NOT met'} (load average {result['load_average_1m']} on "
-        f"{info['cores']} cores); CPU seconds per render: warm {result['cpu_bound_warm_s']:.3f} s, "
+        f"{info['cpu_count']} cores); CPU seconds per render: warm {result['cpu_bound_warm_s']:.3f} s, "
         f"cold {result['cpu_bound_cold_s']:.3f} s"
     )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

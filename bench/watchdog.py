@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -35,24 +33,6 @@ from typing import Any
 
 RESULTS = Path(__file__).parent / "results" / "watchdog.json"
 TARGET_PCT = 1.0
-
-
-def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "os": platform.platform(),
-        "load_average": [round(x, 2) for x in os.getloadavg()],  # a shared machine: read figures against it
-    }
 
 
 class _Discard:
@@ -263,12 +243,12 @@ def main() -> None:
         worker(args.quick)
         return
 
+    # Imported here: the rank workers run this file as a script, where `bench` is not a package.
+    from bench.common import machine, machine_line
     from tests.support.procs import assert_all_ok, started_ranks, wait_all
 
     info = machine()
-    print(
-        f"machine: {info['cpu']}, {info['cores']} cores, Python {info['python']}, load {info['load_average']}"
-    )
+    print(machine_line(info))
     argv = ["--worker"] + (["--quick"] if args.quick else [])
     started = time.monotonic()
     with started_ranks(Path(__file__), 2, args=argv) as procs:
