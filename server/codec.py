@@ -10,6 +10,7 @@ that this decoder accepts and rejects exactly what ``records.validate_record`` d
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Union
 
 import msgspec
@@ -95,6 +96,7 @@ AnyRecord = Union[tuple(STRUCTS.values())]  # type: ignore[valid-type]  # noqa: 
 Batch = msgspec.defstruct("Batch", [("schema", int), ("records", list[AnyRecord])])  # type: ignore[valid-type]
 
 _decoder = msgspec.json.Decoder(Batch)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _schema_only = msgspec.json.Decoder(msgspec.defstruct("BatchHead", [("schema", Any)]))
 
 
@@ -110,6 +112,15 @@ def decode_batch(body: bytes) -> list[Any]:
     if batch.schema != wire.SCHEMA_VERSION:
         _check_schema(body)
     records: list[Any] = batch.records
+    # JSON may escape a lone UTF-16 surrogate, which no database text column can store (a 500 the agent
+    # would retry forever). Only a body with such an escape pays for the re-encoding check.
+    if _SURROGATE_ESCAPE.search(body):
+        try:
+            msgspec.json.encode(records)
+        except msgspec.EncodeError:
+            raise BatchError(
+                "a string holds a lone UTF-16 surrogate (\\ud800-\\udfff): strings must be valid Unicode"
+            ) from None
     return records
 
 

@@ -258,6 +258,8 @@ class BatchWriter:
             }
             for rank in sorted(seen)
         ]
+        if not rows:
+            return  # an empty executemany would run INSERT ... DEFAULT VALUES
         t = schema.ranks
         stmt = _insert(self.dialect, t)
         ex = stmt.excluded
