@@ -45,9 +45,11 @@ def fresh_agent() -> Iterator[None]:
 def shipper_pids(spool_dir: Path) -> list[int]:
     """Pids of shippers serving streams in ``spool_dir`` (they write their pid into the lock file)."""
     pids = []
-    for lock in spool_dir.rglob("*.lock"):
-        with contextlib.suppress(OSError, ValueError):
-            pids.append(int(lock.read_text()))
+    # A shipper that delivered everything removes its spool directory, possibly while this walks it.
+    with contextlib.suppress(FileNotFoundError):
+        for lock in spool_dir.rglob("*.lock"):
+            with contextlib.suppress(OSError, ValueError):
+                pids.append(int(lock.read_text()))
     return pids
 
 
