@@ -45,7 +45,7 @@ from ddpscope.server.analysis.snapshot import (
 from ddpscope.server.analysis.unused import aggregate_unused
 from ddpscope.server.engines import Engines, make_engines
 from ddpscope.server.migrations import migrate
-from ddpscope.server.rows import StepRow, decode_json
+from ddpscope.server.rows import STEP_COLUMNS, StepRow, decode_json
 from ddpscope.server.writer import BatchWriter, WriteResult, bump
 
 logger = logging.getLogger(__name__)
@@ -64,22 +64,8 @@ ALL_KINDS = (
     "agent_stats",
 )
 
-_STEP_COLS = [
-    schema.steps.c[name]
-    for name in (
-        "rank",
-        "stream",
-        "seq",
-        "time_ns",
-        "step",
-        "synced",
-        "forward_start_ns",
-        "forward_end_ns",
-        "backward_start_ns",
-        "backward_end_ns",
-        "arrays",
-    )
-]
+# Every step column but job_id, in the order of a step row tuple (rows.STEP_COLUMNS).
+_STEP_COLS = [schema.steps.c[name] for name in STEP_COLUMNS if name != "job_id"]
 
 
 @dataclass(slots=True)

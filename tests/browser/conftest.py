@@ -17,19 +17,10 @@ from typing import Any
 import pytest
 
 from tests.support.collector_proc import CollectorProc
-from tests.support.system import missing
+from tests.support.system import CHROMIUM, CHROMIUM_ARGS, missing
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 STARTUP_DEADLINE_S = 30.0
 
 

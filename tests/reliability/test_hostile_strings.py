@@ -18,7 +18,7 @@ import pytest
 
 from tests.support.collector_proc import CollectorProc
 from tests.support.synth import batch, synth_job
-from tests.support.system import missing
+from tests.support.system import CHROMIUM, CHROMIUM_ARGS, missing
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
@@ -33,16 +33,6 @@ JOB = f"job{XSS_IMG}{ANSI}{RTL}"
 JOB_SCRIPT = f"job<script>alert(2)<{chr(47)}script>{ANSI}"
 PARAMS = [XSS_SCRIPT, XSS_IMG, f"layer{ANSI}.weight", f"w{RTL}", LONG]
 STACK = f'File "train.py", line 1, in {XSS_SCRIPT}\n  {ANSI} {RTL}\n  {XSS_IMG}'
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 
 
 def hostile_records(job: str) -> list[dict[str, Any]]:
