@@ -15,14 +15,9 @@ bench/results/engine.json. ``--quick`` finishes in under two minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -145,50 +140,17 @@ def worker(quick: bool, out: str) -> None:
 # -- the launcher -------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_job(quick: bool, world_size: int = 2, timeout_s: float = 1500) -> dict[str, Any]:
-    """Start the ranks, wait until the deadline, kill what is left (by process group), return rank 0's."""
-    port = _free_port()
+    """Run the ranks with a deadline (leftovers killed by process group) and return rank 0's results."""
+    from bench.common import check_ranks, run_module_ranks
+
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
-        procs = []
-        try:
-            for rank in range(world_size):
-                env = dict(os.environ)
-                env.update(
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(port),
-                    RANK=str(rank),
-                    WORLD_SIZE=str(world_size),
-                    LOCAL_RANK=str(rank),
-                    OMP_NUM_THREADS="1",
-                )
-                args = [sys.executable, "-m", "bench.engine", "--worker", "--out", out]
-                procs.append(
-                    subprocess.Popen(
-                        args + (["--quick"] if quick else []),
-                        env=env,
-                        cwd=Path(__file__).resolve().parent.parent,
-                        start_new_session=True,
-                    )
-                )
-            deadline = time.monotonic() + timeout_s
-            for p in procs:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            if any(p.returncode != 0 for p in procs):
-                raise RuntimeError(f"bench ranks failed: {[p.returncode for p in procs]}")
-            return dict(json.loads(Path(out).read_text()))
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+        args = ["--worker", "--out", out, *(["--quick"] if quick else [])]
+        check_ranks(
+            run_module_ranks("bench.engine", world_size, args=args, timeout_s=timeout_s), "bench ranks"
+        )
+        return dict(json.loads(Path(out).read_text()))
 
 
 def main(argv: list[str] | None = None) -> int:
