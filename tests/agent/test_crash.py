@@ -13,6 +13,7 @@ import pytest
 
 from tests.agent.conftest import kill_shippers, wait_shippers_gone
 from tests.agent.fake_collector import FakeCollector
+from tests.support.agent_env import agent_env
 from tests.support.procs import assert_all_ok, free_port, kill_group, run_ranks
 
 CHILD = Path(__file__).with_name("child.py")
@@ -20,23 +21,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def child_env(url: str, spool_dir: Path, job: str, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    for name in list(env):
-        if name.startswith("DDPSCOPE_"):
-            del env[name]
-    env.update(
-        DDPSCOPE_URL=url,
-        DDPSCOPE_SPOOL_DIR=str(spool_dir),
-        DDPSCOPE_JOB=job,
-        DDPSCOPE_HTTP_TIMEOUT_S="2",
-        DDPSCOPE_RETRY_MAX_S="0.3",
-        DDPSCOPE_SHIPPER_LINGER_S="60",
-        RANK="0",
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    env.update(extra)
-    return env
+    return agent_env(url, spool_dir, job, **{"DDPSCOPE_HTTP_TIMEOUT_S": "2", **extra})
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.agent_env import agent_env  # noqa: F401 - the suite imports it from here
 from tests.support.collector_proc import CollectorProc
 from tests.support.procs import kill_group
 
@@ -48,25 +49,6 @@ def figures() -> Iterator[dict[str, Any]]:
     merged["updated_unix"] = int(time.time())
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
-
-
-def agent_env(url: str, spool_dir: Path, job: str, rank: int = 0, **extra: str) -> dict[str, str]:
-    """The environment of a training process: only our DDPSCOPE_* settings, fast retries."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPSCOPE_")}
-    env.update(
-        DDPSCOPE_URL=url,
-        DDPSCOPE_SPOOL_DIR=str(spool_dir),
-        DDPSCOPE_JOB=job,
-        DDPSCOPE_HTTP_TIMEOUT_S="1",
-        DDPSCOPE_RETRY_MAX_S="0.3",
-        DDPSCOPE_SHIPPER_LINGER_S="60",
-        RANK=str(rank),
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=str(HERE.parent.parent),
-    )
-    env.update(extra)
-    return env
 
 
 class Started:
