@@ -1,47 +1,93 @@
 """``/metrics``: a scrape-time collector on a private registry, reading storage.
 
 Nothing is kept in process memory: every scrape reads the database (prometheus ``gc_collector``
-pattern), so several collector processes report the same numbers and a finished job leaves
-``/metrics`` by construction. Gauges use the same analysis functions as the API.
+pattern), so several collector processes report the same numbers. Every per-job gauge comes from the
+analysis functions the API uses (``status.liveness``, ``incidents.diagnose``, ``stragglers``,
+``steps.step_metrics``), so /metrics, the API and the dashboard cannot disagree.
+
+Which jobs are exposed (``exposed``):
+
+- a **running** or **hung** job, always: its alerts must keep firing for as long as it is stuck;
+- an **ended** job (finished or failed) until ``retention_s`` after its newest record, by the
+  collector's clock. That window lets a failure fire its alerts (``DDPRankSilent`` needs 60 s of
+  silence and a few scrapes; a mismatch in a short job that finished between two scrapes must page
+  too), and then the series disappear, so the alerts resolve instead of firing forever.
+
+``ddpscope_rank_finished`` tells the rules which ranks exited cleanly: a finished job's ranks are
+silent because they are done, not because they are stuck (deploy/alerts.yml).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ddpscope.server.analysis.collectives import mismatches
-from ddpscope.server.analysis.jobs import diagnose, has_diagnosis, job_status
-from ddpscope.server.analysis.snapshot import JobSnapshot
+from ddpscope.server.analysis.incidents import diagnose
+from ddpscope.server.analysis.status import Liveness, liveness
 from ddpscope.server.analysis.steps import mean_overlap, step_metrics
 from ddpscope.server.analysis.stragglers import WINDOW_STEPS, stragglers
+from ddpscope.server.settings import DEFAULT_METRICS_RETENTION_S
 from ddpscope.server.storage import Storage
 
 logger = logging.getLogger(__name__)
 
 JR = ["job", "rank"]
 
+Clock = Callable[[], float]
+"""Seconds on the collector's clock (``time.time``); tests pass their own."""
 
-def hang_active(snap: JobSnapshot) -> dict[int, bool]:
-    """Per rank: its latest hang report has no later ``hang_resolved``."""
-    last_hang: dict[int, int] = {}
-    last_resolved: dict[int, int] = {}
-    for h in snap.hangs:
-        last_hang[h["rank"]] = max(last_hang.get(h["rank"], 0), h["time_ns"])
-    for h in snap.hang_resolved:
-        last_resolved[h["rank"]] = max(last_resolved.get(h["rank"], 0), h["time_ns"])
-    return {r: t > last_resolved.get(r, -1) for r, t in last_hang.items()}
+
+def exposed(live: Liveness, last_seen_s: float, retention_s: float) -> bool:
+    """Whether a job's series are on /metrics at ``live.now_s`` (see the module docstring)."""
+    return not live.ended or live.now_s - last_seen_s <= retention_s
+
+
+def _gauges() -> dict[str, GaugeMetricFamily]:
+    return {
+        "hang": GaugeMetricFamily(
+            "ddpscope_hang_active",
+            "1 while the rank hangs: its latest hang report is not followed by hang_resolved, an exit or "
+            "a fatal error (the incidents API's active hangs)",
+            labels=JR,
+        ),
+        "straggler": GaugeMetricFamily(
+            "ddpscope_straggler", "1 when the rank is flagged as a straggler", labels=JR
+        ),
+        "step": GaugeMetricFamily("ddpscope_step_seconds", "Duration of the rank's latest step", labels=JR),
+        "overlap": GaugeMetricFamily(
+            "ddpscope_overlap_ratio", "All-reduce time hidden behind backward, recent steps", labels=JR
+        ),
+        "seen": GaugeMetricFamily(
+            "ddpscope_last_seen_timestamp_seconds",
+            "Time of the rank's newest record (aligned clock)",
+            labels=JR,
+        ),
+        "finished": GaugeMetricFamily(
+            "ddpscope_rank_finished",
+            "1 once the rank exited cleanly (rank_exit 'finished' after its latest start)",
+            labels=JR,
+        ),
+        "unused": GaugeMetricFamily(
+            "ddpscope_unused_parameters", "Parameters seen without a gradient", labels=["job"]
+        ),
+    }
 
 
 class StorageCollector(Collector):
-    def __init__(self, storage: Storage) -> None:
+    """Reads every job from ``storage`` at scrape time; see the module docstring for which are shown."""
+
+    def __init__(
+        self, storage: Storage, *, retention_s: float = DEFAULT_METRICS_RETENTION_S, clock: Clock = time.time
+    ) -> None:
         self.storage = storage
+        self.retention_s = retention_s
+        self.clock = clock
 
     def describe(self) -> list[Metric]:
         return []  # values exist only at scrape time; nothing to pre-register
@@ -63,28 +109,7 @@ class StorageCollector(Collector):
         yield ingested
         yield rejected
 
-        g: dict[str, Any] = {
-            "hang": GaugeMetricFamily(
-                "ddpscope_hang_active", "1 while the rank's latest hang report is unresolved", labels=JR
-            ),
-            "straggler": GaugeMetricFamily(
-                "ddpscope_straggler", "1 when the rank is flagged as a straggler", labels=JR
-            ),
-            "step": GaugeMetricFamily(
-                "ddpscope_step_seconds", "Duration of the rank's latest step", labels=JR
-            ),
-            "overlap": GaugeMetricFamily(
-                "ddpscope_overlap_ratio", "All-reduce time hidden behind backward, recent steps", labels=JR
-            ),
-            "seen": GaugeMetricFamily(
-                "ddpscope_last_seen_timestamp_seconds",
-                "Time of the rank's newest record (aligned clock)",
-                labels=JR,
-            ),
-            "unused": GaugeMetricFamily(
-                "ddpscope_unused_parameters", "Parameters seen without a gradient", labels=["job"]
-            ),
-        }
+        g = _gauges()
         mism = CounterMetricFamily(
             "ddpscope_collective_mismatches",
             "Collectives on which ranks disagree (op, shapes, dtypes)",
@@ -95,7 +120,7 @@ class StorageCollector(Collector):
             "Records the agents dropped, by reason and kind",
             labels=[*JR, "reason", "kind"],
         )
-        now_s = time.time()
+        now_s = self.clock()
         for row in storage.jobs():
             try:
                 self._job(row.job, row.id, now_s, g, mism, drops)
@@ -105,21 +130,29 @@ class StorageCollector(Collector):
         yield mism
         yield drops
 
-    def _job(self, job: str, job_id: int, now_s: float, g: dict[str, Any], mism: Any, drops: Any) -> None:
+    def _job(
+        self, job: str, job_id: int, now_s: float, g: dict[str, GaugeMetricFamily], mism: Any, drops: Any
+    ) -> None:
         snap = self.storage.load_snapshot(job)
-        if snap is None or job_status(snap, now_s) == "finished":
+        if snap is None:
             return
-        hangs = hang_active(snap)
+        live = liveness(snap, now_s)
+        if not exposed(live, snap.last_seen_s, self.retention_s):
+            return
         rows = self.storage.recent_steps(job_id, WINDOW_STEPS)
         flagged = {s.rank: s.flagged for s in stragglers(rows)}
         metrics_by_rank: dict[int, list[Any]] = {}
         for r in rows:
             metrics_by_rank.setdefault(r.rank, []).append(step_metrics(r))
-        for rank in sorted(set(snap.rank_last_seen_s) | set(snap.ranks)):
+        # Ranks that reported something: a rank never seen has no last-seen time to compare with, and
+        # a 0 there would page DDPRankSilent for a rank that is merely slow to start.
+        for rank in sorted(set(live.last_alive_s) | set(snap.ranks)):
             labels = [job, str(rank)]
-            g["hang"].add_metric(labels, float(hangs.get(rank, False)))
+            exit_ = live.exits.get(rank)
+            g["hang"].add_metric(labels, float(rank in live.active_hangs))
             g["straggler"].add_metric(labels, float(flagged.get(rank, False)))
-            g["seen"].add_metric(labels, snap.rank_last_seen_s.get(rank, 0.0))
+            g["seen"].add_metric(labels, live.last_alive_s.get(rank, 0.0))
+            g["finished"].add_metric(labels, float(exit_ is not None and exit_.get("reason") == "finished"))
             ms = metrics_by_rank.get(rank)
             if ms:
                 g["step"].add_metric(labels, max(ms, key=lambda m: m.step).step_s)
@@ -127,11 +160,7 @@ class StorageCollector(Collector):
                 if overlap is not None:
                     g["overlap"].add_metric(labels, overlap)
         g["unused"].add_metric([job], float(len(snap.unused)))
-        if has_diagnosis():
-            n_mismatch = sum(_kind(i) == "mismatch" for i in diagnose(snap, now_s))
-        else:
-            n_mismatch = len(mismatches(snap.collectives))
-        mism.add_metric([job], float(n_mismatch))
+        mism.add_metric([job], float(sum(i.kind == "mismatch" for i in diagnose(snap, now_s))))
         totals: dict[tuple[int, str, str], int] = {}
         for stats in self.storage.fetch_records(job, ["agent_stats"]):
             for key, n in stats["dropped"].items():
@@ -142,11 +171,14 @@ class StorageCollector(Collector):
             drops.add_metric([job, str(rank), reason, kind], float(n))
 
 
-def _kind(incident: Any) -> Any:
-    return incident.get("kind") if isinstance(incident, dict) else getattr(incident, "kind", None)
+def make_registry(
+    storage: Storage, *, retention_s: float = DEFAULT_METRICS_RETENTION_S, clock: Clock = time.time
+) -> CollectorRegistry:
+    """A private registry whose only collector reads ``storage`` at scrape time.
 
-
-def make_registry(storage: Storage) -> CollectorRegistry:
+    ``retention_s`` is ``Settings.metrics_retention_s``; ``clock`` is the collector's clock (tests pass
+    a fixed one to look 15 minutes ahead without waiting).
+    """
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StorageCollector(storage))
+    registry.register(StorageCollector(storage, retention_s=retention_s, clock=clock))
     return registry

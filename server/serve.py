@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from ddpscope.server.settings import DEFAULT_DB_URL, Settings
+from ddpscope.server.settings import DEFAULT_DB_URL, DEFAULT_METRICS_RETENTION_S, Settings
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-body-mb", type=float, default=16.0, help="largest ingest body as sent (default: %(default)s)"
     )
+    p.add_argument(
+        "--metrics-retention-s",
+        type=float,
+        default=DEFAULT_METRICS_RETENTION_S,
+        help="seconds a finished or failed job stays on /metrics after its last record, so its alerts "
+        "can fire and then resolve; running and hung jobs always stay (default: %(default)g)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -52,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         no_auth=args.no_auth,
         max_body_bytes=max_body,
         max_decompressed_bytes=max(4 * max_body, Settings().max_decompressed_bytes),
+        metrics_retention_s=args.metrics_retention_s,
     )
     try:
         settings.check()

@@ -7,6 +7,14 @@ from dataclasses import dataclass
 
 DEFAULT_DB_URL = "sqlite:///ddpscope.db"
 
+DEFAULT_METRICS_RETENTION_S = 900.0
+"""15 minutes: long enough for a failed job to fire its alerts (DDPRankSilent needs 60 s of silence
+plus a few 15 s scrapes), short enough that they resolve the same quarter of an hour."""
+
+MIN_METRICS_RETENTION_S = 120.0
+"""Below this an ended job can leave /metrics before DDPRankSilent (60 s of silence) had the scrapes
+it needs to fire, so a job that failed between two looks would never page."""
+
 
 @dataclass(kw_only=True, slots=True)
 class Settings:
@@ -28,6 +36,9 @@ class Settings:
     retry_after_s: int = 1
     pool_size: int = 8
     """Database connections for reads (and for writes on PostgreSQL)."""
+    metrics_retention_s: float = DEFAULT_METRICS_RETENTION_S
+    """How long an ended job (finished or failed) stays on /metrics after its newest record, by the
+    collector's clock. Running and hung jobs always stay."""
 
     def check(self) -> None:
         """Raise ``ValueError`` (message names the option) for an unsafe or impossible configuration."""
@@ -44,6 +55,12 @@ class Settings:
             raise ValueError("max_body_bytes must be > 0 and max_decompressed_bytes >= max_body_bytes")
         if self.max_pending_ingest < 1:
             raise ValueError("max_pending_ingest must be >= 1")
+        if not self.metrics_retention_s >= MIN_METRICS_RETENTION_S:  # `not >=` also refuses NaN
+            raise ValueError(
+                f"--metrics-retention-s {self.metrics_retention_s:g}: must be at least "
+                f"{MIN_METRICS_RETENTION_S:g} s, or a job that failed between scrapes leaves /metrics "
+                "before DDPRankSilent (60 s of silence) can fire"
+            )
 
 
 def _check_db_url(url: str) -> None:

@@ -85,6 +85,23 @@ class Liveness:
     def hung(self) -> bool:
         return bool(self.active_hangs) or bool(self.silent) or self.lost
 
+    @property
+    def status(self) -> str:
+        """``'failed'``, ``'finished'``, ``'hung'`` or ``'running'``, in that order of precedence."""
+        if self.failed:
+            return "failed"
+        if self.finished:
+            return "finished"
+        if self.hung:
+            return "hung"
+        return "running"
+
+    @property
+    def ended(self) -> bool:
+        """Failed or finished: nothing more is expected from the job (its status can no longer change
+        with time alone, only with new records, e.g. a restarted rank)."""
+        return self.failed or self.finished
+
     def age_s(self, rank: int) -> float | None:
         seen = self.last_alive_s.get(rank)
         return None if seen is None else self.now_s - seen
@@ -184,11 +201,4 @@ def _silent(live: Liveness) -> list[int]:
 
 def job_status(snapshot: JobSnapshot, now_s: float, *, silent_after_s: float = DEFAULT_SILENT_AFTER_S) -> str:
     """``'failed'``, ``'finished'``, ``'hung'`` or ``'running'`` (see the module docstring)."""
-    live = liveness(snapshot, now_s, silent_after_s=silent_after_s)
-    if live.failed:
-        return "failed"
-    if live.finished:
-        return "finished"
-    if live.hung:
-        return "hung"
-    return "running"
+    return liveness(snapshot, now_s, silent_after_s=silent_after_s).status
