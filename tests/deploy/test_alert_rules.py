@@ -57,6 +57,26 @@ def test_the_unit_tests_catch_a_rule_that_waits_too_long(tmp_path: Path) -> None
 
 
 @needs_promtool
+@pytest.mark.parametrize("alert", ["DDPRankSilent", "DDPStraggler"])
+def test_the_unit_tests_catch_a_rule_that_pages_for_a_rank_that_finished_cleanly(
+    tmp_path: Path, alert: str
+) -> None:
+    # A finished job stays on /metrics for its retention with its ranks silent and their last
+    # straggler flags: without the `unless ... ddpscope_rank_finished` clause these rules would page
+    # for a job that is over, and the promtool tests must say so.
+    doc = yaml.safe_load((DEPLOY / "alerts.yml").read_text())
+    for rule in doc["groups"][0]["rules"]:
+        if rule["alert"] == alert:
+            assert "unless on (job, rank)" in rule["expr"]
+            rule["expr"] = rule["expr"].split("unless")[0].strip()
+    (tmp_path / "alerts.yml").write_text(yaml.safe_dump(doc))
+    shutil.copy(DEPLOY / "alerts_test.yml", tmp_path / "alerts_test.yml")
+    result = promtool("test", "rules", "alerts_test.yml", cwd=tmp_path)
+    assert result.returncode != 0
+    assert alert in result.stdout + result.stderr and "train-8" in result.stdout + result.stderr
+
+
+@needs_promtool
 def test_the_rules_and_the_prometheus_config_pass_promtool_checks() -> None:
     checked = promtool("check", "rules", "alerts.yml")
     assert checked.returncode == 0, checked.stdout + checked.stderr
