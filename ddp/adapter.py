@@ -33,14 +33,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import platform
-import socket
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpscope import agent
@@ -56,10 +52,10 @@ from ddpscope.ddp.adapter_layout import (
 )
 from ddpscope.ddp.clock import estimate_offset
 from ddpscope.ddp.collectives import RECORDER
-from ddpscope.ddp.engine import _version
 from ddpscope.ddp.groups import global_rank, pg_name
+from ddpscope.ddp.outputs import grad_tensors
 from ddpscope.ddp.progress import PROGRESS
-from ddpscope.ddp.reducer import _grad_tensors
+from ddpscope.ddp.rank_start import rank_start_record
 from ddpscope.ddp.step_record import StepTimer
 
 logger = logging.getLogger(__name__)
@@ -174,7 +170,18 @@ class Instrumentation:
         self._in_bucket = [False] * len(params)
         """Per parameter (``_exact_div`` only): its gradient was already a view of its bucket."""
 
-        agent.emit(self._rank_start(estimate.offset_ns, estimate.error_ns, world, params))
+        agent.emit(
+            rank_start_record(
+                rank=self._rank,
+                world_size=world,
+                group=self._group,
+                device=str(params[0].device) if params else "cpu",
+                engine="torch",
+                find_unused_parameters=ddp.find_unused_parameters,
+                bucket_cap_mb=float(ddp.bucket_bytes_cap) / _MIB,
+                clock=estimate,
+            )
+        )
         self._emit_layout("initial")
 
         self._handles = [
@@ -187,30 +194,6 @@ class Instrumentation:
         PROGRESS.pending_buckets = self.pending_wire
 
     # -- records ---------------------------------------------------------------------------------
-
-    def _rank_start(
-        self, offset_ns: int, error_ns: int, world: int, params: list[torch.Tensor]
-    ) -> dict[str, Any]:
-        # The same fields the engine sends at construction (engine.py builds its record inline).
-        ddp = self.ddp
-        return {
-            "kind": "rank_start",
-            "rank": self._rank,
-            "world_size": world,
-            "backend": str(dist.get_backend(self._group)),
-            "device": str(params[0].device) if params else "cpu",
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "engine": "torch",
-            "torch_version": torch.__version__,
-            "ddpscope_version": _version(),
-            "python_version": platform.python_version(),
-            "find_unused_parameters": bool(ddp.find_unused_parameters),
-            "bucket_cap_mb": float(ddp.bucket_bytes_cap) / _MIB,
-            "clock_offset_ns": offset_ns,
-            "clock_error_ns": error_ns,
-            "process_group": self._pg,
-        }
 
     def _emit_layout(self, reason: str, step: int = 0) -> None:
         agent.emit(
@@ -267,7 +250,7 @@ class Instrumentation:
                 self._learning = True
                 self._learner.reset()
         # A hook on the outputs marks backward start even when no parameter gets a gradient here.
-        for t in _grad_tensors(output):
+        for t in grad_tensors(output):
             t.register_hook(self._on_output_grad)
 
     # -- backward --------------------------------------------------------------------------------

@@ -10,11 +10,7 @@ module and arms the reducer; each backward ends with one ``step`` record (reduce
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import logging
-import os
-import platform
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +27,7 @@ from ddpscope.ddp.clock import estimate_offset
 from ddpscope.ddp.collectives import disabled
 from ddpscope.ddp.groups import global_rank, pg_name
 from ddpscope.ddp.layout import check_same_layout, describe
+from ddpscope.ddp.rank_start import rank_start_record
 from ddpscope.ddp.reducer import Reducer
 from ddpscope.ddp.step_record import StepTimer
 
@@ -86,13 +83,6 @@ def _check_unsupported(unsupported: dict[str, Any], module: nn.Module) -> None:
             f"ddpscope DistributedDataParallel does not support {key}={value!r}: {remedy}. "
             "(Or keep torch's own DistributedDataParallel and use ddpscope.ddp.instrument().)"
         )
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("ddpscope")
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 class DistributedDataParallel(nn.Module):
@@ -171,24 +161,16 @@ class DistributedDataParallel(nn.Module):
         )
         first = trainable[0][1]
         agent.emit(
-            {
-                "kind": "rank_start",
-                "rank": self._global_rank,
-                "world_size": self._world,
-                "backend": str(dist.get_backend(process_group)),
-                "device": str(first.device),
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "engine": "ddpscope",
-                "torch_version": torch.__version__,
-                "ddpscope_version": _version(),
-                "python_version": platform.python_version(),
-                "find_unused_parameters": find_unused_parameters,
-                "bucket_cap_mb": 25.0 if bucket_cap_mb is None else float(bucket_cap_mb),
-                "clock_offset_ns": estimate.offset_ns,
-                "clock_error_ns": estimate.error_ns,
-                "process_group": self._pg,
-            }
+            rank_start_record(
+                rank=self._global_rank,
+                world_size=self._world,
+                group=process_group,
+                device=str(first.device),
+                engine="ddpscope",
+                find_unused_parameters=find_unused_parameters,
+                bucket_cap_mb=25.0 if bucket_cap_mb is None else float(bucket_cap_mb),
+                clock=estimate,
+            )
         )
         self._emit_layout("initial")
 

@@ -32,6 +32,7 @@ from ddpscope.ddp import errors
 from ddpscope.ddp.buckets import Bucket, ParamSpec, assign_buckets, build_buckets, size_limits
 from ddpscope.ddp.collectives import RECORDER
 from ddpscope.ddp.cuda_timing import CudaBucketEvents
+from ddpscope.ddp.outputs import grad_tensors
 from ddpscope.ddp.progress import PROGRESS
 from ddpscope.ddp.step_record import StepTimer
 
@@ -162,7 +163,7 @@ class Reducer:
 
     def after_forward(self, outputs: Any, synced: bool) -> None:
         """Arm the hooks for the backward to come; find the unused parameters if asked to."""
-        tensors = _grad_tensors(outputs)
+        tensors = grad_tensors(outputs)
         if synced:
             self.active = True
             if not self.rebuilt:
@@ -409,22 +410,6 @@ class Reducer:
             missing = [] if launched else [self.names[i] for i in b.param_indices if not ready[i]]
             out.append({"index": b.index, "missing": missing, "launched": launched})
         return out
-
-
-def _grad_tensors(outputs: Any, limit: int = 64) -> list[torch.Tensor]:
-    """Tensors requiring grad in a forward's output (nested tuples, lists, dicts, dataclass-like)."""
-    found: list[torch.Tensor] = []
-    stack = [outputs]
-    while stack and len(found) < limit:
-        obj = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            if obj.requires_grad:
-                found.append(obj)
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-    return found
 
 
 def _reachable_params(tensors: Sequence[torch.Tensor]) -> set[int]:

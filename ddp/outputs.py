@@ -1,0 +1,32 @@
+"""The tensors of a forward's output that a backward will flow through.
+
+Both engines (reducer.py and the ``instrument()`` adapter) put a gradient hook on them: it marks the
+start of backward and queues the end-of-backward work even when no parameter of this rank gets a
+gradient (an unsynchronised step, or a rank whose loss reaches no parameter).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def grad_tensors(outputs: Any, limit: int = 64) -> list[torch.Tensor]:
+    """Tensors requiring grad in a forward's output (nested tuples, lists, dicts), at most ``limit``.
+
+    The limit bounds the walk over huge nested outputs: one hooked tensor is enough to see backward
+    start, a few more cover outputs of which only some take part in the loss.
+    """
+    found: list[torch.Tensor] = []
+    stack = [outputs]
+    while stack and len(found) < limit:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            if obj.requires_grad:
+                found.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+    return found

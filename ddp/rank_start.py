@@ -1,0 +1,77 @@
+"""The ``rank_start`` record (agent/records.py) that every engine sends once per rank at construction.
+
+ddpscope's own engine and the ``instrument()`` adapter build it here, so the two cannot drift apart
+in field names or in how versions are read::
+
+    record = rank_start_record(
+        rank=0, world_size=2, group=None, device="cpu", engine="ddpscope",
+        find_unused_parameters=False, bucket_cap_mb=25.0, clock=estimate,
+    )
+    agent.emit(record)
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import platform
+import socket
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ddpscope.ddp.groups import pg_name
+
+
+class ClockEstimate(Protocol):
+    """What the record needs of ``ddp.clock.estimate_offset()``'s result."""
+
+    offset_ns: int
+    error_ns: int
+
+
+@functools.cache
+def ddpscope_version() -> str:
+    """The installed ddpscope distribution's version, ``0+unknown`` when run from a bare checkout."""
+    try:
+        return importlib.metadata.version("ddpscope")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def rank_start_record(
+    *,
+    rank: int,
+    world_size: int,
+    group: Any,
+    device: str,
+    engine: str,
+    find_unused_parameters: bool,
+    bucket_cap_mb: float,
+    clock: ClockEstimate,
+) -> dict[str, Any]:
+    """A ``rank_start`` record ready for ``agent.emit()``.
+
+    ``rank`` is the global rank, ``group`` the process group the engine reduces over (None: the
+    default one), ``engine`` ``"ddpscope"`` or ``"torch"``, ``clock`` the offset estimate to rank 0.
+    """
+    return {
+        "kind": "rank_start",
+        "rank": rank,
+        "world_size": world_size,
+        "backend": str(dist.get_backend(group)),
+        "device": device,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "engine": engine,
+        "torch_version": torch.__version__,
+        "ddpscope_version": ddpscope_version(),
+        "python_version": platform.python_version(),
+        "find_unused_parameters": bool(find_unused_parameters),
+        "bucket_cap_mb": float(bucket_cap_mb),
+        "clock_offset_ns": clock.offset_ns,
+        "clock_error_ns": clock.error_ns,
+        "process_group": pg_name(group),
+    }
