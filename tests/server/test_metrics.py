@@ -1,0 +1,227 @@
+"""/metrics semantics: gauges from the same analysis as the API, and which jobs are exposed when.
+
+Records go through the real app's ingest into a real database (SQLite file and PostgreSQL); the
+scrapes use ``make_registry`` on that storage with a fixed collector clock, so a test looks 15 minutes
+ahead without waiting. The agreement test scrapes the app's own ``/metrics`` with the real clock.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ddpscope.server import serve
+from ddpscope.server.metrics import make_registry
+from ddpscope.server.settings import DEFAULT_METRICS_RETENTION_S, Settings
+from tests.server.conftest import post
+from tests.support.synth import by_rank, synth_job
+
+RETENTION_S = 60.0
+PER_JOB = {
+    "ddpscope_hang_active",
+    "ddpscope_straggler",
+    "ddpscope_step_seconds",
+    "ddpscope_overlap_ratio",
+    "ddpscope_last_seen_timestamp_seconds",
+    "ddpscope_rank_finished",
+    "ddpscope_unused_parameters",
+    "ddpscope_collective_mismatches_total",
+}
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def feed(client: Any, records: list[dict[str, Any]]) -> None:
+    for rank_records in by_rank(records).values():
+        r = post(client, rank_records)
+        assert r.status_code == 200, r.text
+
+
+def parse(text: str) -> Samples:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def scrape(client: Any, now_s: float, retention_s: float = RETENTION_S) -> Samples:
+    """/metrics as a collector whose clock reads ``now_s`` would expose it."""
+    registry = make_registry(client.app.state.storage, retention_s=retention_s, clock=lambda: now_s)
+    return parse(generate_latest(registry).decode())
+
+
+def of_job(samples: Samples, job: str) -> Samples:
+    return {k: v for k, v in samples.items() if ("job", job) in k[1]}
+
+
+def value(samples: Samples, name: str, job: str, rank: int | None = None) -> float:
+    labels = [("job", job)] + ([("rank", str(rank))] if rank is not None else [])
+    return samples[(name, tuple(sorted(labels)))]
+
+
+def last_s(records: list[dict[str, Any]]) -> float:
+    return max(r["time_ns"] for r in records) / 1e9
+
+
+def extra(job: str, rank: int, kind: str, time_ns: int, seq: int, **fields: Any) -> dict[str, Any]:
+    """A record appended after a synthetic job's own (``seq`` above any synth_job uses)."""
+    env = {"job": job, "rank": rank, "stream": f"{job}-r{rank}", "seq": 10_000 + seq, "time_ns": time_ns}
+    return {**env, "kind": kind, **fields}
+
+
+def hang(job: str, rank: int, time_ns: int, seq: int = 0) -> dict[str, Any]:
+    return extra(
+        job, rank, "hang", time_ns, seq, phase="allreduce", step=3, stalled_s=300.0,
+        pending_buckets=[], inflight=[], stacks=[], message="no progress for 300 s",
+    )  # fmt: skip
+
+
+def died(job: str, rank: int, time_ns: int, message: str, seq: int = 1) -> list[dict[str, Any]]:
+    """A rank's fatal error and its exit with reason 'error'."""
+    error = extra(
+        job, rank, "rank_error", time_ns, seq, step=3, phase="allreduce", error_type="RuntimeError",
+        message=message, stack="Traceback ...", fatal=True,
+    )  # fmt: skip
+    return [error, extra(job, rank, "rank_exit", time_ns + 1, seq + 1, step=3, reason="error")]
+
+
+def failed_job(job: str, survivor_s: float = 0.03) -> list[dict[str, Any]]:
+    """Rank 1 raised a real error; rank 0 lost its connection to it ``survivor_s`` later: a failed job."""
+    records = synth_job(2, 4, 2, job=job, finished=False)
+    end = max(r["time_ns"] for r in records)
+    return [
+        *records,
+        *died(job, 1, end + 1_000, "CUDA error: an illegal memory access was encountered"),
+        *died(job, 0, end + int(survivor_s * 1e9), "Connection reset by peer"),
+    ]
+
+
+def test_a_stale_hang_of_a_dead_rank_does_not_keep_ddpscope_hang_active_at_1(client):
+    records = synth_job(2, 4, 2, job="stale", finished=False)
+    end = max(r["time_ns"] for r in records)
+    feed(client, [*records, hang("stale", 0, end + 1)])
+    now = last_s(records) + 1
+    assert value(scrape(client, now), "ddpscope_hang_active", "stale", 0) == 1.0
+
+    # Rank 0 then dies while hanging (its peer was killed): no hang_resolved will ever come.
+    feed(client, died("stale", 0, end + 2_000_000, "Connection reset by peer"))
+    samples = scrape(client, now)
+    assert value(samples, "ddpscope_hang_active", "stale", 0) == 0.0
+    assert value(samples, "ddpscope_hang_active", "stale", 1) == 0.0
+    # The API says the same: the hang is over, and the job failed rather than hangs.
+    hangs = client.get("/api/v1/jobs/stale/incidents?kind=hang").json()["items"]
+    assert [(h["rank"], h["active"]) for h in hangs] == [(0, False)]
+
+
+def test_a_hang_reported_before_a_rank_restarted_does_not_count(client):
+    records = synth_job(2, 4, 2, job="restart", finished=False)
+    start = min(r["time_ns"] for r in records)
+    # A hang from the rank's previous life, before its latest rank_start.
+    feed(client, [hang("restart", 1, start - 60_000_000_000), *records])
+    samples = scrape(client, last_s(records) + 1)
+    assert value(samples, "ddpscope_hang_active", "restart", 1) == 0.0
+
+
+@pytest.mark.parametrize("ending", ["failed", "finished"])
+def test_an_ended_jobs_series_disappear_after_the_retention_and_are_present_before_it(client, ending):
+    records = failed_job("ended") if ending == "failed" else synth_job(2, 4, 2, job="ended")
+    feed(client, records)
+    assert client.get("/api/v1/jobs/ended").json()["status"] == ending
+    last = last_s(records)
+
+    before = of_job(scrape(client, last + RETENTION_S - 1), "ended")
+    assert {name for name, _ in before} == PER_JOB
+    finished = 1.0 if ending == "finished" else 0.0
+    assert [value(before, "ddpscope_rank_finished", "ended", r) for r in (0, 1)] == [finished, finished]
+
+    after = scrape(client, last + RETENTION_S + 1)
+    assert of_job(after, "ended") == {}
+    assert ("ddpscope_ingested_records_total", ()) in after  # the collector's own series stay
+    # The API keeps the job: only /metrics forgets it, so alerts resolve.
+    assert client.get("/api/v1/jobs/ended").json()["status"] == ending
+
+
+def test_the_retention_is_measured_from_the_jobs_newest_record_not_its_first(client):
+    # Rank 1 failed at once; rank 0 only noticed two retentions later (a long collective timeout).
+    records = failed_job("late", survivor_s=2 * RETENTION_S)
+    feed(client, records)
+    first_failure = min(r["time_ns"] for r in records if r["kind"] == "rank_error") / 1e9
+    last = last_s(records)
+    assert last - first_failure > RETENTION_S
+    assert of_job(scrape(client, last + 1), "late")
+    assert of_job(scrape(client, last + RETENTION_S + 1), "late") == {}
+
+
+def test_a_running_jobs_series_never_disappear(client):
+    records = synth_job(2, 4, 2, job="live", finished=False)
+    feed(client, records)
+    last = last_s(records)
+    for later_s in (1.0, RETENTION_S + 1, 1000 * RETENTION_S):
+        samples = of_job(scrape(client, last + later_s), "live")
+        assert {name for name, _ in samples} == PER_JOB, later_s
+        assert value(samples, "ddpscope_rank_finished", "live", 0) == 0.0
+
+
+def test_a_hung_jobs_series_and_its_hang_stay_however_long_it_hangs(client):
+    records = synth_job(2, 4, 2, job="stuck", finished=False)
+    feed(client, [*records, hang("stuck", 1, max(r["time_ns"] for r in records) + 1)])
+    samples = scrape(client, last_s(records) + 1000 * RETENTION_S)
+    assert value(samples, "ddpscope_hang_active", "stuck", 1) == 1.0
+    assert value(samples, "ddpscope_hang_active", "stuck", 0) == 0.0
+    assert client.get("/api/v1/jobs/stuck").json()["status"] == "hung"
+
+
+def test_every_per_job_gauge_agrees_with_the_api(client):
+    t0 = time.time_ns() - 2_000_000_000  # recent, so the app's own clock sees a live job
+    records = synth_job(
+        4, 25, 3, job="agree", slow_rank=2, unused={1: ["layers.2.bias"]}, finished=False, t0_ns=t0
+    )
+    # Rank 3 issues collective #5 with a different shape: a mismatch.
+    for r in records:
+        if r["kind"] == "collective" and r["rank"] == 3 and r["coll_seq"] == 5:
+            r["shapes"] = [[7]]
+    feed(client, [*records, hang("agree", 0, max(r["time_ns"] for r in records) + 1)])
+    samples = parse(client.get("/metrics").text)
+    api = "/api/v1/jobs/agree"
+
+    flagged = {s["rank"] for s in client.get(f"{api}/stragglers").json()["items"] if s["flagged"]}
+    assert flagged == {2}
+    assert {r for r in range(4) if value(samples, "ddpscope_straggler", "agree", r) == 1.0} == flagged
+
+    hangs = client.get(f"{api}/incidents?kind=hang").json()["items"]
+    active = {h["rank"] for h in hangs if h["active"]}
+    assert active == {0}
+    assert {r for r in range(4) if value(samples, "ddpscope_hang_active", "agree", r) == 1.0} == active
+
+    mismatches = client.get(f"{api}/incidents?kind=mismatch").json()["items"]
+    assert len(mismatches) >= 1
+    assert value(samples, "ddpscope_collective_mismatches_total", "agree") == len(mismatches)
+
+    unused = client.get(f"{api}/unused-parameters").json()["items"]
+    assert value(samples, "ddpscope_unused_parameters", "agree") == len(unused) == 1
+
+    last_seen = client.get(api).json()["last_seen"]
+    seen = [value(samples, "ddpscope_last_seen_timestamp_seconds", "agree", r) for r in range(4)]
+    assert max(seen) == pytest.approx(last_seen)
+    for rank in range(4):
+        latest = client.get(f"{api}/steps?rank={rank}&start=24&end=24").json()["items"][0]
+        assert value(samples, "ddpscope_step_seconds", "agree", rank) == pytest.approx(latest["step_s"])
+
+
+def test_the_retention_setting_defaults_to_15_minutes_and_refuses_a_window_too_short_to_alert():
+    assert Settings().metrics_retention_s == DEFAULT_METRICS_RETENTION_S == 900.0
+    args = serve.parser().parse_args(["--metrics-retention-s", "3600"])
+    assert args.metrics_retention_s == 3600.0
+    Settings(metrics_retention_s=3600.0).check()
+    for bad in (30.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="--metrics-retention-s"):
+            Settings(metrics_retention_s=bad).check()
+
+
+def test_serve_refuses_a_too_short_retention_with_a_message_naming_the_option(capsys):
+    assert serve.main(["--db", "sqlite:///:memory:", "--metrics-retention-s", "10"]) == 2
+    assert "--metrics-retention-s 10" in capsys.readouterr().err
