@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 
 import pytest
 
@@ -148,9 +149,11 @@ def test_trace_is_perfetto_json_for_a_step_range(client):
     assert client.get("/api/v1/jobs/synth/trace?start=3&end=2").status_code == 400
 
 
-def test_metrics_expose_the_design_names_and_finished_jobs_leave(client):
+def test_metrics_expose_the_design_names_and_ended_jobs_leave_after_their_retention(client):
     _feed(client, synth_job(2, 5, 2, job="live", slow_rank=1, finished=False, unused={0: ["w"]}))
+    # Both finished; "done" in 2023, far beyond the default 15-minute retention, "just-done" a second ago.
     _feed(client, synth_job(2, 5, 2, job="done"))
+    _feed(client, synth_job(2, 5, 2, job="just-done", t0_ns=time.time_ns() - 1_000_000_000))
     text = client.get("/metrics").text
     for name in (
         "ddpscope_hang_active",
@@ -167,7 +170,9 @@ def test_metrics_expose_the_design_names_and_finished_jobs_leave(client):
         ), name
     assert 'ddpscope_straggler{job="live",rank="1"} 1.0' in text
     assert 'ddpscope_unused_parameters{job="live"} 1.0' in text
+    assert 'ddpscope_rank_finished{job="live",rank="0"} 0.0' in text
     assert 'job="done"' not in text
+    assert 'ddpscope_rank_finished{job="just-done",rank="1"} 1.0' in text
 
 
 def test_health_answers_when_the_database_does(client):
