@@ -18,7 +18,7 @@ from ddpscope.server import serve
 from ddpscope.server.metrics import make_registry
 from ddpscope.server.settings import DEFAULT_METRICS_RETENTION_S, Settings
 from tests.server.conftest import post
-from tests.support.synth import by_rank, synth_job
+from tests.support.synth import T0_NS, by_rank, synth_job
 
 RETENTION_S = 60.0
 PER_JOB = {
@@ -89,9 +89,9 @@ def died(job: str, rank: int, time_ns: int, message: str, seq: int = 1) -> list[
     return [error, extra(job, rank, "rank_exit", time_ns + 1, seq + 1, step=3, reason="error")]
 
 
-def failed_job(job: str, survivor_s: float = 0.03) -> list[dict[str, Any]]:
+def failed_job(job: str, survivor_s: float = 0.03, t0_ns: int = T0_NS) -> list[dict[str, Any]]:
     """Rank 1 raised a real error; rank 0 lost its connection to it ``survivor_s`` later: a failed job."""
-    records = synth_job(2, 4, 2, job=job, finished=False)
+    records = synth_job(2, 4, 2, job=job, finished=False, t0_ns=t0_ns)
     end = max(r["time_ns"] for r in records)
     return [
         *records,
