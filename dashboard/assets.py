@@ -1,4 +1,4 @@
-"""Static files the pages need: the dashboard's own scripts and plotly.js from the installed package."""
+"""The dashboard's own static files (scripts, stylesheet); plotly.js is ``plotly_js``'s concern."""
 
 from __future__ import annotations
 
@@ -10,12 +10,6 @@ import logging
 logger = logging.getLogger(__name__)
 
 CONTENT_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
-
-
-@functools.cache
-def plotly_js() -> bytes:
-    """The minified plotly.js bundled with the ``plotly`` Python package (read once, kept in memory)."""
-    return (importlib.resources.files("plotly") / "package_data" / "plotly.min.js").read_bytes()
 
 
 @functools.cache

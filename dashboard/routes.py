@@ -8,29 +8,36 @@ through the collector's own public API (``internal.get_json``), never around it.
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from html import escape
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import HTMLResponse
 
-from ddpscope.dashboard import assets, internal
-from ddpscope.dashboard.shell import job_href, message_page, render_page
+from ddpscope.dashboard import assets, internal, plotly_js
+from ddpscope.dashboard.shell import api_path, job_href, message_page, render_page
 
 logger = logging.getLogger(__name__)
 
-router = APIRouter(include_in_schema=False)
 
-# Versioned URLs (?v=hash) make long caching safe for our own assets; plotly.js changes only with the
-# installed package, so a day is plenty and costs one revalidation per day.
+@asynccontextmanager
+async def _lifespan(_app: object) -> AsyncIterator[None]:
+    # FastAPI runs an included router's lifespan with the app's: gzip plotly.js once, off the event
+    # loop, while the collector starts taking requests.
+    plotly_js.start_precompressing()
+    yield
+
+
+router = APIRouter(include_in_schema=False, lifespan=_lifespan)
+
+# Versioned URLs (?v=hash) make long caching safe for our own assets (plotly.js: see plotly_js).
 OWN_ASSET_CACHE = "public, max-age=31536000, immutable"
-PLOTLY_CACHE = "public, max-age=86400"
 
 
-@router.get("/static/plotly.min.js")
-def plotly_js() -> Response:
-    return Response(
-        assets.plotly_js(), media_type=assets.content_type(".js"), headers={"Cache-Control": PLOTLY_CACHE}
-    )
+@router.get(plotly_js.PATH)
+def plotly_bundle(request: Request) -> Response:
+    return plotly_js.response(request)
 
 
 @router.get("/dashboard-static/{name}")
@@ -143,6 +150,8 @@ Hover for bucket index, bytes and parameters.</p>
         data={"job": job, "step": str(int(step))},
         crumbs=crumbs,
         plotly=True,
+        # What timeline.js fetches before it can draw (its main(), same order).
+        preload=[api_path(job, f"/timeline?step={int(step)}"), api_path(job, "/buckets"), api_path(job)],
     )
     return HTMLResponse(page)
 

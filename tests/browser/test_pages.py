@@ -134,6 +134,31 @@ def test_step_timeline_holds_every_rank_and_bucket_with_parameter_names_on_hover
     screenshot(page, "step-timeline")
 
 
+def test_the_step_page_asks_for_its_data_once_and_before_its_scripts_have_run(
+    collector: Collector, page
+) -> None:
+    # An id that encodeURIComponent and Python's quote() spell differently unless told: the server-side
+    # preload must be the very URL the script fetches, or the browser would fetch everything twice.
+    job = unique("pre!load*'(x)") + " é"
+    synth = SynthJob(job, world_size=2, buckets=3)
+    post(collector.url, synth.start() + synth.steps(2))
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.url))
+    open_step(page, collector.url, job, 1)
+    page.wait_for_function("window.ddpTimelineComplete === true", timeout=WAIT_MS)
+    api_calls = [u.split("/api/v1/", 1)[1] for u in requests if "/api/v1/" in u]
+    assert len(api_calls) == len(set(api_calls)), f"an API URL was requested twice: {api_calls}"
+    first = [u for u in requests if "/api/v1/" in u or "/static/" in u][:4]
+    assert all("/api/v1/" in u for u in first[:3]), f"the data is not requested first: {first}"
+    assert any(u.endswith("/timeline?step=1") for u in first[:3])
+    entries = page.evaluate(
+        "() => performance.getEntriesByType('resource').filter(r => r.name.includes('/timeline?'))"
+        ".map(r => r.initiatorType)"
+    )
+    assert entries == ["link"], f"the timeline was not taken from the preload: {entries}"
+    assert timeline_kinds(page)["bucket ready"]["segments"] == 2 * 3
+
+
 def test_step_navigation_links_to_previous_next_and_slowest_steps(collector: Collector, page) -> None:
     job = unique("nav")
     records = synth_job(2, 8, 3, job=job, t0_ns=time.time_ns() - 10**9, seed=3)

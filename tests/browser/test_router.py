@@ -46,7 +46,8 @@ def test_pages_load_scripts_only_from_the_collector_itself(client: TestClient) -
     html = client.get(f"/jobs/{quote(HOSTILE_JOB, safe='')}/steps/5").text
     sources = re.findall(r'(?:src|href)="([^"]+)"', html)
     assert sources and all(s.startswith(("/", "data:", "#")) for s in sources), sources
-    assert "/static/plotly.min.js" in sources
+    # plotly.js by its versioned URL (?v=hash of the bytes served), so it can be cached for good.
+    assert any(re.fullmatch(r"/static/plotly\.min\.js\?v=[0-9a-f]{12}", s) for s in sources), sources
 
 
 def test_plotly_js_comes_from_the_installed_package_with_cache_headers(client: TestClient) -> None:
@@ -55,6 +56,54 @@ def test_plotly_js_comes_from_the_installed_package_with_cache_headers(client: T
     assert resp.headers["content-type"].startswith("text/javascript")
     assert "max-age" in resp.headers["cache-control"]
     assert b"plotly" in resp.content[:2000].lower() and len(resp.content) > 1_000_000
+
+
+def test_plotly_js_is_the_package_bundle_byte_for_byte_after_one_compile_hint_line(
+    client: TestClient,
+) -> None:
+    from importlib.resources import files
+
+    package = (files("plotly") / "package_data" / "plotly.min.js").read_bytes()
+    served = client.get("/static/plotly.min.js", headers={"accept-encoding": "identity"})
+    hint, _, rest = served.content.partition(b"\n")
+    assert hint == b"//# allFunctionsCalledOnLoad" and rest == package
+    assert "content-encoding" not in served.headers
+
+
+def test_plotly_js_is_immutable_under_its_versioned_url_and_a_revalidation_gets_a_304(
+    client: TestClient,
+) -> None:
+    html = client.get(f"/jobs/{quote(HOSTILE_JOB, safe='')}/steps/5").text
+    url = re.search(r'src="(/static/plotly\.min\.js\?v=[^"]+)"', html)
+    assert url is not None
+    first = client.get(url.group(1))
+    assert (
+        "immutable" in first.headers["cache-control"] and "max-age=31536000" in first.headers["cache-control"]
+    )
+    etag = first.headers["etag"]
+    again = client.get(url.group(1), headers={"if-none-match": etag})
+    assert again.status_code == 304 and again.content == b"" and again.headers["etag"] == etag
+    other = client.get(url.group(1), headers={"if-none-match": '"some-other-version"'})
+    assert other.status_code == 200 and other.content == first.content
+
+
+def test_plotly_js_is_gzipped_once_at_startup_and_unpacks_to_the_same_bytes() -> None:
+    import time
+
+    with TestClient(stub_app()) as client:  # runs the lifespan, which starts the compression
+        plain = client.get("/static/plotly.min.js", headers={"accept-encoding": "identity"})
+        deadline = time.monotonic() + 60
+        while True:
+            resp = client.get("/static/plotly.min.js", headers={"accept-encoding": "gzip, deflate"})
+            if resp.headers.get("content-encoding") == "gzip" or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert resp.headers.get("content-encoding") == "gzip", "plotly.js was never served compressed"
+        assert int(resp.headers["content-length"]) < len(plain.content) // 2
+        assert resp.content == plain.content  # httpx unpacked it
+        assert "accept-encoding" in resp.headers["vary"].lower()
+        refused = client.get("/static/plotly.min.js", headers={"accept-encoding": "gzip;q=0, identity"})
+        assert "content-encoding" not in refused.headers and refused.content == plain.content
 
 
 def test_own_assets_are_served_and_nothing_outside_the_static_folder_is(client: TestClient) -> None:
