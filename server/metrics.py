@@ -1,7 +1,10 @@
 """``/metrics``: a scrape-time collector on a private registry, reading storage.
 
-Nothing is kept in process memory: every scrape reads the database (prometheus ``gc_collector``
-pattern), so several collector processes report the same numbers. Every per-job gauge comes from the
+Every scrape reads the database (prometheus ``gc_collector`` pattern), so several collector processes
+report the same numbers. The one thing remembered between scrapes is which jobs already left (ended,
+past their retention) with the state of their rows then: such a job is skipped without loading its
+records until a new record changes its row (``_fingerprint``), since an ended job's status depends on
+its records only, never on time. Without that, every scrape would analyse every job ever stored. Every per-job gauge comes from the
 analysis functions the API uses (``status.liveness``, ``incidents.diagnose``, ``stragglers``,
 ``steps.step_metrics``), so /metrics, the API and the dashboard cannot disagree.
 
@@ -33,7 +36,7 @@ from ddpscope.server.analysis.status import Liveness, liveness
 from ddpscope.server.analysis.steps import mean_overlap, step_metrics
 from ddpscope.server.analysis.stragglers import WINDOW_STEPS, stragglers
 from ddpscope.server.settings import DEFAULT_METRICS_RETENTION_S
-from ddpscope.server.storage import Storage
+from ddpscope.server.storage import JobRow, Storage
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,11 @@ Clock = Callable[[], float]
 def exposed(live: Liveness, last_seen_s: float, retention_s: float) -> bool:
     """Whether a job's series are on /metrics at ``live.now_s`` (see the module docstring)."""
     return not live.ended or live.now_s - last_seen_s <= retention_s
+
+
+def _fingerprint(row: JobRow) -> tuple[Any, ...]:
+    """Changes when a rank appears, stores a step, or sends a record newer than its newest."""
+    return (row.last_seen_ns, tuple((r.rank, r.last_seen_ns, r.step_records) for r in row.ranks))
 
 
 def _gauges() -> dict[str, GaugeMetricFamily]:
@@ -88,6 +96,8 @@ class StorageCollector(Collector):
         self.storage = storage
         self.retention_s = retention_s
         self.clock = clock
+        self._gone: dict[str, tuple[Any, ...]] = {}
+        """Jobs that left /metrics: job -> ``_fingerprint`` of its row when it left."""
 
     def describe(self) -> list[Metric]:
         return []  # values exist only at scrape time; nothing to pre-register
@@ -121,24 +131,32 @@ class StorageCollector(Collector):
             labels=[*JR, "reason", "kind"],
         )
         now_s = self.clock()
+        gone: dict[str, tuple[Any, ...]] = {}  # rebuilt each scrape, so deleted jobs are forgotten
         for row in storage.jobs():
+            fingerprint = _fingerprint(row)
+            if self._gone.get(row.job) == fingerprint:
+                gone[row.job] = fingerprint
+                continue
             try:
-                self._job(row.job, row.id, now_s, g, mism, drops)
+                if not self._job(row.job, row.id, now_s, g, mism, drops):
+                    gone[row.job] = fingerprint
             except Exception:  # one broken job must not take the whole scrape down
                 logger.exception("metrics for job %s failed", row.job)
+        self._gone = gone
         yield from g.values()
         yield mism
         yield drops
 
     def _job(
         self, job: str, job_id: int, now_s: float, g: dict[str, GaugeMetricFamily], mism: Any, drops: Any
-    ) -> None:
+    ) -> bool:
+        """Add the job's series; False when it is not exposed (ended, past its retention)."""
         snap = self.storage.load_snapshot(job)
         if snap is None:
-            return
+            return True  # deleted since the job list was read: nothing to remember
         live = liveness(snap, now_s)
         if not exposed(live, snap.last_seen_s, self.retention_s):
-            return
+            return False
         rows = self.storage.recent_steps(job_id, WINDOW_STEPS)
         flagged = {s.rank: s.flagged for s in stragglers(rows)}
         metrics_by_rank: dict[int, list[Any]] = {}
@@ -169,6 +187,7 @@ class StorageCollector(Collector):
                 totals[k] = totals.get(k, 0) + n
         for (rank, reason, kind), n in sorted(totals.items()):
             drops.add_metric([job, str(rank), reason, kind], float(n))
+        return True
 
 
 def make_registry(

@@ -15,10 +15,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddpscope.server import serve
+from ddpscope.server.analysis.status import job_status
 from ddpscope.server.metrics import make_registry
 from ddpscope.server.settings import DEFAULT_METRICS_RETENTION_S, Settings
 from tests.server.conftest import post
-from tests.support.synth import T0_NS, by_rank, synth_job
+from tests.support.synth import T0_NS, by_rank, rank_start, synth_job
 
 RETENTION_S = 60.0
 PER_JOB = {
@@ -154,6 +155,22 @@ def test_the_retention_is_measured_from_the_jobs_newest_record_not_its_first(cli
     assert last - first_failure > RETENTION_S
     assert of_job(scrape(client, last + 1), "late")
     assert of_job(scrape(client, last + RETENTION_S + 1), "late") == {}
+
+
+def test_a_job_that_left_metrics_comes_back_when_its_ranks_restart(client):
+    records = failed_job("again")
+    feed(client, records)
+    now_s = last_s(records) + RETENTION_S + 1
+    # One registry across scrapes: it remembers which jobs left, and must notice when one comes back.
+    registry = make_registry(client.app.state.storage, retention_s=RETENTION_S, clock=lambda: now_s)
+    for _ in range(2):
+        assert of_job(parse(generate_latest(registry).decode()), "again") == {}
+    seqs = {0: 20_000, 1: 20_000}
+    restart_ns = int(now_s * 1e9)
+    feed(client, [rank_start("again", r, 2, seqs, restart_ns, False) for r in (0, 1)])
+    samples = of_job(parse(generate_latest(registry).decode()), "again")
+    assert value(samples, "ddpscope_last_seen_timestamp_seconds", "again", 1) == pytest.approx(now_s)
+    assert job_status(client.app.state.storage.load_snapshot("again"), now_s) == "running"
 
 
 def test_a_running_jobs_series_never_disappear(client):
