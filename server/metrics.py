@@ -1,12 +1,9 @@
 """``/metrics``: a scrape-time collector on a private registry, reading storage.
 
 Every scrape reads the database (prometheus ``gc_collector`` pattern), so several collector processes
-report the same numbers. The one thing remembered between scrapes is which jobs already left (ended,
-past their retention) with the state of their rows then: such a job is skipped without loading its
-records until a new record changes its row (``_fingerprint``), since an ended job's status depends on
-its records only, never on time. Without that, every scrape would analyse every job ever stored. Every per-job gauge comes from the
-analysis functions the API uses (``status.liveness``, ``incidents.diagnose``, ``stragglers``,
-``steps.step_metrics``), so /metrics, the API and the dashboard cannot disagree.
+report the same numbers. Every per-job gauge comes from the analysis functions the API uses
+(``status.liveness``, ``incidents.diagnose``, ``stragglers``, ``steps.step_metrics``), so /metrics,
+the API and the dashboard cannot disagree.
 
 Which jobs are exposed (``exposed``):
 
@@ -18,6 +15,11 @@ Which jobs are exposed (``exposed``):
 
 ``ddpscope_rank_finished`` tells the rules which ranks exited cleanly: a finished job's ranks are
 silent because they are done, not because they are stuck (deploy/alerts.yml).
+
+The one thing remembered between scrapes is which jobs already left, with the state of their rows
+then: such a job is skipped without loading its records until a new record changes its row
+(``_fingerprint``). That is safe because an ended job's status depends on its records only, never on
+time; without it every scrape would analyse every job ever stored (300 jobs: seconds per scrape).
 """
 
 from __future__ import annotations
