@@ -13,6 +13,7 @@ caller must not mutate a record after emitting it.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import sys
 import threading
@@ -35,6 +36,7 @@ __all__ = [
     "InMemoryExporter",
     "configure",
     "emit",
+    "emit_durable",
     "make_durable",
     "get_agent",
     "shutdown",
@@ -46,6 +48,8 @@ FULL_CHECKS = 16
 DURABLE_WAIT_S = 0.05
 """Longest ``make_durable`` waits for the export lock (held by the worker while it writes a batch)
 before giving up and leaving the record to the worker's next round."""
+STAMPED = -1
+"""Queue items ``(STAMPED, record)`` were stamped by ``emit_durable``: the worker must not re-stamp."""
 REQUIRED = {
     kind: frozenset(f.name for f in (*ENVELOPE, *fields) if f.required)
     for kind, fields in RECORD_KINDS.items()
@@ -63,7 +67,11 @@ class Agent:
         self.live = True
         self._rank = config.rank if config.rank is not None else 0
         self._exporter: Any = exporter
-        self._seq = 0
+        self._seqs = itertools.count()
+        """``seq`` of each record; ``next`` is atomic under the GIL (the worker and ``emit_durable``
+        callers both stamp)."""
+        self._write_ahead: Any = None
+        """The exporter's ``write_ahead(record) -> bool`` (the spool's mapped ring), once it exists."""
         self._emitted = 0
         self._drops: collections.Counter[str] = collections.Counter()
         self._drops_lock = threading.Lock()
@@ -97,6 +105,8 @@ class Agent:
                 self._queue.append((now_ns(), record))
                 if record.get("kind") in URGENT_KINDS:
                     self._wake()
+                elif self._worker.idle:
+                    self._worker.nudge()
             else:
                 self._drop("queue_full" if self.live else "after_shutdown", record)
         except Exception:
@@ -113,6 +123,31 @@ class Agent:
             return bool(self._worker.persist(timeout_s))
         except Exception:
             swallowed("make_durable")
+            return False
+
+    def emit_durable(self, record: dict[str, Any]) -> bool:
+        """``emit`` a record that must survive an abort right after this call (the collective
+        recorder's, before the collective enters torch). Stamped here, in the caller, and copied into
+        the exporter's write-ahead ring (a memory-mapped file, ~3 us, no system call and no wake-up);
+        the stamped record then takes the ordinary path to the spool, with the same idempotency key.
+        Without a ring (another exporter, a record too big for a slot) it falls back to ``emit`` and
+        ``make_durable``. Never raises; True once the record is crash-durable."""
+        try:
+            write_ahead = self._write_ahead
+            if write_ahead is None or len(self._queue) >= self._max_queue:
+                self.emit(record)
+                return self.make_durable()
+            out = self._stamp(now_ns(), record)
+            if out is None:
+                return False
+            self._queue.append((STAMPED, out))
+            if write_ahead(out):
+                if self._worker.idle:
+                    self._worker.nudge()
+                return True
+            return bool(self._worker.persist(DURABLE_WAIT_S))
+        except Exception:
+            swallowed("emit_durable")
             return False
 
     def _drop(self, reason: str, record: Any) -> None:
@@ -139,13 +174,15 @@ class Agent:
                 retry_max_backoff_s=cfg.retry_max_backoff_s,
                 linger_s=cfg.shipper_linger_s,
             )
+        if self._write_ahead is None:
+            self._write_ahead = getattr(self._exporter, "write_ahead", None)
         return self._exporter
 
     def _export_items(self, items: list[tuple[int, Any]]) -> None:
         batch = []
         for t, record in items:
             self._emitted += 1
-            out = self._stamp(t, record)
+            out = record if t == STAMPED else self._stamp(t, record)
             if out is not None:
                 batch.append(out)
         if batch:
@@ -160,7 +197,8 @@ class Agent:
             return None
         out["job"] = self.config.job
         out["stream"] = self.stream
-        out["seq"] = self._seq
+        # Taken before the check: an invalid record leaves a gap in seq, which nothing relies on.
+        out["seq"] = next(self._seqs)
         out.setdefault("rank", self._rank)
         out.setdefault("time_ns", t)
         if self.config.validate:
@@ -170,7 +208,6 @@ class Agent:
                 self._drop("invalid", out)
                 swallowed(f"emit: invalid {out.get('kind')!r} record")
                 return None
-        self._seq += 1
         if out["kind"] in URGENT_KINDS:
             _print_urgent(out)
         return out
@@ -390,6 +427,22 @@ def make_durable(timeout_s: float = DURABLE_WAIT_S) -> bool:
     if agent is None:
         return True  # nothing was ever emitted in this process
     return agent.make_durable(timeout_s)
+
+
+def emit_durable(record: dict[str, Any]) -> bool:
+    """``emit`` a record that must survive an abort or SIGKILL right after this call (cheaply, through
+    the spool's write-ahead ring; see ``Agent.emit_durable``); never raises."""
+    agent = _agent
+    if agent is None:
+        try:
+            agent = get_agent()
+        except Exception:
+            swallowed("emit_durable: creating the agent")
+            return False
+    emit_durable = getattr(agent, "emit_durable", None)
+    if emit_durable is None:  # the disabled agent
+        return True
+    return bool(emit_durable(record))
 
 
 def shutdown(timeout_s: float = 5.0) -> None:

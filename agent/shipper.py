@@ -8,6 +8,11 @@ into a fatal ``rank_error`` record, ships it, removes the spool files and exits.
 stays unreachable for ``linger_s`` after the rank is gone it exits anyway and leaves the spool (with
 its acknowledged position) on disk; the next shipper of the same job adopts such orphans.
 
+Cost on the training host: the shipper runs at a lower priority (``NICE``), ships at most once per
+``ship_interval_s`` while records flow (at once for an urgent wake-up: hang reports, flushes) and
+backs off to one look every ``IDLE_MAX_S`` when there is nothing to send. Once the writer is gone
+it also reads the writer's write-ahead ring (``ring.py``) and ships the records the spool lacked.
+
 Delivery is at-least-once (a batch is acknowledged only after a 2xx); the collector deduplicates by
 (job, rank, stream, seq). Drops made here (spool over its cap, damaged frames, refused batches) are
 reported in this process's own ``agent_stats`` stream ``<stream>.shipper``.
@@ -23,16 +28,21 @@ import os
 import select
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
-from ddpscope.agent import spool
+from ddpscope.agent import ring, spool
 from ddpscope.agent.transport import Backoff, Poster, batch_body, encode_record, set_aside
 
 logger = logging.getLogger("ddpscope.agent.shipper")
 
 MAX_POST_BYTES = 2 * 2**20
 """Uncompressed spool bytes per POST."""
+NICE = 10
+"""Priority increment: on a host whose cores the training ranks keep busy, shipping waits for them."""
+IDLE_MAX_S = 2.0
+"""Longest look-free sleep with nothing to send (a rank that died with a forked child holding the
+pipe open, so no end-of-file comes, is still noticed this soon)."""
 FATAL_NAMES = {
     "Segmentation fault": "SIGSEGV",
     "Aborted": "SIGABRT",
@@ -84,29 +94,49 @@ class Shipper:
         """Records made here (crash report) still to be acknowledged."""
         self.eof = writer_pid is None
         self.crash_checked = False
+        self.ring_checked = False
+        self.backlog = False
+        """The last chunk was full: more is waiting, ship again without pausing."""
+        window = 4 * ring.SLOTS
+        self.recent: deque[int] = deque(maxlen=window)
+        self.recent_set: set[int] = set()
+        """``seq`` of the latest ring-kind records shipped from the spool (bounded)."""
 
     def writer_done(self) -> bool:
         if not self.eof and self.writer_pid is not None and os.getppid() != self.writer_pid:
             self.eof = True  # reparented: the rank died (SIGKILL, abort) without closing the pipe
         return self.eof
 
-    def wait(self, timeout_s: float) -> None:
-        """Sleep until woken by the writer or the timeout; notice end-of-file on the pipe."""
+    def wait(self, timeout_s: float, urgent_only: bool = False) -> None:
+        """Sleep until the timeout, end-of-file on the pipe, or a wake-up from the writer (only an
+        urgent one with ``urgent_only``: the pause between two POSTs lets records pile up)."""
         if self.eof or self.writer_pid is None:
             time.sleep(timeout_s)
             return
-        ready, _, _ = select.select([0], [], [], timeout_s)
-        if ready:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            ready, _, _ = select.select([0], [], [], remaining)
+            if not ready:
+                return
             try:
-                if not os.read(0, 65536):
-                    self.eof = True
+                data = os.read(0, 65536)
             except OSError:
+                data = b""
+            if not data:
                 self.eof = True
+                return
+            if not urgent_only or spool.WAKE_URGENT in data:
+                return
 
     def run(self) -> bool:
         """True when everything was delivered and the files removed; False after the linger window."""
         gone_at: float | None = None
         retry_at = 0.0
+        interval = float(self.s.get("ship_interval_s", self.s["poll_s"]))
+        idle_s = interval
         while True:
             done = self.writer_done()
             if done and gone_at is None:
@@ -122,6 +152,11 @@ class Shipper:
                 continue
             state, delay = self.ship_once(done)
             if state == "drained" and done:
+                if not self.ring_checked:
+                    self.ring_checked = True
+                    self.extra += self.unsent_ring_records()
+                    if self.extra:
+                        continue
                 self.cleanup()
                 return True
             if gone_at is not None and time.monotonic() - gone_at > self.s["linger_s"]:
@@ -129,8 +164,14 @@ class Shipper:
                 return False
             if state == "failed":
                 retry_at = time.monotonic() + delay
+            elif state == "sent":
+                idle_s = interval
+                if not done and not self.backlog:
+                    self.wait(interval, urgent_only=True)
             elif state == "drained":
-                self.wait(self.s["poll_s"])
+                # Nothing to send: look less and less often; the writer's wake-up ends the sleep.
+                self.wait(idle_s)
+                idle_s = min(IDLE_MAX_S, idle_s * 2)
 
     def ship_once(self, writer_done: bool) -> tuple[str, float]:
         chunk = self.reader.read(MAX_POST_BYTES, writer_done)
@@ -140,8 +181,11 @@ class Shipper:
             self.dropped["truncated:unknown"] += chunk.truncated
         encoded: list[bytes] = []
         kinds: Counter[str] = Counter()
+        self.backlog = sum(len(p) for p in chunk.payloads) >= MAX_POST_BYTES // 2
         for payload in chunk.payloads:
             for record in spool.decode_batch(payload):
+                if record.get("kind") in ring.KINDS:
+                    self.remember(record.get("seq"))
                 try:
                     encoded.append(encode_record(record))
                     kinds[str(record.get("kind"))] += 1
@@ -180,6 +224,25 @@ class Shipper:
             self.stats_seq += 1
         return "sent", 0.0
 
+    def remember(self, seq: Any) -> None:
+        if len(self.recent) == self.recent.maxlen:
+            self.recent_set.discard(self.recent[0])
+        self.recent.append(seq)
+        self.recent_set.add(seq)
+
+    def unsent_ring_records(self) -> list[dict[str, Any]]:
+        """Records of the dead writer's write-ahead ring that the spool did not carry: those it
+        emitted right before it died (e.g. the collective gloo aborted in), oldest first."""
+        own = self.meta.get("stream")
+        records = [
+            r
+            for r in ring.read_ring(self.dir, self.prefix)
+            if r.get("stream") == own and r.get("seq") not in self.recent_set
+        ]
+        if records:
+            logger.info("ddpscope shipper: %d records from the write-ahead ring", len(records))
+        return sorted(records, key=lambda r: r.get("seq", 0))
+
     def stats_record(self) -> dict[str, Any]:
         return {
             "kind": "agent_stats",
@@ -210,7 +273,7 @@ class Shipper:
         self.poster.close()
         for _, path in spool.list_segments(self.dir, self.prefix):
             _unlink(path)
-        for suffix in (".ack", ".meta", ".crash"):
+        for suffix in (".ack", ".meta", ".crash", ".ring"):
             _unlink(os.path.join(self.dir, self.prefix + suffix))
 
 
@@ -269,6 +332,8 @@ def _unlink(path: str) -> None:
 
 def main(argv: list[str]) -> int:
     settings = json.loads(argv[0])
+    with contextlib.suppress(OSError):
+        os.nice(NICE)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     directory, own = settings["spool_dir"], settings["prefix"]
     fd = lock(directory, own)

@@ -35,6 +35,10 @@ MARSHAL_VERSION = 4
 MAX_FRAME = 64 * 2**20
 """A length field above this is damage, not data."""
 
+WAKE_URGENT, WAKE_DATA = b"!", b"."
+"""Bytes the writer sends on the shipper's stdin pipe: ship now (urgent records, a flush), or new
+frames are waiting (rationed by the writer; see ``spool_exporter``)."""
+
 Position = tuple[int, int]
 """(segment number, byte offset in it)."""
 

@@ -1,8 +1,12 @@
 """The one class that owns the agent's threading: a bounded deque drained by a background thread.
 
 Producers append to ``queue`` directly (a deque append is atomic under the GIL and costs ~35 ns; no
-lock, no syscall). The thread wakes every ``interval_s`` (``Event.wait``, interruptible), or at once
-on ``wake()``, and hands batches of at most ``max_batch`` items to ``export``. The worker and
+lock, no syscall). While records flow, the thread wakes every ``interval_s`` (``Event.wait``,
+interruptible), or at once on ``wake()``, and hands batches of at most ``max_batch`` items to
+``export``. After a round that found nothing it goes ``idle``: it sleeps up to ``IDLE_S`` and the
+next producer, seeing ``idle``, calls ``nudge()``; the worker then waits ``interval_s`` for the rest
+of the burst and drains it. So an idle agent wakes about once a second instead of 50 times, and a
+record still reaches the exporter within ``interval_s`` of being queued. The worker and
 ``flush`` share one export lock, so a flush is synchronous: when it returns True everything queued
 before the call has been exported, and tests never sleep. ``shutdown`` stops the thread, drains in
 the caller and passes the remaining deadline on.
@@ -23,6 +27,9 @@ from typing import Any
 from ddpscope.agent._errors import swallowed
 
 logger = logging.getLogger(__name__)
+
+IDLE_S = 1.0
+"""Longest sleep of an idle worker: it still ends rounds (stats) about once a second."""
 
 
 class Worker:
@@ -49,6 +56,9 @@ class Worker:
         self._event = threading.Event()
         self._lock = threading.Lock()
         self._stopping = False
+        self._urgent = False
+        self.idle = False
+        """True while the thread sleeps for lack of records: the next producer must ``nudge()``."""
         self._thread: threading.Thread | None = None
         self._name = name
 
@@ -65,6 +75,13 @@ class Worker:
         return True
 
     def wake(self) -> None:
+        """Drain now (urgent records): no batching delay."""
+        self._urgent = True
+        self._event.set()
+
+    def nudge(self) -> None:
+        """A producer queued the first record after a quiet spell: end the idle sleep."""
+        self.idle = False
         self._event.set()
 
     def _run(self) -> None:
@@ -74,13 +91,32 @@ class Worker:
                     self._on_start()
         except Exception:
             swallowed("worker start")
+        event, interval = self._event, self._interval_s
         while not self._stopping:
-            self._event.wait(self._interval_s)
-            self._event.clear()
+            if self.idle:
+                woken = event.wait(IDLE_S)
+                event.clear()
+                if woken and not self._urgent and not self._stopping:
+                    # Nudged by the first record of a burst: batch the rest of it, as in a busy round.
+                    event.wait(interval)
+                    event.clear()
+            else:
+                event.wait(interval)
+                event.clear()
             if self._stopping:
                 break
+            self._urgent = False
             try:
+                found = bool(self.queue)
                 self._drain(deadline=None, final=False)
+                if not found:
+                    # Idle only after an empty round; set before the re-check so that a producer
+                    # appending right now either is seen here or sees ``idle`` and nudges.
+                    self.idle = True
+                    if self.queue:
+                        self.idle = False
+                else:
+                    self.idle = False
             except Exception:  # the one broad except: the thread must outlive any bug below it
                 swallowed("worker")
 

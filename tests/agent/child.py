@@ -6,7 +6,9 @@ same with the script's own SIGTERM handler, which stops the loop;
 ``abort``: emit N records, then ``os.abort()``; ``raise``: emit N records, then an uncaught error;
 ``exit``: emit N records and return normally; ``flood``: emit N records as fast as possible and
 print the peak RSS growth; ``job``: a gloo job of N steps, one step record per step per rank;
-``dataloader``: a torch DataLoader with 2 forked workers that emit from the workers.
+``dataloader``: a torch DataLoader with 2 forked workers that emit from the workers;
+``durable_abort`` / ``durable_exit``: N collective records through ``emit_durable`` (the worker's
+round far away), then ``os.abort()`` or a normal exit.
 """
 
 from __future__ import annotations
@@ -46,6 +48,25 @@ def step_record(step: int) -> dict[str, object]:
         "unused_parameters": [],
         "collective_seqs": [step + 1],
     }
+
+
+def collective(seq: int) -> dict[str, object]:
+    return {
+        "kind": "collective", "pg": "default", "coll_seq": seq, "op": "all_reduce", "reduce_op": "SUM",
+        "shapes": [[16]], "dtypes": ["float32"], "call_site": "train.py:7", "start_ns": time.time_ns(),
+        "step": seq, "source": "user",
+    }  # fmt: skip
+
+
+def run_durable(n: int, mode: str) -> None:
+    from ddpscope.agent import _core
+
+    # The exporter (and its ring) exists once the worker has run its first round.
+    assert agent.get_agent().flush_local(30.0)
+    for i in range(1, n + 1):
+        assert _core.emit_durable(collective(i))
+    if mode == "durable_abort":
+        crash_here()
 
 
 def run_job(steps: int) -> None:
@@ -95,6 +116,9 @@ def main() -> None:
         return
     if mode == "dataloader":
         run_dataloader()
+        return
+    if mode.startswith("durable_"):
+        run_durable(n, mode)
         return
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     for i in range(n):

@@ -90,6 +90,39 @@ def test_an_aborted_rank_reports_a_fatal_rank_error_with_its_stack(collector, sp
     assert "crash_here" in err["stack"] and "Aborted" in err["message"]
 
 
+def collective_seqs(c: FakeCollector) -> list[int]:
+    return sorted(r["coll_seq"] for r in c.of_kind("collective"))
+
+
+def test_collectives_made_durable_just_before_an_abort_arrive_from_the_write_ahead_ring(
+    collector, spool_dir, started
+) -> None:
+    # The worker's round is a minute away: the records were never written to the spool, only to the
+    # memory-mapped ring, which the shipper reads once the rank is gone.
+    env = child_env(collector.url, spool_dir, "ring-abort", DDPSCOPE_FLUSH_INTERVAL_S="60")
+    p = start(started, "durable_abort", 40, env)
+    p.wait(30)
+    assert p.returncode == -signal.SIGABRT
+    ok = collector.wait_for(lambda c: len(c.of_kind("collective")) == 40 and c.of_kind("rank_error"), 20)
+    assert ok, (collective_seqs(collector), logs(spool_dir))
+    assert collective_seqs(collector) == list(range(1, 41))
+    assert collector.duplicates == 0
+    assert wait_shippers_gone(spool_dir, 20)
+    assert not list(spool_dir.glob("*.ring")), "the ring goes with the rest of the delivered spool"
+
+
+def test_collectives_made_durable_then_spooled_at_exit_are_not_sent_twice(
+    collector, spool_dir, started
+) -> None:
+    env = child_env(collector.url, spool_dir, "ring-exit", DDPSCOPE_FLUSH_INTERVAL_S="60")
+    p = start(started, "durable_exit", 40, env)
+    assert p.wait(30) == 0
+    assert collector.wait_for(lambda c: c.of_kind("rank_exit") and len(c.of_kind("collective")) == 40, 20)
+    assert wait_shippers_gone(spool_dir, 20)
+    assert collective_seqs(collector) == list(range(1, 41))
+    assert collector.duplicates == 0, "the ring's copies of records the spool carried stay unsent"
+
+
 def test_sigterm_flushes_and_reports_rank_exit_sigterm(collector, spool_dir, started) -> None:
     p = start(started, "sigterm", 50, child_env(collector.url, spool_dir, "termed"))
     wait_ready(p)

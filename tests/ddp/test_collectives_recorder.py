@@ -210,23 +210,25 @@ def test_the_ring_is_bounded(gloo: None) -> None:
     assert [c["coll_seq"] for c in rec.recent(100)] == [8, 9, 10, 11, 12]
 
 
-def test_the_collective_record_is_handed_to_the_agent_before_torch_is_entered(
+def test_the_collective_record_is_made_durable_before_torch_is_entered(
     records: Records, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # gloo aborts the process on mismatched sizes before any end: the issue-time record is the evidence.
+    # gloo aborts the process on mismatched sizes before any end: the issue-time record is the
+    # evidence, so it must be crash-durable (emit_durable), not only queued, when torch is entered.
     from ddpscope.ddp import _patch
 
-    handed: list[dict[str, Any]] = []
-    monkeypatch.setattr(collectives, "emit", handed.append)
-    seen_at_call: list[list[str]] = []
+    handed: list[tuple[str, str]] = []
+    monkeypatch.setattr(collectives, "emit", lambda r: handed.append(("emit", r["kind"])))
+    monkeypatch.setattr(collectives, "emit_durable", lambda r: handed.append(("durable", r["kind"])))
+    seen_at_call: list[list[tuple[str, str]]] = []
 
     def fake_all_reduce(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> None:
-        seen_at_call.append([r["kind"] for r in handed])
+        seen_at_call.append(list(handed))
 
     wrapped = _patch._make_wrapper(RECORDER, "all_reduce", _patch.OPS["all_reduce"], fake_all_reduce)
     wrapped(torch.ones(3), group=None)
-    assert seen_at_call == [["collective"]]
-    assert [r["kind"] for r in handed] == ["collective", "collective_end"]
+    assert seen_at_call == [[("durable", "collective")]]
+    assert handed == [("durable", "collective"), ("emit", "collective_end")]
 
 
 def test_reduce_ops_are_named_alike_on_every_rank_even_as_reduce_op_objects(records: Records) -> None:
