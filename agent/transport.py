@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpscope.agent.exporters import ExportResult
-from ddpscope.agent.records import SCHEMA_VERSION
+from ddpscope.agent.records import SCHEMA_VERSION, packed_step_record
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,12 @@ MAX_RETRY_AFTER_S = 60.0
 
 
 def encode_record(record: dict[str, Any]) -> bytes:
-    """One record as compact JSON; NaN/inf raise ``ValueError`` (strict collectors refuse them)."""
+    """One record as compact JSON; NaN/inf raise ``ValueError`` (strict collectors refuse them).
+
+    A step's bucket arrays travel packed (``records.packed_step_record``): cheaper to encode here and
+    stored by the collector without parsing one JSON number per bucket and field."""
+    if record.get("kind") == "step":
+        record = packed_step_record(record)
     return json.dumps(record, separators=(",", ":"), allow_nan=False).encode()
 
 

@@ -35,6 +35,7 @@ from typing import Any
 from sqlalchemy import create_engine
 
 from bench.common import machine
+from ddpscope.agent.transport import batch_body, encode_record
 from ddpscope.server import schema
 from ddpscope.server.codec import STRUCTS, decode_batch
 from ddpscope.server.rows import STEP_COLUMNS, step_row
@@ -63,14 +64,15 @@ def step_record(job: str, rank: int, step: int, rng: random.Random) -> dict[str,
 
 
 def bodies(job: str, ranks: int, batches_per_rank: int) -> list[list[bytes]]:
-    """Per rank, gzip JSON batches of BATCH step records (what the agent sends)."""
+    """Per rank, batches of BATCH step records encoded exactly as the agent sends them (packed bucket
+    arrays, gzip level 1: ``agent.transport``)."""
     rng = random.Random(0)
     out = []
     for rank in range(ranks):
         mine = []
         for b in range(batches_per_rank):
             recs = [step_record(job, rank, b * BATCH + i, rng) for i in range(BATCH)]
-            mine.append(gzip.compress(json.dumps({"schema": 1, "records": recs}).encode(), 5))
+            mine.append(batch_body([encode_record(r) for r in recs]))
         out.append(mine)
     return out
 

@@ -30,6 +30,7 @@ _SCALARS: dict[str, Any] = {
     wire.FLOATS: list[float],
     wire.INT_LISTS: list[list[_INT64]],
     wire.COUNTS: dict[str, _INT64],
+    wire.PACKED: bytes,  # base64 in JSON, decoded by msgspec in C
 }
 
 _NON_NEGATIVE = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -69,7 +70,7 @@ def _struct_fields(fields: tuple[wire.Field, ...], owner: str) -> list[tuple[Any
 
 
 def _struct(name: str, fields: tuple[wire.Field, ...], **kw: Any) -> type[msgspec.Struct]:
-    return msgspec.defstruct(name, _struct_fields(fields, name), **kw)
+    return msgspec.defstruct(name, _struct_fields(fields, name), gc=False, **kw)
 
 
 def _record_struct(kind: str) -> type[msgspec.Struct]:
@@ -85,6 +86,7 @@ def _record_struct(kind: str) -> type[msgspec.Struct]:
         tag=kind,
         array_like=False,
         omit_defaults=True,
+        gc=False,  # decoded records never form reference cycles: spare the collector's GC passes
     )
 
 
@@ -112,6 +114,7 @@ def decode_batch(body: bytes) -> list[Any]:
     if batch.schema != wire.SCHEMA_VERSION:
         _check_schema(body)
     records: list[Any] = batch.records
+    _check_step_arrays(records)
     # JSON may escape a lone UTF-16 surrogate, which no database text column can store (a 500 the agent
     # would retry forever). Only a body with such an escape pays for the re-encoding check.
     if _SURROGATE_ESCAPE.search(body):
@@ -122,6 +125,24 @@ def decode_batch(body: bytes) -> list[Any]:
                 "a string holds a lone UTF-16 surrogate (\\ud800-\\udfff): strings must be valid Unicode"
             ) from None
     return records
+
+
+_STEP = STRUCTS["step"]
+_UNSET = msgspec.UNSET
+
+
+def _check_step_arrays(records: list[Any]) -> None:
+    # The one cross-field rule of the wire format (``records.step_arrays_problem``); msgspec checked types.
+    for i, r in enumerate(records):
+        if type(r) is not _STEP:
+            continue
+        packed = r.arrays is not _UNSET
+        problem = wire.step_arrays_problem(packed, [getattr(r, n) is not _UNSET for n in wire.STEP_ARRAYS])
+        if problem is None and packed:
+            detail = wire.packed_problem(r.arrays)
+            problem = detail and f"arrays: {detail}"
+        if problem:
+            raise BatchError(f"batch.records[{i}].{problem}")
 
 
 def _check_schema(body: bytes) -> None:

@@ -16,8 +16,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from sqlalchemy import Connection, Engine, inspect, select, text
+import msgspec
+from sqlalchemy import Connection, Engine, and_, bindparam, inspect, select, text, tuple_
 
+from ddpscope.agent import records as wire
 from ddpscope.server import schema
 
 logger = logging.getLogger(__name__)
@@ -29,8 +31,41 @@ def _initial(conn: Connection) -> None:
     schema.metadata.create_all(conn)
 
 
+def _repack_step_arrays(conn: Connection) -> None:
+    """Version 1 stored a step's six arrays as msgpack; version 2 stores the wire format's packed blob,
+    so a step the agent sends packed is stored without being unpacked. Pages through the unique key."""
+    from_msgpack = msgspec.msgpack.Decoder(tuple[list[int], ...]).decode
+    t = schema.steps
+    key = (t.c.job_id, t.c.rank, t.c.stream, t.c.seq)
+    update = (
+        t.update()
+        .where(and_(*(c == bindparam(f"k_{c.name}") for c in key)))
+        .values(arrays=bindparam("packed"))
+    )
+    last: tuple[object, ...] | None = None
+    while True:
+        query = select(*key, t.c.arrays).order_by(*key).limit(5000)
+        if last is not None:
+            query = query.where(tuple_(*key) > tuple_(*last))
+        rows = conn.execute(query).all()
+        if not rows:
+            return
+        conn.execute(
+            update,
+            [
+                {
+                    **{f"k_{c.name}": v for c, v in zip(key, row[:4], strict=True)},
+                    "packed": wire.pack_step_arrays(from_msgpack(row[4])),
+                }
+                for row in rows
+            ],
+        )
+        last = tuple(rows[-1][:4])
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "initial schema: jobs, ranks, steps, collectives, heartbeats, events, counters", _initial),
+    (2, "steps.arrays: msgpack lists -> the wire format's packed int64 blob", _repack_step_arrays),
 ]
 
 LATEST = MIGRATIONS[-1][0]

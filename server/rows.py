@@ -1,26 +1,23 @@
 """Decoded records -> table rows, and stored rows -> wire-shaped dicts.
 
 Kept apart from storage so the benchmark's raw ``sqlite3.executemany`` ceiling inserts exactly the
-rows the collector inserts. Per-bucket arrays of a step are packed into one msgpack blob (six integer
-lists in ``STEP_ARRAYS`` order); packing and unpacking run in msgspec's C code.
+rows the collector inserts. The per-bucket arrays of a step are stored as the wire format's packed blob
+(``records.pack_step_arrays``): a step that arrives packed, as the agent sends it, is stored without
+being unpacked; one that arrives as lists is packed once here.
 """
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-STEP_ARRAYS = (
-    "bucket_ready_ns",
-    "allreduce_start_ns",
-    "allreduce_end_ns",
-    "bucket_bytes",
-    "ready_order",
-    "collective_seqs",
-)
+from ddpscope.agent import records as wire
+
+STEP_ARRAYS = wire.STEP_ARRAYS
 """The step fields packed into ``steps.arrays``, in blob order."""
 
 STEP_COLUMNS = (
@@ -39,10 +36,7 @@ STEP_COLUMNS = (
 )
 """Column order of a step row tuple."""
 
-_pack = msgspec.msgpack.Encoder().encode
-_unpack = msgspec.msgpack.Decoder(
-    tuple[list[int], list[int], list[int], list[int], list[int], list[int]]
-).decode
+_UNSET = msgspec.UNSET
 _json = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder().decode
 
@@ -61,7 +55,9 @@ def step_row(job_id: int, r: Any) -> tuple[Any, ...]:
         r.forward_end_ns,
         r.backward_start_ns,
         r.backward_end_ns,
-        _pack(
+        r.arrays
+        if r.arrays is not _UNSET  # checked by the codec (``records.packed_problem``): stored as sent
+        else wire.pack_step_arrays(
             (
                 r.bucket_ready_ns,
                 r.allreduce_start_ns,
@@ -74,8 +70,8 @@ def step_row(job_id: int, r: Any) -> tuple[Any, ...]:
     )
 
 
-def unpack_arrays(blob: bytes) -> tuple[list[int], list[int], list[int], list[int], list[int], list[int]]:
-    return _unpack(bytes(blob))
+def unpack_arrays(blob: bytes) -> tuple[list[int], ...]:
+    return wire.unpack_step_arrays(bytes(blob))
 
 
 def encode_json(obj: Any) -> str:
@@ -133,6 +129,11 @@ class StepRow:
 
     @classmethod
     def from_wire(cls, r: dict[str, Any]) -> StepRow:
+        if "arrays" in r:  # packed, as the agent ships it
+            r = {
+                **r,
+                **dict(zip(STEP_ARRAYS, wire.unpack_step_arrays(base64.b64decode(r["arrays"])), strict=True)),
+            }
         return cls(
             rank=r["rank"],
             step=r["step"],

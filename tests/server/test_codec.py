@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 from typing import Any
@@ -26,6 +27,7 @@ def _hang() -> dict[str, Any]:
 
 def _samples() -> list[dict[str, Any]]:
     recs = synth_job(2, 2, 3, unused={1: ["x.bias"]})
+    recs.append(wire.packed_step_record(next(r for r in recs if r["kind"] == "step")))
     recs.append(_hang())
     recs.append(
         {
@@ -122,3 +124,40 @@ def test_a_batch_of_another_schema_version_is_refused_with_the_version_named():
 def test_malformed_json_is_reported_as_such():
     with pytest.raises(BatchError, match="not valid JSON"):
         decode_batch(b'{"schema": 1, "records": [')
+
+
+def _packed_step() -> dict[str, Any]:
+    return wire.packed_step_record(next(r for r in synth_job(1, 1, 1) if r["kind"] == "step"))
+
+
+def test_a_packed_step_decodes_to_the_same_arrays_as_its_lists():
+    lists = next(r for r in synth_job(1, 1, 1) if r["kind"] == "step")
+    (decoded,) = decode_batch(json.dumps(batch([wire.packed_step_record(lists)])).encode())
+    assert wire.unpack_step_arrays(decoded.arrays) == tuple(lists[n] for n in wire.STEP_ARRAYS)
+
+
+def test_packed_arrays_whose_length_disagrees_with_their_header_are_refused_naming_the_field():
+    record = _packed_step()
+    blob = base64.b64decode(record["arrays"])
+    for bad in (blob[:-8], blob + bytes(8), blob[:10], b"\x02" + blob[1:]):
+        bad_record = {**record, "arrays": base64.b64encode(bad).decode()}
+        assert not _accepts_reference(bad_record)
+        with pytest.raises(BatchError, match=r"records\[0\]\.arrays"):
+            decode_batch(json.dumps(batch([bad_record])).encode())
+
+
+def test_a_step_with_both_forms_or_neither_is_refused_by_both_validators():
+    packed = _packed_step()
+    lists = next(r for r in synth_job(1, 1, 1) if r["kind"] == "step")
+    both = {**lists, "arrays": packed["arrays"]}
+    neither = {k: v for k, v in lists.items() if k not in wire.STEP_ARRAYS}
+    for record in (both, neither):
+        assert not _accepts_fast(record) and not _accepts_reference(record)
+
+
+def test_packing_refuses_values_beyond_int64_and_leaves_the_record_for_validation_to_name():
+    lists = next(r for r in synth_job(1, 1, 1) if r["kind"] == "step")
+    huge = {**lists, "bucket_bytes": [2**63]}
+    assert wire.packed_step_record(huge) == huge
+    with pytest.raises(wire.RecordError, match="bucket_bytes"):
+        wire.validate_record(huge)

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 from sqlalchemy import select
 
+from ddpscope.agent import records as wire
 from ddpscope.server import migrations, schema
 from ddpscope.server.analysis.snapshot import snapshot_from_records
 from ddpscope.server.codec import kind_of
@@ -117,6 +118,34 @@ def test_the_schema_is_versioned_and_reopening_does_not_migrate_again(storage, d
     try:
         assert migrations.migrate(again.engines.writer) == migrations.LATEST
         assert again.job_row("synth") is not None
+    finally:
+        again.close()
+
+
+def test_a_version_1_database_with_msgpack_step_arrays_is_repacked_on_open_and_reads_the_same(
+    storage, db_url
+):
+    records = synth_job(2, 3, 2)
+    storage.write_batch(decoded(records))
+    to_msgpack = msgspec.msgpack.Encoder().encode
+    t = schema.steps
+    with storage.engines.writer.begin() as conn:  # turn it back into what a version-1 collector wrote
+        for row in conn.execute(select(t.c.job_id, t.c.rank, t.c.stream, t.c.seq, t.c.arrays)).all():
+            old = to_msgpack(wire.unpack_step_arrays(row.arrays))
+            key = (
+                (t.c.job_id == row.job_id)
+                & (t.c.rank == row.rank)
+                & (t.c.stream == row.stream)
+                & (t.c.seq == row.seq)
+            )
+            conn.execute(t.update().where(key).values(arrays=old))
+        conn.execute(schema.schema_version.update().values(version=1))
+    again = Storage.open(db_url)
+    try:
+        assert migrations.migrate(again.engines.writer) == migrations.LATEST
+        key = lambda r: (r["rank"], r["seq"])  # noqa: E731
+        expected = [r for r in records if r["kind"] == "step"]
+        assert sorted(again.fetch_records("synth", ["step"]), key=key) == sorted(expected, key=key)
     finally:
         again.close()
 
