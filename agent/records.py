@@ -336,12 +336,15 @@ def _restore(low_bytes: array[int], width: int, base: int) -> list[int]:
     """Values from their low bytes and the array's base."""
     mask = (1 << 8 * width) - 1
     low = base & mask
-    if not _BIG_ENDIAN and min(low_bytes) >= low:
-        # No value wrapped past the base's low bytes: each value is the base with its low bytes
-        # replaced. Done in C: the base's bytes repeated, then every value's low chunk written in.
-        chunks = array(low_bytes.typecode, base.to_bytes(8, "little", signed=True)) * len(low_bytes)
-        chunks[:: 8 // width] = low_bytes
-        return array("q", chunks.tobytes()).tolist()
+    if min(low_bytes) >= low:  # no value wrapped past the base's low bytes
+        if low == base:  # a small non-negative base (indices, counts): the low bytes are the values
+            return low_bytes.tolist()
+        if not _BIG_ENDIAN:
+            # Each value is the base with its low bytes replaced. Done in C: the base's bytes
+            # repeated, then every value's low chunk written in.
+            chunks = array(low_bytes.typecode, base.to_bytes(8, "little", signed=True)) * len(low_bytes)
+            chunks[:: 8 // width] = low_bytes
+            return array("q", chunks.tobytes()).tolist()
     return [base + ((v - low) & mask) for v in low_bytes]
 
 
