@@ -1,5 +1,5 @@
 """End to end: a real Prometheus scrapes a real collector. A real 2-rank gloo job that hangs fires
-``DDPJobHang`` through Prometheus' own API; a failed job fires ``DDPRankSilent`` and the alert resolves
+``DDPJobHang`` through Prometheus' own API, and the alert resolves once the ranks die; a failed job fires ``DDPRankSilent`` and the alert resolves
 once the job's retention on /metrics ends, while a finished job of the same age never fires.
 
 The rules are deploy/alerts.yml with every ``for`` shortened to 1 s and 1 s scrape and evaluation
@@ -87,6 +87,23 @@ def test_a_hanging_job_fires_ddpjobhang_in_prometheus_with_the_job_and_rank(tmp_
                 assert all(p.poll() is None for p in procs), "the ranks should still be hanging"
                 incidents = get_json(f"{url}/api/v1/jobs/{job}/incidents")["items"]
                 status = {j["job"]: j["status"] for j in get_json(f"{url}/api/v1/jobs")["items"]}
+
+                # Now the culprit dies (SIGKILL): rank 0's all-reduce fails with "Connection reset by
+                # peer" and rank 0 dies too (its fatal error, then a hang_resolved as its watchdog sees
+                # the collective end, then its exit). The hang is over: the gauge drops to 0 while the
+                # series stay (the job failed within its retention) and the alert resolves. A death
+                # with no hang_resolved at all is covered by tests/server/test_metrics.py.
+                kill_group(procs[1])
+                deadline = time.monotonic() + max(5.0, DEADLINE_S - (time.monotonic() - started))
+                hang_gauge = f'max by (job, rank) (ddpscope_hang_active{{job="{job}",rank="0"}}) == 0'
+                while time.monotonic() < deadline:
+                    firing = [a for a in prom.alerts() if a["labels"].get("job") == job]
+                    if not firing and prom.query(hang_gauge):
+                        break
+                    time.sleep(0.5)
+                else:
+                    raise AssertionError(f"DDPJobHang still active after the ranks died: {firing}")
+                after = {j["job"]: j["status"] for j in get_json(f"{url}/api/v1/jobs")["items"]}
     # Includes start-up (gloo rendezvous, 5 healthy steps), the 2 s hang timeout, 1 s scrapes and 'for'.
     print(f"DDPJobHang firing {ranks_to_alert_s:.1f} s after the ranks started")
     assert alert["state"] == "firing"
@@ -99,6 +116,7 @@ def test_a_hanging_job_fires_ddpjobhang_in_prometheus_with_the_job_and_rank(tmp_
     hang = next(i for i in incidents if i["kind"] == "hang" and i["rank"] == 0)
     assert hang["culprit_ranks"] == [1], incidents
     assert any(i["kind"] == "missing_collective" and i["culprit_ranks"] == [1] for i in incidents), incidents
+    assert after[job] == "failed"
 
 
 LEFT_S = 30.0
