@@ -108,10 +108,11 @@ const ddp = (() => {
   // Plotly.react keeps zoom when uirevision is stable; also makes re-draws cheap.
   const plotConfig = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
   // plotly.js is the last deferred script: it has run once the document is fully parsed.
+  // The mark lets bench/dashboard.py tell waiting for plotly.js from drawing with it.
   const plotlyReady = new Promise((resolve) => {
     if (window.Plotly) resolve();
     else document.addEventListener("DOMContentLoaded", resolve, { once: true });
-  });
+  }).then(() => { if (!performance.getEntriesByName("ddp-plotly-ready").length) performance.mark("ddp-plotly-ready"); });
 
   // With responsive: true Plotly sizes the figure to its div on every window resize; a div whose
   // height comes only from its content then collapses (to min-height) and clips the figure.
