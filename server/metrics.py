@@ -13,8 +13,8 @@ Which jobs are exposed (``exposed``):
   silence and a few scrapes; a mismatch in a short job that finished between two scrapes must page
   too), and then the series disappear, so the alerts resolve instead of firing forever.
 
-``ddpscope_rank_finished`` tells the rules which ranks exited cleanly: a finished job's ranks are
-silent because they are done, not because they are stuck (deploy/alerts.yml).
+``ddpscope_rank_finished`` tells the rules which ranks exited without an error (done, or stopped by
+SIGTERM): their silence means they are over, not stuck (deploy/alerts.yml).
 
 The one thing remembered between scrapes is which jobs already left, with the state of their rows
 then: such a job is skipped without loading its records until a new record changes its row
@@ -80,7 +80,8 @@ def _gauges() -> dict[str, GaugeMetricFamily]:
         ),
         "finished": GaugeMetricFamily(
             "ddpscope_rank_finished",
-            "1 once the rank exited cleanly (rank_exit 'finished' after its latest start)",
+            "1 once the rank exited without an error (rank_exit 'finished' or 'sigterm' after its latest "
+            "start)",
             labels=JR,
         ),
         "unused": GaugeMetricFamily(
@@ -172,7 +173,8 @@ class StorageCollector(Collector):
             g["hang"].add_metric(labels, float(rank in live.active_hangs))
             g["straggler"].add_metric(labels, float(flagged.get(rank, False)))
             g["seen"].add_metric(labels, live.last_alive_s.get(rank, 0.0))
-            g["finished"].add_metric(labels, float(exit_ is not None and exit_.get("reason") == "finished"))
+            # 'sigterm' counts: a cancelled or preempted job is 'finished' for the API too, not a failure.
+            g["finished"].add_metric(labels, float(exit_ is not None and exit_.get("reason") != "error"))
             ms = metrics_by_rank.get(rank)
             if ms:
                 g["step"].add_metric(labels, max(ms, key=lambda m: m.step).step_s)

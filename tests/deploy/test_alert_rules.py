@@ -58,9 +58,7 @@ def test_the_unit_tests_catch_a_rule_that_waits_too_long(tmp_path: Path) -> None
 
 @needs_promtool
 @pytest.mark.parametrize("alert", ["DDPRankSilent", "DDPStraggler"])
-def test_the_unit_tests_catch_a_rule_that_pages_for_a_rank_that_finished_cleanly(
-    tmp_path: Path, alert: str
-) -> None:
+def test_the_unit_tests_catch_a_rule_that_pages_for_a_rank_that_finished(tmp_path: Path, alert: str) -> None:
     # A finished job stays on /metrics for its retention with its ranks silent and their last
     # straggler flags: without the `unless ... ddpscope_rank_finished` clause these rules would page
     # for a job that is over, and the promtool tests must say so.

@@ -127,23 +127,37 @@ def test_a_hang_reported_before_a_rank_restarted_does_not_count(client):
     assert value(samples, "ddpscope_hang_active", "restart", 1) == 0.0
 
 
-@pytest.mark.parametrize("ending", ["failed", "finished"])
-def test_an_ended_jobs_series_disappear_after_the_retention_and_are_present_before_it(client, ending):
-    records = failed_job("ended") if ending == "failed" else synth_job(2, 4, 2, job="ended")
+def cancelled_job(job: str) -> list[dict[str, Any]]:
+    """Every rank stopped by SIGTERM (a scheduler cancelling or preempting the job)."""
+    records = synth_job(2, 4, 2, job=job)
+    return [{**r, "reason": "sigterm"} if r["kind"] == "rank_exit" else r for r in records]
+
+
+@pytest.mark.parametrize(
+    ("ending", "status"), [("failed", "failed"), ("finished", "finished"), ("cancelled", "finished")]
+)
+def test_an_ended_jobs_series_disappear_after_the_retention_and_are_present_before_it(client, ending, status):
+    build = {
+        "failed": failed_job,
+        "finished": lambda job: synth_job(2, 4, 2, job=job),
+        "cancelled": cancelled_job,
+    }
+    records = build[ending]("ended")
     feed(client, records)
-    assert client.get("/api/v1/jobs/ended").json()["status"] == ending
+    assert client.get("/api/v1/jobs/ended").json()["status"] == status
     last = last_s(records)
 
     before = of_job(scrape(client, last + RETENTION_S - 1), "ended")
     assert {name for name, _ in before} == PER_JOB
-    finished = 1.0 if ending == "finished" else 0.0
+    # A rank that exited without an error is done: the rules do not call it silent or a straggler.
+    finished = 0.0 if ending == "failed" else 1.0
     assert [value(before, "ddpscope_rank_finished", "ended", r) for r in (0, 1)] == [finished, finished]
 
     after = scrape(client, last + RETENTION_S + 1)
     assert of_job(after, "ended") == {}
     assert ("ddpscope_ingested_records_total", ()) in after  # the collector's own series stay
     # The API keeps the job: only /metrics forgets it, so alerts resolve.
-    assert client.get("/api/v1/jobs/ended").json()["status"] == ending
+    assert client.get("/api/v1/jobs/ended").json()["status"] == status
 
 
 def test_the_retention_is_measured_from_the_jobs_newest_record_not_its_first(client):
