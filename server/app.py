@@ -33,7 +33,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         storage = await run_in_threadpool(Storage.open, settings.db_url, pool_size=settings.pool_size)
         app.state.storage = storage
-        app.state.registry = make_registry(storage)
+        app.state.registry = make_registry(storage, retention_s=settings.metrics_retention_s)
         try:
             yield
         finally:

@@ -258,11 +258,6 @@ def test_serve_refuses_a_too_short_retention_with_a_message_naming_the_option(ca
     assert "--metrics-retention-s 10" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="server/app.py still calls make_registry(storage) without "
-    "retention_s=settings.metrics_retention_s; drop this mark once it passes it",
-)
 def test_the_app_applies_the_retention_setting_to_its_own_metrics(db_url):
     # Real clock: a failed job whose last record is 5 minutes old is past a 2-minute retention.
     t0 = time.time_ns() - 300 * 1_000_000_000
