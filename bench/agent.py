@@ -151,10 +151,29 @@ def durable_cost(n: int) -> dict[str, Any]:
         plain.append(pc() - t0)
         if i % 64 == 0:
             time.sleep(0.0005)  # let the worker take its rounds, as between real collectives
+    # The recorder's path since the write-ahead ring: emit_durable (stamp + copy into the mapped
+    # ring), interleaved with emit() alone the same way.
+    from ddpscope.agent._core import emit_durable
+
+    agent.get_agent().flush_local(30.0)
+    ring, plain2 = [], []
+    for i in range(n):
+        record = collective_record(i)
+        t0 = pc()
+        emit_durable(record)
+        ring.append(pc() - t0)
+        record = collective_record(i)
+        t0 = pc()
+        agent.emit(record)
+        plain2.append(pc() - t0)
+        if i % 64 == 0:
+            time.sleep(0.0005)
     return {
         "emit_then_make_durable": percentiles(durable),
         "emit": percentiles(plain),
         "written": written / n,
+        "emit_durable": percentiles(ring),
+        "emit_interleaved_with_emit_durable": percentiles(plain2),
     }
 
 
@@ -200,6 +219,19 @@ def shipping(n: int, exporter: Any, sink: str, spool_dir: str) -> dict[str, floa
     }
 
 
+def switches(proc_dir: str) -> int:
+    """Voluntary context switches (wake-ups after a sleep) of a process or thread, from /proc."""
+    try:
+        with open(f"{proc_dir}/status") as f:
+            return int(next(line for line in f if line.startswith("voluntary_ctxt")).split()[1])
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def switches_of(pid: int | None) -> int:
+    return switches(f"/proc/{pid}") if pid else 0
+
+
 def thread_cpu_ns(tid: int | None) -> int:
     """CPU time of one thread of this process, in ns (Linux schedstat)."""
     try:
@@ -222,6 +254,8 @@ def idle_worker_cpu_share(seconds: float) -> float:
 
 
 def training_overhead(steps: int) -> dict[str, Any]:
+    from ddpscope.agent._core import emit_durable
+
     """A 1 M-parameter MLP step on the CPU, with and without 1 step + 8 collective records per step."""
     import torch
 
@@ -238,10 +272,13 @@ def training_overhead(steps: int) -> dict[str, Any]:
         opt.step()
         if instrumented:
             nonlocal emit_ns
-            records = [collective_record(i * 8 + k) for k in range(8)] + [step_record(i)]
+            collectives = [collective_record(i * 8 + k) for k in range(8)]
             e0 = time.perf_counter_ns()
-            for record in records:
-                agent.emit(record)
+            # As in a job: the recorder makes each collective record durable, the step record is
+            # emitted plainly.
+            for record in collectives:
+                emit_durable(record)
+            agent.emit(step_record(i))
             emit_ns += time.perf_counter_ns() - e0
         return time.perf_counter() - t0
 
@@ -252,6 +289,10 @@ def training_overhead(steps: int) -> dict[str, Any]:
     # included) and is less disturbed than wall time by other processes on a shared machine.
     worker = agent.get_agent()._worker._thread  # type: ignore[union-attr]
     worker_cpu0 = thread_cpu_ns(worker.native_id) if worker is not None else 0
+    shipper_pid = getattr(agent.get_agent().exporter, "shipper_pid", None)
+    shipper_cpu0 = cpu_seconds_of(shipper_pid) if shipper_pid else 0.0
+    wakes0 = (switches(f"/proc/self/task/{worker.native_id}") if worker else 0, switches_of(shipper_pid))
+    t_start = time.monotonic()
     wall: dict[bool, list[float]] = {True: [], False: []}
     cpu: dict[bool, list[float]] = {True: [], False: []}
     for block in range(steps // 10):
@@ -260,6 +301,12 @@ def training_overhead(steps: int) -> dict[str, Any]:
         wall[on].append(statistics.mean(step(block * 10 + i, on) for i in range(10)))
         cpu[on].append((time.process_time() - c0) / 10)
     worker_cpu_s = (thread_cpu_ns(worker.native_id) - worker_cpu0) / 1e9 if worker is not None else 0.0
+    elapsed = time.monotonic() - t_start
+    shipper_cpu_s = cpu_seconds_of(shipper_pid) - shipper_cpu0 if shipper_pid else 0.0
+    wakes = (
+        (switches(f"/proc/self/task/{worker.native_id}") if worker else 0) - wakes0[0],
+        switches_of(shipper_pid) - wakes0[1],
+    )
     w_on, w_off = statistics.median(wall[True]), statistics.median(wall[False])
     on_steps = 10 * len(wall[True])
     # The agent's own cost, measured on its own thread (ns-resolution scheduler accounting) plus
@@ -276,6 +323,11 @@ def training_overhead(steps: int) -> dict[str, Any]:
         "records_per_step": 9,
         "agent_cpu_s_per_step": agent_s_per_step,
         "agent_cpu_share_of_step": agent_s_per_step / w_off,
+        # The shipper is another process (niced); its CPU over the whole run, per instrumented
+        # step (its clock ticks are 10 ms: a coarse figure).
+        "shipper_cpu_s_per_step": shipper_cpu_s / on_steps,
+        "worker_wakeups_per_s": wakes[0] / elapsed,
+        "shipper_wakeups_per_s": wakes[1] / elapsed,
     }
 
 
@@ -328,6 +380,11 @@ def main() -> None:
         "p99 {p99_ns} ns, max {max_ns} ns".format(**dur["emit_then_make_durable"])
         + " (emit() of the same record, interleaved: p50 {p50_ns} ns)".format(**dur["emit"])
     )
+    print(
+        "emit_durable() of a collective record (in the write-ahead ring on return): p50 {p50_ns} ns, "
+        "p99 {p99_ns} ns, max {max_ns} ns".format(**dur["emit_durable"])
+        + " (emit(), interleaved: p50 {p50_ns} ns)".format(**dur["emit_interleaved_with_emit_durable"])
+    )
     for name in ("spool_and_shipper", "direct_http"):
         sh = results["shipping"][name]
         print(
@@ -343,6 +400,10 @@ def main() -> None:
     print(
         f"  agent's own CPU per step ({tr['records_per_step']} records): {tr['agent_cpu_s_per_step'] * 1e6:.0f} us"
         f" = {tr['agent_cpu_share_of_step'] * 100:.2f} % of a step"
+    )
+    print(
+        f"  shipper CPU per step: {tr['shipper_cpu_s_per_step'] * 1e6:.0f} us; wake-ups per second: "
+        f"agent thread {tr['worker_wakeups_per_s']:.1f}, shipper {tr['shipper_wakeups_per_s']:.1f}"
     )
     print(f"  idle agent thread: {results['idle_worker_core_share'] * 100:.2f} % of a core (wake-ups only)")
     out = Path(__file__).with_name("results") / "agent.json"

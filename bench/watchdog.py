@@ -5,7 +5,8 @@ ddpscope's engine (torch's DDP if the engine cannot be built), plus one user ``a
 loss per step, as training loops do for logging. Blocks of steps alternate between "on" (recorder
 patches installed, engine collectives recorded, watchdog thread running) and "off" (no patches, the
 engine's recorder calls made no-ops, no watchdog), so both arms see the same machine noise. The
-agent runs in both arms with an exporter that discards (its transport is measured by its own bench).
+agent runs in both arms with an exporter that discards (its transport is measured by its own bench)
+but keeps the real write-ahead ring, so a durable collective record costs what it costs in a job.
 
 Per collective: the wrapper the recorder puts around ``torch.distributed.all_reduce``, timed around a
 Python function of the same signature that does nothing (so gloo's latency noise is not in the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -36,7 +38,16 @@ TARGET_PCT = 1.0
 
 
 class _Discard:
-    """Agent exporter that drops everything: the bench measures recording, not shipping."""
+    """Agent exporter that drops everything: the bench measures recording, not shipping. It has the
+    spool exporter's write-ahead ring, the path every durable collective record takes."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        from ddpscope.agent.ring import WriteAheadRing
+
+        self._dir = tempfile.TemporaryDirectory(prefix="ddpscope-bench-ring-")
+        self.write_ahead = WriteAheadRing(self._dir.name, f"r{id(self)}").put
 
     def export(self, batch: list[dict[str, Any]]) -> Any:
         from ddpscope.agent import ExportResult
@@ -158,6 +169,47 @@ def _step_bench(steps: int, block: int) -> dict[str, Any]:
     }
 
 
+def _switches() -> dict[str, int]:
+    """Voluntary context switches (sleeps, i.e. wake-ups) of each named thread of this process."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, int] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                line = next(ln for ln in f if ln.startswith("voluntary_ctxt_switches"))
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except (OSError, StopIteration):
+            continue  # the thread ended meanwhile
+        name = names.get(int(tid), comm)
+        out[name] = out.get(name, 0) + int(line.split()[1])
+    return out
+
+
+def _wakeups_bench(seconds: float) -> dict[str, Any]:
+    """Wake-ups per second of each thread while training with everything on (gloo's own threads
+    included, for scale): the agent's and the watchdog's should be a handful."""
+    import torch
+    import torch.distributed as dist
+
+    model, _ = _build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 512), torch.randn(32, 512)
+    _set_mode(True)
+    before, t0 = _switches(), time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.all_reduce(loss.detach())
+    after, elapsed = _switches(), time.monotonic() - t0
+    _set_mode(False)
+    return {"wakeups_per_s": {k: round((v - before.get(k, 0)) / elapsed, 1) for k, v in after.items()}}
+
+
 def _wrapper_bench(calls: int) -> dict[str, Any]:
     """The recorder's own cost per user collective, without gloo's latency noise."""
     import torch
@@ -222,6 +274,7 @@ def worker(quick: bool) -> None:
     result.update(_step_bench(steps=240 if quick else 1200, block=5))
     result.update(_allreduce_bench(calls=100 if quick else 400))
     result.update(_wrapper_bench(calls=5_000 if quick else 50_000))
+    result.update(_wakeups_bench(seconds=2.0 if quick else 5.0))
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if dist.get_rank() == 0:
@@ -302,6 +355,7 @@ def main() -> None:
         f"small all_reduce on 2 ranks: {summary['small_all_reduce_us_off']:.1f} us off, "
         f"{summary['small_all_reduce_us_on']:.1f} us on"
     )
+    print(f"wake-ups per second while training (rank 0): {ranks[0]['wakeups_per_s']}")
     print(f"wrote {RESULTS}")
 
 
