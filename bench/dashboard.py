@@ -29,9 +29,10 @@ from typing import Any
 from urllib.parse import quote
 
 from bench.common import machine, machine_line
-from tests.browser.conftest import CHROMIUM, CHROMIUM_ARGS, running_collector
+from tests.browser.conftest import running_collector
 from tests.browser.wire import post
 from tests.support.synth import synth_job
+from tests.support.system import CHROMIUM, CHROMIUM_ARGS
 
 RESULTS = Path(__file__).parent / "results" / "dashboard.json"
 TARGET_S = 1.0
@@ -174,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         post(collector.url, records, chunk=500)
         ingest_s = time.monotonic() - t
         url = f"{collector.url}/jobs/{quote(job, safe='')}/steps/1"
+        assert collector.pid is not None, "running_collector yields a started collector"
         meter = CpuMeter(collector.pid)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
