@@ -1,9 +1,12 @@
 """Step-time overhead of ``ddpscope.ddp.instrument()`` over stock torch DDP, measured side by side.
 
 Two ranks on gloo (one thread each). Every rank holds three copies of the same model: plain
-``torch.nn.parallel.DistributedDataParallel``; the same with torch's own Python ``allreduce_hook``
-registered (the floor for any Python comm hook: torch's C++ reducer then needs the GIL per bucket);
-and one ``instrument()``-ed. Records take the agent's default path (the write-ahead ring and the disk
+``torch.nn.parallel.DistributedDataParallel``; the same with a Python comm hook doing what torch's
+own ``allreduce_hook`` does (the floor for any Python comm hook: torch's C++ reducer then copies the
+gradients unscaled, so the hook scales the bucket in one more pass, and needs the GIL per bucket);
+and one ``instrument()``-ed. The floor hook calls the process group directly: torch's
+``allreduce_hook`` goes through ``dist.all_reduce``, which ddpscope's collective recorder patches
+process-wide once ``instrument()`` ran, so in this process it would pay ddpscope's costs too. Records take the agent's default path (the write-ahead ring and the disk
 spool in a temporary folder; the shipper finds no collector), as in a real job; ``--exporter memory``
 keeps them in memory instead, where each durable collective record becomes a synchronous drain of
 the queue (no write-ahead ring), so that setting overstates the adapter's cost. Steps (forward +
@@ -68,7 +71,7 @@ def build(kind: str) -> tuple[Any, Any]:
 
 
 VARIANTS = ("plain", "python_hook", "instrumented")
-"""``python_hook``: stock DDP with torch's own Python ``allreduce_hook``, the floor for any Python hook."""
+"""``python_hook``: stock DDP with torch's ``allreduce_hook`` minus ``dist.all_reduce``'s wrapper."""
 
 COMPARED = {
     "python_hook": ("python_hook", "plain"),
@@ -78,15 +81,27 @@ COMPARED = {
 """Ratio name -> (variant, baseline): the last one is what the adapter adds beyond the Python hook."""
 
 
+# No annotations: torch checks them against dist.GradBucket and Future at registration, and
+# postponed annotations are strings to it.
+def floor_hook(state, bucket):
+    """torch's ``allreduce_hook`` (scale by 1/world, SUM all-reduce, unwrap the list) without the
+    public ``dist.all_reduce`` wrapper (see the module docstring)."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    assert group is not None
+    buf = bucket.buffer().div_(group.size())
+    return group.allreduce([buf]).get_future().then(lambda fut: fut.value()[0])
+
+
 def measure(kind: str, rounds: int, block: int, warmup: int) -> dict[str, Any]:
     import torch
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ddpscope.ddp.adapter import instrument
 
     models = {name: DDP(build(kind)[0]) for name in VARIANTS}
-    models["python_hook"].register_comm_hook(None, allreduce_hook)
+    models["python_hook"].register_comm_hook(None, floor_hook)
     instrument(models["instrumented"])
     make_batch = build(kind)[1]
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
