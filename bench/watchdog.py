@@ -188,9 +188,10 @@ def _switches() -> dict[str, int]:
     return out
 
 
-def _wakeups_bench(seconds: float) -> dict[str, Any]:
+def _wakeups_bench(steps: int) -> dict[str, Any]:
     """Wake-ups per second of each thread while training with everything on (gloo's own threads
-    included, for scale): the agent's and the watchdog's should be a handful."""
+    included, for scale): the agent's and the watchdog's should be a handful. A step count, not a
+    duration: every rank must issue the same collectives."""
     import torch
     import torch.distributed as dist
 
@@ -199,7 +200,7 @@ def _wakeups_bench(seconds: float) -> dict[str, Any]:
     x, y = torch.randn(32, 512), torch.randn(32, 512)
     _set_mode(True)
     before, t0 = _switches(), time.monotonic()
-    while time.monotonic() - t0 < seconds:
+    for _ in range(steps):
         loss = (model(x) - y).square().mean()
         loss.backward()
         opt.step()
@@ -274,7 +275,7 @@ def worker(quick: bool) -> None:
     result.update(_step_bench(steps=240 if quick else 1200, block=5))
     result.update(_allreduce_bench(calls=100 if quick else 400))
     result.update(_wrapper_bench(calls=5_000 if quick else 50_000))
-    result.update(_wakeups_bench(seconds=2.0 if quick else 5.0))
+    result.update(_wakeups_bench(steps=100 if quick else 400))
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if dist.get_rank() == 0:
