@@ -136,6 +136,17 @@ def _check_step_arrays(records: list[Any]) -> None:
     for i, r in enumerate(records):
         if type(r) is not _STEP:
             continue
+        if (  # the agent's form, checked without building lists: packed arrays and no lists
+            r.arrays is not _UNSET
+            and r.bucket_ready_ns is _UNSET
+            and r.allreduce_start_ns is _UNSET
+            and r.allreduce_end_ns is _UNSET
+            and r.bucket_bytes is _UNSET
+            and r.ready_order is _UNSET
+            and r.collective_seqs is _UNSET
+            and wire.packed_problem(r.arrays) is None
+        ):
+            continue
         packed = r.arrays is not _UNSET
         problem = wire.step_arrays_problem(packed, [getattr(r, n) is not _UNSET for n in wire.STEP_ARRAYS])
         if problem is None and packed:
