@@ -1,5 +1,5 @@
-"""The write-ahead ring: a memory-mapped file holding the last few hundred records that must
-survive an abort before the worker's next spool write (the collective recorder's records).
+"""The write-ahead ring: a memory-mapped file holding the last few hundred records emitted, so that
+they survive an abort or a SIGKILL that comes before the worker's next spool write.
 
 Why a mapped file and not a spool write: a ``MAP_SHARED`` page written by this process is in the
 kernel's page cache the moment the copy ends, so it survives SIGKILL, SIGABRT (gloo's size-mismatch
@@ -12,8 +12,8 @@ shipper then sends just the records it has not already seen in the spool.
 Layout: ``slots`` fixed-size slots; a record goes to slot ``n % slots`` as one spool frame
 (``spool.frame``: magic, length, crc32, marshal payload) at the slot's start. Only that first frame
 is read back, so the tail of an older, longer record left in the slot is never mistaken for data; a
-torn copy (the process died mid-``memcpy``) fails its crc and is skipped. A record larger than a slot is refused, and the
-caller falls back to a synchronous spool write.
+torn copy (the process died mid-``memcpy``) fails its crc and is skipped. A record larger than a
+slot is refused: it waits in memory for the worker's round (``emit_durable`` writes it at once).
 """
 
 from __future__ import annotations
@@ -29,15 +29,11 @@ from ddpscope.agent import spool
 
 logger = logging.getLogger(__name__)
 
-SLOT_BYTES = 1024
-"""A collective record with its envelope marshals to ~300 bytes; a long job name or a collective
-over many tensors may need more, and then takes the slower synchronous path."""
-KINDS = frozenset({"collective"})
-"""Kinds put in the ring (by the collective recorder). The shipper remembers the ``seq`` of the
-recent ones it shipped from the spool, so that reading the ring after a crash sends only the rest;
-a record of another kind would still be deduplicated by the collector, at the price of a resend."""
+SLOT_BYTES = 4096
+"""A collective record with its envelope marshals to ~300 bytes, a 50-bucket step record to ~1.8 KB;
+a bigger record is not copied (a durable one then takes the synchronous spool path)."""
 SLOTS = 512
-"""512 KiB per rank: far more than the collectives in flight at any abort."""
+"""2 MiB per rank: the last 512 records, far more than a worker round (0.1 s) emits in training."""
 
 
 def ring_path(directory: str, prefix: str) -> str:

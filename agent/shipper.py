@@ -100,7 +100,8 @@ class Shipper:
         window = 4 * ring.SLOTS
         self.recent: deque[int] = deque(maxlen=window)
         self.recent_set: set[int] = set()
-        """``seq`` of the latest ring-kind records shipped from the spool (bounded)."""
+        """``seq`` of the latest records shipped from the spool: the ring holds only the latest
+        ``ring.SLOTS``, so a window of four times that covers every ring record the spool carried."""
 
     def writer_done(self) -> bool:
         if not self.eof and self.writer_pid is not None and os.getppid() != self.writer_pid:
@@ -184,8 +185,7 @@ class Shipper:
         self.backlog = sum(len(p) for p in chunk.payloads) >= MAX_POST_BYTES // 2
         for payload in chunk.payloads:
             for record in spool.decode_batch(payload):
-                if record.get("kind") in ring.KINDS:
-                    self.remember(record.get("seq"))
+                self.remember(record.get("seq"))
                 try:
                     encoded.append(encode_record(record))
                     kinds[str(record.get("kind"))] += 1

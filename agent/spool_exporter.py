@@ -138,6 +138,14 @@ class SpoolExporter:
         ring = self._ring
         return ring is not None and not self._closed and ring.put(record)
 
+    def drop_write_ahead(self) -> None:
+        """Remove the ring: the agent drained everything into the spool (a clean shutdown)."""
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(ring.path)
+
     def export(self, batch: list[dict[str, Any]]) -> ExportResult:
         if self._closed:
             return ExportResult.FAILURE
@@ -202,8 +210,8 @@ class SpoolExporter:
         self._closed = True
         self._writer.close()
         if self._ring is not None:
-            # Kept on disk: the shipper reads it at end of file and sends what the spool lacks
-            # (nothing after a complete drain), then removes it.
+            # Kept on disk (unless dropped after a complete drain): the shipper reads it at end
+            # of file, sends what the spool lacks and removes it.
             self._ring.close()
             self._ring = None
         self._close_pipe()

@@ -36,8 +36,9 @@ IDLE_S = 1.0
 BUSY_ROUND_S = 0.1
 """Shortest time between two rounds while records keep coming. A wake-up costs 50-150 us of CPU on
 a small VM (measured: a bare ``time.sleep(0.02)`` loop, 47 us per wake-up; a round, ~150 us): at
-50 rounds a second that alone was ~2 % of a training step. Records that must survive an abort
-sooner go through ``emit_durable`` (the write-ahead ring); urgent ones wake the worker at once."""
+50 rounds a second that alone was ~2 % of a training step. Records are crash-durable before that:
+the agent copies each into the write-ahead ring as it is emitted (``ring.py``); urgent ones also
+wake the worker at once."""
 
 
 class Worker:
