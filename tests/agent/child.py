@@ -8,7 +8,8 @@ same with the script's own SIGTERM handler, which stops the loop;
 print the peak RSS growth; ``job``: a gloo job of N steps, one step record per step per rank;
 ``dataloader``: a torch DataLoader with 2 forked workers that emit from the workers;
 ``durable_abort`` / ``durable_exit``: N collective records through ``emit_durable`` (the worker's
-round far away), then ``os.abort()`` or a normal exit.
+round far away), then ``os.abort()`` or a normal exit; ``kill_unflushed``: N records emitted, READY
+printed at once (no flush), then wait to be killed.
 """
 
 from __future__ import annotations
@@ -119,6 +120,14 @@ def main() -> None:
         return
     if mode.startswith("durable_"):
         run_durable(n, mode)
+        return
+    if mode == "kill_unflushed":
+        # No flush: what the worker has not spooled yet is only in memory and in the write-ahead ring.
+        assert agent.get_agent().flush_local(30.0)  # the exporter (and its ring) exists
+        for i in range(n):
+            agent.emit(heartbeat(i))
+        print("READY", flush=True)
+        time.sleep(120)
         return
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     for i in range(n):
