@@ -242,9 +242,9 @@ def thread_cpu_ns(tid: int | None) -> int:
 
 
 def idle_worker_cpu_share(seconds: float) -> float:
-    """Fraction of one core the agent's thread uses with nothing to send (its 50 wake-ups a second)."""
+    """Fraction of one core the agent's thread uses with nothing to send (wake-ups only: about one a second since it sleeps while idle)."""
     a = agent.get_agent()
-    thread = a._worker._thread  # type: ignore[union-attr]
+    thread = a._worker._thread
     if thread is None:
         return 0.0
     time.sleep(0.1)
@@ -287,7 +287,7 @@ def training_overhead(steps: int) -> dict[str, Any]:
     # Blocks of 10 steps, alternating; the agent's worker finishes a block's records during the
     # next block, so the block is the unit. CPU time covers every thread of this process (the worker
     # included) and is less disturbed than wall time by other processes on a shared machine.
-    worker = agent.get_agent()._worker._thread  # type: ignore[union-attr]
+    worker = agent.get_agent()._worker._thread
     worker_cpu0 = thread_cpu_ns(worker.native_id) if worker is not None else 0
     shipper_pid = getattr(agent.get_agent().exporter, "shipper_pid", None)
     shipper_cpu0 = cpu_seconds_of(shipper_pid) if shipper_pid else 0.0
