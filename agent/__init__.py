@@ -9,13 +9,16 @@ Usage (training side; the engine and the adapter call ``emit`` for you)::
 
 The agent stamps ``job``, ``stream``, ``seq``, ``time_ns`` and (when missing) ``rank`` on a copy of
 each record on its worker thread; the caller's dict is never modified, but must not be changed after
-it was emitted. By default records go to an append-only disk spool every 20 ms (at once for hang,
-hang_resolved and rank_error, which are also printed on stderr) and a small shipper process per
+it was emitted. By default records go to an append-only disk spool in rounds (every 0.1 s while
+records keep coming; hang, hang_resolved and rank_error at once, also copied into a memory-mapped
+write-ahead ring when emitted and printed on stderr) and a small shipper process per
 agent POSTs them to ``DDPSCOPE_URL``, so they arrive even if this process is SIGKILLed or aborts
 (a fatal signal's stacks come as a fatal ``rank_error``). ``Agent.flush_local(timeout_s)`` forces
 the spool write now (before a deliberate crash or exit); ``make_durable()`` writes what was emitted
 so far to the spool before returning (~10-20 us, lock-bounded), right after a record that may be the
-last before an abort (the collective recorder calls it before each collective enters torch). At exit and on
+last before an abort; ``emit_durable(record)`` does the same for one record at a fraction of the cost
+(a memory-mapped write-ahead ring the shipper reads if this process dies; the collective recorder
+calls it before each collective enters torch). At exit and on
 SIGTERM a rank emits ``rank_exit`` and flushes within 5 s; an uncaught exception becomes a fatal
 ``rank_error`` first.
 
@@ -30,6 +33,7 @@ from ddpscope.agent._core import (
     InMemoryExporter,
     configure,
     emit,
+    emit_durable,
     get_agent,
     make_durable,
     shutdown,
@@ -41,6 +45,7 @@ __all__ = [
     "InMemoryExporter",
     "configure",
     "emit",
+    "emit_durable",
     "get_agent",
     "make_durable",
     "shutdown",

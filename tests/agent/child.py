@@ -23,6 +23,11 @@ import time
 from ddpscope import agent
 
 
+def rank_error(i: int) -> dict[str, object]:
+    return {"kind": "rank_error", "step": i, "phase": "forward", "error_type": "ValueError",
+            "message": f"caught at step {i}", "stack": "...", "fatal": False}  # fmt: skip
+
+
 def heartbeat(i: int) -> dict[str, object]:
     return {"kind": "heartbeat", "phase": "forward", "step": i, "last_coll_seq": i, "pid": os.getpid()}
 
@@ -122,10 +127,12 @@ def main() -> None:
         run_durable(n, mode)
         return
     if mode == "kill_unflushed":
-        # No flush: what the worker has not spooled yet is only in memory and in the write-ahead ring.
+        # No flush: what the worker has not spooled yet is only in memory and, for urgent records,
+        # in the write-ahead ring.
         assert agent.get_agent().flush_local(30.0)  # the exporter (and its ring) exists
         for i in range(n):
             agent.emit(heartbeat(i))
+            agent.emit(rank_error(i))
         print("READY", flush=True)
         time.sleep(120)
         return

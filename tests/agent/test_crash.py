@@ -111,19 +111,19 @@ def test_collectives_made_durable_just_before_an_abort_arrive_from_the_write_ahe
     assert not list(spool_dir.glob("*.ring")), "the ring goes with the rest of the delivered spool"
 
 
-def test_records_emitted_just_before_a_sigkill_arrive_without_any_flush(
+def test_urgent_records_emitted_just_before_a_sigkill_arrive_without_any_flush(
     collector, spool_dir, started
 ) -> None:
-    # The worker's round is a minute away: the heartbeats were never written to the spool; the
-    # write-ahead ring, copied into as each was emitted, carries them.
+    # The worker's round is a minute away: the error reports were copied into the write-ahead ring
+    # as each was emitted, and the ring carries whatever the worker had not spooled yet.
     env = child_env(collector.url, spool_dir, "ring-kill", DDPSCOPE_FLUSH_INTERVAL_S="60")
     p = start(started, "kill_unflushed", 200, env)
     wait_ready(p)
     os.kill(p.pid, signal.SIGKILL)
     p.wait(10)
-    ok = collector.wait_for(lambda c: len(c.of_kind("heartbeat")) == 200, 20)
-    assert ok, (len(collector.of_kind("heartbeat")), logs(spool_dir))
-    assert heartbeat_steps(collector) == list(range(200))
+    ok = collector.wait_for(lambda c: len(c.of_kind("rank_error")) == 200, 20)
+    assert ok, (len(collector.of_kind("rank_error")), logs(spool_dir))
+    assert sorted(r["step"] for r in collector.of_kind("rank_error")) == list(range(200))
     assert collector.duplicates == 0
 
 
