@@ -160,7 +160,7 @@ class StorageCollector(Collector):
         live = liveness(snap, now_s)
         if not exposed(live, snap.last_seen_s, self.retention_s):
             return False
-        rows = self.storage.recent_steps(job_id, WINDOW_STEPS)
+        rows = self.storage.recent_step_times(job_id, WINDOW_STEPS)
         flagged = {s.rank: s.flagged for s in stragglers(rows)}
         metrics_by_rank: dict[int, list[Any]] = {}
         for r in rows:

@@ -9,7 +9,7 @@ being unpacked; one that arrives as lists is packed once here.
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,6 +173,45 @@ class StepRow:
             out[name] = getattr(self, name)
         out["unused_parameters"] = self.unused_parameters
         return out
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """What the per-step metrics read: the scalar times and three arrays, each as values plus a
+    shift (``value = values[i] + shift``) so a page of rows is read without a large int per value."""
+
+    rank: int
+    step: int
+    synced: bool
+    forward_start_ns: int
+    forward_end_ns: int
+    backward_start_ns: int
+    backward_end_ns: int
+    ready: Sequence[int]
+    ready_shift: int
+    starts: Sequence[int]
+    starts_shift: int
+    ends: Sequence[int]
+    ends_shift: int
+
+    @classmethod
+    def from_db(cls, row: Any) -> StepTimes:
+        blob = bytes(row.arrays)
+        ready, ready_shift = wire.packed_offsets(blob, 0)  # STEP_ARRAYS order: ready, start, end
+        starts, starts_shift = wire.packed_offsets(blob, 1)
+        ends, ends_shift = wire.packed_offsets(blob, 2)
+        return cls(
+            row.rank, row.step, bool(row.synced), row.forward_start_ns, row.forward_end_ns,
+            row.backward_start_ns, row.backward_end_ns, ready, ready_shift, starts, starts_shift,
+            ends, ends_shift,
+        )  # fmt: skip
+
+    @classmethod
+    def of(cls, r: StepRow) -> StepTimes:
+        return cls(
+            r.rank, r.step, r.synced, r.forward_start_ns, r.forward_end_ns, r.backward_start_ns,
+            r.backward_end_ns, r.bucket_ready_ns, 0, r.allreduce_start_ns, 0, r.allreduce_end_ns, 0,
+        )  # fmt: skip
 
 
 def step_rows_from_wire(records: Iterable[dict[str, Any]]) -> list[StepRow]:

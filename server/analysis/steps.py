@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ddpscope.server.rows import StepRow
+from ddpscope.server.rows import StepRow, StepTimes
 
 NS = 1e9
 
@@ -34,14 +34,19 @@ class StepMetrics:
     wait_s: float
 
 
-def union_after(starts: Sequence[int], ends: Sequence[int], after: int) -> tuple[int, int]:
+def union_after(
+    starts: Sequence[int], ends: Sequence[int], after: int, starts_shift: int = 0, ends_shift: int = 0
+) -> tuple[int, int]:
     """(length of the union of [start, end] spans, length of that union after ``after``), in ns.
+    Span i is ``[starts[i] + starts_shift, ends[i] + ends_shift]`` (see ``rows.StepTimes``).
 
     Written with plain comparisons (no ``max`` calls): it runs once per rank per step in every view.
     """
     total = exposed = 0
     cur_s = cur_e = -1
-    for s, e in sorted(zip(starts, ends, strict=False)):
+    for s, e in sorted(zip(starts, ends, strict=False)):  # a shift per array keeps this order
+        s += starts_shift
+        e += ends_shift
         if e < s:
             continue  # a span still in flight or garbled: it has no length to count
         if cur_e < 0:
@@ -60,13 +65,17 @@ def union_after(starts: Sequence[int], ends: Sequence[int], after: int) -> tuple
     return total, exposed
 
 
-def last_ready_ns(row: StepRow) -> int:
+def last_ready_ns(row: StepRow | StepTimes) -> int:
+    """When the step's last bucket became ready (backward end when it had no bucket)."""
+    if isinstance(row, StepTimes):
+        return max(row.ready) + row.ready_shift if len(row.ready) else row.backward_end_ns
     return max(row.bucket_ready_ns, default=row.backward_end_ns)
 
 
-def step_metrics(row: StepRow) -> StepMetrics:
-    last_ready = last_ready_ns(row)
-    comm, exposed = union_after(row.allreduce_start_ns, row.allreduce_end_ns, last_ready)
+def step_metrics(row: StepRow | StepTimes) -> StepMetrics:
+    t = row if isinstance(row, StepTimes) else StepTimes.of(row)
+    last_ready = last_ready_ns(t)
+    comm, exposed = union_after(t.starts, t.ends, last_ready, t.starts_shift, t.ends_shift)
     overlap = (comm - exposed) / comm if comm > 0 else None
     return StepMetrics(
         rank=row.rank,

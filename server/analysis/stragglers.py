@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ddpscope.server.analysis.steps import NS, last_ready_ns
-from ddpscope.server.rows import StepRow
+from ddpscope.server.rows import StepRow, StepTimes
 
 THRESHOLD = 0.15
 WINDOW_STEPS = 20
@@ -46,7 +46,7 @@ class Straggler:
     """Median time from the last bucket ready to backward end (all-reduce wait), seconds."""
 
 
-def _phases(r: StepRow) -> tuple[float, float, float, float]:
+def _phases(r: StepRow | StepTimes) -> tuple[float, float, float, float]:
     ready = last_ready_ns(r)
     compute = (ready - r.forward_start_ns) / NS
     forward = (r.forward_end_ns - r.forward_start_ns) / NS
@@ -71,7 +71,7 @@ def _ratio(x: float, ref: float) -> float:
 
 
 def stragglers(
-    rows: Sequence[StepRow],
+    rows: Sequence[StepRow | StepTimes],
     *,
     threshold: float = THRESHOLD,
     window: int = WINDOW_STEPS,

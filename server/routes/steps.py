@@ -44,7 +44,7 @@ def _steps(
     limit: int,
     cursor: str | None,
 ) -> Response:
-    rows = storage.steps(
+    rows = storage.step_times(
         job_id, rank=rank, start=start, end=end, limit=limit + 1, after=_parse_cursor(cursor)
     )
     more = len(rows) > limit
@@ -105,7 +105,7 @@ async def buckets(
 
 
 def _stragglers(storage: Storage, job_id: int, threshold: float, window: int) -> Response:
-    rows = storage.recent_steps(job_id, window)
+    rows = storage.recent_step_times(job_id, window)
     return items(stragglers(rows, threshold=threshold, window=window), threshold=threshold, window=window)
 
 

@@ -161,3 +161,36 @@ def test_ranks_issuing_different_collectives_at_one_sequence_number_are_a_mismat
     colls = [{**base, "rank": 0}, {**base, "rank": 1, "shapes": [[5]]}, {**base, "rank": 0, "coll_seq": 8}]
     (m,) = mismatches(colls)
     assert (m.pg, m.coll_seq, sorted(m.signatures)) == ("default", 7, [0, 1])
+
+
+def _row_from_blob(row: StepRow) -> object:
+    """What the database hands back: the scalar columns and the packed blob."""
+    from types import SimpleNamespace
+
+    from ddpscope.agent import records as wire
+
+    blob = wire.pack_step_arrays([getattr(row, n) for n in wire.STEP_ARRAYS])
+    return SimpleNamespace(**{k: getattr(row, k) for k in ("rank", "step", "synced", "forward_start_ns",
+        "forward_end_ns", "backward_start_ns", "backward_end_ns", "time_ns", "stream", "seq")}, arrays=blob)  # fmt: skip
+
+
+def test_metrics_read_from_packed_step_times_equal_those_of_fully_unpacked_rows():
+    from ddpscope.server.rows import StepTimes
+
+    rng = random.Random(7)
+    rows = step_rows_from_wire(synth_job(4, 30, 12))
+    # Arrays that cross a 2**32 ns boundary (their low bytes wrap), in-flight spans, empty arrays.
+    t0 = (1 << 32) * 400_000_000 - 3_000_000
+    for r in rows[:20]:
+        n = len(r.bucket_ready_ns)
+        r.bucket_ready_ns = [t0 + rng.randint(0, 6_000_000) for _ in range(n)]
+        r.allreduce_start_ns = sorted(t0 + rng.randint(0, 6_000_000) for _ in range(n))
+        r.allreduce_end_ns = [s + rng.randint(-1000, 900_000) for s in r.allreduce_start_ns]
+    rows[20].bucket_ready_ns = rows[20].allreduce_start_ns = rows[20].allreduce_end_ns = []
+    for r in rows:
+        db_row = _row_from_blob(r)
+        assert (
+            step_metrics(StepTimes.from_db(db_row))
+            == step_metrics(StepRow.from_db(db_row))
+            == step_metrics(r)
+        )
