@@ -7,7 +7,7 @@ so sub-millisecond jitter never counts). A rank is a straggler when that happens
 recent steps and its median ratio (``slowdown``) also exceeds the threshold. Medians everywhere: on
 an oversubscribed machine any rank can lose the CPU for one step, but not for most of them.
 
-The slowdown is attributed to the phase with the largest excess over the others' median: ``forward``
+The slowdown is attributed to the phase with the largest excess, in seconds, over the others' median: ``forward``
 or ``backward`` (backward compute up to the last bucket ready). The other ranks show the same time as
 all-reduce wait (``wait_s``: last bucket ready to backward end), which is why compute, not step time,
 is compared: every rank's step takes as long as the slowest one's.
@@ -82,7 +82,7 @@ def stragglers(
     for r in rows:
         by_step[r.step][r.rank] = _phases(r)
     recent = sorted(s for s, ranks in by_step.items() if len(ranks) >= 2)[-window:]
-    ratios: dict[int, list[tuple[float, float, float]]] = defaultdict(list)
+    ratios: dict[int, list[tuple[float, float, float, float, float]]] = defaultdict(list)
     flagged_steps: dict[int, int] = defaultdict(int)
     waits: dict[int, list[float]] = defaultdict(list)
     for step in recent:
@@ -93,7 +93,7 @@ def stragglers(
         for rank, (compute, fwd, bwd, wait) in ranks.items():
             med = [median_without(columns[i], x) for i, x in enumerate((compute, fwd, bwd))]
             ratio = _ratio(compute, med[0])
-            ratios[rank].append((ratio, _ratio(fwd, med[1]), _ratio(bwd, med[2])))
+            ratios[rank].append((ratio, _ratio(fwd, med[1]), _ratio(bwd, med[2]), fwd - med[1], bwd - med[2]))
             waits[rank].append(wait)
             if ratio > 1 + threshold and compute - med[0] > min_excess_s:
                 flagged_steps[rank] += 1
@@ -106,7 +106,11 @@ def stragglers(
         flagged = n >= MIN_STEPS and flagged_steps[rank] * 2 > n and slowdown > 1 + threshold
         phase = None
         if flagged:
-            phase = "forward" if fwd - 1 >= bwd - 1 else "backward"
+            # The phase that holds the extra seconds, not the larger ratio: a phase of a few hundred
+            # microseconds doubles from one scheduler hiccup, which says nothing about the slowdown.
+            fwd_excess = statistics.median(r[3] for r in rs)
+            bwd_excess = statistics.median(r[4] for r in rs)
+            phase = "forward" if fwd_excess >= bwd_excess else "backward"
         out.append(
             Straggler(
                 rank=rank,

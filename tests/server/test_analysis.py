@@ -194,3 +194,22 @@ def test_metrics_read_from_packed_step_times_equal_those_of_fully_unpacked_rows(
             == step_metrics(StepRow.from_db(db_row))
             == step_metrics(r)
         )
+
+
+def test_a_slowdown_is_attributed_to_the_phase_holding_the_extra_seconds_not_the_larger_ratio():
+    # Rank 3 sleeps 12 ms more in forward; its 0.3 ms backward also happens to take 0.8 ms (a scheduler
+    # hiccup): a larger ratio, but a few hundred microseconds of the 12.5 ms it is behind.
+    ms = 1_000_000
+    rows = []
+    for step in range(20):
+        for rank in range(4):
+            fwd, bwd = (32 * ms, 0.8 * ms) if rank == 3 else (20 * ms, 0.3 * ms)
+            t0 = step * 100 * ms
+            ready = t0 + fwd + int(bwd)
+            rows.append(StepRow(rank=rank, step=step, synced=True, forward_start_ns=t0, forward_end_ns=t0 + fwd,
+                backward_start_ns=t0 + fwd, backward_end_ns=t0 + 40 * ms, bucket_ready_ns=[ready],
+                allreduce_start_ns=[ready], allreduce_end_ns=[t0 + 40 * ms], bucket_bytes=[4], ready_order=[0],
+                collective_seqs=[step + 1]))  # fmt: skip
+    (slow,) = [s for s in stragglers(rows) if s.flagged]
+    assert slow.rank == 3 and slow.phase == "forward"
+    assert slow.backward_slowdown > slow.forward_slowdown  # the ratios alone would have said backward
