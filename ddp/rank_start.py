@@ -28,8 +28,11 @@ from ddpscope.ddp.groups import pg_name
 class ClockEstimate(Protocol):
     """What the record needs of ``ddp.clock.estimate_offset()``'s result."""
 
-    offset_ns: int
-    error_ns: int
+    @property
+    def offset_ns(self) -> int: ...
+
+    @property
+    def error_ns(self) -> int: ...
 
 
 @functools.cache

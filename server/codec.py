@@ -133,9 +133,10 @@ _UNSET = msgspec.UNSET
 
 def _check_step_arrays(records: list[Any]) -> None:
     # The one cross-field rule of the wire format (``records.step_arrays_problem``); msgspec checked types.
-    for i, r in enumerate(records):
-        if type(r) is not _STEP:
+    for i, record in enumerate(records):
+        if type(record) is not _STEP:
             continue
+        r: Any = record  # a generated Struct: mypy cannot see its fields
         if (  # the agent's form, checked without building lists: packed arrays and no lists
             r.arrays is not _UNSET
             and r.bucket_ready_ns is _UNSET
