@@ -1,10 +1,10 @@
 """How ddpscope's costs grow with buckets and ranks, so users can plan for their scale.
 
 Records come from the synthetic job generator (``tests/support/synth.py``: valid wire records with a
-physical timing model) and go over HTTP, gzip-compressed like the agent's, to a live collector
+physical timing model) and go over HTTP encoded exactly as the agent sends them (``agent.transport``: bucket arrays packed, gzip), to a live collector
 (``ddpscope serve`` on SQLite, started here and killed by pid).
 
-* Buckets (8 ranks; 10, 100, 1 000 buckets): one step record's size (compact JSON, gzip alone and
+* Buckets (8 ranks; 10, 100, 1 000 buckets): one step record's size (the agent's JSON with packed arrays, gzip alone and
   within a 100-record batch) and the collector's ingest cost: step records/s through the API and the
   collector process's CPU µs per record.
 * Ranks (8, 64, 256, 1 024 simulated ranks, 50 buckets, posting step and heartbeat records for one
@@ -32,6 +32,7 @@ import urllib.request
 from typing import Any
 
 from bench.common import machine, machine_line, write_result
+from ddpscope.agent.transport import batch_body, encode_record
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def _proc_cpu_s(pid: int) -> float:
 
 
 def _post(url: str, records: list[dict[str, Any]]) -> None:
-    body = gzip.compress(json.dumps({"schema": 1, "records": records}).encode(), compresslevel=1)
+    body = batch_body([encode_record(r) for r in records])  # exactly what the agent sends
     req = urllib.request.Request(
         f"{url}/api/v1/ingest",
         data=body,
@@ -107,13 +108,14 @@ def bucket_sweep(url: str, pid: int, quick: bool) -> list[dict[str, Any]]:
         recs = synth_job(8, steps, buckets, job=f"scale-buckets-{buckets}", collectives=False)
         step = next(r for r in recs if r["kind"] == "step")
         step_recs = [r for r in recs if r["kind"] == "step"][:100]
-        one = json.dumps(step, separators=(",", ":")).encode()
-        batch = json.dumps({"schema": 1, "records": step_recs}, separators=(",", ":")).encode()
+        one = encode_record(step)  # as the agent sends it: bucket arrays packed
+        batch = b'{"schema":1,"records":[%s]}' % b",".join(encode_record(r) for r in step_recs)
         row: dict[str, Any] = {
             "buckets": buckets,
             "ranks": 8,
             "steps": steps,
             "json_bytes": len(one),
+            "json_bytes_with_array_lists": len(json.dumps(step, separators=(",", ":"))),
             "gzip_bytes": len(gzip.compress(one)),
             "gzip_bytes_per_record_in_batch_of_100": len(gzip.compress(batch)) // len(step_recs),
         }
