@@ -345,6 +345,8 @@ def unpack_step_arrays(blob: bytes) -> tuple[list[int], ...]:
 
 def _restore(low_bytes: array[int], width: int, base: int) -> list[int]:
     """Values from their low bytes and the array's base."""
+    if not low_bytes:
+        return []
     mask = (1 << 8 * width) - 1
     low = base & mask
     if min(low_bytes) >= low:  # no value wrapped past the base's low bytes
@@ -359,25 +361,31 @@ def _restore(low_bytes: array[int], width: int, base: int) -> list[int]:
     return [base + ((v - low) & mask) for v in low_bytes]
 
 
-def packed_offsets(blob: bytes, index: int) -> tuple[Sequence[int], int]:
-    """Array ``index`` of a well-formed blob as ``(values, shift)``, each value being ``values[i] +
-    shift``, without building a large Python int per value when the array did not wrap. The
-    collector's per-step metrics read three arrays of every row of a page: this keeps that in C."""
+def packed_offsets(blob: bytes, count: int) -> list[tuple[Sequence[int], int]]:
+    """The first ``count`` arrays of a well-formed blob, each as ``(values, shift)`` with every value
+    being ``values[i] + shift``, without building a large Python int per value when the array did
+    not wrap. The collector's per-step metrics read three arrays of every row of a page: this keeps
+    that in C."""
     head = _PACK_HEADER.unpack_from(blob)
-    at = _PACK_HEADER_SIZE + sum(head[1 + 3 * i] * head[2 + 3 * i] for i in range(index))
-    count, width, base = head[1 + 3 * index : 4 + 3 * index]
-    if width == 0:
-        return [0] * count, base
-    data = array(_TYPECODES[width])
-    data.frombytes(memoryview(blob)[at : at + count * width])
-    if _BIG_ENDIAN:
-        data.byteswap()
-    if width == 8:
-        return data, 0
-    low = base & ((1 << 8 * width) - 1)
-    if min(data) >= low:
-        return data, base - low
-    return _restore(data, width, base), 0
+    view, at = memoryview(blob), _PACK_HEADER_SIZE
+    out: list[tuple[Sequence[int], int]] = []
+    for i in range(count):
+        n, width, base = head[1 + 3 * i : 4 + 3 * i]
+        if width == 0:
+            out.append(([0] * n, base))
+            continue
+        data = array(_TYPECODES[width])
+        data.frombytes(view[at : at + n * width])
+        at += n * width
+        if _BIG_ENDIAN:
+            data.byteswap()
+        if width == 8:
+            out.append((data, 0))
+            continue
+        low = base & ((1 << 8 * width) - 1)
+        wrapped = len(data) and min(data) < low
+        out.append((_restore(data, width, base), 0) if wrapped else (data, base - low))
+    return out
 
 
 def step_arrays_problem(packed_present: bool, lists_present: Sequence[bool]) -> str | None:

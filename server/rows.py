@@ -196,10 +196,10 @@ class StepTimes:
 
     @classmethod
     def from_db(cls, row: Any) -> StepTimes:
-        blob = bytes(row.arrays)
-        ready, ready_shift = wire.packed_offsets(blob, 0)  # STEP_ARRAYS order: ready, start, end
-        starts, starts_shift = wire.packed_offsets(blob, 1)
-        ends, ends_shift = wire.packed_offsets(blob, 2)
+        # STEP_ARRAYS order: ready, start, end first.
+        (ready, ready_shift), (starts, starts_shift), (ends, ends_shift) = wire.packed_offsets(
+            bytes(row.arrays), 3
+        )
         return cls(
             row.rank, row.step, bool(row.synced), row.forward_start_ns, row.forward_end_ns,
             row.backward_start_ns, row.backward_end_ns, ready, ready_shift, starts, starts_shift,
