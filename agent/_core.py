@@ -1,15 +1,16 @@
 """The agent object and the module-level API: ``emit``, ``configure``, ``get_agent``, ``shutdown``.
 
-``emit(record)`` makes no system call: with the default spool exporter it stamps the envelope (job,
-rank, stream, seq, time_ns), checks the record and copies it into the exporter's memory-mapped
-write-ahead ring (crash-durable at once, a few microseconds), then appends it to the worker's
-bounded deque (or counts a drop) and, for urgent kinds, wakes the worker. The worker thread hands
-batches to the exporter (the spool write) and sends the cumulative ``agent_stats``. With another
-exporter (in memory, direct HTTP) stamping and checking happen on the worker thread instead.
+``emit(record)`` does no serialization and no system call for ordinary records: it appends
+``(now_ns(), record)`` to the worker's bounded deque (or counts a drop). The worker thread stamps the
+envelope (job, rank, stream, seq, time_ns), checks the record, hands batches to the exporter (the spool
+write, in rounds) and sends the cumulative ``agent_stats``. Urgent kinds (``emit``) and collective
+records (``emit_durable``) are stamped in the caller instead and copied into the spool exporter's
+memory-mapped write-ahead ring, crash-durable when the call returns (a few microseconds); urgent
+kinds also wake the worker at once.
 
 The caller keeps ownership of the dict it emits; the agent never writes to it (the collective
-recorder shares its records with the hang watchdog). Without a ring it copies the dict on the
-worker thread, so a caller must not mutate a record after emitting it.
+recorder shares its records with the hang watchdog). An ordinary record is copied on the worker
+thread, so a caller must not mutate a record after emitting it.
 """
 
 from __future__ import annotations
@@ -112,13 +113,9 @@ class Agent:
         try:
             if len(self._queue) < self._max_queue:  # 0 after shutdown
                 kind = record.get("kind") if type(record) is dict else None
-                write_ahead = self._write_ahead
-                if kind in URGENT_KINDS and write_ahead is not None:
-                    out = self._stamp(now_ns(), record)
-                    if out is None:
+                if kind in URGENT_KINDS and self._write_ahead is not None:
+                    if self._into_ring(record) is None:
                         return
-                    write_ahead(out)
-                    self._queue.append((STAMPED, out))
                 else:
                     self._queue.append((now_ns(), record))
                 if kind in URGENT_KINDS:
@@ -151,15 +148,12 @@ class Agent:
         Without a ring (another exporter, a record too big for a slot) it falls back to ``emit`` and
         ``make_durable``. Never raises; True once the record is crash-durable."""
         try:
-            write_ahead = self._write_ahead
-            if write_ahead is None or len(self._queue) >= self._max_queue:
+            if self._write_ahead is None or len(self._queue) >= self._max_queue:
                 self.emit(record)
                 return self.make_durable()
-            out = self._stamp(now_ns(), record)
-            if out is None:
+            durable = self._into_ring(record)
+            if durable is None:
                 return False
-            durable = write_ahead(out)
-            self._queue.append((STAMPED, out))
             if durable:
                 if self._worker.idle:
                     self._worker.nudge()
@@ -168,6 +162,17 @@ class Agent:
         except Exception:
             swallowed("emit_durable")
             return False
+
+    def _into_ring(self, record: dict[str, Any]) -> bool | None:
+        """Stamp ``record`` here, copy it into the write-ahead ring and queue the stamped copy for the
+        spool (same idempotency key). None when it is not a valid record (dropped and counted), else
+        whether the ring took it (a record too big for a slot waits for the worker)."""
+        out = self._stamp(now_ns(), record)
+        if out is None:
+            return None
+        durable = bool(self._write_ahead(out))
+        self._queue.append((STAMPED, out))
+        return durable
 
     def _drop(self, reason: str, record: Any) -> None:
         kind = record.get("kind") if isinstance(record, dict) else None
