@@ -36,9 +36,9 @@ IDLE_S = 1.0
 BUSY_ROUND_S = 0.1
 """Shortest time between two rounds while records keep coming. A wake-up costs 50-150 us of CPU on
 a small VM (measured: a bare ``time.sleep(0.02)`` loop, 47 us per wake-up; a round, ~150 us): at
-50 rounds a second that alone was ~2 % of a training step. Records are crash-durable before that:
-the agent copies each into the write-ahead ring as it is emitted (``ring.py``); urgent ones also
-wake the worker at once."""
+50 rounds a second that alone was ~2 % of a training step. This is the SIGKILL loss window of
+ordinary records; collective and urgent records are crash-durable before it (the agent copies them
+into the write-ahead ring when they are emitted, ``ring.py``), and urgent ones wake the worker."""
 
 
 class Worker:

@@ -17,7 +17,7 @@ post-mortem needs. Completion emits ``collective_end``.
 
 That record is made crash-durable before the call enters torch (``emit_durable``: stamped and copied
 into the agent's memory-mapped write-ahead ring, ~3 us, no system call; the shipper reads the ring
-if the process dies): gloo's abort comes ~1 ms after the call, inside the agent's 20 ms batching
+if the process dies): gloo's abort comes ~1 ms after the call, inside the agent's 0.1 s batching
 round, and a record still only in memory dies with the process. (It was a synchronous spool write
 plus a wake-up of the shipper per collective, ~15 us and +40-80 us on a small all-reduce on 2 cores.) The engine's bucket
 all-reduces get the same treatment: the layout check makes each bucket's shape equal on every rank,
