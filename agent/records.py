@@ -322,25 +322,35 @@ def packed_problem(blob: bytes) -> str | None:
     return None
 
 
+def _stored_arrays(blob: bytes, count: int) -> list[tuple[array[int] | None, int, int, int]]:
+    """The first ``count`` arrays of a well-formed blob as stored: ``(data, length, width, base)``,
+    ``data`` None for width 0 (every value is the base)."""
+    head = _PACK_HEADER.unpack_from(blob)
+    view, at = memoryview(blob), _PACK_HEADER_SIZE
+    out: list[tuple[array[int] | None, int, int, int]] = []
+    for i in range(count):
+        n, width, base = head[1 + 3 * i : 4 + 3 * i]
+        if width == 0:
+            out.append((None, n, 0, base))
+            continue
+        data = array(_TYPECODES[width])
+        data.frombytes(view[at : at + n * width])
+        at += n * width
+        if _BIG_ENDIAN:
+            data.byteswap()
+        out.append((data, n, width, base))
+    return out
+
+
 def unpack_step_arrays(blob: bytes) -> tuple[list[int], ...]:
     """A blob from ``pack_step_arrays`` -> the six lists (``RecordError`` if it is malformed)."""
     problem = packed_problem(blob)
     if problem:
         raise RecordError(problem)
-    out: list[list[int]] = []
-    view, at = memoryview(blob), _PACK_HEADER_SIZE
-    head = _PACK_HEADER.unpack_from(blob)
-    for count, width, base in zip(head[1::3], head[2::3], head[3::3], strict=True):
-        if width == 0:
-            out.append([base] * count)
-            continue
-        data = array(_TYPECODES[width])
-        data.frombytes(view[at : at + count * width])
-        at += count * width
-        if _BIG_ENDIAN:
-            data.byteswap()
-        out.append(data.tolist() if width == 8 else _restore(data, width, base))
-    return tuple(out)
+    return tuple(
+        [base] * n if data is None else data.tolist() if width == 8 else _restore(data, width, base)
+        for data, n, width, base in _stored_arrays(blob, len(STEP_ARRAYS))
+    )
 
 
 def _restore(low_bytes: array[int], width: int, base: int) -> list[int]:
@@ -366,25 +376,16 @@ def packed_offsets(blob: bytes, count: int) -> list[tuple[Sequence[int], int]]:
     being ``values[i] + shift``, without building a large Python int per value when the array did
     not wrap. The collector's per-step metrics read three arrays of every row of a page: this keeps
     that in C."""
-    head = _PACK_HEADER.unpack_from(blob)
-    view, at = memoryview(blob), _PACK_HEADER_SIZE
     out: list[tuple[Sequence[int], int]] = []
-    for i in range(count):
-        n, width, base = head[1 + 3 * i : 4 + 3 * i]
-        if width == 0:
+    for data, n, width, base in _stored_arrays(blob, count):
+        if data is None:
             out.append(([0] * n, base))
-            continue
-        data = array(_TYPECODES[width])
-        data.frombytes(view[at : at + n * width])
-        at += n * width
-        if _BIG_ENDIAN:
-            data.byteswap()
-        if width == 8:
+        elif width == 8:
             out.append((data, 0))
-            continue
-        low = base & ((1 << 8 * width) - 1)
-        wrapped = len(data) and min(data) < low
-        out.append((_restore(data, width, base), 0) if wrapped else (data, base - low))
+        else:
+            low = base & ((1 << 8 * width) - 1)
+            wrapped = n and min(data) < low
+            out.append((_restore(data, width, base), 0) if wrapped else (data, base - low))
     return out
 
 
