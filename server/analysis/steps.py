@@ -71,9 +71,8 @@ def union_after(
 
 def last_ready_ns(row: StepRow | StepTimes) -> int:
     """When the step's last bucket became ready (backward end when it had no bucket)."""
-    if isinstance(row, StepTimes):
-        return max(row.ready) + row.ready_shift if len(row.ready) else row.backward_end_ns
-    return max(row.bucket_ready_ns, default=row.backward_end_ns)
+    t = row if isinstance(row, StepTimes) else StepTimes.of(row)  # one formula for both shapes
+    return max(t.ready) + t.ready_shift if len(t.ready) else t.backward_end_ns
 
 
 def step_metrics(row: StepRow | StepTimes) -> StepMetrics:
