@@ -2,7 +2,8 @@
 
 ``python gloo_job.py STEPS [PAUSE_S]``: every rank trains a small MLP for STEPS steps with
 ``ddpscope.ddp.DistributedDataParallel`` (one step record per backward through ``agent.emit``),
-printing ``STEP n`` after each step (the record is emitted by then), sleeping PAUSE_S between steps,
+printing ``STEP n T`` after each step (the record is emitted by then; T is ``time.monotonic()``,
+one clock for every process on the host), sleeping PAUSE_S between steps,
 then exits normally.
 """
 
@@ -28,7 +29,7 @@ def main(steps: int, pause_s: float) -> None:
         opt.zero_grad()
         ddp(x).sum().backward()
         opt.step()
-        print(f"STEP {step}", flush=True)
+        print(f"STEP {step} {time.monotonic():.6f}", flush=True)
         if pause_s:
             time.sleep(pause_s)
     dist.barrier()

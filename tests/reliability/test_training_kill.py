@@ -1,4 +1,10 @@
-"""A real gloo DDP job SIGKILLed mid-training: what its ranks emitted still reaches the real collector."""
+"""A real gloo DDP job SIGKILLed mid-training: what its ranks emitted still reaches the real collector.
+
+The agent's documented guarantee for ordinary records (step records) is that a SIGKILL loses at most the
+worker's last round (rounds are at least 0.1 s apart while records keep coming). Every rank prints each
+step with the host's monotonic clock after its record was emitted, so the test knows which steps were
+emitted long enough before the kill to be owed, and which fall inside the loss window.
+"""
 
 from __future__ import annotations
 
@@ -8,18 +14,28 @@ from typing import Any
 
 import pytest
 
-from tests.reliability.conftest import GLOO_JOB, Started, account, agent_env, wait_for
+from tests.reliability.conftest import GLOO_JOB, Started, account, agent_env
 from tests.support.collector_proc import CollectorProc
 from tests.support.procs import kill_group, started_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 SEEN_STEP = 8
-GRACE_S = 0.3
-"""Time between seeing a step printed and the kill: 15x the agent's flush interval (0.02 s)."""
+GRACE_S = 1.0
+"""Time between seeing a step printed and the kill: ten of the worker's busy rounds."""
+LOSS_WINDOW_S = 0.35
+"""Steps printed this close to the kill may be lost: one 0.1 s round, the time to write it, and
+scheduling delay on two cores shared by two ranks, their shippers and the collector."""
+SETTLE_S = 2.0
+"""No new rows for this long after the owed ones arrived: the shippers (rounds ≤ 0.5 s) are done."""
 
 
-def test_records_emitted_before_a_sigkill_of_every_rank_reach_the_collector(
+def printed_steps(lines: list[str]) -> dict[int, float]:
+    """``STEP n T`` lines of a rank's stdout as {step: monotonic time printed}."""
+    return {int(x.split()[1]): float(x.split()[2]) for x in lines if x.startswith("STEP ")}
+
+
+def test_step_records_emitted_before_the_loss_window_of_a_sigkill_reach_the_collector_without_gaps(
     tmp_path: Path, collector: CollectorProc, started: Started, figures: dict[str, Any]
 ) -> None:
     db = Path(collector.db_url.removeprefix("sqlite:///"))
@@ -31,44 +47,51 @@ def test_records_emitted_before_a_sigkill_of_every_rank_reach_the_collector(
     with started_ranks(GLOO_JOB, 2, args=["100000", "0.05"], env=env) as ranks:
         deadline = time.monotonic() + 90
         assert ranks[0].stdout is not None
+        head: list[str] = []
         while True:
             line = ranks[0].stdout.readline()
             assert line, f"rank 0 ended early: {ranks[0].communicate(timeout=10)[1][-3000:]}"
-            if line.strip() == f"STEP {SEEN_STEP}":
+            head.append(line)
+            if line.startswith(f"STEP {SEEN_STEP} "):
                 break
             assert time.monotonic() < deadline, "the job did not reach the step in time"
         time.sleep(GRACE_S)
+        killed_at = time.monotonic()
         for p in ranks:
             kill_group(p)  # the rank's own session: its shipper (another session) survives
         outputs = [p.communicate(timeout=10)[0] for p in ranks]
-    printed = [
-        {SEEN_STEP} | {int(x.split()[1]) for x in out.splitlines() if x.startswith("STEP ")}
-        for out in outputs
-    ]
-    # Every step completed on rank 0 up to SEEN_STEP was also completed by rank 1 (all-reduce).
-    must_arrive = 2 * (SEEN_STEP + 1)
-    acc = wait_for(db, job, sum(len(p) for p in printed), 60)
-    # The row count can reach the printed count with steps that were not printed; the shipper ships
-    # in rounds (up to 0.5 s apart) and reads the dead rank's ring last: wait for the printed ones.
-    deadline = time.monotonic() + 30
-    while any(printed[r] - acc.per_rank.get(r, set()) for r in (0, 1)) and time.monotonic() < deadline:
+    printed = [printed_steps(head + outputs[0].splitlines()), printed_steps(outputs[1].splitlines())]
+    owed = [{s for s, t in p.items() if t < killed_at - LOSS_WINDOW_S} for p in printed]
+    assert all(SEEN_STEP in o for o in owed), "rank 1 printed nothing before the loss window"
+
+    deadline = time.monotonic() + 60
+    acc = account(db, job)
+    while any(owed[r] - acc.per_rank.get(r, set()) for r in (0, 1)) and time.monotonic() < deadline:
         time.sleep(0.2)
         acc = account(db, job)
+    settled_at = time.monotonic()
+    while time.monotonic() - settled_at < SETTLE_S and time.monotonic() < deadline:
+        time.sleep(0.2)
+        latest = account(db, job)
+        if latest.rows != acc.rows:
+            acc, settled_at = latest, time.monotonic()
 
-    delivered_of_printed = sum(len(printed[r] & acc.per_rank.get(r, set())) for r in (0, 1))
+    delivered = [acc.per_rank.get(r, set()) for r in (0, 1)]
+    lost = [set(printed[r]) - delivered[r] for r in (0, 1)]
     figures["training_sigkill"] = {
         "ranks_killed": 2,
         "steps_printed_before_kill": sum(len(p) for p in printed),
+        "steps_owed": sum(len(o) for o in owed),
         "step_records_delivered": acc.rows,
-        "printed_steps_delivered": delivered_of_printed,
-        "steps_seen_grace_s_before_kill_lost": sum(
-            len(set(range(SEEN_STEP + 1)) - acc.per_rank.get(r, set())) for r in (0, 1)
+        "printed_steps_lost": sum(len(x) for x in lost),
+        "lost_printed_s_before_kill": sorted(
+            round(killed_at - printed[r][s], 3) for r in (0, 1) for s in lost[r]
         ),
         "duplicates": acc.duplicates,
     }
     for r in (0, 1):
-        assert set(range(SEEN_STEP + 1)) <= acc.per_rank.get(r, set()), (r, sorted(acc.per_rank.get(r, ())))
-    assert acc.rows >= must_arrive and acc.duplicates == 0
-    # Emitted at least GRACE_S before the kill counts as "emitted before": all of it arrived; of the
-    # very last steps (printed within the flush interval of the kill) at most one per rank may miss.
-    assert delivered_of_printed >= sum(len(p) for p in printed) - 2
+        assert owed[r] <= delivered[r], (r, sorted(owed[r] - delivered[r]))
+        # The worker ships in emission order: what is lost is the newest steps, never a step in between.
+        assert all(s > max(delivered[r]) for s in lost[r]), (r, sorted(lost[r]), max(delivered[r]))
+        assert delivered[r] == set(range(max(delivered[r]) + 1)), (r, sorted(delivered[r]))
+    assert acc.duplicates == 0
