@@ -1,4 +1,4 @@
-# The collector image: FastAPI + SQLAlchemy + plotly, and no torch (the collector never imports it).
+# The collector image: FastAPI + SQLAlchemy (plotly.js is vendored), and no torch (the collector never imports it).
 FROM python:3.11-slim
 
 WORKDIR /src

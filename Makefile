@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SYSTEM_STAMP := $(VENV)/.system-deps
 
-.PHONY: demo test test-fast bench lint clean system-deps
+.PHONY: demo test test-fast bench lint clean system-deps update-plotly
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,3 +41,9 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache
+
+# Replace the vendored plotly.js cartesian bundle with another npm release, checked against npm's
+# integrity hash; then put the printed SHA-256 into dashboard/plotly_js.py (VENDORED_SHA256).
+PLOTLY_VERSION ?= 4.1.1
+update-plotly:
+	$(PY) tools/update_plotly.py $(PLOTLY_VERSION)

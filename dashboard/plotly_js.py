@@ -1,19 +1,29 @@
-"""plotly.js as the collector serves it: the installed ``plotly`` package's bundle, made cheap to load.
+"""plotly.js as the collector serves it: a vendored partial bundle, made cheap to load.
 
-plotly.min.js is 4.8 MB, and on a first visit most of a page's time goes to Chromium compiling it.
-Three things cut that, none of which changes a byte of plotly's own code:
+The pages draw only cartesian traces (scatter, bar, heatmap) and shapes, so the collector serves
+plotly's official *cartesian* bundle (``plotly.js-cartesian-dist-min`` from npm, MIT licensed),
+vendored unchanged under ``static/vendor/`` and pinned by its SHA-256 below: 1.5 MB instead of the
+4.8 MB of the full bundle the ``plotly`` Python package carries. On a first visit most of a page's
+time goes to Chromium compiling plotly, and the full bundle also registers maps, 3-D and WebGL
+traces that no page draws; the partial one cut the cold first render (see ``bench/dashboard.py``).
+``tests/browser/test_router.py`` checks that every trace type the pages use is in the bundle.
+To move to another plotly.js version: ``make update-plotly PLOTLY_VERSION=x.y.z`` (it downloads the
+npm tarball, checks npm's integrity hash and prints the new pin for ``VENDORED_SHA256``).
+
+Three more things cut the load, none of which changes a byte of plotly's own code:
 
 - **Compile hint.** One comment line, ``//# allFunctionsCalledOnLoad``, is put in front of the bundle.
   V8 (Chrome 136 and later) then compiles every function of the file eagerly *on the streaming
   thread* while the file downloads, instead of lazily on the main thread the first time each one
   runs; plotly calls most of its functions while it registers its trace types, so the main thread's
-  share of loading it dropped from about 1.0 s to 0.65 s of CPU here. Other engines ignore a comment.
+  share of loading it dropped from about 1.0 s to 0.65 s of CPU here (full bundle). Other engines
+  ignore a comment.
 - **Versioned URL, cached for good.** The URL carries a hash of the bytes served, so the response is
   ``immutable`` for a year and every page after the first takes plotly from the browser's cache (and
   V8's code cache) without a request. An ``ETag`` answers a revalidation with a 304.
-- **gzip, compressed once.** 4.8 MB become 1.5 MB. Compressing takes about 0.3 s of CPU, so it is done
-  once, on a background thread started with the collector (``start_precompressing``); requests that
-  arrive before it is done get the uncompressed bytes rather than waiting.
+- **gzip, compressed once.** Compressing takes CPU, so it is done once, on a background thread started
+  with the collector (``start_precompressing``); requests that arrive before it is done get the
+  uncompressed bytes rather than waiting.
 """
 
 from __future__ import annotations
@@ -40,21 +50,31 @@ COMPILE_HINT = b"//# allFunctionsCalledOnLoad\n"
 CACHE_CONTROL = "public, max-age=31536000, immutable"
 CONTENT_TYPE = "text/javascript; charset=utf-8"
 
+VENDORED = "plotly-cartesian.min.js"
+"""The bundle's file name under ``dashboard/static/vendor/`` (plotly.js-cartesian-dist-min 4.1.1)."""
+VENDORED_SHA256 = "79542150855a52c567260e3137095dbe2b744e6d702a5cabe67da246942fba7a"
+"""The vendored file's hash as published on npm: a test fails if the file is edited by hand."""
+
 
 @dataclass(frozen=True, slots=True)
 class Bundle:
     body: bytes
-    """What is served: the compile hint, then the package's plotly.min.js unchanged."""
+    """What is served: the compile hint, then the vendored bundle unchanged."""
     etag: str
     """A strong validator: a quoted hash of ``body``."""
     version: str
-    """The same hash, short, for the URL's ``?v=``: a new plotly package gives a new URL."""
+    """The same hash, short, for the URL's ``?v=``: a new plotly bundle gives a new URL."""
+
+
+def vendored_bytes() -> bytes:
+    """The vendored plotly.js file, byte for byte as npm publishes it."""
+    return (importlib.resources.files("ddpscope.dashboard") / "static" / "vendor" / VENDORED).read_bytes()
 
 
 @functools.cache
 def bundle() -> Bundle:
     """The served bytes and their hash (read once, kept in memory)."""
-    raw = (importlib.resources.files("plotly") / "package_data" / "plotly.min.js").read_bytes()
+    raw = vendored_bytes()
     body = COMPILE_HINT + raw
     digest = hashlib.sha256(body).hexdigest()
     return Bundle(body=body, etag=f'"{digest[:32]}"', version=digest[:12])

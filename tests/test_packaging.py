@@ -34,7 +34,12 @@ def test_the_wheel_holds_exactly_the_source_modules_and_the_dashboard_assets(tmp
     names = zipfile.ZipFile(wheel).namelist()
     in_wheel = {n[:-3].replace("/", ".").removesuffix(".__init__") for n in names if n.endswith(".py")}
     assert in_wheel == source_modules()
-    assert {"ddpscope/dashboard/static/timeline.js", "ddpscope/dashboard/static/style.css"} <= set(names)
+    assert {
+        "ddpscope/dashboard/static/timeline.js",
+        "ddpscope/dashboard/static/style.css",
+        "ddpscope/dashboard/static/vendor/plotly-cartesian.min.js",
+        "ddpscope/dashboard/static/vendor/plotly-LICENSE",
+    } <= set(names)
     assert not any(n.startswith(("tests/", "bench/", "agent/", "server/")) for n in names)
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
+from importlib.resources import files
 from urllib.parse import quote
 
 import pytest
 from fastapi.testclient import TestClient
 
+from ddpscope.dashboard import plotly_js
 from tests.browser.stub_api import HOSTILE_JOB, stub_app
 
 
@@ -50,7 +53,7 @@ def test_pages_load_scripts_only_from_the_collector_itself(client: TestClient) -
     assert any(re.fullmatch(r"/static/plotly\.min\.js\?v=[0-9a-f]{12}", s) for s in sources), sources
 
 
-def test_plotly_js_comes_from_the_installed_package_with_cache_headers(client: TestClient) -> None:
+def test_plotly_js_is_served_from_the_collector_with_cache_headers(client: TestClient) -> None:
     resp = client.get("/static/plotly.min.js")
     assert resp.status_code == 200
     assert resp.headers["content-type"].startswith("text/javascript")
@@ -58,16 +61,35 @@ def test_plotly_js_comes_from_the_installed_package_with_cache_headers(client: T
     assert b"plotly" in resp.content[:2000].lower() and len(resp.content) > 1_000_000
 
 
-def test_plotly_js_is_the_package_bundle_byte_for_byte_after_one_compile_hint_line(
+def test_plotly_js_is_the_vendored_bundle_byte_for_byte_after_one_compile_hint_line(
     client: TestClient,
 ) -> None:
-    from importlib.resources import files
-
-    package = (files("plotly") / "package_data" / "plotly.min.js").read_bytes()
+    vendored = plotly_js.vendored_bytes()
     served = client.get("/static/plotly.min.js", headers={"accept-encoding": "identity"})
     hint, _, rest = served.content.partition(b"\n")
-    assert hint == b"//# allFunctionsCalledOnLoad" and rest == package
+    assert hint == b"//# allFunctionsCalledOnLoad" and rest == vendored
     assert "content-encoding" not in served.headers
+
+
+def test_the_vendored_plotly_bundle_is_the_pinned_npm_release_unedited() -> None:
+    assert hashlib.sha256(plotly_js.vendored_bytes()).hexdigest() == plotly_js.VENDORED_SHA256
+
+
+SHAPE_TYPES = {"path", "line", "rect", "circle"}
+"""``type`` values of layout shapes: the rest of a page's ``type: "..."`` are trace types."""
+
+
+def test_every_trace_type_the_pages_draw_is_registered_in_the_vendored_bundle() -> None:
+    static = files("ddpscope.dashboard") / "static"
+    used = {
+        kind
+        for res in static.iterdir()
+        if res.name.endswith(".js")
+        for kind in re.findall(r'\btype: *"([a-z0-9]+)"', res.read_text())
+    } - SHAPE_TYPES
+    registered = set(re.findall(rb'moduleType:"trace",name:"([a-z0-9]+)"', plotly_js.vendored_bytes()))
+    assert {"scatter", "bar", "heatmap"} <= used  # the scan itself finds what the pages draw
+    assert {k.encode() for k in used} <= registered, sorted(used)
 
 
 def test_plotly_js_is_immutable_under_its_versioned_url_and_a_revalidation_gets_a_304(
