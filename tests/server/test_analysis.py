@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import random
+from array import array
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ddpscope.server.analysis.buckets import bucket_stats, out_of_order
 from ddpscope.server.analysis.collectives import mismatches
@@ -53,6 +56,29 @@ def test_step_metrics_follow_the_design_definitions():
 
 def test_overlapping_all_reduces_are_counted_once():
     assert union_after([0, 5, 20], [10, 12, 25], after=8) == (17, 4 + 5)
+
+
+spans = st.lists(st.tuples(st.integers(0, 1000), st.integers(-50, 300)), max_size=60)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    spans=spans,
+    after=st.integers(-100, 1500),
+    shifts=st.tuples(st.integers(-(10**12), 10**12), st.integers(-(10**12), 10**12)),
+    sort=st.booleans(),
+)
+def test_the_union_of_spans_counts_every_covered_nanosecond_once_sorted_or_not(
+    spans: list[tuple[int, int]], after: int, shifts: tuple[int, int], sort: bool
+) -> None:
+    # Spans as (start, length); sorted ones take the fast path unless one is still in flight (length < 0).
+    if sort:
+        spans = sorted(spans)
+    covered = {x for s, n in spans for x in range(s, s + n)}  # unit cells [x, x + 1)
+    ss, es = shifts  # stored as offsets from a base per array, as rows.StepTimes holds them
+    starts = array("q", [s - ss for s, _ in spans])
+    ends = array("q", [s + n - es for s, n in spans])
+    assert union_after(starts, ends, after, ss, es) == (len(covered), sum(1 for x in covered if x >= after))
 
 
 def test_a_step_without_all_reduce_has_no_overlap_ratio():
