@@ -195,8 +195,8 @@ def summarize(client: Client, run: ScenarioRun) -> list[str]:
         return lines + [f"  could not read the diagnosis: {e}"]
     lines.append(f"  status: {status}")
     for s in stragglers:
-        phase = f" (mostly {s['phase']})" if s.get("phase") else ""
-        lines.append(f"  straggler: rank {s['rank']} computes {s['slowdown']:.2f}x the others{phase}")
+        phase = f" (mostly {s['phase'].replace('_', ' ')})" if s.get("phase") else ""
+        lines.append(f"  straggler: rank {s['rank']} is {s['slowdown']:.2f}x slower than the others{phase}")
     for inc in incidents:
         lines.append(f"  [{safe(inc.get('kind'))}] {safe(inc.get('message'))}")
         if inc.get("call_site"):

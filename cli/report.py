@@ -110,9 +110,9 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
     out += ["", f"== Stragglers ({sum(1 for s in stragglers if s.get('flagged', True))})"]
     flagged = [s for s in stragglers if s.get("flagged", True)]
     for s in flagged:
-        phase = f", mostly in {safe(s['phase'])}" if s.get("phase") else ""
+        phase = f", mostly in {safe(s['phase']).replace('_', ' ')}" if s.get("phase") else ""
         out.append(
-            f"- rank {s['rank']}: compute {s['slowdown']:.2f}x the median of the others "
+            f"- rank {s['rank']}: {s['slowdown']:.2f}x slower than the median of the others "
             f"in {s.get('steps_flagged')} recent steps{phase}"
         )
     if not flagged:

@@ -160,11 +160,14 @@ class StorageCollector(Collector):
         live = liveness(snap, now_s)
         if not exposed(live, snap.last_seen_s, self.retention_s):
             return False
-        rows = self.storage.recent_step_times(job_id, WINDOW_STEPS)
+        # One step more than the window: straggler scoring reads each step's predecessor.
+        rows = self.storage.recent_step_times(job_id, WINDOW_STEPS + 1)
         flagged = {s.rank: s.flagged for s in stragglers(rows)}
+        first_in_window = max((r.step for r in rows), default=0) - WINDOW_STEPS + 1
         metrics_by_rank: dict[int, list[Any]] = {}
         for r in rows:
-            metrics_by_rank.setdefault(r.rank, []).append(step_metrics(r))
+            if r.step >= first_in_window:
+                metrics_by_rank.setdefault(r.rank, []).append(step_metrics(r))
         # Ranks that reported something: a rank never seen has no last-seen time to compare with, and
         # a 0 there would page DDPRankSilent for a rank that is merely slow to start.
         for rank in sorted(set(live.last_alive_s) | set(snap.ranks)):

@@ -139,10 +139,12 @@
       ddp.say("stragglers-msg", "No straggler scores yet: they need a few steps from every rank.");
       return;
     }
-    // Scores by phase: the overall compute slowdown and, when the API splits it, forward and backward.
+    // Scores by phase: the overall slowdown and, when the API splits it, forward, backward and the time
+    // between steps (optimizer, data loading: a rank that starts its forward late).
     items = [...items].sort((a, b) => a.rank - b.rank);
     const x = items.map((i) => i.rank);
-    const series = [["compute", "slowdown", "#1f5fbf"], ["forward", "forward_slowdown", "#9cc0ee"], ["backward", "backward_slowdown", "#f0a030"]]
+    const series = [["overall", "slowdown", "#1f5fbf"], ["forward", "forward_slowdown", "#9cc0ee"], ["backward", "backward_slowdown", "#f0a030"],
+      ["between steps", "between_steps_slowdown", "#6aa84f"]]
       .filter(([, key]) => items.some((i) => typeof i[key] === "number"));
     const traces = series.map(([phase, key, color]) => ({
       type: "bar", name: phase, x, y: items.map((i) => i[key] ?? null), marker: { color },
@@ -161,7 +163,7 @@
     });
     const flagged = items.filter((i) => (i.flagged ?? (i.steps_flagged ?? 0) > 0));
     ddp.say("stragglers-msg", flagged.length
-      ? "Flagged: " + flagged.map((i) => `rank ${i.rank} (${(i.slowdown ?? 0).toFixed(2)}× slower${i.phase ? " in " + i.phase : ""}, ${i.steps_flagged ?? "?"} steps)`).join(", ")
+      ? "Flagged: " + flagged.map((i) => `rank ${i.rank} (${(i.slowdown ?? 0).toFixed(2)}× slower${i.phase ? " in " + i.phase.replace("_", " ") : ""}, ${i.steps_flagged ?? "?"} steps)`).join(", ")
       : "No rank is flagged as a straggler.");
     return drawn;
   }

@@ -1,16 +1,25 @@
-"""Stragglers: ranks whose compute is consistently slower than their peers'.
+"""Stragglers: ranks whose own work is consistently slower than their peers'.
 
-Compute time of a rank in a step = forward start to its last bucket ready (``steps.compute_s``). In
-each of the recent steps, a rank's ratio is its compute over the **median of the other ranks**; the
-step counts against it when the ratio exceeds ``1 + threshold`` (and by at least ``min_excess_s``,
-so sub-millisecond jitter never counts). A rank is a straggler when that happens in **most** of the
-recent steps and its median ratio (``slowdown``) also exceeds the threshold. Medians everywhere: on
-an oversubscribed machine any rank can lose the CPU for one step, but not for most of them.
+Every rank's step takes as long as the slowest one's (the others wait for it in the all-reduce), so
+what is compared is the time a rank spends *before* it can join the all-reduce:
 
-The slowdown is attributed to the phase with the largest excess, in seconds, over the others' median: ``forward``
-or ``backward`` (backward compute up to the last bucket ready). The other ranks show the same time as
-all-reduce wait (``wait_s``: last bucket ready to backward end), which is why compute, not step time,
-is compared: every rank's step takes as long as the slowest one's.
+- ``compute``: forward start to its last bucket ready (``steps.compute_s``);
+- ``between_steps``: its previous step's backward end to this forward start: the optimizer step,
+  loading the next batch, anything the loop does on the host. A rank with a slow data loader or
+  slow host work starts its forward late; its compute looks normal and the *other* ranks show the
+  time as all-reduce wait.
+
+In each of the recent steps, a rank's ratio is its ``busy`` time (between steps + compute) over the
+**median of the other ranks'**, and so is its compute ratio; the step counts against it when either
+exceeds ``1 + threshold`` (and by at least ``min_excess_s``, so sub-millisecond jitter never counts).
+A rank is a straggler when that happens in **most** of the recent steps and its median ratio
+(``slowdown``, the larger of the two) also exceeds the threshold. Medians everywhere: on an
+oversubscribed machine any rank can lose the CPU for one step, but not for most of them.
+
+The slowdown is attributed to the phase with the largest excess, in seconds, over the others'
+median: ``forward``, ``backward`` (backward compute up to the last bucket ready) or ``between_steps``.
+The first step a rank is seen with has no previous step: its between-steps time counts as zero for
+it (callers pass one step more than the window, so every step in the window has its predecessor).
 """
 
 from __future__ import annotations
@@ -34,25 +43,33 @@ MIN_EXCESS_S = 0.001
 class Straggler:
     rank: int
     slowdown: float
-    """Median over recent steps of compute time / median compute of the other ranks."""
+    """Median over recent steps of (between steps + compute) / the same of the other ranks, or of
+    compute alone when that is larger."""
     steps_flagged: int
     steps_considered: int
     flagged: bool
     phase: str | None
-    """Where the extra time goes: 'forward' or 'backward'; None when not flagged."""
+    """Where the extra time goes: 'forward', 'backward' or 'between_steps'; None when not flagged."""
     forward_slowdown: float
     backward_slowdown: float
+    between_steps_slowdown: float
+    """Median ratio of the time from the previous backward end to this forward start."""
     wait_s: float
     """Median time from the last bucket ready to backward end (all-reduce wait), seconds."""
 
 
-def _phases(r: StepRow | StepTimes) -> tuple[float, float, float, float]:
+PHASES = ("forward", "backward", "between_steps")
+
+
+def _phases(r: StepRow | StepTimes, previous_end_ns: int | None) -> tuple[float, ...]:
+    """(busy, compute, forward, backward, between steps, wait) of one rank's step, in seconds."""
     ready = last_ready_ns(r)
     compute = (ready - r.forward_start_ns) / NS
     forward = (r.forward_end_ns - r.forward_start_ns) / NS
     backward = (ready - r.backward_start_ns) / NS
+    between = 0.0 if previous_end_ns is None else max(0, r.forward_start_ns - previous_end_ns) / NS
     wait = max(0, r.backward_end_ns - ready) / NS
-    return compute, forward, backward, wait
+    return between + compute, compute, forward, backward, between, wait
 
 
 def median_without(values: Sequence[float], x: float) -> float:
@@ -78,39 +95,46 @@ def stragglers(
     min_excess_s: float = MIN_EXCESS_S,
 ) -> list[Straggler]:
     """One item per rank seen in the last ``window`` steps, most slowed down first."""
-    by_step: dict[int, dict[int, tuple[float, float, float, float]]] = defaultdict(dict)
-    for r in rows:
-        by_step[r.step][r.rank] = _phases(r)
+    by_rank_step = {(r.rank, r.step): r for r in rows}
+    by_step: dict[int, dict[int, tuple[float, ...]]] = defaultdict(dict)
+    for (rank, step), r in by_rank_step.items():
+        previous = by_rank_step.get((rank, step - 1))
+        by_step[step][rank] = _phases(r, None if previous is None else previous.backward_end_ns)
     recent = sorted(s for s, ranks in by_step.items() if len(ranks) >= 2)[-window:]
-    ratios: dict[int, list[tuple[float, float, float, float, float]]] = defaultdict(list)
+    # Per rank and step: (slowdown, forward, backward, between ratios, then their excess seconds).
+    ratios: dict[int, list[tuple[float, ...]]] = defaultdict(list)
     flagged_steps: dict[int, int] = defaultdict(int)
     waits: dict[int, list[float]] = defaultdict(list)
     for step in recent:
         ranks = by_step[step]
-        # One sort per phase and step; each rank's "median of the others" is then a lookup, so a
+        # One sort per measure and step; each rank's "median of the others" is then a lookup, so a
         # 1024-rank job costs O(n log n) per step rather than O(n^2).
-        columns = [sorted(v[i] for v in ranks.values()) for i in range(3)]
-        for rank, (compute, fwd, bwd, wait) in ranks.items():
-            med = [median_without(columns[i], x) for i, x in enumerate((compute, fwd, bwd))]
-            ratio = _ratio(compute, med[0])
-            ratios[rank].append((ratio, _ratio(fwd, med[1]), _ratio(bwd, med[2]), fwd - med[1], bwd - med[2]))
-            waits[rank].append(wait)
-            if ratio > 1 + threshold and compute - med[0] > min_excess_s:
+        columns = [sorted(v[i] for v in ranks.values()) for i in range(5)]
+        for rank, values in ranks.items():
+            med = [median_without(columns[i], values[i]) for i in range(5)]
+            busy_ratio, compute_ratio = _ratio(values[0], med[0]), _ratio(values[1], med[1])
+            ratios[rank].append(
+                (max(busy_ratio, compute_ratio),)
+                + tuple(_ratio(values[i], med[i]) for i in (2, 3, 4))
+                + tuple(values[i] - med[i] for i in (2, 3, 4))
+            )
+            waits[rank].append(values[5])
+            slower = (busy_ratio > 1 + threshold and values[0] - med[0] > min_excess_s) or (
+                compute_ratio > 1 + threshold and values[1] - med[1] > min_excess_s
+            )
+            if slower:
                 flagged_steps[rank] += 1
     out = []
     for rank, rs in ratios.items():
         slowdown = statistics.median(r[0] for r in rs)
-        fwd = statistics.median(r[1] for r in rs)
-        bwd = statistics.median(r[2] for r in rs)
         n = len(rs)
         flagged = n >= MIN_STEPS and flagged_steps[rank] * 2 > n and slowdown > 1 + threshold
         phase = None
         if flagged:
             # The phase that holds the extra seconds, not the larger ratio: a phase of a few hundred
             # microseconds doubles from one scheduler hiccup, which says nothing about the slowdown.
-            fwd_excess = statistics.median(r[3] for r in rs)
-            bwd_excess = statistics.median(r[4] for r in rs)
-            phase = "forward" if fwd_excess >= bwd_excess else "backward"
+            excess = [statistics.median(r[4 + i] for r in rs) for i in range(len(PHASES))]
+            phase = PHASES[excess.index(max(excess))]
         out.append(
             Straggler(
                 rank=rank,
@@ -119,8 +143,9 @@ def stragglers(
                 steps_considered=n,
                 flagged=flagged,
                 phase=phase,
-                forward_slowdown=fwd,
-                backward_slowdown=bwd,
+                forward_slowdown=statistics.median(r[1] for r in rs),
+                backward_slowdown=statistics.median(r[2] for r in rs),
+                between_steps_slowdown=statistics.median(r[3] for r in rs),
                 wait_s=statistics.median(waits[rank]),
             )
         )

@@ -105,7 +105,7 @@ async def buckets(
 
 
 def _stragglers(storage: Storage, job_id: int, threshold: float, window: int) -> Response:
-    rows = storage.recent_step_times(job_id, window)
+    rows = storage.recent_step_times(job_id, window + 1)  # each step's predecessor: between-steps time
     return items(stragglers(rows, threshold=threshold, window=window), threshold=threshold, window=window)
 
 

@@ -152,6 +152,40 @@ def test_straggler_phase_names_forward_when_only_forward_is_slow():
     assert (top.rank, top.phase) == (2, "forward")
 
 
+def _slow_loader_rows(slow_rank: int, loader_ms: int, world_size: int = 4, steps: int = 20) -> list[StepRow]:
+    """Ranks in lockstep (they all leave the step when the last bucket's all-reduce ends); between
+    steps each loads its next batch for 2-4 ms, ``slow_rank`` for ``loader_ms`` more, so its forward
+    starts late while its compute is as fast as anyone's."""
+    rng = random.Random(5)
+    rows, end = [], 0
+    for step in range(steps):
+        starts = {
+            r: end + rng.randint(2, 4) + (loader_ms if r == slow_rank else 0) for r in range(world_size)
+        }
+        last_ready = max(starts.values()) + 30
+        comm_end = last_ready + 8
+        for r, fs in starts.items():
+            ready = (fs + 20, fs + 30)
+            ends = (max(ready[0], last_ready - 10) + 8, comm_end)
+            rows.append(_row(r, step, fs, fs + 10, fs + 10, comm_end + 1, ready, ready, ends))
+        end = comm_end + 1
+    return rows
+
+
+def test_a_rank_with_a_slow_data_loader_is_flagged_alone_in_the_time_between_steps():
+    rows = _slow_loader_rows(slow_rank=1, loader_ms=20)
+    result = stragglers(rows)
+    assert [s.rank for s in result if s.flagged] == [1], result
+    (slow,) = [s for s in result if s.flagged]
+    assert slow.phase == "between_steps" and slow.forward_slowdown == pytest.approx(1.0)
+    assert all(o.wait_s > slow.wait_s for o in result if o.rank != 1)  # the others wait for it
+
+
+def test_the_same_loader_on_every_rank_flags_nobody():
+    rows = _slow_loader_rows(slow_rank=-1, loader_ms=20)
+    assert [s.rank for s in stragglers(rows) if s.flagged] == []
+
+
 def test_unused_parameters_are_aggregated_by_name_across_ranks_and_steps():
     found = aggregate_unused([(0, 1, ["a"]), (1, 1, ["a", "b"]), (1, 2, ["a"])])
     assert [(u.name, u.ranks, u.steps) for u in found] == [("a", [0, 1], 3), ("b", [1], 1)]

@@ -31,34 +31,35 @@ def _wait_for_steps(url: str, job: str, expected: int, deadline_s: float) -> lis
         time.sleep(0.5)
 
 
+def _run_jobs(url: str, tmp_path: Path, jobs: dict[str, list[str]]) -> dict[str, str]:
+    """Run each named job (``train.py`` arguments after STEPS) as a 4-rank job, all at once, to the
+    end; wait until the collector holds every step of every rank. Returns name -> job id."""
+    ids = {name: f"{name}-{uuid.uuid4().hex[:6]}" for name in jobs}
+    running = {}
+    for name, extra in jobs.items():
+        env = {"DDPSCOPE_URL": url, "DDPSCOPE_JOB": ids[name], "DDPSCOPE_SPOOL_DIR": str(tmp_path / name)}
+        running[name] = started_ranks(SCRIPT, WORLD, args=[str(STEPS), *extra], env=env)
+    procs = {name: ctx.__enter__() for name, ctx in running.items()}
+    try:
+        for name, ps in procs.items():
+            results = wait_all(ps, timeout_s=240)
+            failed = [r for r in results if r.returncode != 0]
+            assert not failed, (
+                f"{name}: rank {failed[0].rank} rc={failed[0].returncode}\n{failed[0].stderr[-3000:]}"
+            )
+    finally:
+        for ctx in running.values():
+            ctx.__exit__(None, None, None)
+    for name in jobs:
+        items = _wait_for_steps(url, ids[name], WORLD * STEPS, deadline_s=60)
+        assert {(i["rank"], i["step"]) for i in items} == {(r, s) for r in range(WORLD) for s in range(STEPS)}
+    return ids
+
+
 @pytest.mark.slow
 def test_real_jobs_healthy_flags_nobody_and_a_slow_rank_is_flagged_alone(tmp_path):
-    jobs = {"healthy": None, "slow": 2}
-    ids = {name: f"{name}-{uuid.uuid4().hex[:6]}" for name in jobs}
     with live_collector(f"sqlite:///{tmp_path / 'c.db'}") as url:
-        running = {}
-        for name, slow in jobs.items():
-            env = {"DDPSCOPE_URL": url, "DDPSCOPE_JOB": ids[name], "DDPSCOPE_SPOOL_DIR": str(tmp_path / name)}
-            args = [str(STEPS)] + ([] if slow is None else [str(slow)])
-            running[name] = started_ranks(SCRIPT, WORLD, args=args, env=env)
-        procs = {name: ctx.__enter__() for name, ctx in running.items()}
-        try:
-            for name, ps in procs.items():
-                results = wait_all(ps, timeout_s=240)
-                failed = [r for r in results if r.returncode != 0]
-                assert not failed, (
-                    f"{name}: rank {failed[0].rank} rc={failed[0].returncode}\n{failed[0].stderr[-3000:]}"
-                )
-        finally:
-            for ctx in running.values():
-                ctx.__exit__(None, None, None)
-
-        for name in jobs:
-            items = _wait_for_steps(url, ids[name], WORLD * STEPS, deadline_s=60)
-            assert {(i["rank"], i["step"]) for i in items} == {
-                (r, s) for r in range(WORLD) for s in range(STEPS)
-            }
-
+        ids = _run_jobs(url, tmp_path, {"healthy": [], "slow": ["2"]})
         healthy = httpx.get(f"{url}/api/v1/jobs/{ids['healthy']}/stragglers", timeout=30).json()["items"]
         assert len(healthy) == WORLD and [s["rank"] for s in healthy if s["flagged"]] == [], healthy
         slow = httpx.get(f"{url}/api/v1/jobs/{ids['slow']}/stragglers", timeout=30).json()["items"]
@@ -71,3 +72,14 @@ def test_real_jobs_healthy_flags_nobody_and_a_slow_rank_is_flagged_alone(tmp_pat
         assert max(r["forward"][0] for r in tl["ranks"]) < 0.5
         jobs_list = {j["job"]: j for j in httpx.get(f"{url}/api/v1/jobs", timeout=30).json()["items"]}
         assert jobs_list[ids["healthy"]]["status"] == "finished"
+
+
+@pytest.mark.slow
+def test_a_real_rank_with_a_slow_data_loader_is_flagged_alone_between_steps(tmp_path):
+    # Rank 1 sleeps before each forward, outside the model: its compute is as fast as anyone's, and
+    # the other ranks show the time as all-reduce wait.
+    with live_collector(f"sqlite:///{tmp_path / 'c.db'}") as url:
+        ids = _run_jobs(url, tmp_path, {"loader": ["1", "loader"]})
+        slow = httpx.get(f"{url}/api/v1/jobs/{ids['loader']}/stragglers", timeout=30).json()["items"]
+    assert [s["rank"] for s in slow if s["flagged"]] == [1], slow
+    assert next(s for s in slow if s["rank"] == 1)["phase"] == "between_steps"

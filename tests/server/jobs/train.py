@@ -1,9 +1,10 @@
 """A rank of a small real DDP job streaming to a collector (DDPSCOPE_URL, DDPSCOPE_JOB from the env).
 
-    python train.py STEPS [SLOW_RANK]
+    python train.py STEPS [SLOW_RANK [forward|loader]]
 
 Every rank sleeps BASE_SLEEP_S in its forward (data loading, say) so the step time is dominated by
-something the oversubscribed CPU cannot distort; SLOW_RANK sleeps EXTRA_SLEEP_S more: a straggler about 50 % slower.
+something the oversubscribed CPU cannot distort; SLOW_RANK sleeps EXTRA_SLEEP_S more: a straggler about
+50 % slower, in its forward (default) or, with ``loader``, before it (a slow data loader between steps).
 """
 
 from __future__ import annotations
@@ -26,17 +27,22 @@ EXTRA_SLEEP_S = 0.012  # about +50 % of a step on this machine
 def main() -> None:
     steps = int(sys.argv[1])
     slow_rank = int(sys.argv[2]) if len(sys.argv) > 2 else -1
+    slow_loader = len(sys.argv) > 3 and sys.argv[3] == "loader"
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 8))
-    pause = BASE_SLEEP_S + (EXTRA_SLEEP_S if rank == slow_rank else 0.0)
+    extra = EXTRA_SLEEP_S if rank == slow_rank else 0.0
+    pause = BASE_SLEEP_S + (0.0 if slow_loader else extra)
+    loader_pause = extra if slow_loader else 0.0
     net[0].register_forward_pre_hook(lambda *_: time.sleep(pause))
     model = DistributedDataParallel(net, bucket_cap_mb=0.05)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for _ in range(steps):
         opt.zero_grad()
+        if loader_pause:
+            time.sleep(loader_pause)  # the next batch, slow on this rank only
         model(torch.randn(16, 32)).sum().backward()
         opt.step()
     agent.emit({"kind": "rank_exit", "step": steps - 1, "reason": "finished"})
