@@ -8,6 +8,9 @@
   (SIGKILL, the OOM killer): ``rank_crashed`` with the peers' errors attached. The same error raised
   on several ranks (the engine's cross-rank unused-parameter check) is one incident, blamed on the
   ranks its message names. ``call_site`` is the innermost user frame of the stack.
+- ``rank_exited_early``: a rank left cleanly (its loop ended, or SIGTERM with no other failure in the
+  job) while peers that had got as far kept training and then lost their connection to it or hung;
+  their lost connections are blamed on it.
 - ``rank_silent``: no record for ``silent_after_s`` while other ranks are alive or waiting (SIGSTOP, a
   deadlocked data loader). ``job_silent``: every rank quiet without a clean exit.
 - ``missing_collective``: ranks stuck in collective #N of a process group that other ranks never
@@ -107,6 +110,7 @@ def diagnose(
     colls = CollectiveIndex(snapshot, live)
     blame: dict[int, str] = {}
     out = _silent_incidents(snapshot, live, blame)
+    out += _early_exit_incidents(snapshot, live, blame)
     out += mismatch_incidents(colls, blame)
     missing = missing_incidents(colls, live, snapshot, blame)
     out += missing
@@ -155,6 +159,72 @@ def _silent_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int, st
             )
         )
     return out
+
+
+def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int, str]) -> list[Incident]:
+    """A rank that left cleanly (its loop ended, or SIGTERM) while peers that had got as far as it had
+    were still training, and those peers then failed or hung waiting for it. (Ranks that finish at
+    different steps on purpose, under torch's ``Join``, leave their peers running: no incident.)"""
+    out = []
+    # A launcher SIGTERMs every rank once one fails (torchrun does): then the failure is the cause.
+    other_cause = bool(live.crashed) or any(not is_secondary(e) for e in live.errors)
+    for r, exit_ in sorted(live.exits.items()):
+        reason = exit_.get("reason")
+        if reason not in ("finished", "sigterm") or (reason == "sigterm" and other_cause):
+            continue
+        left_s = record_s(exit_)
+        mine = snapshot.steps.get(r)
+        last = mine.last_step if mine else None
+
+        stranded_ranks = [o for o in live.ranks if o != r and _stranded(snapshot, live, o, last, left_s)]
+        if not stranded_ranks:
+            continue
+        how = (
+            "was stopped by SIGTERM" if reason == "sigterm" else "left its training loop and exited normally"
+        )
+        after = f" after step {last}" if last is not None else ""
+        hung = [o for o in stranded_ranks if o in live.active_hangs]
+        failed = [o for o in stranded_ranks if o not in hung]
+        fate = " and ".join(
+            part
+            for part in (
+                f"{ranks_phrase(failed)} then lost {'its connection' if len(failed) == 1 else 'their connections'} to it"
+                if failed
+                else "",
+                f"{ranks_phrase(hung)} now hang waiting for it" if hung else "",
+            )
+            if part
+        )
+        out.append(
+            Incident(
+                kind="rank_exited_early",
+                message=f"Rank {r} {how}{after} while {ranks_phrase(stranded_ranks)} were still training; "
+                f"{fate}. Every rank must run the same synced steps: look for a rank-dependent break or return, "
+                "uneven data per rank (a sampler without drop_last, a shard shorter than the others), or wrap "
+                "the loop in torch.distributed.algorithms.Join for uneven inputs.",
+                rank=r,
+                step=last,
+                culprit_ranks=[r],
+                time_s=left_s,
+            )
+        )
+        blame.setdefault(r, "exited early")
+    return out
+
+
+def _stranded(snapshot: JobSnapshot, live: Liveness, o: int, last: int | None, left_s: float) -> bool:
+    """Rank ``o`` had got as far as a rank that left after step ``last`` at ``left_s``, was still in
+    the job, and then lost its connection to a peer or hung."""
+    theirs = snapshot.steps.get(o)
+    if last is not None and (theirs is None or theirs.last_step < last):
+        return False  # it had not got as far: the other rank leaving is not what stopped it
+    other_exit = live.exits.get(o)
+    if other_exit is not None and other_exit.get("reason") != "error":
+        return False
+    fatal = live.fatal.get(o)
+    # A peer's lost connection after the exit; its own bug would be a primary error.
+    failed_after = fatal is not None and is_secondary(fatal) and record_s(fatal) >= left_s - CLOCK_SLACK_S
+    return failed_after or o in live.active_hangs
 
 
 def _error_incidents(

@@ -86,6 +86,8 @@ def rank_main(scenario: str, steps: int) -> None:  # pragma: no cover - runs in 
                 dist.all_reduce(torch.ones(4 + rank))  # SITE:shapes
             elif scenario == "unused" and rank == 1:
                 net.use_aux = False
+            elif scenario == "early_exit" and rank == 1:
+                sys.exit(0)  # its loop ends early (a shorter data shard, a rank-dependent break)
         optimizer.zero_grad(set_to_none=True)
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
@@ -107,7 +109,7 @@ from tests.support.procs import free_port, kill_group, rank_env  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__)
-SCENARIOS = ("healthy", "sigstop", "sigkill", "one_rank_only", "order", "shapes", "unused")
+SCENARIOS = ("healthy", "sigstop", "sigkill", "one_rank_only", "order", "shapes", "unused", "early_exit")
 WAIT_S = 90.0
 """Deadline for one diagnosis to show up; all the jobs run at once on a 2-core machine."""
 
@@ -269,3 +271,16 @@ def test_parameters_unused_on_one_rank_are_named_with_that_rank(jobs: dict[str, 
     assert u[0]["culprit_ranks"] == [1]
     assert sorted(u[0]["parameters"]) == ["aux.bias", "aux.weight"]
     assert u[0]["bucket"] is not None
+
+
+def test_a_rank_that_exits_cleanly_while_its_peer_trains_on_is_the_culprit(jobs: dict[str, Job]) -> None:
+    j = jobs["early_exit"]
+    j.wait_exit()
+    early = j.wait_for("rank 1 exited early", lambda inc: kind(inc, "rank_exited_early"))
+    assert [(e["rank"], e["culprit_ranks"], e["step"]) for e in early] == [(1, [1], FAULT_STEP - 1)]
+    assert "rank 0" in early[0]["message"]
+    # The survivor's lost connection arrives with or after the exit: then it is blamed on rank 1 too.
+    j.wait_for("rank 0's lost connection", lambda inc: [i for i in kind(inc, "rank_error") if i["rank"] == 0])
+    incidents = j.incidents()
+    assert all(i["culprit_ranks"] == [1] for i in incidents), incidents
+    assert j.status() == "failed"
