@@ -8,11 +8,13 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from ddpscope.agent import _core, _errors
+from ddpscope.agent import _core, _errors, spool
 from tests.agent.fake_collector import FakeCollector
+from tests.support.procs import pid_alive
 
 
 @pytest.fixture(autouse=True)
@@ -62,21 +64,19 @@ def kill_shippers(spool_dir: Path) -> None:
 def wait_shippers_gone(spool_dir: Path, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not any(_alive(pid) for pid in shipper_pids(spool_dir)):
+        if not any(pid_alive(pid) for pid in shipper_pids(spool_dir)):
             return True
         time.sleep(0.05)
     return False
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A shipper that exited but is not yet reaped by its (dead) parent is a zombie: gone for us.
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    return False
+def spooled(spool_dir: Path) -> list[dict[str, Any]]:
+    """Every record in the spool's segments (the collector is unreachable, so nothing is deleted)."""
+    out: list[dict[str, Any]] = []
+    for path in sorted(spool_dir.glob("*.seg")):
+        for payload, _ in spool.parse(path.read_bytes(), final=False).entries:
+            out += spool.decode_batch(payload)
+    return out
 
 
 @pytest.fixture

@@ -10,17 +10,7 @@ from typing import Any
 import pytest
 
 from ddpscope import agent
-from ddpscope.agent import spool
-from tests.agent.conftest import kill_shippers
-
-
-def spooled(spool_dir: Path) -> list[dict[str, Any]]:
-    """Every record in the spool's segments (the collector is unreachable, so nothing is deleted)."""
-    out: list[dict[str, Any]] = []
-    for path in sorted(spool_dir.glob("*.seg")):
-        for payload, _ in spool.parse(path.read_bytes(), final=False).entries:
-            out += spool.decode_batch(payload)
-    return out
+from tests.agent.conftest import kill_shippers, spooled
 
 
 @pytest.fixture

@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from ddpscope import agent
-from ddpscope.agent import _core, ring, spool
+from ddpscope.agent import _core, ring
 from ddpscope.agent.spool_exporter import SpoolExporter
+from tests.agent.conftest import spooled
 from tests.agent.fake_collector import FakeCollector
+from tests.support.procs import pid_alive
 
 
 def collective(seq: int, call_site: str = "train.py:7") -> dict[str, Any]:
@@ -28,14 +30,6 @@ def heartbeat(step: int) -> dict[str, Any]:
         "kind": "heartbeat", "job": "j", "rank": 0, "stream": "s", "seq": step, "time_ns": step,
         "phase": "forward", "step": step, "last_coll_seq": 0, "pid": os.getpid(),
     }  # fmt: skip
-
-
-def spooled(spool_dir: Path) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for path in sorted(spool_dir.glob("*.seg")):
-        for payload, _ in spool.parse(path.read_bytes(), final=False).entries:
-            out += spool.decode_batch(payload)
-    return out
 
 
 def voluntary_switches(native_id: int | None) -> int:
@@ -161,16 +155,8 @@ def test_the_shipper_is_woken_once_per_interval_but_at_once_for_a_hang(tmp_path:
             pid = exporter.shipper_pid
             if pid is not None:
                 deadline = time.monotonic() + 10
-                while _alive(pid) and time.monotonic() < deadline:
+                while pid_alive(pid) and time.monotonic() < deadline:
                     time.sleep(0.02)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_the_shipper_runs_at_a_lower_priority_than_its_rank(tmp_path: Path) -> None:

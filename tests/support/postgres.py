@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.support.procs import pid_alive
+
 PG_BIN = Path(os.environ.get("DDPSCOPE_PG_BIN", "/usr/lib/postgresql/15/bin"))
 PG_USER = "ddpscope-test"
 START_TIMEOUT_S = 60
@@ -97,19 +99,11 @@ class PostgresServer:
             )
         if self.pid is not None:
             deadline = time.monotonic() + 5
-            while _alive(self.pid) and time.monotonic() < deadline:
+            while pid_alive(self.pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def start_postgres(*, durable: bool = False) -> PostgresServer:

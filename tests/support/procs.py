@@ -33,6 +33,17 @@ class RankResult:
     stderr: str
 
 
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` exists and is not a zombie (exited, not yet reaped: gone for us)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    return False
+
+
 def kill_group(proc: subprocess.Popen[bytes] | subprocess.Popen[str], sig: int = signal.SIGKILL) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
