@@ -164,8 +164,46 @@ def write_ack(directory: str, prefix: str, pos: Position) -> None:
 
 def encode_batch(records: list[dict[str, Any]]) -> bytes:
     """One frame's payload. ``marshal`` (format 4, readable by every Python 3 since 3.4) is ~10x
-    cheaper than JSON for the training process; the shipper converts to JSON in its own process."""
-    return marshal.dumps(records, MARSHAL_VERSION)
+    cheaper than JSON for the training process; the shipper converts to JSON in its own process.
+
+    marshal refuses subclasses of the built-in types, and records carry some: ``torch.__version__``
+    is a ``str`` subclass, an ``IntEnum`` an ``int`` one, a 0-d tensor or numpy scalar a number in
+    disguise. Those are converted (``plain``) rather than dropped; ValueError means a value that is
+    no JSON value at all (a tensor with elements, an arbitrary object)."""
+    try:
+        return marshal.dumps(records, MARSHAL_VERSION)
+    except ValueError:
+        return marshal.dumps([plain(r) for r in records], MARSHAL_VERSION)
+
+
+_PLAIN_SCALARS = (str, int, float, bool, type(None), bytes)
+
+
+def plain(value: Any) -> Any:
+    """``value`` rebuilt from exact built-in types (what marshal and JSON carry); ValueError if a
+    part is not a JSON value or a scalar that converts to one (``.item()`` of a one-element tensor
+    or numpy scalar)."""
+    if type(value) in _PLAIN_SCALARS:
+        return value
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    for base in (str, int, float):  # bool cannot be subclassed
+        if isinstance(value, base):
+            return base(value)
+    if callable(getattr(value, "item", None)) and _one_element(value):
+        return plain(value.item())
+    raise ValueError(f"a record value of type {type(value).__name__} is not a JSON value")
+
+
+def _one_element(value: Any) -> bool:
+    """A torch tensor (``numel()``) or numpy value (``size``) holding exactly one number."""
+    try:
+        numel = getattr(value, "numel", None)
+        return int(numel() if callable(numel) else value.size) == 1
+    except Exception:
+        return False
 
 
 def decode_batch(payload: bytes) -> list[dict[str, Any]]:

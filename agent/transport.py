@@ -26,6 +26,7 @@ from typing import Any
 
 from ddpscope.agent.exporters import ExportResult
 from ddpscope.agent.records import SCHEMA_VERSION, packed_step_record
+from ddpscope.agent.spool import plain
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ def encode_record(record: dict[str, Any]) -> bytes:
     stored by the collector without parsing one JSON number per bucket and field."""
     if record.get("kind") == "step":
         record = packed_step_record(record)
-    return json.dumps(record, separators=(",", ":"), allow_nan=False).encode()
+    # default=plain: a 0-d tensor or numpy integer becomes its number, as in the spool.
+    return json.dumps(record, separators=(",", ":"), allow_nan=False, default=plain).encode()
 
 
 def batch_body(encoded: list[bytes]) -> bytes:

@@ -69,7 +69,7 @@ def rank_start_record(
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "engine": engine,
-        "torch_version": torch.__version__,
+        "torch_version": str(torch.__version__),  # a str subclass: see agent.spool.plain
         "ddpscope_version": ddpscope_version(),
         "python_version": platform.python_version(),
         "find_unused_parameters": bool(find_unused_parameters),

@@ -111,6 +111,37 @@ def test_a_collector_restart_loses_nothing(collector, spool_dir) -> None:
     assert sorted(r["step"] for r in collector.of_kind("heartbeat")) == list(range(100))
 
 
+@pytest.mark.parametrize("pipeline", ["spool", "http"])
+def test_values_of_builtin_subclasses_and_one_element_tensors_arrive_as_plain_values(
+    pipeline, collector, spool_dir
+) -> None:
+    """marshal (the spool's codec) refuses subclasses of str and int: ``torch.__version__`` is one,
+    and every rank_start carried it until this was caught."""
+    import enum
+
+    import torch
+
+    class Phase(enum.IntEnum):
+        BACKWARD = 3
+
+    a = configure(pipeline, collector, spool_dir)
+    agent.emit(
+        {
+            "kind": "rank_exit",
+            "step": Phase.BACKWARD,
+            "reason": "finished",
+            "torch_version": torch.__version__,
+            "samples": torch.tensor(7),
+            "loss": torch.tensor([0.5]),
+            "tags": ("a", "b"),
+        }
+    )
+    assert a.force_flush(10.0)
+    [got] = collector.of_kind("rank_exit")
+    assert got["step"] == 3 and got["samples"] == 7 and got["loss"] == 0.5
+    assert got["torch_version"] == str(torch.__version__) and got["tags"] == ["a", "b"]
+
+
 def test_a_record_json_cannot_carry_is_counted_and_the_rest_of_its_batch_arrives(
     collector, spool_dir
 ) -> None:
