@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.output}: {events} trace events (open it in https://ui.perfetto.dev)")
             return EXIT_OK
         if args.command == "jobs":
-            from ddpscope.cli.report import safe
+            from ddpscope.cli.report import safe, when
 
             items = client.items("/api/v1/jobs")
             if args.json:
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'job':<32} {'status':<9} {'ranks':>5}  last seen")
             for j in items:
                 print(
-                    f"{safe(j['job']):<32} {safe(j['status']):<9} {j.get('world_size')!s:>5}  {safe(j.get('last_seen'))}"
+                    f"{safe(j['job']):<32} {safe(j['status']):<9} {j.get('world_size')!s:>5}  {when(j.get('last_seen'))}"
                 )
             return EXIT_OK
     except CollectorError as e:

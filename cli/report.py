@@ -6,11 +6,13 @@ through ``safe()``: a hostile name must not be able to move the cursor or rewrit
 
 from __future__ import annotations
 
+import datetime
 import re
 import statistics
+import time
 from typing import Any
 
-from ddpscope.cli.client import Client
+from ddpscope.cli.client import Client, CollectorError
 
 # C0/C1 control characters and DEL, except newline and tab which stacks legitimately contain, and the
 # Unicode direction overrides/isolates, which can make a printed name read as something else.
@@ -26,6 +28,26 @@ def _fmt_s(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def when(epoch_s: Any, now_s: float | None = None) -> str:
+    """``2026-11-22 10:59:17 UTC (3 min ago)`` for an aligned-clock time in seconds."""
+    if not isinstance(epoch_s, (int, float)) or epoch_s <= 0:
+        return "-"
+    stamp = datetime.datetime.fromtimestamp(epoch_s, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    age = (time.time() if now_s is None else now_s) - epoch_s
+    if age < 0:
+        return stamp
+    ago = f"{age:.0f} s" if age < 120 else f"{age / 60:.0f} min" if age < 7200 else f"{age / 3600:.0f} h"
+    return f"{stamp} ({ago} ago)"
+
+
+def _rank_process(rank: int, processes: dict[int, dict[str, Any]]) -> str:
+    """``1 (pid 4242 on node-3)``: the process to look at; the bare rank when it never announced itself."""
+    proc = processes.get(int(rank))
+    if not proc or proc.get("pid") is None:
+        return str(rank)
+    return f"{rank} (pid {proc['pid']} on {safe(proc.get('host'))})"
 
 
 def _overlap_section(steps: list[dict[str, Any]]) -> list[str]:
@@ -70,15 +92,18 @@ def _overlap_section(steps: list[dict[str, Any]]) -> list[str]:
 
 def render_report(client: Client, job: str) -> tuple[str, int]:
     """Return the report text and how many problems it found (incidents + stragglers)."""
-    jobs = {j["job"]: j for j in client.items("/api/v1/jobs")}
-    info = jobs.get(job)
-    if info is None:
-        known = ", ".join(sorted(safe(j) for j in jobs)[:10]) or "none"
-        raise LookupError(f"no job {safe(job)!r} at the collector (known jobs: {known})")
+    try:
+        info = client.get(client.job_path(job))
+    except CollectorError as e:
+        if e.status != 404:
+            raise
+        known = ", ".join(sorted(safe(j["job"]) for j in client.items("/api/v1/jobs"))[:10]) or "none"
+        raise LookupError(f"no job {safe(job)!r} at the collector (known jobs: {known})") from None
+    processes = {int(r["rank"]): r for r in info.get("ranks", [])}
     out = [
         f"ddpscope report for job {safe(job)}",
         f"status: {safe(info.get('status'))}   world size: {info.get('world_size')}   "
-        f"last seen: {safe(info.get('last_seen'))}",
+        f"last seen: {when(info.get('last_seen'))}",
         "",
     ]
     incidents = client.items(client.job_path(job, "incidents"))
@@ -96,7 +121,8 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
         out.append(f"- [{safe(inc.get('kind'))}] {', '.join(w for w in where if w)}")
         out.append(f"  {safe(inc.get('message'))}")
         if inc.get("culprit_ranks"):
-            out.append(f"  culprit ranks: {', '.join(str(r) for r in inc['culprit_ranks'])}")
+            culprits = ", ".join(_rank_process(r, processes) for r in inc["culprit_ranks"])
+            out.append(f"  culprit ranks: {culprits}")
         if inc.get("parameters"):
             out.append(f"  parameters: {', '.join(safe(p) for p in inc['parameters'])}")
         if inc.get("call_site"):

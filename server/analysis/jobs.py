@@ -1,49 +1,41 @@
-"""Job-level summaries: status (through ``status.job_status`` when it exists) and step rate.
+"""Job-level summaries: status, progress, step rate and who each rank is.
 
-``status.py`` and ``incidents.py`` are written separately; until they exist, a job is ``finished``
-when every rank sent ``rank_exit`` and ``running`` otherwise, with no incidents.
+Status and incidents are ``status.job_status`` and ``incidents.diagnose``; this module only puts a
+job's headline numbers together for ``/api/v1/jobs``.
 """
 
 from __future__ import annotations
 
-import importlib
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 from ddpscope.server.analysis.snapshot import JobSnapshot
 
-logger = logging.getLogger(__name__)
+RANK_FIELDS = (
+    "host",
+    "pid",
+    "engine",
+    "backend",
+    "device",
+    "process_group",
+    "torch_version",
+    "ddpscope_version",
+    "python_version",
+    "clock_offset_ns",
+    "clock_error_ns",
+)
+"""What ``rank_table`` shows of each rank's latest ``rank_start``: where to look for its process."""
 
 
-def _optional(module: str, attr: str) -> Any:
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name != module:
-            raise  # the module exists but is broken: do not hide that
-        return None
-    return getattr(mod, attr, None)
-
-
-def job_status(snapshot: JobSnapshot, now_s: float) -> str:
-    impl = _optional("ddpscope.server.analysis.status", "job_status")
-    if impl is not None:
-        return str(impl(snapshot, now_s))
-    exited = {r["rank"] for r in snapshot.rank_exits}
-    if snapshot.world_size and len(exited) >= snapshot.world_size:
-        return "finished"
-    return "running"
-
-
-def has_diagnosis() -> bool:
-    """True when the incidents module is installed (else ``diagnose`` returns nothing)."""
-    return _optional("ddpscope.server.analysis.incidents", "diagnose") is not None
-
-
-def diagnose(snapshot: JobSnapshot, now_s: float) -> list[Any]:
-    impl = _optional("ddpscope.server.analysis.incidents", "diagnose")
-    return [] if impl is None else list(impl(snapshot, now_s))
+def rank_table(snapshot: JobSnapshot) -> list[dict[str, Any]]:
+    """One row per rank that announced itself (its latest ``rank_start``: a restarted rank shows its
+    new process), by rank, with ``started`` in aligned-clock seconds."""
+    rows = []
+    for rank, start in sorted(snapshot.ranks.items()):
+        row: dict[str, Any] = {"rank": rank, "started": start["time_ns"] / 1e9}
+        row.update({name: start.get(name) for name in RANK_FIELDS})
+        rows.append(row)
+    return rows
 
 
 @dataclass(slots=True)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
 from fastapi import APIRouter, HTTPException
 from fastapi.concurrency import run_in_threadpool
 
-from ddpscope.server.analysis.jobs import job_status, summarize
+from ddpscope.server.analysis.jobs import rank_table, summarize
+from ddpscope.server.analysis.status import job_status
 from ddpscope.server.deps import StorageDep
 from ddpscope.server.routes._items import item
 from ddpscope.server.storage import JobRow, Storage
@@ -16,11 +18,16 @@ from ddpscope.server.storage import JobRow, Storage
 router = APIRouter(prefix="/api/v1", tags=["jobs"])
 
 
-def _summary(storage: Storage, row: JobRow, now_s: float) -> dict[str, Any] | None:
+def _summary(
+    storage: Storage, row: JobRow, now_s: float, *, with_ranks: bool = False
+) -> dict[str, Any] | None:
     snap = storage.load_snapshot(row.job)
     if snap is None:
         return None
-    return item(summarize(snap, row.first_seen_ns / 1e9, job_status(snap, now_s)))
+    out = item(summarize(snap, row.first_seen_ns / 1e9, job_status(snap, now_s)))
+    if with_ranks:
+        out["ranks"] = rank_table(snap)
+    return out
 
 
 def _all(storage: Storage) -> dict[str, Any]:
@@ -37,10 +44,12 @@ async def list_jobs(storage: StorageDep) -> dict[str, Any]:
 
 @router.get("/jobs/{job}")
 async def get_job(job: str, storage: StorageDep) -> dict[str, Any]:
+    """One job's summary plus ``ranks``: each rank's ``host``, ``pid``, engine, backend, versions and
+    clock estimate, from its latest ``rank_start``."""
     row = await run_in_threadpool(storage.job_row, job)
     if row is None:
         raise HTTPException(404, f"job {job!r} not found: no record of it reached this collector")
-    summary = await run_in_threadpool(_summary, storage, row, time.time())
+    summary = await run_in_threadpool(functools.partial(_summary, with_ranks=True), storage, row, time.time())
     if summary is None:
         raise HTTPException(404, f"job {job!r} not found")
     return summary

@@ -72,6 +72,11 @@ def test_real_jobs_healthy_flags_nobody_and_a_slow_rank_is_flagged_alone(tmp_pat
         assert max(r["forward"][0] for r in tl["ranks"]) < 0.5
         jobs_list = {j["job"]: j for j in httpx.get(f"{url}/api/v1/jobs", timeout=30).json()["items"]}
         assert jobs_list[ids["healthy"]]["status"] == "finished"
+        # rank_start travels the spool like every record (it once carried torch.__version__, a str
+        # subclass marshal refuses, and never arrived): the job says where each rank runs.
+        detail = httpx.get(f"{url}/api/v1/jobs/{ids['healthy']}", timeout=30).json()
+        assert [r["rank"] for r in detail["ranks"]] == list(range(WORLD)), detail
+        assert all(r["pid"] and r["backend"] == "gloo" and r["torch_version"] for r in detail["ranks"])
 
 
 @pytest.mark.slow
