@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import and_, func, or_, select, true
 
 from ddpscope.server import schema
 from ddpscope.server.analysis.snapshot import (
@@ -329,7 +329,8 @@ class Storage:
         by_kind: dict[str, list[dict[str, Any]]] = {}
         for r in recs:
             by_kind.setdefault(r["kind"], []).append(r)
-        colls, ends = self._collective_window(job, row.id)
+        current = {r["stream"] for r in _latest_by_rank(by_kind.get("rank_start", [])).values()}
+        colls, ends = self._collective_window(job, row.id, current)
         steps = {
             r.rank: RankSteps(r.rank, r.step_records, r.last_step, r.last_step_end_ns or 0)
             for r in row.ranks
@@ -355,20 +356,37 @@ class Storage:
         snap.world_size = max(row.world_size, infer_world_size(snap.ranks, snap.rank_last_seen_s))
         return snap
 
-    def _collective_window(self, job: str, job_id: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    def _collective_window(
+        self, job: str, job_id: int, current_streams: set[str]
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Per process group, the last ``COLLECTIVE_WINDOW`` sequence numbers of the ranks' current
+        processes (``current_streams``, from their latest ``rank_start``), and separately of the
+        processes before a restart: a restarted rank numbers from 1 again, and the old processes'
+        higher numbers must not push the new ones out of the window."""
         c, e = schema.collectives, schema.collective_ends
+        groups: list[tuple[Any, Any]] = [(true(), true())]
+        if current_streams:
+            groups = [
+                (c.c.stream.in_(current_streams), e.c.stream.in_(current_streams)),
+                (c.c.stream.not_in(current_streams), e.c.stream.not_in(current_streams)),
+            ]
+        colls: list[dict[str, Any]] = []
+        ends: list[dict[str, Any]] = []
         with self.engines.reader.connect() as conn:
-            tops = conn.execute(
-                select(c.c.pg, func.max(c.c.coll_seq)).where(c.c.job_id == job_id).group_by(c.c.pg)
-            ).all()
-            colls: list[dict[str, Any]] = []
-            ends: list[dict[str, Any]] = []
-            for pg, top in tops:
-                lo = int(top) - COLLECTIVE_WINDOW
-                q = select(c.c.body).where(c.c.job_id == job_id, c.c.pg == pg, c.c.coll_seq > lo)
-                colls.extend(decode_json(r.body) for r in conn.execute(q))
-                q2 = select(e).where(e.c.job_id == job_id, e.c.pg == pg, e.c.coll_seq > lo)
-                ends.extend(_end_wire(job, r) for r in conn.execute(q2))
+            for of_colls, of_ends in groups:
+                tops = conn.execute(
+                    select(c.c.pg, func.max(c.c.coll_seq))
+                    .where(c.c.job_id == job_id, of_colls)
+                    .group_by(c.c.pg)
+                ).all()
+                for pg, top in tops:
+                    lo = int(top) - COLLECTIVE_WINDOW
+                    q = select(c.c.body).where(
+                        c.c.job_id == job_id, of_colls, c.c.pg == pg, c.c.coll_seq > lo
+                    )
+                    colls.extend(decode_json(r.body) for r in conn.execute(q))
+                    q2 = select(e).where(e.c.job_id == job_id, of_ends, e.c.pg == pg, e.c.coll_seq > lo)
+                    ends.extend(_end_wire(job, r) for r in conn.execute(q2))
         return colls, ends
 
 

@@ -31,6 +31,10 @@
 - ``unused_parameters``: parameters that got no gradient on some ranks but not all, or named by the
   engine's "did not receive grad" error; grouped by ranks and bucket.
 
+After a restart under the same job id (torchrun ``--max-restarts``), the previous processes' incidents
+are kept with ``active=False``, their message starting "Before the ranks restarted"; the job's status
+and the current incidents count only the new processes.
+
 Pure functions of a ``JobSnapshot``; no database, no HTTP.
 """
 
@@ -57,7 +61,7 @@ from ddpscope.server.analysis.incident_model import (
     user_frame,
     where,
 )
-from ddpscope.server.analysis.snapshot import JobSnapshot
+from ddpscope.server.analysis.snapshot import JobSnapshot, split_restart
 from ddpscope.server.analysis.status import DEFAULT_SILENT_AFTER_S, Liveness, is_secondary, liveness
 
 __all__ = ["Incident", "diagnose"]
@@ -106,6 +110,8 @@ def diagnose(
     snapshot: JobSnapshot, now_s: float, *, silent_after_s: float = DEFAULT_SILENT_AFTER_S
 ) -> list[Incident]:
     """Every incident in the job at ``now_s`` (aligned-clock seconds), oldest first."""
+    snapshot, previous = split_restart(snapshot)
+    restart_s = min((record_s(s) for s in snapshot.ranks.values()), default=now_s)
     live = liveness(snapshot, now_s, silent_after_s=silent_after_s)
     colls = CollectiveIndex(snapshot, live)
     blame: dict[int, str] = {}
@@ -117,6 +123,7 @@ def diagnose(
     out += _error_incidents(live, snapshot, colls, blame)
     out += _hang_incidents(snapshot, live, missing, blame)
     out += _unused_incidents(snapshot, live)
+    out += _before_restart_incidents(previous, restart_s, silent_after_s)
     out.sort(key=lambda i: (i.time_s if i.time_s is not None else now_s, i.kind, i.rank or 0))
     return out
 
@@ -343,6 +350,29 @@ def _error_incident(
         time_s=record_s(e),
         related=[error_brief(v) for v in related],
     )
+
+
+def _before_restart_incidents(
+    previous: JobSnapshot | None, restart_s: float, silent_after_s: float
+) -> list[Incident]:
+    """The diagnosis of the processes that ran before the ranks restarted (torchrun ``--max-restarts``,
+    a job resubmitted under the same id), as history: ``active=False``, and not what the job's status
+    rests on. "It crashed at 3 a.m. and came back" must stay on record.
+
+    ``previous`` (``snapshot.split_restart``) is diagnosed like a job of its own at the moment of the
+    restart: a SIGKILLed rank is found by the same silence-before-the-victims rule. Staleness verdicts
+    (silent ranks) are dropped: by then every old process has stopped reporting by definition."""
+    if previous is None:
+        return []
+    out = []
+    for incident in diagnose(previous, restart_s, silent_after_s=silent_after_s):
+        if incident.kind in ("rank_silent", "job_silent") or not incident.active:
+            continue
+        ago = f" ({restart_s - incident.time_s:.0f} s before it)" if incident.time_s is not None else ""
+        incident.message = f"Before the ranks restarted{ago}: {incident.message}"
+        incident.active = False
+        out.append(incident)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ hangs

@@ -35,7 +35,7 @@ Every record inside is a **wire-shaped dict**: exactly the fields of ``ddpscope.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -103,18 +103,73 @@ class JobSnapshot:
 def merge_collectives(
     collectives: Iterable[Mapping[str, Any]], ends: Iterable[Mapping[str, Any]]
 ) -> list[Record]:
-    """Attach each ``collective_end`` to its ``collective`` (same job, rank, pg, coll_seq)."""
-    by_key = {(e["rank"], e["pg"], e["coll_seq"]): e for e in ends}
+    """Attach each ``collective_end`` to its ``collective`` (same job, rank, stream, pg, coll_seq: a
+    restarted rank numbers its collectives from 1 again)."""
+    by_key = {(e["rank"], e["stream"], e["pg"], e["coll_seq"]): e for e in ends}
     merged = []
     for c in collectives:
         out = dict(c)
-        end = by_key.get((c["rank"], c["pg"], c["coll_seq"]))
+        end = by_key.get((c["rank"], c["stream"], c["pg"], c["coll_seq"]))
         out["end_ns"] = end["end_ns"] if end else None
         out["ok"] = end["ok"] if end else None
         out["error"] = end.get("error") if end else None
         merged.append(out)
     merged.sort(key=lambda r: (r["pg"], r["coll_seq"], r["rank"]))
     return merged
+
+
+def split_restart(snapshot: JobSnapshot) -> tuple[JobSnapshot, JobSnapshot | None]:
+    """``(current, previous)``: the job as its current processes see it, and what the processes
+    before a restart left (None when no rank restarted, or the earlier processes left no error and
+    no hang report to diagnose).
+
+    A rank restarted when its latest ``rank_start`` comes from a new agent incarnation (stream); the
+    records of other streams that are older than that start belong to the earlier process. (The new
+    process's own records before its ``rank_start``, such as the engine's construction collectives,
+    share its stream; a reconfigured agent's new stream starts after it.) ``previous`` has no
+    ``ranks``, so every record in it counts, and its ``rank_last_seen_s`` is rebuilt from its records.
+    """
+    starts = {r: (s["stream"], s["time_ns"]) for r, s in snapshot.ranks.items()}
+
+    def earlier(rec: Mapping[str, Any]) -> bool:
+        start = starts.get(rec["rank"])
+        return start is not None and rec.get("stream") != start[0] and rec["time_ns"] < start[1]
+
+    def part(records: list[Record], old: bool) -> list[Record]:
+        return [r for r in records if earlier(r) == old]
+
+    lists = (snapshot.layouts, snapshot.hangs, snapshot.hang_resolved, snapshot.rank_errors, snapshot.rank_exits,
+             snapshot.collectives, snapshot.heartbeats.values())  # fmt: skip
+    if not any(earlier(r) for records in lists for r in records):
+        return snapshot, None
+    current = replace(
+        snapshot,
+        layouts=part(snapshot.layouts, False),
+        heartbeats={r: h for r, h in snapshot.heartbeats.items() if not earlier(h)},
+        hangs=part(snapshot.hangs, False),
+        hang_resolved=part(snapshot.hang_resolved, False),
+        rank_errors=part(snapshot.rank_errors, False),
+        rank_exits=part(snapshot.rank_exits, False),
+        collectives=part(snapshot.collectives, False),
+    )
+    previous = JobSnapshot(
+        job=snapshot.job,
+        world_size=snapshot.world_size,
+        layouts=part(snapshot.layouts, True),
+        heartbeats={r: h for r, h in snapshot.heartbeats.items() if earlier(h)},
+        hangs=part(snapshot.hangs, True),
+        hang_resolved=part(snapshot.hang_resolved, True),
+        rank_errors=part(snapshot.rank_errors, True),
+        rank_exits=part(snapshot.rank_exits, True),
+        collectives=part(snapshot.collectives, True),
+    )
+    if not previous.rank_errors and not previous.hangs:
+        return current, None
+    seen = previous.rank_last_seen_s
+    for rec in [*previous.layouts, *previous.heartbeats.values(), *previous.hangs, *previous.rank_errors,
+                *previous.rank_exits, *previous.collectives]:  # fmt: skip
+        seen[rec["rank"]] = max(seen.get(rec["rank"], 0.0), rec["time_ns"] / 1e9)
+    return current, previous
 
 
 def window_collectives(collectives: list[Record], window: int = COLLECTIVE_WINDOW) -> list[Record]:

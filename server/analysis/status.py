@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpscope.server.analysis.snapshot import JobSnapshot
+from ddpscope.server.analysis.snapshot import JobSnapshot, split_restart
 
 DEFAULT_SILENT_AFTER_S = 10.0
 """A rank with no record for this long is silent: a few heartbeat intervals, so one late heartbeat or a
@@ -114,7 +114,9 @@ def _s(record: Mapping[str, Any]) -> float:
 def liveness(
     snapshot: JobSnapshot, now_s: float, *, silent_after_s: float = DEFAULT_SILENT_AFTER_S
 ) -> Liveness:
-    """Work out, for every rank, whether it exited, died, hangs, went silent or crashed."""
+    """Work out, for every rank, whether it exited, died, hangs, went silent or crashed (its current
+    process: what a restarted rank's earlier process left is set aside)."""
+    snapshot = split_restart(snapshot)[0]
     seen_ranks = set(snapshot.rank_last_seen_s) | set(snapshot.heartbeats) | set(snapshot.ranks)
     ranks = sorted(set(range(snapshot.world_size)) | seen_ranks)
     live = Liveness(now_s=now_s, silent_after_s=silent_after_s, ranks=ranks)

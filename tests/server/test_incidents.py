@@ -11,6 +11,7 @@ from typing import Any
 from ddpscope.agent.records import validate_record
 from ddpscope.server.analysis.incidents import Incident, diagnose
 from ddpscope.server.analysis.snapshot import JobSnapshot, snapshot_from_records
+from ddpscope.server.analysis.status import job_status
 
 T0 = 1_700_000_000.0
 """Job start, aligned-clock seconds."""
@@ -23,17 +24,22 @@ class JobRecords:
         self.world, self.job = world, job
         self.records: list[dict[str, Any]] = []
         self._seq: dict[int, int] = {}
+        self._incarnation: dict[int, int] = {}
+        """Per rank, how many times it started: a restarted process is a new agent stream."""
 
     def add(self, kind: str, rank: int, t: float, **fields: Any) -> dict[str, Any]:
         seq = self._seq.get(rank, 0)
         self._seq[rank] = seq + 1
-        rec = {"kind": kind, "job": self.job, "rank": rank, "stream": f"s{rank}", "seq": seq}
+        stream = f"s{rank}.{self._incarnation.get(rank, 1)}"
+        rec = {"kind": kind, "job": self.job, "rank": rank, "stream": stream, "seq": seq}
         rec.update(time_ns=int(t * 1e9), **fields)
         validate_record(rec)
         self.records.append(rec)
         return rec
 
     def start(self, rank: int, t: float = T0, *, find_unused: bool = False) -> None:
+        if any(r["kind"] == "rank_start" and r["rank"] == rank for r in self.records):
+            self._incarnation[rank] = self._incarnation.get(rank, 1) + 1
         self.add(
             "rank_start", rank, t, world_size=self.world, backend="gloo", device="cpu", host="node-1",
             pid=1000 + rank, engine="ddpscope", torch_version="2.13.0", ddpscope_version="0.1.0",
@@ -244,6 +250,55 @@ def test_a_rank_error_is_the_origin_and_its_peers_errors_are_related_not_blamed(
     assert [r["rank"] for r in err.related] == [0]
     assert "OutOfMemoryError" in err.message and err.stack and "rank 1" in err.stack
     assert "rank_crashed" not in kinds(incidents)
+
+
+def test_after_a_restart_the_old_crash_is_history_and_the_new_processes_are_healthy() -> None:
+    job = started(2)
+    end = job.train(5)
+    job.error(1, end, "CUDA out of memory", step=5)
+    job.error(0, end + 0.03, "[../gloo/transport/tcp/pair.cc:598] Connection reset by peer", step=5)
+    for r in range(2):  # torchrun --max-restarts: new processes, same job id, collectives from #1 again
+        job.start(r, end + 10)
+    end2 = job.train(5, t=end + 11)
+    incidents = diagnose(job.snapshot(), end2 + 0.5)
+    assert [(i.kind, i.active) for i in incidents] == [("rank_error", False)], incidents
+    before = incidents[0]
+    assert before.rank == 1 and before.culprit_ranks == [1] and before.step == 5
+    assert [r["rank"] for r in before.related] == [0]
+    assert before.message.startswith("Before the ranks restarted (10 s before it)")
+    assert "CUDA out of memory" in before.message
+    assert job_status(job.snapshot(), end2 + 0.5) == "running"
+
+
+def test_a_rank_killed_silently_before_a_restart_is_named_in_the_history() -> None:
+    job = started(2)
+    end = job.train(5)
+    # Rank 1 is SIGKILLed: it says nothing; rank 0 loses its connection.
+    job.error(0, end + 0.03, "[../gloo/transport/tcp/pair.cc:598] Connection reset by peer", step=5)
+    for r in range(2):
+        job.start(r, end + 10)
+    end2 = job.train(5, t=end + 11)
+    incidents = diagnose(job.snapshot(), end2 + 0.5)
+    assert [(i.kind, i.active, i.culprit_ranks) for i in incidents] == [("rank_crashed", False, [1])], (
+        incidents
+    )
+    assert job_status(job.snapshot(), end2 + 0.5) == "running"
+
+
+def test_what_the_processes_before_a_restart_left_in_flight_is_not_held_against_the_new_ones() -> None:
+    job = started(2)
+    end = job.train(5)  # collectives #1-#10 on each rank
+    # The old processes disagreed at #11 and hung there until the scheduler killed them.
+    job.coll(0, end, 11, shapes=[[3]], site="train.py:40", done=False)
+    job.coll(1, end, 11, shapes=[[5]], site="train.py:40", done=False)
+    job.hang(0, end + 5, step=5, inflight=[inflight(11, end, site="train.py:40")], stalled_s=5)
+    for r in range(2):  # resubmitted with the fix: #11 is now the engine's all-reduce everywhere
+        job.start(r, end + 60)
+    end2 = job.train(6, t=end + 61)
+    incidents = diagnose(job.snapshot(), end2 + 0.5)
+    assert incidents and all(not i.active for i in incidents), incidents
+    assert "mismatch" in {i.kind for i in incidents}
+    assert job_status(job.snapshot(), end2 + 0.5) == "running"
 
 
 def test_a_fatal_signal_reported_by_the_rank_is_a_crash() -> None:

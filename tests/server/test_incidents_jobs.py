@@ -169,9 +169,35 @@ class Job:
         return out
 
 
+def launch(url: str, scenario: str, job_id: str, spool_dir: Path) -> Job:
+    """Start the 2 ranks of ``scenario`` streaming to ``url`` as job ``job_id``."""
+    env = {
+        "DDPSCOPE_URL": url,
+        "DDPSCOPE_JOB": job_id,
+        # Short only where a hang is the point: elsewhere a busy machine must not look hung.
+        "DDPSCOPE_HANG_TIMEOUT": "2" if scenario == "sigstop" else "60",
+        "DDPSCOPE_HEARTBEAT_S": "0.5",
+        "DDPSCOPE_SPOOL_DIR": str(spool_dir),
+    }
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), scenario, "6"],
+            env=rank_env(rank, 2, port, env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    return Job(url, job_id, procs)
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Job]]:
-    """Every scenario's job, started at once against one real collector (the waits overlap)."""
+    """Every scenario's job, started at once against one real collector (the waits overlap). Tests
+    may add jobs (key ``name``) with ``launch``: they are killed here too."""
     tmp = tmp_path_factory.mktemp("incident-jobs")
     started: dict[str, Job] = {}
     with CollectorProc(f"sqlite:///{tmp / 'ddpscope.db'}", log_path=tmp / "collector.log") as collector:
@@ -179,27 +205,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Job]]:
         try:
             for scenario in SCENARIOS:
                 job_id = f"{scenario}-{uuid.uuid4().hex[:6]}"
-                env = {
-                    "DDPSCOPE_URL": url,
-                    "DDPSCOPE_JOB": job_id,
-                    # Short only where a hang is the point: elsewhere a busy machine must not look hung.
-                    "DDPSCOPE_HANG_TIMEOUT": "2" if scenario == "sigstop" else "60",
-                    "DDPSCOPE_HEARTBEAT_S": "0.5",
-                    "DDPSCOPE_SPOOL_DIR": str(tmp / "spool" / scenario),
-                }
-                port = free_port()
-                procs = [
-                    subprocess.Popen(
-                        [sys.executable, str(SCRIPT), scenario, "6"],
-                        env=rank_env(rank, 2, port, env),
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                        text=True,
-                        start_new_session=True,
-                    )  # fmt: skip
-                    for rank in range(2)
-                ]
-                started[scenario] = Job(url, job_id, procs)
+                started[scenario] = launch(url, scenario, job_id, tmp / "spool" / scenario)
             yield started
         finally:
             for j in started.values():
@@ -284,3 +290,19 @@ def test_a_rank_that_exits_cleanly_while_its_peer_trains_on_is_the_culprit(jobs:
     incidents = j.incidents()
     assert all(i["culprit_ranks"] == [1] for i in incidents), incidents
     assert j.status() == "failed"
+
+
+def test_a_crashed_job_restarted_under_the_same_id_is_healthy_and_keeps_the_crash_as_history(
+    jobs: dict[str, Job], tmp_path: Path
+) -> None:
+    crashed = jobs["sigkill"]
+    crashed.wait_exit()
+    crashed.wait_for("rank 1 crashed", lambda inc: kind(inc, "rank_crashed"))
+    # torchrun --max-restarts: new processes of every rank, same job id.
+    jobs["sigkill-restarted"] = again = launch(crashed.url, "healthy", crashed.job, tmp_path / "spool")
+    assert again.wait_exit() == [0, 0], again.logs()
+    again.wait_for("finished", lambda _: again.status() == "finished")
+    incidents = again.incidents()
+    assert all(i["active"] is False for i in incidents), incidents
+    history = [(i["kind"], i["culprit_ranks"]) for i in incidents]
+    assert ("rank_crashed", [1]) in history, incidents

@@ -14,7 +14,7 @@ from ddpscope.server.analysis.snapshot import snapshot_from_records
 from ddpscope.server.codec import kind_of
 from ddpscope.server.storage import ALL_KINDS, Storage
 from tests.server.conftest import decoded
-from tests.support.synth import by_rank, synth_job
+from tests.support.synth import T0_NS, by_rank, synth_job
 
 LATEST_ONLY = {"heartbeat", "agent_stats"}
 
@@ -216,3 +216,18 @@ def test_the_collective_log_keeps_only_the_newest_sequence_numbers(storage, monk
     seqs = {r["coll_seq"] for r in kept}
     assert max(seqs) == 24 and min(seqs) >= 24 - 10 - 5
     assert {r["kind"] for r in kept if r["coll_seq"] == 24} == {"collective", "collective_end"}
+
+
+def test_after_a_restart_the_new_processes_collectives_are_in_the_snapshot_window(storage):
+    # The old processes got to #300; the restarted ones number from #1 again and must not fall out of
+    # the window the diagnosis reads (the last COLLECTIVE_WINDOW numbers).
+    before = synth_job(2, 150, 2, finished=False)
+    after = synth_job(2, 3, 2, finished=False, t0_ns=T0_NS + 3600 * 10**9)
+    for r in after:
+        r["stream"] += "-restarted"
+    storage.write_batch(decoded(before + after))
+    snap = storage.load_snapshot("synth")
+    new = sorted({c["coll_seq"] for c in snap.collectives if c["stream"].endswith("-restarted")})
+    old = {c["coll_seq"] for c in snap.collectives if not c["stream"].endswith("-restarted")}
+    assert new == list(range(1, 7)) and max(old) == 300
+    assert all(c["end_ns"] is not None for c in snap.collectives), "each end joined to its own process's call"
