@@ -100,6 +100,16 @@ def error_brief(e: Record) -> dict[str, Any]:
     }
 
 
+def step_phrase(step: Any, phase: Any) -> str:
+    """`` at step 7 in backward``; `` after step 7 (between steps: ...)`` for the ``idle`` phase, which
+    starts when a step's gradients are reduced and lasts until the next forward."""
+    if phase == "idle":
+        between = "between steps: optimizer, data loading or other code outside forward and backward"
+        return f" after step {step} ({between})" if step is not None else f" ({between})"
+    at = f" at step {step}" if step is not None else ""
+    return at + (f" in {phase}" if phase not in (None, "", "unknown") else "")
+
+
 def where(snapshot: JobSnapshot, rank: int) -> str:
     """'(last heartbeat: phase backward, step 7; pid 123 on host-a)'."""
     hb = snapshot.heartbeats.get(rank)

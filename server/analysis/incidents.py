@@ -58,6 +58,7 @@ from ddpscope.server.analysis.incident_model import (
     first_line,
     ranks_phrase,
     record_s,
+    step_phrase,
     user_frame,
     where,
 )
@@ -260,13 +261,7 @@ def _error_incidents(
         ]
         attached.update(id(v) for v in related)
         crash = bool(_SIGNAL.search(f"{p.get('error_type', '')} {p.get('message', '')}"))
-        where_txt = "".join(
-            part
-            for part in (
-                f" at step {p['step']}" if p.get("step") is not None else "",
-                f" in {p['phase']}" if p.get("phase") not in (None, "", "unknown") else "",
-            )
-        )
+        where_txt = step_phrase(p.get("step"), p.get("phase"))
         head = f"Rank {p['rank']} {'died' if p.get('fatal') else 'raised (and kept running)'}{where_txt}"
         msg = f"{head}: {p.get('error_type')}: {first_line(p.get('message', ''))}"
         if others:

@@ -301,6 +301,17 @@ def test_what_the_processes_before_a_restart_left_in_flight_is_not_held_against_
     assert job_status(job.snapshot(), end2 + 0.5) == "running"
 
 
+def test_an_error_between_steps_is_placed_after_the_step_that_finished() -> None:
+    job = started(2)
+    end = job.train(5)
+    job.add("rank_error", 1, end, step=4, phase="idle", error_type="StopIteration", message="loader ran dry",
+            stack="Traceback: rank 1\nStopIteration", fatal=True)  # fmt: skip
+    [err] = [i for i in diagnose(job.snapshot(), end + 0.5) if i.kind == "rank_error"]
+    assert err.message.startswith("Rank 1 died after step 4 (between steps: optimizer, data loading"), (
+        err.message
+    )
+
+
 def test_a_fatal_signal_reported_by_the_rank_is_a_crash() -> None:
     job = started(2)
     end = job.train(3)
