@@ -91,7 +91,7 @@ def _overlap_section(steps: list[dict[str, Any]]) -> list[str]:
 
 
 def render_report(client: Client, job: str) -> tuple[str, int]:
-    """Return the report text and how many problems it found (incidents + stragglers)."""
+    """Return the report text and how many problems it found (active incidents + stragglers)."""
     try:
         info = client.get(client.job_path(job))
     except CollectorError as e:
@@ -112,16 +112,21 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
     buckets = client.items(client.job_path(job, "buckets"))
     steps = client.items(client.job_path(job, "steps"), limit=2000)
 
-    out.append(f"== Incidents ({len(incidents)})")
+    active = [i for i in incidents if i.get("active", True)]
+    history = len(incidents) - len(active)
+    out.append(f"== Incidents ({len(active)}{f', and {history} resolved or before a restart' if history else ''})")
     for inc in incidents:
+        current = inc.get("active", True)
         where = [f"rank {inc['rank']}" if inc.get("rank") is not None else None]
         where += [f"step {inc['step']}" if inc.get("step") is not None else None]
         where += [f"collective #{inc['seq']}" if inc.get("seq") is not None else None]
         where += [f"bucket {inc['bucket']}" if inc.get("bucket") is not None else None]
-        out.append(f"- [{safe(inc.get('kind'))}] {', '.join(w for w in where if w)}")
+        state = "" if current else " (history)"
+        out.append(f"- [{safe(inc.get('kind'))}]{state} {', '.join(w for w in where if w)}")
         out.append(f"  {safe(inc.get('message'))}")
         if inc.get("culprit_ranks"):
-            culprits = ", ".join(_rank_process(r, processes) for r in inc["culprit_ranks"])
+            # The pid and host are the rank's current process: not the one a history incident is about.
+            culprits = ", ".join(_rank_process(r, processes if current else {}) for r in inc["culprit_ranks"])
             out.append(f"  culprit ranks: {culprits}")
         if inc.get("parameters"):
             out.append(f"  parameters: {', '.join(safe(p) for p in inc['parameters'])}")
@@ -168,5 +173,5 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
         )
     elif buckets:
         out.append("all buckets became ready in index order: no order penalty")
-    problems = len(incidents) + len(flagged)
+    problems = len(active) + len(flagged)
     return "\n".join(out) + "\n", problems

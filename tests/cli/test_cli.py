@@ -43,7 +43,21 @@ def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         _post(
             proc.url, synth_job(4, steps=12, buckets=3, job="cli-slow", slow_rank=2, slowdown=1.6, jitter=0.0)
         )
+        _post(proc.url, _restarted_job("cli-restarted"))
         yield proc.url
+
+
+def _restarted_job(job: str) -> list[dict]:
+    """Rank 1 dies of an error at step 5; an hour later both ranks run again under the same job id."""
+    first = synth_job(2, steps=6, buckets=3, job=job, finished=False)
+    died_ns = max(r["time_ns"] for r in first) + 1000
+    error = {"kind": "rank_error", "job": job, "rank": 1, "stream": f"{job}-r1", "seq": 10_000, "time_ns": died_ns,
+             "step": 5, "phase": "backward", "error_type": "RuntimeError", "message": "CUDA out of memory",
+             "stack": "Traceback (most recent call last):\nRuntimeError: CUDA out of memory", "fatal": True}  # fmt: skip
+    again = synth_job(2, steps=6, buckets=3, job=job, t0_ns=died_ns + 3600 * 10**9)
+    for r in again:
+        r["stream"] += "-restarted"
+    return [*first, error, *again]
 
 
 def test_jobs_lists_every_job_with_its_status(collector: str) -> None:
@@ -51,7 +65,22 @@ def test_jobs_lists_every_job_with_its_status(collector: str) -> None:
     assert out.returncode == 0, out.stderr
     assert "cli-healthy" in out.stdout and "cli-slow" in out.stdout
     listed = json.loads(ddpscope("jobs", "--url", collector, "--json").stdout)
-    assert {j["job"]: j["status"] for j in listed} == {"cli-healthy": "finished", "cli-slow": "finished"}
+    assert {j["job"]: j["status"] for j in listed} == {
+        "cli-healthy": "finished",
+        "cli-slow": "finished",
+        "cli-restarted": "finished",
+    }
+
+
+def test_report_of_a_job_that_recovered_by_restarting_shows_the_old_crash_as_history_and_exits_zero(
+    collector: str,
+) -> None:
+    out = ddpscope("report", "cli-restarted", "--url", collector)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "== Incidents (0, and 1 resolved or before a restart)" in out.stdout
+    assert "[rank_error] (history) rank 1, step 5" in out.stdout and "CUDA out of memory" in out.stdout
+    # Its culprit is the old process: the current pid must not be printed next to it.
+    assert "culprit ranks: 1\n" in out.stdout
 
 
 def test_report_of_a_healthy_job_exits_zero_and_says_nothing_is_wrong(collector: str) -> None:
