@@ -114,7 +114,9 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
 
     active = [i for i in incidents if i.get("active", True)]
     history = len(incidents) - len(active)
-    out.append(f"== Incidents ({len(active)}{f', and {history} resolved or before a restart' if history else ''})")
+    out.append(
+        f"== Incidents ({len(active)}{f', and {history} resolved or before a restart' if history else ''})"
+    )
     for inc in incidents:
         current = inc.get("active", True)
         where = [f"rank {inc['rank']}" if inc.get("rank") is not None else None]
