@@ -185,7 +185,8 @@ class StorageCollector(Collector):
                 if overlap is not None:
                     g["overlap"].add_metric(labels, overlap)
         g["unused"].add_metric([job], float(len(snap.unused)))
-        mism.add_metric([job], float(sum(i.kind == "mismatch" for i in diagnose(snap, now_s))))
+        # Active only: after a restart the old processes' mismatch is history and must stop paging.
+        mism.add_metric([job], float(sum(i.kind == "mismatch" and i.active for i in diagnose(snap, now_s))))
         totals: dict[tuple[int, str, str], int] = {}
         for stats in self.storage.fetch_records(job, ["agent_stats"]):
             for key, n in stats["dropped"].items():

@@ -120,8 +120,8 @@ def merge_collectives(
 
 def split_restart(snapshot: JobSnapshot) -> tuple[JobSnapshot, JobSnapshot | None]:
     """``(current, previous)``: the job as its current processes see it, and what the processes
-    before a restart left (None when no rank restarted, or the earlier processes left no error and
-    no hang report to diagnose).
+    before a restart left (None when no rank restarted, or the earlier processes left no error, hang
+    report or collective to diagnose).
 
     A rank restarted when its latest ``rank_start`` comes from a new agent incarnation (stream); the
     records of other streams that are older than that start belong to the earlier process. (The new
@@ -163,7 +163,7 @@ def split_restart(snapshot: JobSnapshot) -> tuple[JobSnapshot, JobSnapshot | Non
         rank_exits=part(snapshot.rank_exits, True),
         collectives=part(snapshot.collectives, True),
     )
-    if not previous.rank_errors and not previous.hangs:
+    if not previous.rank_errors and not previous.hangs and not previous.collectives:
         return current, None
     seen = previous.rank_last_seen_s
     for rec in [*previous.layouts, *previous.heartbeats.values(), *previous.hangs, *previous.rank_errors,

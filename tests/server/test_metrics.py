@@ -187,6 +187,23 @@ def test_a_job_that_left_metrics_comes_back_when_its_ranks_restart(client):
     assert job_status(client.app.state.storage.load_snapshot("again"), now_s) == "running"
 
 
+def test_a_mismatch_of_the_processes_before_a_restart_stops_counting(client):
+    before = synth_job(2, 6, 2, job="fixed", finished=False)
+    for r in before:
+        if r["kind"] == "collective" and r["rank"] == 1 and r["coll_seq"] == 5:
+            r["shapes"] = [[7]]
+    after = synth_job(
+        2, 6, 2, job="fixed", finished=False, t0_ns=max(r["time_ns"] for r in before) + 60 * 10**9
+    )
+    for r in after:
+        r["stream"] += "-restarted"  # new processes, new agent streams
+    feed(client, [*before, *after])
+    mismatches = client.get("/api/v1/jobs/fixed/incidents?kind=mismatch").json()["items"]
+    assert [m["active"] for m in mismatches] == [False]
+    samples = scrape(client, last_s(after) + 1)
+    assert value(samples, "ddpscope_collective_mismatches_total", "fixed") == 0.0
+
+
 def test_a_running_jobs_series_never_disappear(client):
     records = synth_job(2, 4, 2, job="live", finished=False)
     feed(client, records)
