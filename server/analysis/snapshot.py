@@ -118,6 +118,10 @@ def merge_collectives(
     return merged
 
 
+_PER_PROCESS = ("layouts", "hangs", "hang_resolved", "rank_errors", "rank_exits", "collectives")
+"""The record lists of a snapshot that belong to one process of a rank (``split_restart`` divides them)."""
+
+
 def split_restart(snapshot: JobSnapshot) -> tuple[JobSnapshot, JobSnapshot | None]:
     """``(current, previous)``: the job as its current processes see it, and what the processes
     before a restart left (None when no rank restarted, or the earlier processes left no error, hang
@@ -135,39 +139,23 @@ def split_restart(snapshot: JobSnapshot) -> tuple[JobSnapshot, JobSnapshot | Non
         start = starts.get(rec["rank"])
         return start is not None and rec.get("stream") != start[0] and rec["time_ns"] < start[1]
 
-    def part(records: list[Record], old: bool) -> list[Record]:
-        return [r for r in records if earlier(r) == old]
+    def side(old: bool) -> dict[str, Any]:
+        """The per-process fields of one side of the restart, as JobSnapshot keyword arguments."""
+        out: dict[str, Any] = {
+            f: [r for r in getattr(snapshot, f) if earlier(r) == old] for f in _PER_PROCESS
+        }
+        out["heartbeats"] = {r: h for r, h in snapshot.heartbeats.items() if earlier(h) == old}
+        return out
 
-    lists = (snapshot.layouts, snapshot.hangs, snapshot.hang_resolved, snapshot.rank_errors, snapshot.rank_exits,
-             snapshot.collectives, snapshot.heartbeats.values())  # fmt: skip
-    if not any(earlier(r) for records in lists for r in records):
+    older = side(True)
+    if not any(older.values()):
         return snapshot, None
-    current = replace(
-        snapshot,
-        layouts=part(snapshot.layouts, False),
-        heartbeats={r: h for r, h in snapshot.heartbeats.items() if not earlier(h)},
-        hangs=part(snapshot.hangs, False),
-        hang_resolved=part(snapshot.hang_resolved, False),
-        rank_errors=part(snapshot.rank_errors, False),
-        rank_exits=part(snapshot.rank_exits, False),
-        collectives=part(snapshot.collectives, False),
-    )
-    previous = JobSnapshot(
-        job=snapshot.job,
-        world_size=snapshot.world_size,
-        layouts=part(snapshot.layouts, True),
-        heartbeats={r: h for r, h in snapshot.heartbeats.items() if earlier(h)},
-        hangs=part(snapshot.hangs, True),
-        hang_resolved=part(snapshot.hang_resolved, True),
-        rank_errors=part(snapshot.rank_errors, True),
-        rank_exits=part(snapshot.rank_exits, True),
-        collectives=part(snapshot.collectives, True),
-    )
-    if not previous.rank_errors and not previous.hangs and not previous.collectives:
+    current = replace(snapshot, **side(False))
+    if not (older["rank_errors"] or older["hangs"] or older["collectives"]):
         return current, None
+    previous = JobSnapshot(job=snapshot.job, world_size=snapshot.world_size, **older)
     seen = previous.rank_last_seen_s
-    for rec in [*previous.layouts, *previous.heartbeats.values(), *previous.hangs, *previous.rank_errors,
-                *previous.rank_exits, *previous.collectives]:  # fmt: skip
+    for rec in [*previous.heartbeats.values(), *(r for f in _PER_PROCESS for r in older[f])]:
         seen[rec["rank"]] = max(seen.get(rec["rank"], 0.0), rec["time_ns"] / 1e9)
     return current, previous
 
