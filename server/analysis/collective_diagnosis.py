@@ -15,6 +15,7 @@ from typing import Any
 from ddpscope.server.analysis.incident_model import Incident, Record, describe, ranks_phrase, where
 from ddpscope.server.analysis.snapshot import JobSnapshot
 from ddpscope.server.analysis.status import Liveness
+from ddpscope.server.analysis.stuck import stuck_outside
 
 
 class CollectiveIndex:
@@ -31,6 +32,16 @@ class CollectiveIndex:
                 max_seq[(rank, pg)] = seq
         for r, hb in snapshot.heartbeats.items():
             self._saw(r, "default", int(hb.get("last_coll_seq") or 0))
+        # A collective that completed on one rank was issued by every member of its group: records of
+        # a stopped rank can lag (they leave the process in rounds), the peers' completions say more.
+        self.completed: dict[str, int] = {}
+        for c in snapshot.collectives:
+            if c.get("ok") and c.get("op") not in P2P_OPS and c["coll_seq"] > self.completed.get(c["pg"], 0):
+                self.completed[c["pg"]] = c["coll_seq"]
+        members = [(r, pg) for (r, pg) in max_seq] + [(r, "default") for r in live.ranks]
+        for r, pg in members:
+            if self.completed.get(pg, 0) > max_seq.get((r, pg), 0):
+                max_seq[(r, pg)] = self.completed[pg]
         # waits[pg][rank] = {seq: collective}: what each live rank is blocked in, from its own hang
         # report or from a collective in flight for longer than a rank may stay silent.
         self.waits: dict[str, dict[int, dict[int, Record]]] = {}
@@ -202,6 +213,13 @@ def _mismatch(
         msg += ". Both peers of a point-to-point transfer issued the same direction: they wait for each other forever"
     elif reason == "order":
         msg += ". Same-shaped collectives issued in a different order: gloo pairs them silently and every rank gets a wrong result"
+    elif "ops" in reason.split(" and "):
+        # Different collectives run different exchange patterns: observed on gloo, barrier against
+        # all_reduce and all_gather against all_reduce both wait until the process group's timeout.
+        msg += (
+            f". The {reason} differ: the ranks run different exchange patterns, which waits until the "
+            "process group's timeout (or fails on a size check) on gloo and NCCL alike"
+        )
     elif "shapes" in reason or "dtypes" in reason:
         msg += f". The {reason} differ: gloo aborts on the size mismatch (NCCL may hang or corrupt memory)"
     else:
@@ -290,7 +308,14 @@ def _missing(
     blame: dict[int, str],
 ) -> Incident:
     wait = waiting[waiters[0]][seq]
-    since = live.now_s - min(waiting[r][seq]["start_ns"] for r in waiters) / 1e9
+    # Once the whole job went quiet, the wait ended with it (killed): measure it to the last sign of life.
+    end_s = (
+        max((live.last_alive_s.get(r, live.now_s) for r in waiters), default=live.now_s)
+        if live.lost
+        else live.now_s
+    )
+    since = end_s - min(waiting[r][seq]["start_ns"] for r in waiters) / 1e9
+    stuck = stuck_outside(snapshot)
     msg = (
         f"{ranks_phrase(waiters)} {'has' if len(waiters) == 1 else 'have'} waited {since:.0f} s in "
         f"{describe(wait)}, collective #{seq} of group {pg}; {ranks_phrase(missing)} never issued it"
@@ -305,9 +330,16 @@ def _missing(
             if r in live.fatal or r in live.crashed
             else "it is silent"
             if r in live.silent
+            else "every rank fell quiet since"
+            if live.lost
+            else stuck[r].phrase()
+            if r in stuck
             else "it is alive, doing something else"
         )
         lst = f"last collective #{last['coll_seq']} {describe(last)}" if last else "no collective recorded"
+        done = colls.max_seq.get((r, pg), 0)
+        if done > (last["coll_seq"] if last else 0):
+            lst += f" (its peers completed #{done} with it; its own newer records never arrived)"
         details.append(f"rank {r}: {lst}; {state}{where(snapshot, r)}")
         blame.setdefault(r, f"never issued collective #{seq} of group {pg}")
     msg += (

@@ -87,8 +87,12 @@ def user_frame(stack: str | None) -> str | None:
     return None
 
 
-def first_line(text: str) -> str:
-    return next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")[:300]
+def first_line(text: str, limit: int = 500) -> str:
+    """The first non-empty line, cut at a word boundary with an ellipsis beyond ``limit`` characters."""
+    line = next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")
+    if len(line) <= limit:
+        return line
+    return line[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " …"
 
 
 def error_brief(e: Record) -> dict[str, Any]:
@@ -100,9 +104,14 @@ def error_brief(e: Record) -> dict[str, Any]:
     }
 
 
-def step_phrase(step: Any, phase: Any) -> str:
+def step_phrase(step: Any, phase: Any, *, started: bool = True) -> str:
     """`` at step 7 in backward``; `` after step 7 (between steps: ...)`` for the ``idle`` phase, which
-    starts when a step's gradients are reduced and lasts until the next forward."""
+    starts when a step's gradients are reduced and lasts until the next forward; `` before its first
+    step ...`` when the rank never completed a step (``started`` False: set-up, the DDP constructor)."""
+    if phase == "idle" and not started:
+        return (
+            " before its first step (during set-up: building the model, the DDP constructor, the first batch)"
+        )
     if phase == "idle":
         between = "between steps: optimizer, data loading or other code outside forward and backward"
         return f" after step {step} ({between})" if step is not None else f" ({between})"
@@ -110,11 +119,25 @@ def step_phrase(step: Any, phase: Any) -> str:
     return at + (f" in {phase}" if phase not in (None, "", "unknown") else "")
 
 
+def position(snapshot: JobSnapshot, rank: int) -> tuple[int | None, str | None]:
+    """(step, phrase): the newest evidence of where a rank got to, from its last heartbeat or its last
+    step record, whichever is newer (heartbeats come every few seconds; a fast job completes many steps
+    between two, so a stopped rank's last heartbeat can lag its last step by several)."""
+    hb = snapshot.heartbeats.get(rank)
+    done = snapshot.steps.get(rank)
+    if done is not None and (hb is None or done.last_step_end_ns >= int(hb["time_ns"])):
+        return done.last_step, f"last completed step {done.last_step}"
+    if hb is not None:
+        return hb.get("step"), f"last heartbeat: phase {hb['phase']}, step {hb['step']}"
+    return None, None
+
+
 def where(snapshot: JobSnapshot, rank: int) -> str:
     """'(last heartbeat: phase backward, step 7; pid 123 on host-a)'."""
     hb = snapshot.heartbeats.get(rank)
     start = snapshot.ranks.get(rank, {})
-    parts = [f"last heartbeat: phase {hb['phase']}, step {hb['step']}"] if hb else []
+    phrase = position(snapshot, rank)[1]
+    parts = [phrase] if phrase else []
     pid = (hb or {}).get("pid") or start.get("pid")
     if pid:
         parts.append(f"pid {pid}" + (f" on {start['host']}" if start.get("host") else ""))

@@ -41,7 +41,7 @@ Pure functions of a ``JobSnapshot``; no database, no HTTP.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,12 +50,13 @@ from ddpscope.server.analysis.collective_diagnosis import (
     mismatch_incidents,
     missing_incidents,
 )
+from ddpscope.server.analysis.hang_diagnosis import hang_incidents
 from ddpscope.server.analysis.incident_model import (
     Incident,
     Record,
-    describe,
     error_brief,
     first_line,
+    position,
     ranks_phrase,
     record_s,
     step_phrase,
@@ -64,6 +65,7 @@ from ddpscope.server.analysis.incident_model import (
 )
 from ddpscope.server.analysis.snapshot import JobSnapshot, split_restart
 from ddpscope.server.analysis.status import DEFAULT_SILENT_AFTER_S, Liveness, is_secondary, liveness
+from ddpscope.server.analysis.stuck import stuck_outside
 
 __all__ = ["Incident", "diagnose"]
 
@@ -74,6 +76,8 @@ but records are emitted a little after the fact (an error is reported after its 
 _TORCH_UNUSED = re.compile(
     r"(?:Parameters|Parameter indices) which did not receive grad for rank (\d+):\s*(.+)"
 )
+_LAYOUT_DIFFERS = re.compile(r"Ranks \[([\d, ]+)\] differ from rank \d+")
+"""The engine's construction-time check: every rank raises it, naming the ranks whose model differs."""
 _ENGINE_UNUSED = re.compile(
     r"parameters \[([^\]]*)\] in bucket\(s\) \[([^\]]*)\] received no gradient on rank\(s\) \[([^\]]*)\]"
 )
@@ -89,13 +93,17 @@ class _Named:
 
 
 def _named(error: Record) -> _Named | None:
-    """Parse the engines' unused-parameter errors (torch's and ddpscope's); None for other errors."""
+    """Parse the errors that name the ranks at fault: the engines' unused-parameter errors (torch's and
+    ddpscope's) and the engine's different-model check; None for other errors."""
     message = str(error.get("message", ""))
     m = _ENGINE_UNUSED.search(message)
     if m:
         buckets = [int(b) for b in re.findall(r"\d+", m.group(2))]
         ranks = tuple(int(r) for r in re.findall(r"\d+", m.group(3)))
         return _Named(ranks, tuple(re.findall(r"'([^']*)'", m.group(1))), buckets[0] if buckets else None)
+    m = _LAYOUT_DIFFERS.search(message)
+    if m:
+        return _Named(tuple(int(r) for r in re.findall(r"\d+", m.group(1))), ())
     m = _TORCH_UNUSED.search(message)
     if m:
         # Parameter names under TORCH_DISTRIBUTED_DEBUG=INFO, indices otherwise.
@@ -122,7 +130,7 @@ def diagnose(
     missing = missing_incidents(colls, live, snapshot, blame)
     out += missing
     out += _error_incidents(live, snapshot, colls, blame)
-    out += _hang_incidents(snapshot, live, missing, blame)
+    out += hang_incidents(snapshot, live, colls, missing, blame)
     out += _unused_incidents(snapshot, live)
     out += _before_restart_incidents(previous, restart_s, silent_after_s)
     out.sort(key=lambda i: (i.time_s if i.time_s is not None else now_s, i.kind, i.rank or 0))
@@ -134,13 +142,12 @@ def _silent_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int, st
     others_waiting = sorted(live.active_hangs)
     for r in live.silent:
         age = live.age_s(r)
-        hb = snapshot.heartbeats.get(r, {})
         if age is None:
             head = f"Rank {r} has never reported"
         else:
             head = f"Rank {r} has sent nothing for {age:.0f} s{where(snapshot, r)}"
         waiting = (
-            f"while {ranks_phrase(others_waiting)} hang waiting"
+            f"while {ranks_phrase(others_waiting)} {'hangs' if len(others_waiting) == 1 else 'hang'} waiting"
             if others_waiting
             else "while the other ranks keep reporting"
         )
@@ -150,7 +157,7 @@ def _silent_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int, st
                 message=f"{head} {waiting}: it is stopped (SIGSTOP, a debugger), deadlocked (e.g. a data "
                 f"loader) or cut off from the collector; dump its stack (py-spy dump --pid <pid>).",
                 rank=r,
-                step=hb.get("step"),
+                step=position(snapshot, r)[0],
                 culprit_ranks=[r],
                 time_s=live.last_alive_s.get(r),
             )
@@ -158,11 +165,32 @@ def _silent_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int, st
         blame.setdefault(r, "went silent")
     if live.lost:
         quiet_s = live.now_s - max(live.last_alive_s.values(), default=live.now_s)
+        msg = (
+            f"No rank has reported for {quiet_s:.0f} s and not every rank exited cleanly: the job was killed, "
+            "stopped, or lost its connection to the collector; check the scheduler and the ranks' logs"
+        )
+        # One rank falling quiet well before the rest (stopped, deadlocked, while the others waited for
+        # it and were killed later) is where to look first.
+        seen = {r: live.last_alive_s[r] for r in live.ranks if r in live.last_alive_s and r not in live.exits}
+        first = min(seen, key=seen.__getitem__, default=None)
+        lead = (
+            0.0
+            if first is None
+            else min((t for r, t in seen.items() if r != first), default=0.0) - seen[first]
+        )
+        culprits = []
+        if first is not None and lead > live.silent_after_s:
+            culprits = [first]
+            msg += (
+                f". Rank {first} fell quiet {lead:.0f} s before the others{where(snapshot, first)}: "
+                "start with it (the others were probably waiting for it)"
+            )
         out.append(
             Incident(
                 kind="job_silent",
-                message=f"No rank has reported for {quiet_s:.0f} s and not every rank exited cleanly: the job "
-                "was killed, stopped, or lost its connection to the collector; check the scheduler and the ranks' logs.",
+                message=msg + ".",
+                rank=first if culprits else None,
+                culprit_ranks=culprits,
                 time_s=max(live.last_alive_s.values(), default=None),
             )
         )
@@ -190,6 +218,14 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
         how = (
             "was stopped by SIGTERM" if reason == "sigterm" else "left its training loop and exited normally"
         )
+        advice = (
+            "Something outside the job stopped this rank alone (a preemption, a time or memory limit, "
+            "torchrun's agent, a manual kill): check the scheduler's and the launcher's logs for it."
+            if reason == "sigterm"
+            else "Every rank must run the same synced steps: look for a rank-dependent break or return, "
+            "uneven data per rank (a sampler without drop_last, a shard shorter than the others), or wrap "
+            "the loop in torch.distributed.algorithms.Join for uneven inputs."
+        )
         after = f" after step {last}" if last is not None else ""
         hung = [o for o in stranded_ranks if o in live.active_hangs]
         failed = [o for o in stranded_ranks if o not in hung]
@@ -206,10 +242,8 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
         out.append(
             Incident(
                 kind="rank_exited_early",
-                message=f"Rank {r} {how}{after} while {ranks_phrase(stranded_ranks)} were still training; "
-                f"{fate}. Every rank must run the same synced steps: look for a rank-dependent break or return, "
-                "uneven data per rank (a sampler without drop_last, a shard shorter than the others), or wrap "
-                "the loop in torch.distributed.algorithms.Join for uneven inputs.",
+                message=f"Rank {r} {how}{after} while {ranks_phrase(stranded_ranks)} "
+                f"{'was' if len(stranded_ranks) == 1 else 'were'} still training; {fate}. {advice}",
                 rank=r,
                 step=last,
                 culprit_ranks=[r],
@@ -244,14 +278,20 @@ def _error_incidents(
     out = []
     # The same error raised on several ranks (the engine's cross-rank unused-parameter check fails
     # everywhere at once) is one diagnosis, blamed on the ranks its message names.
+    # Unnamed errors with the same type and first line on several ranks (a bug in code every rank
+    # runs, a shared bad input) are one diagnosis too, with every such rank an origin.
     groups: dict[Any, list[dict[str, Any]]] = {}
     for p in primaries:
         named = _named(p)
-        key = (p.get("error_type"), p.get("step"), named.ranks) if named else id(p)
+        key = (
+            (p.get("error_type"), p.get("step"), named.ranks)
+            if named
+            else (p.get("error_type"), first_line(p.get("message", "")), p.get("fatal"))
+        )
         groups.setdefault(key, []).append(p)
     for same in groups.values():
         named = _named(same[0])
-        culprits = sorted(set(named.ranks)) if named else [same[0]["rank"]]
+        culprits = sorted(set(named.ranks)) if named else sorted({e["rank"] for e in same})
         p = next((e for e in same if e["rank"] in culprits), same[0])
         others = [e for e in same if e is not p]
         related = others + [
@@ -261,7 +301,7 @@ def _error_incidents(
         ]
         attached.update(id(v) for v in related)
         crash = bool(_SIGNAL.search(f"{p.get('error_type', '')} {p.get('message', '')}"))
-        where_txt = step_phrase(p.get("step"), p.get("phase"))
+        where_txt = step_phrase(p.get("step"), p.get("phase"), started=p["rank"] in snapshot.steps)
         head = f"Rank {p['rank']} {'died' if p.get('fatal') else 'raised (and kept running)'}{where_txt}"
         msg = f"{head}: {p.get('error_type')}: {first_line(p.get('message', ''))}"
         if others:
@@ -269,11 +309,12 @@ def _error_incidents(
         lost = [v for v in related if v not in others]
         if lost:
             msg += f"; {ranks_phrase(v['rank'] for v in lost)} then failed because of it (lost connection)"
-        msg += (
-            f". The cause is on {ranks_phrase(culprits)}"
-            if named and p["rank"] not in culprits
-            else ". This rank is the origin: start from its stack"
-        )
+        if named and p["rank"] not in culprits:
+            msg += f". The cause is on {ranks_phrase(culprits)}"
+        elif others and not named:
+            msg += ". Every rank listed raised it itself: the cause is in code they all run; start from the stack"
+        else:
+            msg += ". This rank is the origin: start from its stack"
         if crash and "distributed_c10d" in (p.get("stack") or ""):
             site = user_frame(p.get("stack"))
             msg += (
@@ -293,7 +334,7 @@ def _error_incidents(
                 blame.setdefault(r, "died of an error")
     for r in live.crashed:
         last = colls.last(r, "default")
-        step = snapshot.heartbeats.get(r, {}).get("step")
+        step = position(snapshot, r)[0]
         msg = (
             f"Rank {r} stopped reporting with no error and no clean exit{where(snapshot, r)}, and "
             f"{ranks_phrase(v['rank'] for v in victims)} then lost "
@@ -318,11 +359,20 @@ def _error_incidents(
     if left:
         first = left[0]
         culprits = sorted(blame)
-        cause = (
-            f"the cause is on {ranks_phrase(culprits)} (see the other incidents)"
-            if culprits
-            else "no rank reported a cause: look for a rank killed by the OS or a network failure"
-        )
+        # A rank whose own hang report put it outside any collective before its peers gave up waiting
+        # (asleep in forward, a stuck data loader): the timeout on the others is its doing.
+        first_s = min(record_s(v) for v in left)
+        stuck = {r: st for r, st in stuck_outside(snapshot).items() if st.since_s <= first_s}
+        if not culprits and stuck:
+            culprits = sorted(stuck)
+            cause = "; ".join(f"rank {r} was {st.phrase()}" for r, st in sorted(stuck.items()))
+            cause = f"the cause is on {ranks_phrase(culprits)}: {cause}"
+            for r in culprits:
+                blame.setdefault(r, stuck[r].phrase())
+        elif culprits:
+            cause = f"the cause is on {ranks_phrase(culprits)} (see the other incidents)"
+        else:
+            cause = "no rank reported a cause: look for a rank killed by the OS or a network failure"
         msg = (
             f"{ranks_phrase(v['rank'] for v in left)} failed waiting for a peer ({first.get('error_type')}: "
             f"{first_line(first.get('message', ''))}); {cause}."
@@ -370,80 +420,6 @@ def _before_restart_incidents(
     return out
 
 
-# ------------------------------------------------------------------------------------------------ hangs
-
-
-def _hang_incidents(
-    snapshot: JobSnapshot, live: Liveness, missing: Sequence[Incident], blame: Mapping[int, str]
-) -> list[Incident]:
-    out = []
-    seen: set[tuple[Any, ...]] = set()
-    for h in sorted(snapshot.hangs, key=record_s, reverse=True):
-        active = live.active_hangs.get(h["rank"]) is h
-        key = (h["rank"], h.get("step"), h.get("phase"))
-        if key in seen:
-            continue
-        seen.add(key)
-        out.append(_hang(h, active, missing, blame, snapshot))
-    return out
-
-
-def _hang(
-    h: Record, active: bool, missing: Sequence[Incident], blame: Mapping[int, str], snapshot: JobSnapshot
-) -> Incident:
-    rank = h["rank"]
-    inflight = sorted(h.get("inflight") or [], key=lambda c: c["start_ns"])
-    wait = inflight[0] if inflight else None
-    pending = h.get("pending_buckets") or []
-    starving = [b for b in pending if b.get("missing") and not b.get("launched")]
-    params = [p for b in (starving or pending) for p in b.get("missing") or []]
-    bucket = (starving or pending)[0]["index"] if pending else None
-    where = f" in {describe(wait)}, collective #{wait['coll_seq']} of group {wait['pg']}" if wait else ""
-    msg = f"Rank {rank} made no progress for {h.get('stalled_s', 0):.0f} s{where} at step {h.get('step')}, phase {h.get('phase')}"
-    culprits: set[int] = set()
-    for inc in missing:
-        if wait and inc.pg == wait["pg"] and rank not in inc.culprit_ranks:
-            culprits.update(inc.culprit_ranks)
-    culprits.update(r for r in blame if r != rank)
-    if culprits:
-        msg += "; culprit: " + "; ".join(
-            f"rank {r} ({blame.get(r, 'never entered this collective')})" for r in sorted(culprits)
-        )
-    elif starving:
-        culprits.add(rank)
-        msg += (
-            f"; it waits for gradients of {', '.join(params[:8])} (bucket {bucket}) that never arrived: "
-            "parameters unused in this step (use them, or pass find_unused_parameters=True)"
-        )
-    elif wait:
-        msg += "; every rank seen issued this collective: the wait is inside the backend (network, or a peer stuck in native code)"
-    if not active:
-        resolved = any(r["rank"] == rank and record_s(r) >= record_s(h) for r in snapshot.hang_resolved)
-        msg = f"({'resolved' if resolved else 'over: the rank exited or died'}) {msg}"
-    return Incident(
-        kind="hang",
-        message=msg + ".",
-        rank=rank,
-        step=h.get("step"),
-        seq=wait["coll_seq"] if wait else None,
-        pg=wait["pg"] if wait else None,
-        bucket=bucket,
-        parameters=params,
-        culprit_ranks=sorted(culprits),
-        call_site=wait.get("call_site") if wait else None,
-        stack=_stacks(h.get("stacks") or []),
-        time_s=record_s(h) - float(h.get("stalled_s", 0.0)),
-        active=active,
-    )
-
-
-def _stacks(stacks: Sequence[Record]) -> str | None:
-    if not stacks:
-        return None
-    ordered = sorted(stacks, key=lambda s: s.get("thread") != "MainThread")
-    return "\n\n".join(f"Thread {s.get('thread')}:\n{s.get('stack', '').rstrip()}" for s in ordered)
-
-
 # ------------------------------------------------------------------------------------ unused parameters
 
 
@@ -486,7 +462,7 @@ def _unused_incidents(snapshot: JobSnapshot, live: Liveness) -> list[Incident]:
     reported = {frozenset(i.parameters) for i in out}
     for e in live.errors:
         named = _named(e)
-        if named is None or frozenset(named.parameters) in reported:
+        if named is None or not named.parameters or frozenset(named.parameters) in reported:
             continue
         reported.add(frozenset(named.parameters))
         bucket_of = _bucket_of(snapshot, named.ranks[0])

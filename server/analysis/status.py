@@ -3,9 +3,11 @@
 ``job_status(snapshot, now_s)`` returns ``'failed'``, ``'finished'``, ``'hung'`` or ``'running'``, in that
 order of precedence:
 
-- **failed**: a rank died of an error (a fatal ``rank_error``, a ``rank_exit`` with reason ``'error'``) or
-  crashed without a word (it stopped reporting, never exited, and its peers then lost their connections).
-- **finished**: every rank of ``world_size`` sent ``rank_exit``.
+- **failed**: a rank died of an error (a fatal ``rank_error``, a ``rank_exit`` with reason ``'error'``),
+  crashed without a word (it stopped reporting, never exited, and its peers then lost their connections),
+  or was stopped by SIGTERM while it hung (a scheduler's time limit ending a hung job is not a finish).
+- **finished**: every rank of ``world_size`` sent ``rank_exit`` (a SIGTERM to a job that was making
+  progress, a cancellation or a preemption, counts: nothing went wrong inside the job).
 - **hung**: a hang report not yet resolved, or a silent rank (no record for ``silent_after_s``) while the
   job is unfinished, or the whole job quiet without a clean exit (killed, stopped or cut off: the four
   statuses have no better word, and it must not read as running).
@@ -64,6 +66,8 @@ class Liveness:
     """Every ``rank_error`` that counts, fatal or not, by time, up to each rank's first fatal one."""
     active_hangs: dict[int, Record] = field(default_factory=dict)
     """The rank's latest hang report not followed by ``hang_resolved``, an exit or a fatal error."""
+    stopped_hangs: dict[int, Record] = field(default_factory=dict)
+    """The rank's hang report that was still unresolved when the rank was stopped by SIGTERM."""
     silent: list[int] = field(default_factory=list)
     """Ranks with no record for ``silent_after_s`` (or never seen while others hang), not exited, not
     dead of an error, while another rank is alive or waiting."""
@@ -79,7 +83,7 @@ class Liveness:
     @property
     def failed(self) -> bool:
         errored_exit = any(e.get("reason") == "error" for e in self.exits.values())
-        return bool(self.fatal) or bool(self.crashed) or errored_exit
+        return bool(self.fatal) or bool(self.crashed) or errored_exit or bool(self.stopped_hangs)
 
     @property
     def hung(self) -> bool:
@@ -148,6 +152,7 @@ def liveness(
         if err.get("fatal"):
             live.fatal.setdefault(err["rank"], err)
     live.active_hangs = _active_hangs(snapshot, live, counts)
+    live.stopped_hangs = _stopped_hangs(snapshot, live, counts)
     live.crashed = _crashed(live)
     live.silent = _silent(live)
     return live
@@ -162,6 +167,22 @@ def _active_hangs(snapshot: JobSnapshot, live: Liveness, counts: Any) -> dict[in
         if counts(h) and _s(h) > ends.get(h["rank"], float("-inf")):
             active[h["rank"]] = h
     return active
+
+
+def _stopped_hangs(snapshot: JobSnapshot, live: Liveness, counts: Any) -> dict[int, Record]:
+    """Hangs that ended with the rank's SIGTERM exit rather than with progress: a time limit or an
+    operator killing a hung job."""
+    out: dict[int, Record] = {}
+    for r, exit_ in live.exits.items():
+        if exit_.get("reason") != "sigterm":
+            continue
+        resolved_s = max((_s(x) for x in snapshot.hang_resolved if x["rank"] == r), default=float("-inf"))
+        hangs = [
+            h for h in snapshot.hangs if h["rank"] == r and counts(h) and resolved_s < _s(h) <= _s(exit_)
+        ]
+        if hangs:
+            out[r] = max(hangs, key=_s)
+    return out
 
 
 def _crashed(live: Liveness) -> list[int]:

@@ -613,14 +613,15 @@ def test_an_exception_names_the_innermost_line_of_user_code() -> None:
     assert only(diagnose(job.snapshot(), end + 1), "rank_error").call_site == "/home/me/proj/model.py:12"
 
 
-def test_a_hang_ended_by_the_ranks_death_is_no_longer_active_and_not_called_resolved() -> None:
+def test_a_hang_ended_by_the_ranks_death_stays_part_of_the_diagnosis_and_is_not_called_resolved() -> None:
     job = started(2)
     end = job.train(3)
     job.hang(0, end + 3, step=3, inflight=[inflight(7, end)], stalled_s=3)
     job.error(0, end + 4, "Connection closed by peer")
     job.error(1, end + 3.9, "Timed out", step=3)
     hang = only(diagnose(job.snapshot(), end + 5), "hang")
-    assert not hang.active and hang.message.startswith("(over: the rank exited or died)")
+    assert hang.active and hang.message.startswith("(ended when the rank died)")
+    assert "made no progress for 4 s" in hang.message  # from the stall's start to the death, not the threshold
 
 
 def engine_unused_error(rank: int) -> str:

@@ -1,0 +1,219 @@
+"""Hang reports, read against the other ranks: who this rank waits for, and where each rank is stuck.
+
+A hang report says where one rank is (phase, step, the collective in flight, pending buckets, every
+thread's stack). On its own it cannot say *why*; the culprit is found by reading the other ranks'
+evidence at the collective the rank waits in:
+
+- a member of the group that **never issued** that collective (its highest sequence number is lower),
+  or **entered it late** (its own record starts well after the wait began: it was stuck elsewhere
+  and the wait ended, or ended in a timeout, once it arrived);
+- a rank already blamed by another diagnosis (a mismatch, a crash, an early exit);
+- the rank itself, when the other diagnoses blame it, when its own buckets wait for gradients that
+  never came, or when it is stuck **outside any collective** (a data loader, a forward that never
+  returns) while other ranks wait in one.
+
+"Every rank issued this collective: the wait is inside the backend" is said only when every member's
+record of that collective is there and none came late.
+
+A hang's incident stays ``active`` unless the rank made progress again (``hang_resolved``) or exited
+cleanly: a hang that ended in the rank's death or a SIGTERM is part of the failure's explanation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ddpscope.server.analysis.collective_diagnosis import CollectiveIndex
+from ddpscope.server.analysis.incident_model import (
+    Incident,
+    Record,
+    describe,
+    ranks_phrase,
+    record_s,
+)
+from ddpscope.server.analysis.snapshot import JobSnapshot
+from ddpscope.server.analysis.status import Liveness
+from ddpscope.server.analysis.stuck import Stuck, hang_start_s, main_site, stuck_outside
+
+LATE_AFTER_S = 1.0
+"""A peer whose record of the awaited collective starts this much after the wait began (and at least
+half the stall) entered it late: ranks in lockstep enter a collective within milliseconds."""
+
+_OWN_THREADS = "ddpscope-"
+"""ddpscope's own threads (agent worker, watchdog): never where a user's rank is stuck."""
+
+
+def hang_incidents(
+    snapshot: JobSnapshot,
+    live: Liveness,
+    colls: CollectiveIndex,
+    missing: Sequence[Incident],
+    blame: Mapping[int, str],
+) -> list[Incident]:
+    """One incident per (rank, step, phase) hang, the newest report of each."""
+    stuck = stuck_outside(snapshot)
+    waiting = sorted(r for r, h in live.active_hangs.items() if h.get("inflight"))
+    waiting += sorted(r for seqs in colls.waits.values() for r in seqs if r not in waiting)
+    out = []
+    seen: set[tuple[Any, ...]] = set()
+    for h in sorted(snapshot.hangs, key=record_s, reverse=True):
+        key = (h["rank"], h.get("step"), h.get("phase"))
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(_HangReading(h, snapshot, live, colls, stuck).incident(missing, blame, waiting))
+    return out
+
+
+class _HangReading:
+    """One hang report and what the rest of the job says about it."""
+
+    def __init__(
+        self,
+        h: Record,
+        snapshot: JobSnapshot,
+        live: Liveness,
+        colls: CollectiveIndex,
+        stuck: Mapping[int, Stuck],
+    ) -> None:
+        self.h, self.snapshot, self.live, self.colls, self.stuck = h, snapshot, live, colls, stuck
+        self.rank: int = h["rank"]
+        inflight = sorted(h.get("inflight") or [], key=lambda c: c["start_ns"])
+        self.wait: Record | None = None
+        if inflight:
+            c = inflight[0]
+            # The collective record has what the compact in-flight entry may lack (call site, step).
+            self.wait = {**c, **colls.by_pg.get(c["pg"], {}).get(self.rank, {}).get(c["coll_seq"], {})}
+
+    def _end(self) -> tuple[str, float | None]:
+        """('active' | 'resolved' | 'stopped' | 'died' | 'exited', when it ended)."""
+        r, t = self.rank, record_s(self.h)
+        resolved = [x for x in self.snapshot.hang_resolved if x["rank"] == r and record_s(x) >= t]
+        if resolved:
+            first = min(resolved, key=record_s)
+            hang_s = float(first.get("hang_s") or 0.0)
+            return "resolved", hang_start_s(self.h) + hang_s if hang_s else record_s(first)
+        if self.live.active_hangs.get(r) is self.h:
+            return "active", None
+        exit_ = self.live.exits.get(r)
+        if exit_ is not None and record_s(exit_) >= t:
+            return ("stopped" if exit_.get("reason") == "sigterm" else "exited"), record_s(exit_)
+        fatal = self.live.fatal.get(r)
+        if fatal is not None and record_s(fatal) >= t:
+            return "died", record_s(fatal)
+        if r in self.live.crashed:
+            return "died", self.live.last_alive_s.get(r)
+        return "active", None
+
+    def _duration_s(self, ended_s: float | None) -> float:
+        start = hang_start_s(self.h)
+        if ended_s is not None:
+            return max(0.0, ended_s - start)
+        last = self.live.last_alive_s.get(self.rank)
+        now = last if (self.live.lost and last is not None) else self.live.now_s
+        return max(float(self.h.get("stalled_s", 0.0)), now - start)
+
+    def _peers_at_wait(self) -> tuple[list[int], dict[int, str]]:
+        """(culprits, why) among the peers of the awaited collective: never issued it, or came late."""
+        wait = self.wait
+        if wait is None:
+            return [], {}
+        pg, seq = wait["pg"], wait["coll_seq"]
+        if pg == "default":
+            members = self.live.ranks
+        else:
+            members = sorted({r for (r, p) in self.colls.max_seq if p == pg})
+        why: dict[int, str] = {}
+        late_after = max(LATE_AFTER_S, 0.5 * float(self.h.get("stalled_s", 0.0)))
+        for r in members:
+            if r == self.rank:
+                continue
+            stuck = self.stuck.get(r)
+            meanwhile = f"; {stuck.phrase()}" if stuck else ""
+            rec = self.colls.by_pg.get(pg, {}).get(r, {}).get(seq)
+            if self.colls.max_seq.get((r, pg), 0) < seq:
+                why[r] = f"never issued collective #{seq} of group {pg}{meanwhile}"
+            elif rec is not None and (late := (rec["start_ns"] - wait["start_ns"]) / 1e9) >= late_after:
+                why[r] = f"entered collective #{seq} {late:.0f} s late{meanwhile}"
+        return sorted(why), why
+
+    def incident(
+        self, missing: Sequence[Incident], blame: Mapping[int, str], waiting: Sequence[int]
+    ) -> Incident:
+        h, rank, wait = self.h, self.rank, self.wait
+        pending = h.get("pending_buckets") or []
+        starving = [b for b in pending if b.get("missing") and not b.get("launched")]
+        params = [p for b in (starving or pending) for p in b.get("missing") or []]
+        bucket = (starving or pending)[0]["index"] if pending else None
+        site = main_site(h)
+        state, ended_s = self._end()
+        duration = self._duration_s(ended_s)
+
+        where = f" in {describe(wait)}, collective #{wait['coll_seq']} of group {wait['pg']}" if wait else ""
+        msg = f"Rank {rank} made no progress for {duration:.0f} s{where} at step {h.get('step')}, phase {h.get('phase')}"
+        if not wait and site:
+            msg += f", main thread at {site}"
+
+        culprits, why = self._peers_at_wait()
+        for inc in missing:
+            if wait and inc.pg == wait["pg"] and rank not in inc.culprit_ranks:
+                for r in inc.culprit_ranks:
+                    why.setdefault(r, blame.get(r, "never entered this collective"))
+        for r, reason in blame.items():
+            if r != rank:
+                why.setdefault(r, reason)
+        culprits = sorted(why)
+        others = [r for r in waiting if r != rank]
+        if culprits:
+            msg += "; culprit: " + "; ".join(f"rank {r} ({why[r]})" for r in culprits)
+        elif not wait and not pending and others:
+            culprits = [rank]
+            msg += (
+                f"; it is stuck in its own code, outside any collective, while {ranks_phrase(others)} "
+                f"{'waits' if len(others) == 1 else 'wait'} for it"
+                + (f" (it {blame[rank]})" if rank in blame else "")
+            )
+        elif rank in blame:
+            culprits = [rank]
+            msg += f"; this rank is at fault: it {blame[rank]}"
+        elif starving:
+            culprits = [rank]
+            msg += (
+                f"; it waits for gradients of {', '.join(params[:8])} (bucket {bucket}) that never arrived: "
+                "parameters unused in this step (use them, or pass find_unused_parameters=True)"
+            )
+        elif wait:
+            msg += "; every rank issued this collective in time: the wait is inside the backend (network, or a peer stuck in native code)"
+        else:
+            msg += "; no collective is in flight: this rank is stuck in its own code (see the main thread's stack)"
+        prefix = {
+            "resolved": "(resolved) ",
+            "stopped": "(ended when the rank was stopped by SIGTERM) ",
+            "died": "(ended when the rank died) ",
+            "exited": "(ended when the rank exited) ",
+        }.get(state, "")
+        return Incident(
+            kind="hang",
+            message=prefix + msg + ".",
+            rank=rank,
+            step=h.get("step"),
+            seq=wait["coll_seq"] if wait else None,
+            pg=wait["pg"] if wait else None,
+            bucket=bucket,
+            parameters=params,
+            culprit_ranks=culprits,
+            call_site=(wait.get("call_site") if wait else None) or site,
+            stack=_stacks(h.get("stacks") or []),
+            time_s=hang_start_s(h),
+            active=state not in ("resolved", "exited"),
+        )
+
+
+def _stacks(stacks: Sequence[Record]) -> str | None:
+    """The user's threads' stacks, main thread first; ddpscope's own threads are left out."""
+    mine = [s for s in stacks if not str(s.get("thread", "")).startswith(_OWN_THREADS)]
+    if not mine:
+        return None
+    ordered = sorted(mine, key=lambda s: s.get("thread") != "MainThread")
+    return "\n\n".join(f"Thread {s.get('thread')}:\n{s.get('stack', '').rstrip()}" for s in ordered)

@@ -1,0 +1,57 @@
+"""Ranks stuck in their own code, read from their hang reports.
+
+A hang report with no collective in flight and no bucket pending says the rank is not waiting for
+anyone: its main thread is somewhere in user code (a data loader, a forward that never returns, a
+sleep). Peers waiting in a collective are then waiting for *it*; the hang and collective diagnoses and
+the timeout attribution all read this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ddpscope.server.analysis.incident_model import Record, record_s, user_frame
+from ddpscope.server.analysis.snapshot import JobSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class Stuck:
+    """A rank that reported a hang with no collective in flight: stuck in its own code."""
+
+    rank: int
+    phase: str
+    step: int | None
+    site: str | None
+    """file:line of the main thread's innermost user frame."""
+    since_s: float
+
+    def phrase(self) -> str:
+        at = f" at {self.site}" if self.site else ""
+        if self.phase == "idle":
+            return f"stuck between steps after step {self.step}{at} (its hang report)"
+        return f"stuck in {self.phase} at step {self.step}{at} (its hang report)"
+
+
+def main_site(hang: Record) -> str | None:
+    """file:line where the hanging rank's main thread is, in user code."""
+    stacks = hang.get("stacks") or []
+    main = next((s for s in stacks if s.get("thread") == "MainThread"), stacks[0] if stacks else None)
+    return user_frame(main.get("stack")) if main else None
+
+
+def hang_start_s(hang: Record) -> float:
+    return record_s(hang) - float(hang.get("stalled_s", 0.0))
+
+
+def stuck_outside(snapshot: JobSnapshot) -> dict[int, Stuck]:
+    """Per rank, its first hang report with nothing in flight and nothing pending that has not since
+    resolved: the rank is stuck in its own code (a data loader, a forward that never returns)."""
+    out: dict[int, Stuck] = {}
+    for h in sorted(snapshot.hangs, key=record_s):
+        r = h["rank"]
+        if h.get("inflight") or h.get("pending_buckets") or r in out:
+            continue
+        if any(x["rank"] == r and record_s(x) >= record_s(h) for x in snapshot.hang_resolved):
+            continue
+        out[r] = Stuck(r, str(h.get("phase")), h.get("step"), main_site(h), hang_start_s(h))
+    return out

@@ -1,0 +1,205 @@
+"""Hangs read against the other ranks, and the failures that end them: synthetic snapshots of the
+scenarios exploratory testing found misdiagnosed (a data loader deadlock, a rank asleep in forward,
+a hung job killed by its time limit, a stopped rank whose heartbeat lags its steps)."""
+
+from __future__ import annotations
+
+from ddpscope.server.analysis.incidents import diagnose
+from ddpscope.server.analysis.status import job_status
+from tests.server.test_incidents import T0, JobRecords, inflight, kinds, only, started
+
+
+def stuck_hang(job: JobRecords, rank: int, t: float, *, step: int, phase: str, line: int = 12) -> None:
+    """A hang report with nothing in flight: the main thread sits in user code (traceback format)."""
+    stacks = [
+        {"thread": "ddpscope-agent", "stack": '  File "/work/agent/worker.py", line 107, in _run\n'},
+        {
+            "thread": "MainThread",
+            "stack": '  File "/proj/train.py", line 80, in <module>\n'
+            f'  File "/proj/data.py", line {line}, in next_batch\n'
+            '  File "/usr/lib/python3.11/threading.py", line 629, in wait\n',
+        },
+    ]
+    job.add("hang", rank, t, phase=phase, step=step, stalled_s=5.0, pending_buckets=[], inflight=[],
+            stacks=stacks, message="no progress")  # fmt: skip
+
+
+def waiting_in(job: JobRecords, rank: int, t: float, seq: int, *, step: int) -> None:
+    job.coll(rank, t - 5, seq, site="train.py:57", done=False, step=step)
+    job.hang(rank, t, step=step, inflight=[inflight(seq, t - 5)])
+
+
+def test_a_rank_stuck_in_its_data_loader_is_the_culprit_of_its_peers_hang_and_of_its_own() -> None:
+    job = started(2)
+    end = job.train(3)  # collectives 1..6
+    waiting_in(job, 0, end + 5, 7, step=3)
+    stuck_hang(job, 1, end + 5, step=2, phase="idle")
+    incidents = diagnose(job.snapshot(), end + 6)
+    hangs = {i.rank: i for i in incidents if i.kind == "hang"}
+    assert hangs[0].culprit_ranks == [1]
+    assert (
+        "rank 1 (never issued collective #7 of group default; stuck between steps after step 2 at /proj/data.py:12"
+        in hangs[0].message
+    )
+    assert hangs[1].culprit_ranks == [1] and hangs[1].call_site == "/proj/data.py:12"
+    assert "outside any collective, while rank 0 waits for it" in hangs[1].message
+    assert "worker.py" not in (hangs[1].stack or "")  # ddpscope's own threads are left out
+    missing = only(incidents, "missing_collective")
+    assert "stuck between steps after step 2 at /proj/data.py:12" in missing.message
+    assert "alive, doing something else" not in missing.message
+
+
+def test_a_peer_that_entered_the_awaited_collective_late_is_named_not_the_backend() -> None:
+    job = started(2)
+    end = job.train(3)
+    job.coll(0, end, 7, site="train.py:57", step=3)
+    job.hang(0, end + 5, step=3, inflight=[inflight(7, end)])
+    job.coll(1, end + 20, 7, site="train.py:57", step=3)  # it slept 20 s in forward first
+    job.add("hang_resolved", 0, end + 20.1, step=3, hang_s=20.1)
+    hang = only(diagnose(job.snapshot(), end + 21), "hang")
+    assert hang.culprit_ranks == [1] and "entered collective #7 20 s late" in hang.message
+    assert "inside the backend" not in hang.message
+    assert not hang.active and "made no progress for 20 s" in hang.message
+
+
+def test_a_hang_where_every_peer_issued_the_collective_in_time_points_at_the_backend() -> None:
+    job = started(2)
+    end = job.train(3)
+    job.coll(0, end, 7, site="train.py:57", step=3, done=False)
+    job.coll(1, end + 0.001, 7, site="train.py:57", step=3, done=False)
+    job.hang(0, end + 5, step=3, inflight=[inflight(7, end)])
+    job.heartbeat(1, end + 5, step=3, phase="allreduce", last=7)
+    hang = only(diagnose(job.snapshot(), end + 5.5), "hang")
+    assert hang.culprit_ranks == [] and "every rank issued this collective in time" in hang.message
+
+
+def test_a_hung_job_stopped_by_sigterm_is_failed_and_keeps_its_hang_and_culprit() -> None:
+    job = started(2)
+    end = job.train(3)
+    waiting_in(job, 0, end + 5, 7, step=3)
+    job.heartbeat(1, end + 5, step=2, phase="idle", last=6)
+    for r in range(2):  # the scheduler's time limit
+        job.exit(r, end + 30, reason="sigterm", step=3)
+    snap = job.snapshot()
+    assert job_status(snap, end + 40) == "failed"
+    hang = only(diagnose(snap, end + 40), "hang")
+    assert hang.active and hang.message.startswith("(ended when the rank was stopped by SIGTERM)")
+    assert hang.culprit_ranks == [1] and "never issued collective #7" in hang.message
+    assert "made no progress for 30 s" in hang.message
+
+
+def test_a_healthy_job_stopped_by_sigterm_counts_as_finished() -> None:
+    job = started(2)
+    end = job.train(3)
+    for r in range(2):  # a cancellation or a preemption: nothing went wrong inside the job
+        job.exit(r, end, reason="sigterm", step=2)
+    assert job_status(job.snapshot(), end + 1) == "finished"
+
+
+def test_a_timeout_on_every_rank_is_blamed_on_the_rank_whose_hang_report_shows_it_stuck_outside() -> None:
+    job = started(2)
+    end = job.train(3)
+    job.coll(0, end, 7, site="train.py:57", step=3, done=False)
+    stuck_hang(job, 1, end + 5, step=3, phase="forward", line=19)
+    job.error(0, end + 10, "[gloo] Timed out waiting 10000ms for recv operation to complete", step=3)
+    job.error(1, end + 25.5, "Connection closed by peer", step=3)
+    err = only(diagnose(job.snapshot(), end + 26), "rank_error")
+    assert err.culprit_ranks == [1]
+    assert "rank 1 was stuck in forward at step 3 at /proj/data.py:19" in err.message
+    assert "no rank reported a cause" not in err.message
+
+
+def test_a_stopped_ranks_position_comes_from_its_last_step_when_its_heartbeat_is_older() -> None:
+    job = started(2)
+    t = T0 + 1
+    job.heartbeat(1, t, step=0, phase="idle", last=0)  # its only heartbeat: a fast job outpaces them
+    for s in range(8):
+        for r in range(2):
+            seqs = [2 * s + 1, 2 * s + 2]
+            for seq in seqs:
+                job.coll(r, t, seq, site="ddp/reducer.py:88", step=s, source="engine")
+            job.step(r, t, s, seqs=seqs)
+        job.heartbeat(0, t, step=s, phase="backward", last=2 * s + 2)
+        t += 0.1
+    waiting_in(job, 0, t + 5, 17, step=8)
+    job.heartbeat(0, t + 15, step=8, phase="allreduce", last=17)
+    silent = only(diagnose(job.snapshot(), t + 15), "rank_silent")
+    assert silent.step == 7 and "last completed step 7" in silent.message
+    assert "step 0" not in silent.message
+
+
+def test_a_job_killed_after_one_rank_fell_quiet_names_that_rank_and_stops_the_clock() -> None:
+    job = started(2)
+    end = job.train(3)
+    waiting_in(job, 0, end + 5, 7, step=3)
+    for k in range(1, 10):  # rank 0 keeps reporting while it waits; rank 1 went quiet at `end`
+        job.heartbeat(0, end + 5 + 2 * k, step=3, phase="allreduce", last=7)
+    incidents = diagnose(job.snapshot(), end + 300)  # both killed at ~end + 23, looked at much later
+    silent = only(incidents, "job_silent")
+    assert silent.culprit_ranks == [1] and "Rank 1 fell quiet 23 s before the others" in silent.message
+    missing = only(incidents, "missing_collective")
+    assert "waited 23 s" in missing.message and "alive, doing something else" not in missing.message
+
+
+def test_collectives_its_peers_completed_count_as_issued_by_a_rank_whose_records_lag() -> None:
+    job = started(2)
+    end = job.train(3)  # both: 1..6
+    for seq in (7, 8):
+        job.coll(0, end + 0.01 * seq, seq, site="ddp/reducer.py:88", step=3, source="engine")
+    waiting_in(job, 0, end + 5, 9, step=4)
+    incidents = diagnose(job.snapshot(), end + 16)
+    missing = only(incidents, "missing_collective")
+    assert missing.seq == 9 and missing.culprit_ranks == [1]
+    assert "its peers completed #8 with it" in missing.message
+
+
+def test_the_same_error_on_every_rank_is_one_incident_with_every_rank_an_origin() -> None:
+    job = started(2)
+    end = job.train(2)
+    for r in range(2):
+        job.add("rank_error", r, end + 0.01 * r, step=None, phase="idle",
+                error_type="RuntimeError", message="register_comm_hook can only be called once.",
+                stack="Traceback", fatal=True)  # fmt: skip
+    err = only(diagnose(job.snapshot(), end + 1), "rank_error")
+    assert err.culprit_ranks == [0, 1] and "rank 1 reported the same error" in err.message
+    assert "the cause is in code they all run" in err.message
+
+
+def test_the_engines_different_model_error_is_one_incident_blamed_on_the_odd_rank_before_any_step() -> None:
+    job = started(2)
+    msg = (
+        "DistributedDataParallel: the ranks do not wrap the same model. Ranks [1] differ from rank 0 at position 0 "
+        "of the parameter list: rank 0 has parameter l1.weight float32[64, 32]; rank 1 has parameter l1.weight "
+        "float32[65, 32]. Every rank must build the same model (same parameter names, shapes, dtypes, "
+        "requires_grad and order) before wrapping it."
+    )
+    for r in range(2):
+        job.add("rank_error", r, 1_700_000_001.0, step=0, phase="idle", error_type="ValueError", message=msg,
+                stack="Traceback", fatal=True)  # fmt: skip
+    incidents = diagnose(job.snapshot(), 1_700_000_002.0)
+    assert kinds(incidents) == ["rank_error"]
+    err = incidents[0]
+    assert err.culprit_ranks == [1] and err.rank == 1
+    assert "before its first step" in err.message and "after step 0" not in err.message
+    assert "requires_grad and order) before wrapping it." in err.message  # not cut mid-sentence
+
+
+def test_a_rank_stopped_by_sigterm_alone_is_told_apart_from_uneven_inputs() -> None:
+    job = started(2)
+    end = job.train(3)
+    job.exit(1, end, reason="sigterm", step=2)
+    job.train(1, t=end + 0.1, ranks=[0])
+    job.error(0, end + 0.5, "Connection closed by peer", step=4)
+    early = only(diagnose(job.snapshot(), end + 1), "rank_exited_early")
+    assert "check the scheduler's and the launcher's logs" in early.message
+    assert "Join" not in early.message and "while rank 0 was still training" in early.message
+
+
+def test_different_ops_at_one_number_are_said_to_wait_not_to_give_wrong_results() -> None:
+    job = started(2)
+    end = job.train(1)
+    job.coll(0, end, 3, op="barrier", reduce_op=None, shapes=[], site="train.py:60", done=False)
+    job.coll(1, end, 3, op="all_reduce", site="train.py:61", done=False)
+    mismatch = only(diagnose(job.snapshot(), end + 1), "mismatch")
+    assert "waits until the process group's timeout" in mismatch.message
+    assert "results are wrong" not in mismatch.message
