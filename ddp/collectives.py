@@ -168,7 +168,10 @@ class CollectiveRecorder:
             end_ns = now_ns()
             progress = self.progress
             progress.inflight.pop((pg, seq), None)
-            progress.counter += 1
+            if ok:
+                progress.counter += 1
+            else:
+                progress.fail()  # the hang watchdog must not call this progress
             self._ends.append((pg, seq, end_ns, ok))
             emit(
                 {

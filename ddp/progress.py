@@ -14,15 +14,21 @@ PHASES = ("idle", "forward", "backward", "allreduce", "optimizer")
 
 
 class Progress:
-    """One per process. ``counter`` moves on every event; the watchdog calls no-progress a hang."""
+    """One per process. ``counter`` moves on every event; the watchdog calls no-progress a hang.
 
-    __slots__ = ("phase", "step", "counter", "last_coll_seq", "inflight", "pending_buckets")
+    ``failures`` moves with ``counter`` when the event is a collective that ended in an error: the
+    counter moved, but the rank did not make progress, and a hang that ends this way is not resolved.
+    """
+
+    __slots__ = ("phase", "step", "counter", "failures", "last_coll_seq", "inflight", "pending_buckets")
 
     def __init__(self) -> None:
         self.phase = "idle"
         self.step = 0
         self.counter = 0
         """Moves on every event; the watchdog samples it, so the hot path reads no clock."""
+        self.failures = 0
+        """Collectives that ended in an error (a peer died, a timeout): ends, not progress."""
         self.last_coll_seq = 0
         """Highest collective sequence number issued on the default group."""
         self.inflight: dict[tuple[str, int], dict[str, Any]] = {}
@@ -37,6 +43,11 @@ class Progress:
         self.tick()
 
     def tick(self) -> None:
+        self.counter += 1
+
+    def fail(self) -> None:
+        """A collective ended in an error: an event (the wait is over), but no progress."""
+        self.failures += 1
         self.counter += 1
 
 

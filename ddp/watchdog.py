@@ -9,8 +9,10 @@ The thread samples ``PROGRESS.counter`` (moved by the engine and the collective 
 event). When it has not moved for ``timeout_s`` while the rank is busy (phase other than 'idle', or a
 collective in flight) it emits one ``hang`` record at once: phase, step, pending buckets, in-flight
 collectives, every thread's stack and a sentence a person can act on. When the counter moves again it
-emits ``hang_resolved``. Every ``heartbeat_s`` it emits a ``heartbeat``, hung or not: a silent rank is
-itself a diagnosis at the collector.
+emits ``hang_resolved``, unless what moved it was a collective ending in an error (``Progress.failures``,
+a peer died): that hang ended in a failure, which the ``rank_error`` record reports, not in progress.
+Every ``heartbeat_s`` it emits a ``heartbeat``, hung or not: a silent rank is itself a diagnosis at the
+collector.
 
 It keeps working while the main thread is blocked inside a gloo collective, because gloo releases the
 GIL while it waits. It never raises: a failure in a tick is logged and counted, and the next tick runs.
@@ -176,6 +178,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_counter = progress.counter
+        self._last_failures = progress.failures
         self._last_change = clock()
         self._hung = False
         self._next_heartbeat = 0.0
@@ -193,6 +196,7 @@ class Watchdog:
             return self
         self._stop.clear()
         self._last_counter = self._progress.counter
+        self._last_failures = self._progress.failures
         self._last_change = self._clock()
         self._next_heartbeat = self._last_change
         thread = threading.Thread(target=self._run, name="ddpscope-watchdog", daemon=True)
@@ -245,14 +249,25 @@ class Watchdog:
                     "pid": os.getpid(),
                 }
             )
+        # Counter first: Progress.fail() moves failures before the counter, so a counter that shows
+        # a failed end comes with its failure.
         counter = progress.counter
+        failures = progress.failures
         if counter != self._last_counter:
             if self._hung:
                 self._hung = False
                 hang_s = now - self._last_change
-                emit({"kind": "hang_resolved", "step": progress.step, "hang_s": round(hang_s, 3)})
-                logger.warning("ddpscope: rank %s made progress again after %.1f s", _rank(), hang_s)
+                if failures != self._last_failures:
+                    # The wait ended in an error (a peer died): over, but not resolved. The rank_error
+                    # record tells that story; a hang_resolved would call it recovered.
+                    logger.warning(
+                        "ddpscope: rank %s's hang ended in a failed collective after %.1f s", _rank(), hang_s
+                    )
+                else:
+                    emit({"kind": "hang_resolved", "step": progress.step, "hang_s": round(hang_s, 3)})
+                    logger.warning("ddpscope: rank %s made progress again after %.1f s", _rank(), hang_s)
             self._last_counter = counter
+            self._last_failures = failures
             self._last_change = now
             return
         stalled_s = now - self._last_change
