@@ -155,6 +155,10 @@ class Instrumentation:
         self._confirmed = False
         """The layout in use was observed in the comm hook (not just predicted)."""
         self._learning = False
+        self._torch_rebuilt = bool(getattr(ddp, "_has_rebuilt_buckets", False))
+        """torch's ``_has_rebuilt_buckets`` as last seen after a forward."""
+        self._rebuilt_at: int | None = None
+        """The step in whose forward torch rebuilt its buckets, until the comm hook has read them."""
         self._set_layout(predict_initial(ddp, self._base))
 
         self.timer = StepTimer(self._rank, self._bucket_bytes)
@@ -165,7 +169,6 @@ class Instrumentation:
         self._active = False
         """A synchronised backward is under way: pending buckets mean something."""
         self._queued = False
-        self._rebuilt_before = bool(getattr(ddp, "_has_rebuilt_buckets", False))
         self._reset_step()
         self._in_bucket = [False] * len(params)
         """Per parameter (``_exact_div`` only): its gradient was already a view of its bucket."""
@@ -231,7 +234,6 @@ class Instrumentation:
         if not torch.is_grad_enabled():
             return  # evaluation: no backward follows
         self._synced = synced = bool(self.ddp.require_backward_grad_sync)
-        self._rebuilt_before = bool(getattr(self.ddp, "_has_rebuilt_buckets", False))
         self._active = False
         self._queued = False
         self._reset_step()
@@ -244,11 +246,17 @@ class Instrumentation:
         self.timer.forward_end()
         self._cur = self._step
         self._step += 1
+        rebuilt = bool(getattr(self.ddp, "_has_rebuilt_buckets", False))
+        if rebuilt != self._torch_rebuilt:
+            # torch rebuilds in _pre_forward, in whichever forward comes first after the synced backward
+            # that recorded the gradient order: often a no_sync() one, whose backward reduces nothing.
+            # The buckets can only be read in a comm hook, so learn them in the next synced backward.
+            self._torch_rebuilt = rebuilt
+            if rebuilt:
+                self._rebuilt_at = self._cur
         if self._synced:
             self._active = True
-            # torch rebuilt its buckets in this forward (_pre_forward): learn the new ones in backward.
-            rebuilt_now = bool(getattr(self.ddp, "_has_rebuilt_buckets", False)) and not self._rebuilt_before
-            if not self._confirmed or rebuilt_now:
+            if not self._confirmed or self._rebuilt_at is not None:
                 self._learning = True
                 self._learner.reset()
         # A hook on the outputs marks backward start even when no parameter gets a gradient here.
@@ -367,11 +375,17 @@ class Instrumentation:
                 logger.warning("ddpscope: could not read torch's bucket layout at step %d", self._cur)
                 return
             changed = layout.buckets != self.layout.buckets
-            reason = "rebuilt" if self._confirmed else "initial"
+            rebuilt_at = self._rebuilt_at
             self._confirmed = True
+            self._rebuilt_at = None
             if changed:
                 self._set_layout(layout)
-                self._emit_layout(reason, self._cur)
+                # A rebuilt layout applies from the forward that rebuilt it, even if that was a
+                # no_sync() step; an unconfirmed prediction is corrected from this step on.
+                if rebuilt_at is not None:
+                    self._emit_layout("rebuilt", rebuilt_at)
+                else:
+                    self._emit_layout("initial", self._cur)
         except Exception:
             # The all-reduce must go on whatever went wrong in the bookkeeping.
             logger.warning("ddpscope: reading torch's buckets failed", exc_info=True)

@@ -6,8 +6,10 @@ torch's C++ Reducer does not expose its buckets to Python, so the adapter learns
   (``_build_params_for_reducer``, ``compute_bucket_size_limits``, ``_compute_bucket_assignment_by_size``,
   buckets reversed), so a hang in the first step can already name the parameters of each bucket.
 - **Observed** in the comm hook: ``GradBucket.parameters()`` of every bucket, read during the first
-  synchronised step and during the step in which torch rebuilds its buckets (after iteration 0, in the
-  observed gradient-ready order). The observation is the truth; the prediction is only a head start.
+  synchronised step and again after torch rebuilds its buckets (in the gradient-ready order of the
+  first synchronised backward, at the start of the next forward, which may be a ``no_sync()`` one: then
+  the buckets are read in the next synchronised step). The observation is the truth; the prediction is
+  only a head start.
 
 A ``Layout`` holds, per bucket, the indices into the reducer's parameter list (torch's order: the
 module's trainable parameters, shared ones once), plus names and bytes in the wire shape.
