@@ -27,6 +27,8 @@ the GIL for the hook, for the ``then`` callback (gloo thread) and to read its re
 measures it next to this adapter. An all-reduce end is when its ``then`` callback got the GIL.
 Collectives torch issues from C++ (buffer broadcasts before forward, the rebuild's index broadcast,
 the unused-parameter bitmap) bypass the collective recorder, so they have no sequence numbers here.
+Records name a rank and a step, not a model, so one model per process and job is measured; a second
+one is refused (see ``instrument``).
 """
 
 from __future__ import annotations
@@ -75,28 +77,69 @@ def instrument(
     Call it on every rank before the first forward: it exchanges clock samples with rank 0. A model
     that already has a communication hook is refused (torch allows only one, and ddpscope needs
     its own): register nothing yourself and pass ``comm_hook``/``comm_state`` here instead.
-    Instrumenting twice returns the model unchanged. With ``DDPSCOPE_DISABLED=1`` nothing is attached
-    (the user's ``comm_hook``, if given, is registered as torch would).
+    Instrumenting twice returns the model unchanged. One model per process and job is measured: a
+    second, different model is refused with ``ValueError`` unless the agent was configured with
+    another job since (``ddpscope.agent.configure(job=...)``), which detaches the previous model.
+    With ``DDPSCOPE_DISABLED=1`` nothing is attached (the user's ``comm_hook``, if given, is
+    registered as torch would).
     """
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(
             f"instrument() expects a torch.nn.parallel.DistributedDataParallel model, got "
             f"{type(ddp).__name__}; ddpscope's own engine is ddpscope.ddp.DistributedDataParallel."
         )
-    if getattr(ddp, _ATTR, None) is not None:
+    global _current
+    config = agent.get_agent().config
+    existing: Instrumentation | None = getattr(ddp, _ATTR, None)
+    if existing is not None:
         if comm_hook is not None:
             raise ValueError(
                 "instrument(): this model is already instrumented; pass comm_hook the first time."
             )
+        if existing.detached:
+            raise ValueError(
+                "instrument(): this model's measurement was detached when another model was instrumented "
+                "under a new job, and torch cannot take a second comm hook: ddpscope cannot measure it "
+                "again in this process."
+            )
         return ddp
-    if getattr(agent.get_agent().config, "disabled", False):
+    if getattr(config, "disabled", False):
         if comm_hook is not None:
             ddp.register_comm_hook(comm_state, comm_hook)
         return ddp
     _refuse_unsupported(ddp)
+    job = str(getattr(config, "job", ""))
+    if _current is not None:
+        _refuse_or_detach(_current, job)
     monitor.enable()  # recorder patches, rank_error hooks, hang watchdog: as the engine does
-    setattr(ddp, _ATTR, Instrumentation(ddp, comm_hook, comm_state))
+    _current = Instrumentation(ddp, comm_hook, comm_state, job)
+    setattr(ddp, _ATTR, _current)
     return ddp
+
+
+_current: Instrumentation | None = None
+"""The measured model of this process (one per process and job)."""
+
+
+def _refuse_or_detach(previous: Instrumentation, job: str) -> None:
+    """A second model: refused in the same job, where records carry no model and would mix under one
+    (rank, step); under a new job (``agent.configure(job=...)``, models measured one after the other,
+    as bench/end_to_end.py does) the previous model stops being measured."""
+    if previous.job != job:
+        logger.info(
+            "ddpscope: job %s: no longer measuring the model instrumented for job %s", job, previous.job
+        )
+        previous.remove_hooks()
+        return
+    raise ValueError(
+        f"instrument(): another DistributedDataParallel model is already instrumented in this process "
+        f"(job {job!r}). ddpscope measures one instrumented DDP model per process and job: its step "
+        "records, bucket layout and hang reports name a rank and a step, not a model, so a second "
+        "model's records would mix with the first's. Instrument only the model whose training you want "
+        "to observe (the others still train, unmeasured), or put the networks in one nn.Module under a "
+        "single DistributedDataParallel; to measure models one after the other, call "
+        "ddpscope.agent.configure(job=...) with a new job before instrumenting the next one."
+    )
 
 
 def instrumentation(ddp: DistributedDataParallel) -> Instrumentation | None:
@@ -131,8 +174,14 @@ def _refuse_unsupported(ddp: DistributedDataParallel) -> None:
 class Instrumentation:
     """The hooks and per-step state attached to one torch DDP model by ``instrument()``."""
 
-    def __init__(self, ddp: DistributedDataParallel, comm_hook: CommHook | None, comm_state: Any) -> None:
+    def __init__(
+        self, ddp: DistributedDataParallel, comm_hook: CommHook | None, comm_state: Any, job: str = ""
+    ) -> None:
         self.ddp = ddp
+        self.job = job
+        """The agent's job when this model was instrumented."""
+        self.detached = False
+        """``remove_hooks()`` ran: the comm hook only reduces (torch cannot unregister it)."""
         self._group = ddp.process_group
         self._pg = pg_name(self._group)
         self._rank = global_rank()
@@ -337,7 +386,8 @@ class Instrumentation:
             self._learn(bucket, last)
         buf = bucket.buffer()
         user = self._user_hook
-        seq = RECORDER.begin(self._pg, "all_reduce", (buf,), reduce_op="SUM", source="engine", step=self._cur)
+        step = None if self.detached else self._cur  # a detached model's steps are counted no more
+        seq = RECORDER.begin(self._pg, "all_reduce", (buf,), reduce_op="SUM", source="engine", step=step)
         if user is None:
             # Exactly torch's default path: scale in the bucket, then a SUM all-reduce. Called on the
             # process group itself, as torch's C++ default does (the patched dist.all_reduce is for users).
@@ -349,8 +399,8 @@ class Instrumentation:
                 fut = user(self._user_state, bucket)
         self._launch[k] = t
         self._seqs[k] = seq
-        if last:
-            PROGRESS.enter("allreduce")
+        if last and not self.detached:
+            PROGRESS.enter("allreduce")  # nothing of a detached model's would ever return it to idle
         return fut.then(functools.partial(self._on_reduced, k, seq, user is None))
 
     def _on_reduced(self, k: int, seq: int, listed: bool, fut: torch.futures.Future[Any]) -> torch.Tensor:
@@ -449,3 +499,6 @@ class Instrumentation:
         self._handles = []
         self._active = False
         self._learning = False
+        self.detached = True
+        if PROGRESS.pending_buckets == self.pending_wire:
+            PROGRESS.pending_buckets = list
