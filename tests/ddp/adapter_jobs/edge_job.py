@@ -1,0 +1,118 @@
+"""``instrument()`` at its edges, one scenario per run.
+
+    python edge_job.py SCENARIO OUT_DIR
+
+Each rank writes its records to OUT_DIR/rank<R>.jsonl (the failure jobs' JSON-lines exporter) and
+what the test checks to OUT_DIR/rank<R>.json.
+
+Scenarios:
+  accumulate  gradient accumulation: no_sync() on three steps of four, so torch rebuilds its buckets
+              in a no_sync() forward; torch's own logging data at the end. Then a second model:
+              refused in the same job, instrument() again on the first returns it, and, once the
+              agent is configured with another job (records to OUT_DIR/second<R>.jsonl), accepted.
+  peer_dies   rank 1 dies (os._exit) while rank 0 waits in a bucket all-reduce past the hang timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "failure_jobs"))
+import _capture  # noqa: E402  (the failure jobs' JSON-lines exporter, shared)
+
+from ddpscope import agent  # noqa: E402
+from ddpscope.ddp.adapter import instrument, instrumentation  # noqa: E402
+
+STEPS = 12
+SYNC_EVERY = 4
+PEER_DIES_AFTER_S = float(os.environ.get("JOB_PEER_DIES_AFTER_S", "3.0"))
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(16, 64, generator=torch.Generator().manual_seed(1000 * rank + step))
+
+
+def train(model: DDP, rank: int, steps: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(steps):
+        x = batch(rank, step)
+        if step % SYNC_EVERY != SYNC_EVERY - 1:
+            with model.no_sync():
+                model(x).square().mean().backward()
+            continue
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def accumulate(rank: int, out_dir: str) -> dict[str, Any]:
+    # Small buckets: several of them once torch rebuilds (it starts with one holding everything).
+    model = instrument(DDP(mlp(), bucket_cap_mb=0.1))
+    train(model, rank, STEPS)
+    logged = model._get_ddp_logging_data()
+    state = instrumentation(model)
+    assert state is not None
+    result: dict[str, Any] = {
+        "logged": {k: v for k, v in logged.items() if isinstance(v, (int, str))},
+        "reducer_parameters": list(state.layout.names),
+    }
+    other = DDP(mlp())
+    try:
+        instrument(other)
+        result["refusal"] = ""
+    except ValueError as e:
+        result["refusal"] = str(e)
+    result["again_is_same"] = instrument(model) is model
+    _capture.flush()
+    # Models measured one after the other, each under its own job (bench/end_to_end.py does this).
+    second_out = os.path.join(out_dir, f"second{rank}.jsonl")
+    agent.configure(exporter=_capture.JsonLinesExporter(second_out), rank=rank, job="edge-second")
+    instrument(other)
+    train(other, rank, SYNC_EVERY)
+    train(model, rank, SYNC_EVERY)  # the first model still trains, no longer measured
+    result["first_detached"] = state.detached
+    agent.get_agent().force_flush(5.0)
+    return result
+
+
+def peer_dies(rank: int, out_dir: str) -> dict[str, Any]:
+    model = instrument(DDP(mlp()))
+    for step in range(2):  # past step 1, whose forward rebuilds the buckets (a broadcast)
+        model(batch(rank, step)).square().mean().backward()
+    if rank == 1:
+        time.sleep(PEER_DIES_AFTER_S)
+        _capture.flush()
+        os._exit(3)  # dies while rank 0 waits for it in the next step's all-reduce
+    model(batch(rank, 2)).square().mean().backward()  # raises: the peer closed the connection
+    return {}
+
+
+def main() -> None:
+    scenario, out_dir = sys.argv[1], sys.argv[2]
+    _capture.capture(out_dir)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    result = {"accumulate": accumulate, "peer_dies": peer_dies}[scenario](rank, out_dir)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    _capture.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""``instrument(torch DDP)`` at its edges, in real 2-rank gloo jobs (tests/ddp/adapter_jobs/edge_job.py):
+gradient accumulation with ``no_sync()``, a second model in the process, a peer dying mid-hang."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddpscope.agent.records import validate_record
+from tests.ddp.failure_jobs.runner import JobRun
+from tests.support.procs import exited_cleanly, run_ranks
+
+pytestmark = pytest.mark.slow
+
+JOB = Path(__file__).parent / "adapter_jobs" / "edge_job.py"
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    lines = path.read_text().splitlines() if path.exists() else []
+    records = [json.loads(line) for line in lines]
+    for record in records:
+        validate_record(record)
+    return records
+
+
+def run(scenario: str, out: Path, env: dict[str, str] | None = None) -> JobRun:
+    results = run_ranks(JOB, 2, args=[scenario, str(out)], env=env or {}, timeout_s=120)
+    return JobRun(results, {rank: read_jsonl(out / f"rank{rank}.jsonl") for rank in (0, 1)})
+
+
+@pytest.fixture(scope="module")
+def accumulated(tmp_path_factory: pytest.TempPathFactory) -> tuple[JobRun, Path]:
+    out = tmp_path_factory.mktemp("accumulate")
+    job = run("accumulate", out)
+    assert all(exited_cleanly(r) for r in job.results), job.output()
+    return job, out
+
+
+def result(out: Path, rank: int) -> dict[str, Any]:
+    return dict(json.loads((out / f"rank{rank}.json").read_text()))
+
+
+# -- no_sync() accumulation ------------------------------------------------------------------------
+
+
+def test_buckets_rebuilt_in_a_no_sync_forward_are_learned_as_torch_logged_them(
+    accumulated: tuple[JobRun, Path],
+) -> None:
+    job, out = accumulated
+    for rank in (0, 1):
+        logged = result(out, rank)["logged"]
+        assert logged["has_rebuilt_buckets"] == 1
+        sizes = [int(s) for s in logged["rebuilt_bucket_sizes"].split(",")]
+        assert len(sizes) > 1  # the rebuild changed the layout: there is something to learn
+        layouts = job.of(rank, "layout")
+        assert layouts[-1]["reason"] == "rebuilt"
+        assert [b["bytes"] for b in layouts[-1]["buckets"]] == sizes
+        names = result(out, rank)["reducer_parameters"]
+        assert [b["parameters"] for b in layouts[-1]["buckets"]] == [
+            [names[int(i)] for i in group.split()]
+            for group in logged["rebuilt_per_bucket_param_indices"].split(",")
+        ]
+
+
+def test_the_rebuilt_layout_applies_from_the_no_sync_step_that_rebuilt_it(
+    accumulated: tuple[JobRun, Path],
+) -> None:
+    job, _ = accumulated
+    for rank in (0, 1):
+        # Step 3 is the first synced one (it records the gradient order), step 4's forward rebuilds.
+        assert [(lay["reason"], lay["step"]) for lay in job.of(rank, "layout")] == [
+            ("initial", 0),
+            ("rebuilt", 4),
+        ]
+
+
+def test_every_synced_step_after_the_rebuild_reports_torchs_buckets(accumulated: tuple[JobRun, Path]) -> None:
+    job, out = accumulated
+    for rank in (0, 1):
+        sizes = [int(s) for s in result(out, rank)["logged"]["rebuilt_bucket_sizes"].split(",")]
+        synced = [r for r in job.of(rank, "step") if r["synced"]]
+        assert [r["step"] for r in synced] == [3, 7, 11]
+        assert len(synced[0]["bucket_bytes"]) == 1
+        for record in synced[1:]:
+            assert record["bucket_bytes"] == sizes
+            assert len(record["collective_seqs"]) == len(sizes)
+            assert all(record["allreduce_end_ns"])
+
+
+# -- a second model --------------------------------------------------------------------------------
+
+
+def test_a_second_model_in_the_same_job_is_refused_saying_what_is_supported(
+    accumulated: tuple[JobRun, Path],
+) -> None:
+    _, out = accumulated
+    message = result(out, 0)["refusal"]
+    assert "one instrumented DDP model per process" in message
+    assert "one nn.Module under a" in message and "configure(job=...)" in message
+
+
+def test_instrumenting_the_same_model_again_still_returns_it(accumulated: tuple[JobRun, Path]) -> None:
+    _, out = accumulated
+    assert result(out, 0)["again_is_same"] and result(out, 1)["again_is_same"]
+
+
+def test_a_second_model_under_a_new_job_is_measured_alone_and_the_first_detached(
+    accumulated: tuple[JobRun, Path],
+) -> None:
+    job, out = accumulated
+    for rank in (0, 1):
+        assert result(out, rank)["first_detached"]
+        # The first job's records stop at the first model's 12 steps, one row per step.
+        assert [r["step"] for r in job.of(rank, "step")] == list(range(12))
+        second = read_jsonl(out / f"second{rank}.jsonl")
+        assert [r["step"] for r in second if r["kind"] == "step"] == [0, 1, 2, 3]
+        assert [r["kind"] for r in second if r["kind"] in ("rank_start", "layout")] == [
+            "rank_start",
+            "layout",
+        ]
+        # The first model kept training after the switch; none of it reached either job as a step.
+        assert not [r for r in second if r["kind"] == "hang"]
+
+
+# -- a peer dies while this rank hangs -------------------------------------------------------------
+
+
+def test_a_hang_that_ends_because_the_peer_died_is_not_reported_resolved(tmp_path: Path) -> None:
+    env = {"DDPSCOPE_HANG_TIMEOUT": "1.0", "DDPSCOPE_HEARTBEAT_S": "0.2", "JOB_PEER_DIES_AFTER_S": "3.0"}
+    job = run("peer_dies", tmp_path, env)
+    assert job.results[1].returncode == 3, job.output()
+    assert job.results[0].returncode not in (0, None), job.output()
+    (hang,) = job.of(0, "hang")
+    assert hang["phase"] == "allreduce" and hang["step"] == 2
+    failed = [r for r in job.of(0, "collective_end") if not r["ok"]]
+    assert failed and {r["coll_seq"] for r in failed} <= {c["coll_seq"] for c in hang["inflight"]}
+    assert job.of(0, "hang_resolved") == []
+    assert any("Connection" in r["message"] for r in job.of(0, "rank_error"))
