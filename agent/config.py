@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import unicodedata
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,7 +27,8 @@ DDPSCOPE_URL = "DDPSCOPE_URL"
 """Collector base URL; records are POSTed to ``<url>/api/v1/ingest``. Default ``http://127.0.0.1:8321``."""
 DDPSCOPE_JOB = "DDPSCOPE_JOB"
 """Job id. Default ``TORCHELASTIC_RUN_ID`` (unless torchrun's placeholder ``none``), else derived
-from the launch (see ``default_job_id``)."""
+from the launch (see ``default_job_id``). An invalid value is made valid by ``sanitized_job_id``
+(the same in every rank) and the warning names the id used."""
 DDPSCOPE_TOKEN = "DDPSCOPE_TOKEN"
 """Bearer token sent with every ingest request. Default: none."""
 DDPSCOPE_SPOOL_DIR = "DDPSCOPE_SPOOL_DIR"
@@ -50,6 +52,10 @@ DDPSCOPE_RETRY_MAX_S = "DDPSCOPE_RETRY_MAX_S"
 DDPSCOPE_SHIPPER_LINGER_S = "DDPSCOPE_SHIPPER_LINGER_S"
 """How long the shipper keeps retrying after its rank is gone; then the spool stays on disk for the
 next agent of the same job. Default 600."""
+DDPSCOPE_NOTICE_AFTER_S = "DDPSCOPE_NOTICE_AFTER_S"
+"""Seconds the collector may accept nothing (unreachable, busy, failing) before the rank's stderr
+gets one line about it (read by the shipper). A wrong URL or a refused batch is told at once.
+Default 30."""
 
 DEFAULT_URL = "http://127.0.0.1:8321"
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -59,24 +65,60 @@ _FALSE = frozenset({"", "0", "false", "no", "off"})
 def default_job_id(environ: Mapping[str, str]) -> str:
     """The job id every rank of one launch agrees on without talking to each other.
 
-    torchrun sets ``TORCHELASTIC_RUN_ID`` (``none`` unless ``--rdzv-id`` is given). Otherwise the
-    ranks of one launch share ``MASTER_ADDR:MASTER_PORT``, ``WORLD_SIZE`` and, on one host, their
-    launcher (parent pid): a hash of those names the job. Ranks on several hosts without torchrun's
-    ``--rdzv-id`` have different parents, so such launches must set ``DDPSCOPE_JOB``. A single process
-    with no launcher gets a random id.
+    In order, the first that applies:
+
+    1. torchrun's ``TORCHELASTIC_RUN_ID`` (unless its placeholder ``none``, left by a static
+       rendezvous without ``--rdzv-id``).
+    2. ``slurm-<SLURM_JOB_ID>.<SLURM_STEP_ID>`` when the ranks are several tasks of one ``srun``
+       step (``SLURM_STEP_NUM_TASKS`` > 1: one rank per task, or one torchrun per node): those
+       tasks, on every host, share that pair and nothing else, and every ``srun`` is a new step.
+       A single-task step (``srun torchrun`` on one node, an interactive ``srun --pty bash``)
+       starts all its ranks under one launcher, where rule 3 tells consecutive launches apart.
+    3. A hash of ``MASTER_ADDR:MASTER_PORT``, ``WORLD_SIZE`` and the parent pid: the ranks of one
+       launch on one host share their launcher (torchrun, ``mp.spawn``). ``MASTER_ADDR:MASTER_PORT``
+       alone would merge every run on the default port 29500, so the launcher's pid stays; ranks
+       on several hosts, or each under its own parent, must set ``DDPSCOPE_JOB``.
+    4. A random id (a single process with no launcher).
+
+    The result is always a valid job id (``sanitized_job_id``).
     """
     run_id = environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id and run_id != "none":
-        return run_id
+        return run_id if _valid_job(run_id) else sanitized_job_id(run_id)
+    slurm_job, slurm_step = environ.get("SLURM_JOB_ID"), environ.get("SLURM_STEP_ID")
+    if slurm_job and slurm_step and _int(environ.get("SLURM_STEP_NUM_TASKS")) > 1:
+        return sanitized_job_id(f"slurm-{slurm_job}.{slurm_step}")
     addr, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
     if addr and port:
         key = f"{addr}:{port}:{environ.get('WORLD_SIZE', '')}:{os.getppid()}"
-        return "job-" + hashlib.sha1(key.encode()).hexdigest()[:12]
+        return "job-" + hashlib.sha1(key.encode("utf-8", "surrogatepass")).hexdigest()[:12]
     return "job-" + uuid.uuid4().hex[:12]
+
+
+def sanitized_job_id(job: str) -> str:
+    """A valid job id made from an invalid one, the same in every rank (no randomness, no pid).
+
+    ``/``, control characters and undecodable bytes (lone surrogates) become ``_``; ``.`` and ``..``
+    (dot segments a URL would resolve away) become ``_`` and ``__``; an empty id becomes ``job``;
+    an id over ``MAX_JOB_LENGTH`` keeps its start and ends in ``-`` and a hash of the whole id, so
+    two long ids that differ only near their end stay two jobs. A valid id is returned unchanged.
+    """
+    text = "".join("_" if _forbidden(c) else c for c in job)
+    if text in ("", ".", ".."):
+        text = text.replace(".", "_") or "job"
+    if len(text) > MAX_JOB_LENGTH:
+        digest = hashlib.sha1(job.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+        text = text[: MAX_JOB_LENGTH - len(digest) - 1] + "-" + digest
+    return text
 
 
 def default_spool_dir(job: str) -> str:
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job)
+    if len(safe.encode()) > 100 or safe in (".", ".."):
+        # A directory name has at most 255 bytes (a 200-character id can take 800): keep a
+        # readable start and a hash of the whole id.
+        digest = hashlib.sha1(job.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+        safe = safe.encode()[:80].decode("utf-8", "ignore") + "-" + digest
     return os.path.join(tempfile.gettempdir(), f"ddpscope-{os.getuid()}", safe)
 
 
@@ -152,13 +194,17 @@ class Config:
         if values.get("job") is None:
             job = env.get(DDPSCOPE_JOB)
             if job and not _valid_job(job):
+                # Every rank sees the same variable: deriving the id from it (not from the launch,
+                # which can differ per rank) keeps the job one job.
+                used = sanitized_job_id(job)
                 logger.warning(
-                    "ddpscope: ignoring %s=%r: a job id is 1-%d characters without '/' or NUL",
+                    "ddpscope: %s=%r is not a valid job id (%s); using %r",
                     DDPSCOPE_JOB,
                     job[:80],
-                    MAX_JOB_LENGTH,
+                    _JOB_RULE,
+                    used,
                 )
-                job = None
+                job = used
             values["job"] = job or default_job_id(env)
         if values.get("spool_dir") is None:
             values["spool_dir"] = env.get(DDPSCOPE_SPOOL_DIR) or default_spool_dir(str(values["job"]))
@@ -206,9 +252,26 @@ def _env(
     return default
 
 
+_JOB_RULE = f"1-{MAX_JOB_LENGTH} characters, no '/', no control characters, not '.' or '..'"
+
+
+def _forbidden(c: str) -> bool:
+    # Cc: C0/C1 controls and DEL (NUL breaks PostgreSQL, a newline breaks every log line);
+    # Cs: a lone surrogate, an undecodable byte in the environment, which no UTF-8 JSON can carry.
+    return c == "/" or unicodedata.category(c) in ("Cc", "Cs")
+
+
 def _valid_job(job: str) -> bool:
-    # The collector stores job ids in an indexed column and serves them as one URL path segment.
-    return 0 < len(job) <= MAX_JOB_LENGTH and "/" not in job and "\x00" not in job
+    # The collector stores job ids in an indexed VARCHAR(MAX_JOB_LENGTH) column and serves them as
+    # one URL path segment.
+    return 0 < len(job) <= MAX_JOB_LENGTH and job not in (".", "..") and not any(_forbidden(c) for c in job)
+
+
+def _int(text: str | None) -> int:
+    try:
+        return int(text or "")
+    except ValueError:
+        return 0
 
 
 # (field, test, what it must be) for the explicit-argument check.
@@ -216,7 +279,7 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     (
         "job",
         lambda v: isinstance(v, str) and _valid_job(v),
-        f"1-{MAX_JOB_LENGTH} characters without '/' or NUL",
+        _JOB_RULE,
     ),
     ("rank", lambda v: v is None or (type(v) is int and v >= 0), "None or an int >= 0"),
     ("url", lambda v: isinstance(v, str) and v.startswith(("http://", "https://")), "an http(s) URL"),

@@ -120,6 +120,12 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("step", INT, doc="first step this layout applies to"),
         Field("reason", STR, doc="'initial' or 'rebuilt'"),
         Field("buckets", OBJECTS, item=BUCKET),
+        Field(
+            "parameter_order",
+            STRS,
+            required=False,
+            doc="every parameter's name in the engine's index order (torch's 'Parameter indices' refer to it)",
+        ),
     ),
     # One per rank per iteration; arrays are indexed by bucket index. The six integer arrays travel either
     # as lists or packed into ``arrays`` (what the agent sends): exactly one of the two forms.

@@ -63,7 +63,7 @@ from ddpscope.server.analysis.incident_model import (
     user_frame,
     where,
 )
-from ddpscope.server.analysis.snapshot import JobSnapshot, split_restart
+from ddpscope.server.analysis.snapshot import JobSnapshot, UnusedParameter, split_restart
 from ddpscope.server.analysis.status import DEFAULT_SILENT_AFTER_S, Liveness, is_secondary, liveness
 from ddpscope.server.analysis.stuck import stuck_outside
 
@@ -304,6 +304,10 @@ def _error_incidents(
         where_txt = step_phrase(p.get("step"), p.get("phase"), started=p["rank"] in snapshot.steps)
         head = f"Rank {p['rank']} {'died' if p.get('fatal') else 'raised (and kept running)'}{where_txt}"
         msg = f"{head}: {p.get('error_type')}: {first_line(p.get('message', ''))}"
+        if named and any(x.isdigit() for x in named.parameters):
+            names = _resolved_names(named, snapshot)
+            if names != list(named.parameters):
+                msg += f" (parameter indices {', '.join(named.parameters)} are {', '.join(names)})"
         if others:
             msg += f"; {ranks_phrase(e['rank'] for e in others)} reported the same error"
         lost = [v for v in related if v not in others]
@@ -326,7 +330,7 @@ def _error_incidents(
             "rank_crashed" if crash else "rank_error", p, msg, related, culprits=culprits
         )
         if named:
-            incident.parameters = list(named.parameters)
+            incident.parameters = _resolved_names(named, snapshot)
             incident.bucket = named.bucket
         out.append(incident)
         if any(e.get("fatal") for e in same):
@@ -430,31 +434,67 @@ def _bucket_of(snapshot: JobSnapshot, rank: int | None) -> dict[str, int]:
     return {p: b["index"] for b in layouts[-1].get("buckets") or [] for p in b.get("parameters") or []}
 
 
+def _parameter_order(snapshot: JobSnapshot, rank: int) -> list[str]:
+    """The rank's parameter names in the engine's index order (torch's "Parameter indices" refer to it),
+    from its newest layout record that carries them; [] when none does."""
+    for lay in reversed(snapshot.layouts):
+        if lay["rank"] == rank and lay.get("parameter_order"):
+            return list(lay["parameter_order"])
+    return []
+
+
+def _resolved_names(named: _Named, snapshot: JobSnapshot) -> list[str]:
+    """Parameter names of an error: torch without TORCH_DISTRIBUTED_DEBUG gives indices only, which the
+    layout's parameter order turns back into names."""
+    order = _parameter_order(snapshot, named.ranks[0]) if named.ranks else []
+    return [order[int(p)] if p.isdigit() and int(p) < len(order) else p for p in named.parameters]
+
+
+def _buckets_phrase(buckets: Sequence[int]) -> str:
+    if not buckets:
+        return ""
+    return f" (bucket{'s' if len(buckets) > 1 else ''} {', '.join(map(str, buckets))})"
+
+
 def _unused_incidents(snapshot: JobSnapshot, live: Liveness) -> list[Incident]:
     stepping = sorted(snapshot.steps)
-    groups: dict[tuple[tuple[int, ...], int | None], list[str]] = {}
+    groups: dict[tuple[int, ...], list[UnusedParameter]] = {}
     for u in snapshot.unused:
         # Unused everywhere is a property of the model (harmless with find_unused_parameters=True and
         # reported by the unused-parameters endpoint); unused on some ranks is a divergence to look at.
+        # One skipped module is one incident, whichever buckets its parameters fell into.
         if len(stepping) > 1 and set(u.ranks) < set(stepping):
-            bucket = _bucket_of(snapshot, u.ranks[0]).get(u.name)
-            groups.setdefault((tuple(u.ranks), bucket), []).append(u.name)
+            groups.setdefault(tuple(u.ranks), []).append(u)
     out = []
-    for (ranks, bucket), names in sorted(groups.items(), key=lambda kv: kv[0][0]):
+    for ranks, items in sorted(groups.items()):
+        names = [u.name for u in items]
+        bucket_of = _bucket_of(snapshot, ranks[0])
+        buckets = sorted({bucket_of[n] for n in names if n in bucket_of})
         used_on = [r for r in stepping if r not in ranks]
+        first = min((u.first_step for u in items if u.first_step is not None), default=None)
+        last = max((u.last_step for u in items if u.last_step is not None), default=None)
+        per_rank = max(u.steps for u in items) / len(ranks)
+        when = (
+            f", in {per_rank:.0f} step{'s' if per_rank >= 1.5 else ''} from step {first} to step {last}"
+            if first is not None and last != first
+            else f", in step {first}"
+            if first is not None
+            else ""
+        )
         out.append(
             Incident(
                 kind="unused_parameters",
                 message=f"{', '.join(names[:10])}{' …' if len(names) > 10 else ''} got no gradient on "
-                f"{ranks_phrase(ranks)} but did on {ranks_phrase(used_on)}"
-                f"{f' (bucket {bucket})' if bucket is not None else ''}: the ranks run different code paths; "
+                f"{ranks_phrase(ranks)} but did on {ranks_phrase(used_on)}{_buckets_phrase(buckets)}{when}: "
+                "the ranks run different code paths; "
                 + (
                     "find_unused_parameters=True keeps this correct, but check the branch is intended."
                     if snapshot.find_unused_parameters
                     else "without find_unused_parameters=True this hangs or fails the next step."
                 ),
                 rank=ranks[0],
-                bucket=bucket,
+                step=first,
+                bucket=buckets[0] if buckets else None,
                 parameters=names,
                 culprit_ranks=list(ranks),
             )
@@ -462,25 +502,34 @@ def _unused_incidents(snapshot: JobSnapshot, live: Liveness) -> list[Incident]:
     reported = {frozenset(i.parameters) for i in out}
     for e in live.errors:
         named = _named(e)
-        if named is None or not named.parameters or frozenset(named.parameters) in reported:
+        if named is None or not named.parameters:
             continue
-        reported.add(frozenset(named.parameters))
+        names = _resolved_names(named, snapshot)
+        if frozenset(names) in reported:
+            continue
+        reported.add(frozenset(names))
         bucket_of = _bucket_of(snapshot, named.ranks[0])
-        bucket = (
-            named.bucket
+        buckets = (
+            [named.bucket]
             if named.bucket is not None
-            else next((bucket_of[n] for n in named.parameters if n in bucket_of), None)
+            else sorted({bucket_of[n] for n in names if n in bucket_of})
         )
+        step = e.get("step")
+        when = f" in step {step}" if step is not None else ""
+        if step is not None and "prior iteration" in str(e.get("message", "")):
+            # torch notices at the next forward that the previous backward never finished its reduction.
+            step -= 1
+            when = f" in step {step} (torch noticed at the start of step {step + 1})"
         out.append(
             Incident(
                 kind="unused_parameters",
-                message=f"Parameters {', '.join(named.parameters[:10])} received no gradient on "
-                f"{ranks_phrase(named.ranks)} in step {e.get('step')}, so the gradient reduction could not "
+                message=f"Parameters {', '.join(names[:10])} received no gradient on "
+                f"{ranks_phrase(named.ranks)}{when}{_buckets_phrase(buckets)}, so the gradient reduction could not "
                 "finish; use them on every rank or pass find_unused_parameters=True.",
                 rank=named.ranks[0],
-                step=e.get("step"),
-                bucket=bucket,
-                parameters=list(named.parameters),
+                step=step,
+                bucket=buckets[0] if buckets else None,
+                parameters=names,
                 culprit_ranks=sorted(set(named.ranks)),
                 stack=e.get("stack"),
                 time_s=record_s(e),

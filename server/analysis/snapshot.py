@@ -69,6 +69,9 @@ class UnusedParameter:
     """Ranks on which it was unused at least once, ascending."""
     steps: int
     """Number of (rank, step) pairs in which it was unused."""
+    first_step: int | None = None
+    """The first and last step in which it was unused (on any rank)."""
+    last_step: int | None = None
 
 
 @dataclass(slots=True)

@@ -17,11 +17,17 @@ def aggregate_unused(rows: Iterable[tuple[int, int, Sequence[str]]]) -> list[Unu
     """``rows`` are (rank, step, unused names) per step record; most frequently unused first."""
     ranks: dict[str, set[int]] = {}
     counts: dict[str, int] = {}
-    for rank, _step, names in rows:
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for rank, step, names in rows:
         for name in names:
             ranks.setdefault(name, set()).add(rank)
             counts[name] = counts.get(name, 0) + 1
-    items = [UnusedParameter(name, sorted(ranks[name]), counts[name]) for name in counts]
+            first[name] = min(first.get(name, step), step)
+            last[name] = max(last.get(name, step), step)
+    items = [
+        UnusedParameter(name, sorted(ranks[name]), counts[name], first[name], last[name]) for name in counts
+    ]
     items.sort(key=lambda u: (-u.steps, u.name))
     return items
 

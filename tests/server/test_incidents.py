@@ -621,7 +621,8 @@ def test_a_hang_ended_by_the_ranks_death_stays_part_of_the_diagnosis_and_is_not_
     job.error(1, end + 3.9, "Timed out", step=3)
     hang = only(diagnose(job.snapshot(), end + 5), "hang")
     assert hang.active and hang.message.startswith("(ended when the rank died)")
-    assert "made no progress for 4 s" in hang.message  # from the stall's start to the death, not the threshold
+    # Measured from the stall's start to the death, not the report's threshold.
+    assert "made no progress for 4 s" in hang.message
 
 
 def engine_unused_error(rank: int) -> str:
