@@ -7,7 +7,9 @@ Installed once, when the first real (not disabled) agent is created; a disabled 
   with a new stream, so nothing is sent twice; faulthandler is switched off in the child, so a
   crashing DataLoader worker is not reported as its rank's crash.
 - exit (``atexit``): a rank emits ``rank_exit`` ('finished', or 'error' after an uncaught exception),
-  then the agent drains to the spool within 5 s. Forked children never emit ``rank_exit``.
+  then the agent drains to the spool within 5 s. Forked children never emit ``rank_exit``. A
+  delivery notice the shipper could not print on this process's stderr (``shipper.Notices``) is
+  printed now (also on SIGTERM).
 - SIGTERM: ``rank_exit`` ('sigterm') and the same 5 s drain, then the previous handler runs (or, if
   it was the default, the signal is re-raised so the exit status stays "killed by SIGTERM"). A rank
   blocked inside a C call (a collective) runs Python signal handlers only after it returns; the spool,
@@ -19,6 +21,7 @@ Installed once, when the first real (not disabled) agent is created; a disabled 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import os
 import signal
@@ -105,8 +108,23 @@ def _at_exit() -> None:
         if _is_rank(agent):
             agent.emit({"kind": "rank_exit", "step": None, "reason": _exit_reason or "finished"})
         agent.shutdown(EXIT_FLUSH_S)
+        _print_shipper_notice(agent)
     except Exception:
         swallowed("atexit")
+
+
+def _print_shipper_notice(agent: Any) -> None:
+    exporter = getattr(agent, "exporter", None)
+    directory, prefix = getattr(exporter, "spool_dir", None), getattr(exporter, "prefix", None)
+    if not isinstance(directory, str) or not isinstance(prefix, str):
+        return  # not the spool exporter: no shipper
+    from ddpscope.agent.shipper import take_notice
+
+    line = take_notice(directory, prefix)
+    if line:
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # stderr closed or None
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -123,6 +141,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
                 if _is_rank(agent):
                     agent.emit({"kind": "rank_exit", "step": None, "reason": "sigterm"})
                 agent.shutdown(EXIT_FLUSH_S)
+                _print_shipper_notice(agent)
     except Exception:
         swallowed("sigterm")
     if callable(prev):

@@ -16,6 +16,12 @@ it also reads the writer's write-ahead ring (``ring.py``) and ships the records 
 Delivery is at-least-once (a batch is acknowledged only after a 2xx); the collector deduplicates by
 (job, rank, stream, seq). Drops made here (spool over its cap, damaged frames, refused batches) are
 reported in this process's own ``agent_stats`` stream ``<stream>.shipper``.
+
+A wrong ``DDPSCOPE_URL`` is not a refused batch: an answer no ddpscope collector gives on its ingest
+path (``wrong_url``: a redirect, 403, 404, 405, 407, 501) keeps the records in the spool and is retried, so
+nothing is set aside that a corrected URL could still deliver. The user hears of trouble on the
+rank's own stderr, once (``Notices``): when the URL is wrong, when a batch is refused for good, or
+when the collector has accepted nothing for ``DDPSCOPE_NOTICE_AFTER_S``.
 """
 
 from __future__ import annotations
@@ -25,14 +31,17 @@ import fcntl
 import json
 import logging
 import os
+import re
 import select
+import stat
 import sys
 import time
 from collections import Counter, deque
 from typing import Any
 
 from ddpscope.agent import ring, spool
-from ddpscope.agent.transport import Backoff, Poster, batch_body, encode_record, set_aside
+from ddpscope.agent.config import DDPSCOPE_NOTICE_AFTER_S
+from ddpscope.agent.transport import Backoff, Outcome, Poster, batch_body, encode_record, set_aside
 
 logger = logging.getLogger("ddpscope.agent.shipper")
 
@@ -43,6 +52,11 @@ NICE = 10
 IDLE_MAX_S = 2.0
 """Longest look-free sleep with nothing to send (a rank that died with a forked child holding the
 pipe open, so no end-of-file comes, is still noticed this soon)."""
+NOTICE_AFTER_S = 30.0
+"""Default of ``DDPSCOPE_NOTICE_AFTER_S``: how long the collector may accept nothing (unreachable,
+busy, failing) before the rank's stderr hears of it; shorter outages are only logged here."""
+NOTICE_EVERY_S = 600.0
+"""At most one line on the rank's stderr per this many seconds: never one per batch."""
 FATAL_NAMES = {
     "Segmentation fault": "SIGSEGV",
     "Aborted": "SIGABRT",
@@ -83,10 +97,10 @@ class Shipper:
         """Parent pid while the writer lives; None for an adopted orphan (writer already gone)."""
         self.meta = _read_json(os.path.join(self.dir, f"{prefix}.meta"))
         self.reader = spool.SpoolReader(self.dir, prefix)
-        self.poster = Poster(
-            settings["ingest_url"], os.environ.get("DDPSCOPE_TOKEN"), settings["http_timeout_s"]
-        )
+        self.ingest_url = settings["ingest_url"]
+        self.poster = Poster(self.ingest_url, os.environ.get("DDPSCOPE_TOKEN"), settings["http_timeout_s"])
         self.backoff = Backoff(cap_s=settings["retry_max_backoff_s"])
+        self.notices = Notices(self, _env_seconds(DDPSCOPE_NOTICE_AFTER_S, NOTICE_AFTER_S))
         self.dropped: Counter[str] = Counter()
         self.stats_seq = 0
         self.stats_sent: dict[str, int] = {}
@@ -161,7 +175,13 @@ class Shipper:
                 self.cleanup()
                 return True
             if gone_at is not None and time.monotonic() - gone_at > self.s["linger_s"]:
-                logger.error("ddpscope shipper: collector unreachable; leaving %s in the spool", self.prefix)
+                logger.error(
+                    "ddpscope shipper: nothing delivered for %.0f s after the rank ended (last answer: %s); "
+                    "leaving %s in the spool for the next shipper of this spool directory",
+                    self.s["linger_s"],
+                    self.notices.last,
+                    self.prefix,
+                )
                 return False
             if state == "failed":
                 retry_at = time.monotonic() + delay
@@ -200,7 +220,7 @@ class Shipper:
             return "drained", 0.0
         encoded += [encode_record(r) for r in extra]
         outcome = self.poster.post(batch_body(encoded))
-        if outcome.retry:
+        if outcome.retry or wrong_url(outcome):
             delay = self.backoff.next_delay(outcome.retry_after_s)
             logger.info(
                 "ddpscope shipper: ingest failed (%s %s); retry in %.2fs",
@@ -208,6 +228,7 @@ class Shipper:
                 outcome.detail,
                 delay,
             )
+            self.notices.failed(outcome)
             return "failed", delay
         if not outcome.ok:
             logger.error(
@@ -216,6 +237,9 @@ class Shipper:
             set_aside(os.path.join(self.dir, f"{self.prefix}.rejected"), encoded, outcome)
             for kind, n in kinds.items():
                 self.dropped[f"rejected:{kind}"] += n
+            self.notices.refused(outcome)
+        else:
+            self.notices.delivered()
         self.backoff.reset()
         self.reader.ack(chunk.end)
         self.extra = []
@@ -273,8 +297,178 @@ class Shipper:
         self.poster.close()
         for _, path in spool.list_segments(self.dir, self.prefix):
             _unlink(path)
-        for suffix in (".ack", ".meta", ".crash", ".ring"):
+        for suffix in (".ack", ".meta", ".crash", ".ring", NOTICE_SUFFIX):
             _unlink(os.path.join(self.dir, self.prefix + suffix))
+
+
+def wrong_url(outcome: Outcome) -> bool:
+    """The answer says the URL does not lead to a ddpscope collector's ingest endpoint.
+
+    A ddpscope collector answers ``POST /api/v1/ingest`` with 2xx, 400, 401, 413, 422, 429 or 5xx,
+    never with a redirect, 403, 404, 405, 407 or 501: those come from a proxy, another service, a
+    static file server or a wrong path in ``DDPSCOPE_URL``, whatever their body says (an unknown path
+    of any FastAPI app, including a ddpscope collector behind a wrong prefix, reads ``{"detail":"Not
+    Found"}``). Such a batch is not at fault and a corrected URL would take it, so it stays in the
+    spool and is retried instead of being set aside as refused.
+    """
+    status = outcome.status
+    return status is not None and (300 <= status < 400 or status in (403, 404, 405, 407, 501))
+
+
+class Notices:
+    """What the user hears on the rank's own stderr about delivery trouble: one line per episode
+    (from the first failure to the next acknowledged batch), at most one per ``NOTICE_EVERY_S``.
+
+    The shipper's stderr is its log file (a launcher waiting for the end of the rank's output must
+    not wait for the shipper too), so a line goes through ``tell_writer``; when that is not possible
+    it waits in ``<prefix>.notice`` for the rank's exit hook (``lifecycle``) to print it.
+    """
+
+    def __init__(self, shipper: Shipper, after_s: float) -> None:
+        self.shipper = shipper
+        self.after_s = after_s
+        self.failing_since: float | None = None
+        self.told = False
+        """A line was printed (or tried) during the current episode."""
+        self.told_at = -NOTICE_EVERY_S
+        self.last = "none"
+        """The last failed answer, for the log."""
+
+    def delivered(self) -> None:
+        self.failing_since = None
+        self.told = False
+
+    def failed(self, outcome: Outcome) -> None:
+        now = time.monotonic()
+        self.last = describe(outcome)
+        if self.failing_since is None:
+            self.failing_since = now
+        sh = self.shipper
+        if wrong_url(outcome):
+            self.tell(
+                f"{sh.ingest_url} answered {self.last}: not a ddpscope collector (a proxy, another "
+                f"service, a wrong port or path?). Nothing is dropped: records wait in {sh.dir} and "
+                "are retried; check DDPSCOPE_URL (the address `ddpscope serve` prints)."
+            )
+        elif now - self.failing_since >= self.after_s:
+            self.tell(
+                f"the collector at {sh.ingest_url} has accepted nothing for {now - self.failing_since:.0f} s "
+                f"(last: {self.last}). Records wait in {sh.dir} and are sent when it answers (retried "
+                f"while this rank runs and {sh.s['linger_s']:.0f} s after); check DDPSCOPE_URL, or start a "
+                "collector: ddpscope serve."
+            )
+
+    def refused(self, outcome: Outcome) -> None:
+        sh = self.shipper
+        self.tell(
+            f"the collector at {sh.ingest_url} refused a batch for good ({describe(outcome)}); its "
+            f"records are set aside in {os.path.join(sh.dir, sh.prefix + '.rejected')}, not retried. "
+            "Check DDPSCOPE_TOKEN and DDPSCOPE_URL, and that agent and collector are one ddpscope "
+            f"version; further refusals are logged in {os.path.join(sh.dir, sh.prefix + '.shipper.log')}."
+        )
+
+    def tell(self, text: str) -> None:
+        now = time.monotonic()
+        if self.told or now - self.told_at < NOTICE_EVERY_S:
+            return
+        self.told, self.told_at = True, now
+        sh = self.shipper
+        line = f"ddpscope: rank {sh.meta.get('rank')} (job {sh.meta.get('job')}): {text}"
+        logger.warning("%s", line)
+        # After its rank is gone (or for an adopted orphan) nobody is left to read it: the log has it.
+        if sh.writer_pid is not None and not sh.writer_done() and not tell_writer(sh.writer_pid, line):
+            _write_notice(sh.dir, sh.prefix, line)
+
+
+def describe(outcome: Outcome) -> str:
+    """``HTTP 404 (Not Found nginx)`` or the network error, short and printable."""
+    if outcome.status is None:
+        return outcome.detail[:200]
+    body = outcome.detail
+    with contextlib.suppress(ValueError, AttributeError):
+        body = str(json.loads(body).get("detail", body))  # a ddpscope (FastAPI) error
+    body = re.sub(r"<[^>]*>", " ", body)  # a proxy's HTML error page
+    body = " ".join(re.sub(r"[\x00-\x1f\x7f-\x9f]", " ", body).split())[:100]
+    return f"HTTP {outcome.status}" + (f" ({body})" if body else "")
+
+
+PIPE_LINE_MAX = 4000
+"""A write of at most PIPE_BUF (4096 on Linux) bytes to a pipe is atomic: the line cannot be
+interleaved with the rank's own output."""
+NOTICE_SUFFIX = ".notice"
+
+
+def tell_writer(pid: int, line: str) -> bool:
+    """Write one line to process ``pid``'s stderr (fd 2) without keeping it open; False if unsafe.
+
+    Opened anew through ``/proc/<pid>/fd/2`` (Linux) and closed at once, so a launcher that reads
+    the rank's output to its end is never kept waiting. Only where a second writer cannot damage
+    the rank's output: a pipe or a terminal (non-blocking: a full pipe loses the line, not the
+    shipper's time), or a regular file the rank itself appends to. A file opened without
+    ``O_APPEND`` (``> log``) would have the rank's next write land over the line: that case, and
+    any other, returns False. Called only while ``pid`` is our parent (not yet reparented), so the
+    pid cannot have been reused.
+    """
+    path = f"/proc/{pid}/fd/2"
+    data = line.encode("utf-8", "replace")[:PIPE_LINE_MAX] + b"\n"
+    flags = os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISREG(mode):
+            if not _fd_appends(pid, 2):
+                return False
+            flags |= os.O_APPEND
+        elif not (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+            return False  # a socket cannot be reopened; anything else is no stream for a person
+        fd = os.open(path, flags)
+    except OSError:
+        return False
+    try:
+        return os.write(fd, data) == len(data)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _fd_appends(pid: int, fd: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+            for row in f:
+                if row.startswith("flags:"):
+                    return bool(int(row.split()[1], 8) & os.O_APPEND)
+    except (OSError, ValueError, IndexError):
+        pass  # no /proc, or a format we do not know: assume the worst
+    return False
+
+
+def _write_notice(directory: str, prefix: str, line: str) -> None:
+    path = os.path.join(directory, prefix + NOTICE_SUFFIX)
+    with contextlib.suppress(OSError):
+        with open(path + ".tmp", "w") as f:
+            f.write(line + "\n")
+        os.replace(path + ".tmp", path)  # the rank never reads half a line
+
+
+def take_notice(directory: str, prefix: str) -> str:
+    """The line a shipper could not print on its rank's stderr (empty if none), removed once read:
+    the rank prints it itself at exit."""
+    path = os.path.join(directory, prefix + NOTICE_SUFFIX)
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+        os.unlink(path)
+    except OSError:
+        return ""
+    return text.strip()
+
+
+def _env_seconds(name: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(name) or default)
+    except ValueError:
+        return default
+    return value if value >= 0 else default
 
 
 def lock(directory: str, prefix: str) -> int | None:
