@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -29,19 +30,23 @@ class Client:
 
     def get(self, path: str, **params: Any) -> Any:
         query = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
-        return json.loads(self.get_bytes(path + (f"?{query}" if query else "")))
+        data = self.get_bytes(path + (f"?{query}" if query else ""))
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise self._not_a_collector(path, "200 with a body that is not JSON") from None
 
     def get_bytes(self, path: str) -> bytes:
-        request = urllib.request.Request(self.url + path)
-        if self.token:
-            request.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            with self._open(path) as response:
                 return bytes(response.read())
         except urllib.error.HTTPError as e:
-            detail = e.read().decode("utf-8", "replace")
+            body = e.read().decode("utf-8", "replace")
+            detail = body
             with contextlib.suppress(ValueError, AttributeError):
-                detail = json.loads(detail).get("detail", detail)
+                detail = json.loads(body).get("detail", body)
+            if e.code == 404 and not self.is_collector(path):
+                raise self._not_a_collector(path, f"HTTP 404 ({_snippet(body)})") from None
             raise CollectorError(f"{self.url}{path}: HTTP {e.code}: {detail}", e.code) from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
@@ -49,6 +54,33 @@ class Client:
                 f"cannot reach the collector at {self.url} ({reason}); start one with `ddpscope serve` "
                 "or point --url / DDPSCOPE_URL at it"
             ) from None
+
+    def is_collector(self, failed_path: str = "") -> bool:
+        """Whether ``GET /api/v1/jobs`` answers like a ddpscope collector (JSON with ``items``).
+
+        Tells "no such job" (a collector's 404 on a job path) from "not a collector at all": a proxy,
+        another service or a wrong port answers 404 to every path. Asked only after a 404.
+        """
+        if failed_path.partition("?")[0] == "/api/v1/jobs":
+            return False  # every collector serves the job list
+        try:
+            with self._open("/api/v1/jobs") as response:
+                return isinstance(json.loads(response.read()).get("items"), list)
+        except (OSError, ValueError, AttributeError):  # HTTPError and URLError are OSErrors
+            return False
+
+    def _open(self, path: str) -> Any:
+        request = urllib.request.Request(self.url + path)
+        if self.token:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        return urllib.request.urlopen(request, timeout=self.timeout_s)
+
+    def _not_a_collector(self, path: str, answer: str) -> CollectorError:
+        # status None: the CLI exits as for an unreachable collector (3), not "unknown job" (4).
+        return CollectorError(
+            f"{self.url} does not look like a ddpscope collector: GET {path} answered {answer}; "
+            "point --url / DDPSCOPE_URL at the address `ddpscope serve` prints"
+        )
 
     def healthy(self) -> bool:
         try:
@@ -61,4 +93,13 @@ class Client:
         return f"/api/v1/jobs/{urllib.parse.quote(job, safe='')}" + (f"/{what}" if what else "")
 
     def items(self, path: str, **params: Any) -> list[dict[str, Any]]:
-        return list(self.get(path, **params).get("items", []))
+        data = self.get(path, **params)
+        if not isinstance(data, dict):
+            raise self._not_a_collector(path, "JSON without an item list")
+        return list(data.get("items", []))
+
+
+def _snippet(body: str) -> str:
+    """A proxy's HTML error page or JSON body, as a short printable fragment."""
+    text = " ".join(re.sub(r"<[^>]*>|[\x00-\x1f\x7f-\x9f]", " ", body).split())
+    return (text[:80] + "...") if len(text) > 80 else (text or "empty body")

@@ -2,18 +2,23 @@
 
 Each side is imported lazily so the slim training install (no server extras) and the collector (no
 torch) both start. Exit codes: 0 ok (report: nothing wrong found), 1 report found problems,
-2 usage error, 3 collector unreachable or refused, 4 unknown job.
+2 usage error, 3 collector unreachable or refused (or the URL is no collector), 4 unknown job,
+141 (128 + SIGPIPE, as a Unix tool killed by it) the reader of the output went away.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import sys
 
 from ddpscope.cli.client import Client, CollectorError
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_COLLECTOR, EXIT_UNKNOWN_JOB = 0, 1, 2, 3, 4
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,6 +55,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # output that fit in the buffer meets a closed pipe only here
+        return code
+    except BrokenPipeError:
+        # `ddpscope jobs | head -4`: the reader has what it wanted. Stop quietly, as Unix tools do,
+        # and point stdout at /dev/null so the interpreter's final flush does not raise again.
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
         try:
@@ -109,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
             return EXIT_OK
     except CollectorError as e:
-        print(f"ddpscope {args.command}: {e}", file=sys.stderr)
+        from ddpscope.cli.report import safe
+
+        print(f"ddpscope {args.command}: {safe(e)}", file=sys.stderr)
+        # A 404 is raised only by a collector (client.is_collector): the job or step does not exist.
         return EXIT_UNKNOWN_JOB if e.status == 404 else EXIT_COLLECTOR
     return EXIT_USAGE
 

@@ -90,6 +90,20 @@ def _overlap_section(steps: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def known_jobs(items: list[dict[str, Any]], shown: int = 10) -> str:
+    """The most recently seen jobs first (the one a user mistyped is likely among them), and how
+    many more there are, so a long list is never silently cut."""
+
+    def last_seen(j: dict[str, Any]) -> float:
+        v = j.get("last_seen")
+        return float(v) if isinstance(v, (int, float)) else float("-inf")
+
+    recent = sorted(items, key=last_seen, reverse=True)
+    names = ", ".join(safe(j.get("job")) for j in recent[:shown]) or "none"
+    rest = len(recent) - shown
+    return names + (f", ... and {rest} more: ddpscope jobs" if rest > 0 else "")
+
+
 def render_report(client: Client, job: str) -> tuple[str, int]:
     """Return the report text and how many problems it found (active incidents + stragglers)."""
     try:
@@ -97,8 +111,9 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
     except CollectorError as e:
         if e.status != 404:
             raise
-        known = ", ".join(sorted(safe(j["job"]) for j in client.items("/api/v1/jobs"))[:10]) or "none"
-        raise LookupError(f"no job {safe(job)!r} at the collector (known jobs: {known})") from None
+        raise LookupError(
+            f"no job {safe(job)!r} at the collector (known jobs: {known_jobs(client.items('/api/v1/jobs'))})"
+        ) from None
     processes = {int(r["rank"]): r for r in info.get("ranks", [])}
     out = [
         f"ddpscope report for job {safe(job)}",
