@@ -137,7 +137,9 @@ def test_timeline_buckets_stragglers_and_unused_parameters(client):
     assert flagged[0]["slowdown"] > 1.3 and flagged[0]["steps_flagged"] >= 13
 
     unused = client.get("/api/v1/jobs/synth/unused-parameters").json()
-    assert unused["items"] == [{"name": "layers.2.bias", "ranks": [1], "steps": 25}]
+    assert unused["items"] == [
+        {"name": "layers.2.bias", "ranks": [1], "steps": 25, "first_step": 0, "last_step": 24}
+    ]
     assert "find_unused_parameters=False" in unused["advice"]
 
 
