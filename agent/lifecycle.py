@@ -10,10 +10,12 @@ Installed once, when the first real (not disabled) agent is created; a disabled 
   then the agent drains to the spool within 5 s. Forked children never emit ``rank_exit``. A
   delivery notice the shipper could not print on this process's stderr (``shipper.Notices``) is
   printed now (also on SIGTERM).
-- SIGTERM: ``rank_exit`` ('sigterm') and the same 5 s drain, then the previous handler runs (or, if
-  it was the default, the signal is re-raised so the exit status stays "killed by SIGTERM"). A rank
-  blocked inside a C call (a collective) runs Python signal handlers only after it returns; the spool,
-  written every few milliseconds, covers that case.
+- SIGTERM: ``rank_exit`` ('sigterm', crash-durable at once) and the same 5 s drain, then the previous
+  handler runs (or, if it was the default, the signal is re-raised so the exit status stays "killed
+  by SIGTERM"). A rank blocked inside a C call (a collective) runs Python signal handlers only after
+  it returns: over the default action, ``sigterm_watcher`` does the same from a thread after 0.5 s;
+  over a script's own handler, SIGTERM waits for the main thread as it would without ddpscope.
+  SIGTERM ignored (``SIG_IGN``) or handled in C (``getsignal`` is None) is left alone.
 - ``sys.excepthook``: an uncaught exception becomes a fatal ``rank_error`` (unless the engine already
   reported it and set ``exc._ddpscope_reported = True``), then the previous hook runs.
 """
@@ -32,6 +34,7 @@ from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
+from ddpscope.agent import sigterm_watcher
 from ddpscope.agent._errors import swallowed
 
 EXIT_FLUSH_S = 5.0
@@ -70,11 +73,21 @@ def install_sigterm() -> bool:
     if threading.current_thread() is not threading.main_thread():
         return False
     prev = signal.getsignal(signal.SIGTERM)
-    if prev is _on_sigterm:
+    if prev is None or prev == signal.SIG_IGN:
+        # Ignored stays ignored (also in exec'd children); a C handler could not be chained to.
         return True
-    _prev_sigterm = prev
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    if prev is not _on_sigterm:
+        _prev_sigterm = prev
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    if _watcher_may_act():
+        sigterm_watcher.start(_sigterm_flush, _watcher_may_act)
     return True
+
+
+def _watcher_may_act() -> bool:
+    """SIGTERM still goes to our handler, over the default action (see ``sigterm_watcher``)."""
+    prev = _prev_sigterm
+    return signal.getsignal(signal.SIGTERM) is _on_sigterm and not callable(prev) and prev == signal.SIG_DFL
 
 
 def _is_rank(agent: Any) -> bool:
@@ -130,25 +143,41 @@ def _print_shipper_notice(agent: Any) -> None:
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     global _exit_reason
     prev = _prev_sigterm
+    if callable(prev):
+        try:
+            _exit_reason = "sigterm"
+            agent = _current()
+            if agent is not None and agent.live:
+                # The user's handler decides whether to stop; rank_exit('sigterm') comes at exit.
+                agent.force_flush(EXIT_FLUSH_S)
+        except Exception:
+            swallowed("sigterm")
+        prev(signum, frame)
+        return
+    turn = sigterm_watcher.main_turn(EXIT_FLUSH_S + 1.0)
+    if turn is sigterm_watcher.Turn.NESTED:
+        return
+    if turn is sigterm_watcher.Turn.FLUSH:
+        _sigterm_flush()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _sigterm_flush() -> None:
+    """``rank_exit`` ('sigterm') and the bounded drain, by the main thread's handler or by the watcher
+    (whichever claimed it) before the process ends with SIGTERM's default action."""
+    global _exit_reason
     try:
         _exit_reason = "sigterm"
         agent = _current()
         if agent is not None and agent.live:
-            if callable(prev):
-                # The user's handler decides whether to stop; rank_exit('sigterm') comes at exit.
-                agent.force_flush(EXIT_FLUSH_S)
-            else:
-                if _is_rank(agent):
-                    agent.emit({"kind": "rank_exit", "step": None, "reason": "sigterm"})
-                agent.shutdown(EXIT_FLUSH_S)
-                _print_shipper_notice(agent)
+            if _is_rank(agent):
+                # Into the write-ahead ring at once: it survives even if the drain below times out.
+                agent.emit_durable({"kind": "rank_exit", "step": None, "reason": "sigterm"})
+            agent.shutdown(EXIT_FLUSH_S)
+            _print_shipper_notice(agent)
     except Exception:
         swallowed("sigterm")
-    if callable(prev):
-        prev(signum, frame)
-    elif prev != signal.SIG_IGN:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
