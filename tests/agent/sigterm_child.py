@@ -14,7 +14,7 @@ The agent is configured from DDPSCOPE_* and RANK/WORLD_SIZE/MASTER_* in the envi
 - ``free``: emit N heartbeats, print the threads and READY, then wait (in Python) to be killed.
 - ``ignored``: SIGTERM is ignored before the agent starts; the process signals itself, waits past the
   watcher's grace, emits one more heartbeat and prints whether SIGTERM is still ignored, then returns.
-- ``probe``: configure the agent, print the signal wakeup fd found afterwards and the threads.
+- ``probe``: configure the agent (in memory), print the signal wakeup fd found afterwards and the threads.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def threads() -> None:
 
 
 def probe() -> None:
-    agent.configure()
+    # In memory: a shipper started by a process that exits at once could outlive the test.
+    agent.configure(exporter=agent.InMemoryExporter())
     agent.emit(heartbeat(0))
     print("WAKEUP_FD", signal.set_wakeup_fd(-1), flush=True)
     threads()
