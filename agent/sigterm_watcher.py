@@ -108,6 +108,7 @@ def start(flush: Callable[[], None], should_act: Callable[[], bool]) -> bool:
     thread = threading.Thread(
         target=_watch, args=(r, flush, should_act, c_signal), name="ddpscope-sigterm", daemon=True
     )
+    _pid = os.getpid()  # before the thread runs: it ignores signals read in any other process
     try:
         thread.start()
     except RuntimeError:  # "can't create new thread at interpreter shutdown"
@@ -115,7 +116,7 @@ def start(flush: Callable[[], None], should_act: Callable[[], bool]) -> bool:
         os.close(r)
         os.close(w)
         return False
-    _pipe, _pid = (r, w), os.getpid()
+    _pipe = (r, w)
     if not _fork_hooks:
         _fork_hooks = True
         os.register_at_fork(
