@@ -139,7 +139,7 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
         where += [f"collective #{inc['seq']}" if inc.get("seq") is not None else None]
         where += [f"bucket {inc['bucket']}" if inc.get("bucket") is not None else None]
         state = "" if current else " (history)"
-        out.append(f"- [{safe(inc.get('kind'))}]{state} {', '.join(w for w in where if w)}")
+        out.append(f"- [{safe(inc.get('kind'))}]{state} {', '.join(w for w in where if w)}".rstrip())
         out.append(f"  {safe(inc.get('message'))}")
         if inc.get("culprit_ranks"):
             # The pid and host are the rank's current process: not the one a history incident is about.
@@ -150,8 +150,7 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
         if inc.get("call_site"):
             out.append(f"  call site: {safe(inc['call_site'])}")
         if inc.get("stack"):
-            stack_tail = safe(inc["stack"], multiline=True).rstrip().splitlines()[-8:]
-            out.extend("  | " + line for line in stack_tail)
+            out.extend("  | " + line for line in _stack_tail(safe(inc["stack"], multiline=True)))
     if not incidents:
         out.append("none")
 
@@ -192,3 +191,19 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
         out.append("all buckets became ready in index order: no order penalty")
     problems = len(active) + len(flagged)
     return "\n".join(out) + "\n", problems
+
+
+def _stack_tail(stack: str, lines: int = 8) -> list[str]:
+    """The innermost frames of the first thread (the main thread, in a hang report's dump of every
+    thread), and how many other threads the API and the dashboard show in full."""
+    blocks = [b for b in stack.strip().split("\n\n") if b.strip()]
+    threads = [b for b in blocks if b.startswith("Thread ")]
+    if len(threads) < 2:
+        return stack.rstrip().splitlines()[-lines:]
+    head, *frames = threads[0].splitlines()
+    more = len(threads) - 1
+    return [
+        f"{head.rstrip(':')} (innermost frames)",
+        *frames[-lines:],
+        f"... {more} other thread{'s' if more > 1 else ''}: see the incidents API or the dashboard",
+    ]

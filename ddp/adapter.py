@@ -255,6 +255,8 @@ class Instrumentation:
                 "step": step,
                 "reason": reason,
                 "buckets": self.layout.wire(),
+                # torch's unused-parameter error names "Parameter indices" into this list.
+                "parameter_order": list(self._base.names),
             }
         )
 

@@ -115,6 +115,12 @@ def test_rank_start_says_torch_engine_and_the_layout_is_learned_then_rebuilt(par
         assert [(lay["reason"], lay["step"]) for lay in layouts] == [("initial", 0), ("rebuilt", 1)]
         initial, rebuilt = layouts
         assert len(initial["buckets"]) == 1  # torch's iteration 0: one bucket with every parameter
+        # torch's "Parameter indices which did not receive grad" index this list.
+        assert (
+            initial["parameter_order"]
+            == rebuilt["parameter_order"]
+            == parity.results_json[rank]["reducer_parameters"]
+        )
         # Rebuilt in gradient-ready order: the last layer first, a ~1 MiB first bucket.
         assert rebuilt["buckets"][0]["parameters"][:2] == ["5.bias", "5.weight"]
         assert [b["bytes"] for b in rebuilt["buckets"]] == [4 * 263168, 2 * 263168]
