@@ -2,7 +2,11 @@
 
 Collectives are matched by (process group, sequence number): every rank numbers the collectives it
 issues on a group from 1, so at #N every rank must have issued the same op, reduce op, shapes and
-dtypes. See ``incidents`` for the rules (call-site ordering bugs, tie-breaks, extra collectives).
+dtypes, and for a rooted op (broadcast, scatter, reduce, gather) the same root. See ``incidents`` for
+the rules (call-site ordering bugs, tie-breaks, extra collectives).
+
+A group's members are the ``group_ranks`` its records carry (every rank for the default group): a
+member that never issued a collective on it is still a member that the others wait for.
 """
 
 from __future__ import annotations
@@ -24,12 +28,22 @@ class CollectiveIndex:
     def __init__(self, snapshot: JobSnapshot, live: Liveness) -> None:
         self.by_pg: dict[str, dict[int, dict[int, Record]]] = {}
         self.max_seq: dict[tuple[int, str], int] = {}
-        max_seq = self.max_seq
+        """(rank, pg) -> highest seq it issued; 0 for a member of a group that issued none on it."""
+        self.group_ranks: dict[str, list[int]] = {}
+        """Non-default group -> its members, from the records' ``group_ranks`` (newer agents)."""
+        max_seq, group_ranks = self.max_seq, self.group_ranks
         for c in snapshot.collectives:
             rank, pg, seq = c["rank"], c["pg"], c["coll_seq"]
             self.by_pg.setdefault(pg, {}).setdefault(rank, {})[seq] = c
             if seq > max_seq.get((rank, pg), 0):
                 max_seq[(rank, pg)] = seq
+            if pg not in group_ranks and c.get("group_ranks"):
+                group_ranks[pg] = sorted(c["group_ranks"])
+        # A member that never issued anything on its group must show up in it (with nothing issued):
+        # readers that take a group's members from max_seq (the hang diagnosis) then see it too.
+        for pg, ranks in group_ranks.items():
+            for r in ranks:
+                max_seq.setdefault((r, pg), 0)
         for r, hb in snapshot.heartbeats.items():
             self._saw(r, "default", int(hb.get("last_coll_seq") or 0))
         # A collective that completed on one rank was issued by every member of its group: records of
@@ -61,6 +75,16 @@ class CollectiveIndex:
     def _saw(self, rank: int, pg: str, seq: int) -> None:
         self.max_seq[(rank, pg)] = max(self.max_seq.get((rank, pg), 0), seq)
 
+    def members(self, pg: str, live: Liveness) -> list[int]:
+        """The ranks of ``pg``: every rank for the default group; else its recorded members, or, from
+        agents that do not send them, the ranks seen issuing on it."""
+        if pg == "default":
+            return list(live.ranks)
+        known = self.group_ranks.get(pg)
+        if known is not None:
+            return known
+        return sorted({r for (r, p) in self.max_seq if p == pg})
+
     def last(self, rank: int, pg: str) -> Record | None:
         seqs = self.by_pg.get(pg, {}).get(rank, {})
         return seqs[max(seqs)] if seqs else None
@@ -70,11 +94,35 @@ P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 """Point-to-point ops: a send on one rank pairs with a recv on its peer at the same sequence number."""
 
 
-def _signature(c: Record) -> tuple[Any, ...]:
+ROOTED_OPS = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
+"""Ops with a root rank (the record's ``root``: a global rank), and the argument naming it."""
+
+
+def _signature(c: Record, root: bool = True) -> tuple[Any, ...]:
+    """What every rank must agree on at one sequence number; ``root=False`` leaves the root out (when
+    some rank's record has none: an older agent, the engine's own broadcast)."""
     shapes = tuple(tuple(s) for s in c.get("shapes") or [])
     # send and recv are the two halves of one transfer: compare them as one op (direction checked apart).
     op = "send/recv" if c.get("op") in P2P_OPS else c.get("op")
-    return (op, c.get("reduce_op"), shapes, tuple(c.get("dtypes") or []))
+    return (op, c.get("reduce_op"), shapes, tuple(c.get("dtypes") or []), c.get("root") if root else None)
+
+
+def _roots_comparable(recs: Mapping[int, Record]) -> bool:
+    """True when every rank issued the same rooted op and named its root: roots can then be compared.
+    (The point-to-point peer differs per rank by nature and is not a root: its pg names the pair.)"""
+    ops = {c.get("op") for c in recs.values()}
+    return len(ops) == 1 and ops.pop() in ROOTED_OPS and all(c.get("root") is not None for c in recs.values())
+
+
+def describe_root(c: Record) -> str:
+    """``describe`` with the root of a rooted op: ``broadcast(src=1) [8] float32 at train.py:64``,
+    ``reduce(SUM, dst=0) [4] float32``."""
+    arg, root = ROOTED_OPS.get(c.get("op") or ""), c.get("root")
+    if arg is None or root is None:
+        return describe(c)
+    red = c.get("reduce_op")
+    inside = f"{red}, {arg}={root}" if red else f"{arg}={root}"
+    return describe({**c, "op": f"{c['op']}({inside})", "reduce_op": None})
 
 
 _COMPARED_FIELDS = ("op", "shapes", "dtypes", "reduce_op", "call_site", "source")
@@ -94,15 +142,19 @@ def _disagreement(
         values = [_compared(c) for c in recs.values()]
     except KeyError:  # a record without an optional field: take the slow path
         values = [tuple(c.get(f) for f in _COMPARED_FIELDS) for c in recs.values()]
-    if values.count(values[0]) == len(values):
+    # When all these agree, only a rooted op can still disagree: on its root (each rank its own src).
+    if values.count(values[0]) == len(values) and (
+        values[0][0] not in ROOTED_OPS or len({c.get("root") for c in recs.values()}) < 2
+    ):
         return "", {}
+    with_root = _roots_comparable(recs)
     groups: dict[Any, list[int]] = {}
     for r, c in sorted(recs.items()):
-        groups.setdefault(_signature(c), []).append(r)
+        groups.setdefault(_signature(c, with_root), []).append(r)
     if len(groups) > 1:
         differs = [
             n
-            for n, i in (("ops", 0), ("reduce ops", 1), ("shapes", 2), ("dtypes", 3))
+            for n, i in (("ops", 0), ("reduce ops", 1), ("shapes", 2), ("dtypes", 3), ("roots", 4))
             if len({k[i] for k in groups}) > 1
         ]
         return " and ".join(differs), groups
@@ -200,10 +252,10 @@ def _mismatch(
     for r in culprits:
         distinct.setdefault(_full_key(recs[r]), r)
     what = "; ".join(
-        f"{ranks_phrase(r2 for r2 in culprits if _full_key(recs[r2]) == k)} issued {describe(recs[r])}"
+        f"{ranks_phrase(r2 for r2 in culprits if _full_key(recs[r2]) == k)} issued {describe_root(recs[r])}"
         for k, r in distinct.items()
     )
-    msg = f"{what} where {ranks_phrase(ref)} issued {describe(rrec)} at collective #{seq} of group {pg}"
+    msg = f"{what} where {ranks_phrase(ref)} issued {describe_root(rrec)} at collective #{seq} of group {pg}"
     shift = _shift(ranks.get(c0, {}), ranks.get(r0, {}), seq)
     if shift:
         msg += f": {ranks_phrase([c0])} {shift}"
@@ -222,6 +274,13 @@ def _mismatch(
         )
     elif "shapes" in reason or "dtypes" in reason:
         msg += f". The {reason} differ: gloo aborts on the size mismatch (NCCL may hang or corrupt memory)"
+    elif "roots" in reason:
+        arg = ROOTED_OPS.get(crec.get("op") or "", "root")
+        msg += (
+            f". The {reason} differ ({arg}): the ranks disagree on which rank "
+            f"{'sends' if arg == 'src' else 'receives'} the data, so they wait for each other until the "
+            "process group's timeout on gloo (where it completes, a rank gets the wrong rank's data)"
+        )
     else:
         msg += f". The {reason} differ: gloo pairs them silently and the results are wrong"
     if later:
@@ -285,7 +344,7 @@ def missing_incidents(
 ) -> list[Incident]:
     out = []
     for pg, waiting in sorted(colls.waits.items()):
-        members = live.ranks if pg == "default" else sorted({r for (r, p) in colls.max_seq if p == pg})
+        members = colls.members(pg, live)
         for seq in sorted({s for seqs in waiting.values() for s in seqs}):
             missing = [r for r in members if colls.max_seq.get((r, pg), 0) < seq]
             waiters = sorted(r for r, seqs in waiting.items() if seq in seqs)
@@ -318,7 +377,7 @@ def _missing(
     stuck = stuck_outside(snapshot)
     msg = (
         f"{ranks_phrase(waiters)} {'has' if len(waiters) == 1 else 'have'} waited {since:.0f} s in "
-        f"{describe(wait)}, collective #{seq} of group {pg}; {ranks_phrase(missing)} never issued it"
+        f"{describe_root(wait)}, collective #{seq} of group {pg}; {ranks_phrase(missing)} never issued it"
     )
     details = []
     for r in missing:
@@ -336,7 +395,9 @@ def _missing(
             if r in stuck
             else "it is alive, doing something else"
         )
-        lst = f"last collective #{last['coll_seq']} {describe(last)}" if last else "no collective recorded"
+        lst = (
+            f"last collective #{last['coll_seq']} {describe_root(last)}" if last else "no collective recorded"
+        )
         done = colls.max_seq.get((r, pg), 0)
         if done > (last["coll_seq"] if last else 0):
             lst += f" (its peers completed #{done} with it; its own newer records never arrived)"

@@ -98,7 +98,9 @@ class _HangReading:
             return "active", None
         exit_ = self.live.exits.get(r)
         if exit_ is not None and record_s(exit_) >= t:
-            return ("stopped" if exit_.get("reason") == "sigterm" else "exited"), record_s(exit_)
+            reason = exit_.get("reason")
+            state = "stopped" if reason == "sigterm" else "exited" if reason == "finished" else "died"
+            return state, record_s(exit_)
         fatal = self.live.fatal.get(r)
         if fatal is not None and record_s(fatal) >= t:
             return "died", record_s(fatal)

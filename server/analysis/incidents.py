@@ -303,7 +303,7 @@ def _error_incidents(
         crash = bool(_SIGNAL.search(f"{p.get('error_type', '')} {p.get('message', '')}"))
         where_txt = step_phrase(p.get("step"), p.get("phase"), started=p["rank"] in snapshot.steps)
         head = f"Rank {p['rank']} {'died' if p.get('fatal') else 'raised (and kept running)'}{where_txt}"
-        msg = f"{head}: {p.get('error_type')}: {first_line(p.get('message', ''))}"
+        msg = f"{head}: {p.get('error_type')}: {first_line(p.get('message', '')).rstrip('.')}"
         if named and any(x.isdigit() for x in named.parameters):
             names = _resolved_names(named, snapshot)
             if names != list(named.parameters):
@@ -366,13 +366,13 @@ def _error_incidents(
         # A rank whose own hang report put it outside any collective before its peers gave up waiting
         # (asleep in forward, a stuck data loader): the timeout on the others is its doing.
         first_s = min(record_s(v) for v in left)
-        stuck = {r: st for r, st in stuck_outside(snapshot).items() if st.since_s <= first_s}
+        stuck = stuck_outside(snapshot, at_s=first_s)
         if not culprits and stuck:
             culprits = sorted(stuck)
             cause = "; ".join(f"rank {r} was {st.phrase()}" for r, st in sorted(stuck.items()))
             cause = f"the cause is on {ranks_phrase(culprits)}: {cause}"
             for r in culprits:
-                blame.setdefault(r, stuck[r].phrase())
+                blame.setdefault(r, f"was {stuck[r].phrase()}")
         elif culprits:
             cause = f"the cause is on {ranks_phrase(culprits)} (see the other incidents)"
         else:

@@ -43,15 +43,23 @@ def hang_start_s(hang: Record) -> float:
     return record_s(hang) - float(hang.get("stalled_s", 0.0))
 
 
-def stuck_outside(snapshot: JobSnapshot) -> dict[int, Stuck]:
-    """Per rank, its first hang report with nothing in flight and nothing pending that has not since
-    resolved: the rank is stuck in its own code (a data loader, a forward that never returns)."""
+def stuck_outside(snapshot: JobSnapshot, at_s: float | None = None) -> dict[int, Stuck]:
+    """Per rank, its first hang report with nothing in flight and nothing pending: the rank is stuck in
+    its own code (a data loader, a forward that never returns). Without ``at_s``, only hangs not since
+    resolved; with it, hangs that covered that moment, resolved later or not (a rank asleep in forward
+    for 25 s while its peers hit a 10 s timeout moves on afterwards, but it was the cause)."""
     out: dict[int, Stuck] = {}
     for h in sorted(snapshot.hangs, key=record_s):
         r = h["rank"]
         if h.get("inflight") or h.get("pending_buckets") or r in out:
             continue
-        if any(x["rank"] == r and record_s(x) >= record_s(h) for x in snapshot.hang_resolved):
+        start = hang_start_s(h)
+        resolved = [
+            record_s(x) for x in snapshot.hang_resolved if x["rank"] == r and record_s(x) >= record_s(h)
+        ]
+        if at_s is None and resolved:
             continue
-        out[r] = Stuck(r, str(h.get("phase")), h.get("step"), main_site(h), hang_start_s(h))
+        if at_s is not None and not (start <= at_s <= min(resolved, default=float("inf"))):
+            continue
+        out[r] = Stuck(r, str(h.get("phase")), h.get("step"), main_site(h), start)
     return out

@@ -203,3 +203,25 @@ def test_different_ops_at_one_number_are_said_to_wait_not_to_give_wrong_results(
     mismatch = only(diagnose(job.snapshot(), end + 1), "mismatch")
     assert "waits until the process group's timeout" in mismatch.message
     assert "results are wrong" not in mismatch.message
+
+
+def test_a_timeout_is_blamed_on_a_rank_that_was_stuck_at_the_time_even_if_it_moved_on_later() -> None:
+    job = started(2)
+    end = job.train(3)
+    job.coll(0, end, 7, site="train.py:57", step=3, done=False)
+    job.hang(0, end + 5, step=3, inflight=[inflight(7, end)])
+    stuck_hang(job, 1, end + 5, step=3, phase="forward", line=19)
+    job.error(0, end + 10, "[gloo] Timed out waiting 10000ms for recv operation to complete", step=3)
+    job.exit(0, end + 10.1, reason="error", step=3)
+    job.add("hang_resolved", 1, end + 25, step=3, hang_s=25.0)  # it woke up and entered #7, too late
+    job.coll(1, end + 25, 7, site="train.py:57", step=3, done=False)
+    job.error(1, end + 25.1, "Connection closed by peer", step=3)
+    incidents = diagnose(job.snapshot(), end + 26)
+    err = only(incidents, "rank_error")
+    assert (
+        err.culprit_ranks == [1]
+        and "rank 1 was stuck in forward at step 3 at /proj/data.py:19" in err.message
+    )
+    hang0 = next(i for i in incidents if i.kind == "hang" and i.rank == 0)
+    assert hang0.active and hang0.message.startswith("(ended when the rank died)")
+    assert hang0.culprit_ranks == [1] and "entered collective #7 25 s late" in hang0.message
