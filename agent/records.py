@@ -172,6 +172,22 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("start_ns", INT),
         Field("step", INT, nullable=True),
         Field("source", STR, doc="'engine' or 'user'"),
+        Field(
+            "root",
+            INT,
+            required=False,
+            nullable=True,
+            doc="global rank of the root of a rooted op: the src of broadcast and scatter, the dst of "
+            "reduce and gather; absent (or null) when unknown, on other ops and on point-to-point ones (whose "
+            "pg names the pair)",
+        ),
+        Field(
+            "group_ranks",
+            INTS,
+            required=False,
+            doc="global ranks of the group's members, on every collective of a group other than the "
+            "default one (whose members are all ranks, and which omits it)",
+        ),
     ),
     # Completion of a collective issued earlier.
     "collective_end": (

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ddpscope.ddp.collectives import CollectiveRecorder, disabled
+from ddpscope.ddp.collectives import RECORDER, CollectiveRecorder, disabled
 
 logger = logging.getLogger(__name__)
 
@@ -31,20 +31,24 @@ class OpSpec:
     """The argument holding the reduce op, for reductions."""
     peer: str | None = None
     """Point-to-point: the argument naming the peer rank (dst or src)."""
+    root: str | None = None
+    """Rooted ops: the argument naming the root's global rank (src or dst); ``group_<root>`` names it
+    as a rank in the group instead. Recorded as ``root`` so the collector sees ranks that disagree on
+    it (each rank its own src: on gloo every rank then waits until the timeout)."""
 
 
 # Which tensor is recorded: the one whose shape every rank must agree on. Rooted ops record the tensor
 # every rank passes (gather_list / scatter_list exist on the root only and would look like a mismatch).
 OPS: dict[str, OpSpec] = {
     "all_reduce": OpSpec("tensor", "op"),
-    "broadcast": OpSpec("tensor"),
-    "reduce": OpSpec("tensor", "op"),
+    "broadcast": OpSpec("tensor", root="src"),
+    "reduce": OpSpec("tensor", "op", root="dst"),
     "all_gather": OpSpec("tensor"),
     "all_gather_into_tensor": OpSpec("input_tensor"),
     "reduce_scatter": OpSpec("output", "op"),
     "reduce_scatter_tensor": OpSpec("input", "op"),
-    "gather": OpSpec("tensor"),
-    "scatter": OpSpec("tensor"),
+    "gather": OpSpec("tensor", root="dst"),
+    "scatter": OpSpec("tensor", root="src"),
     "barrier": OpSpec(None),
     "all_to_all": OpSpec("input_tensor_list"),
     "all_to_all_single": OpSpec("input"),
@@ -61,11 +65,14 @@ class _GroupNames:
     """Stable names for process groups: 'default' for the world, else 'pg:<torch's group_name>'.
 
     Keyed by id(): ProcessGroup objects cannot be weak-referenced; holding them is harmless because
-    groups live as long as the job.
+    groups live as long as the job. The first sight of a non-default group registers its members
+    with the recorder (``CollectiveRecorder.register_group``), which sends them on its records.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, recorder: CollectiveRecorder) -> None:
         self._names: dict[int, tuple[Any, str | None]] = {}
+        self.recorder = recorder
+        """Where members of newly seen groups are registered (``install`` sets the one it patches for)."""
 
     def name(self, group: Any) -> str | None:
         """The group's name, or None when this rank is not a member (torch then does nothing)."""
@@ -74,27 +81,32 @@ class _GroupNames:
         hit = self._names.get(id(group))
         if hit is not None and hit[0] is group:
             return hit[1]
-        name = _group_name(group)
+        name, ranks = _group_name(group)
+        if name is not None and ranks is not None:
+            self.recorder.register_group(name, ranks)
         self._names[id(group)] = (group, name)
         return name
 
 
-def _group_name(group: Any) -> str | None:
+def _group_name(group: Any) -> tuple[str | None, list[int] | None]:
+    """(name, members' global ranks) of ``group``; (None, None) when this rank is not a member,
+    ("default", None) for the world."""
     import torch.distributed as dist
 
     c10d = dist.distributed_c10d
     if group is c10d.GroupMember.NON_GROUP_MEMBER:
-        return None
+        return None, None
     if group is c10d.GroupMember.WORLD or group is c10d._get_default_group():
-        return "default"
-    if dist.get_rank() not in dist.get_process_group_ranks(group):
-        return None
+        return "default", None
+    ranks = dist.get_process_group_ranks(group)
+    if dist.get_rank() not in ranks:
+        return None, None
     # The same format as ddpscope.ddp.groups.pg_name (the engine's): one group, one sequence counter.
     name = getattr(group, "group_name", None)
-    return f"pg:{name}" if name else f"pg:{id(group):x}"
+    return (f"pg:{name}" if name else f"pg:{id(group):x}"), ranks
 
 
-GROUP_NAMES = _GroupNames()
+GROUP_NAMES = _GroupNames(RECORDER)
 
 
 def pg_name(group: Any = None) -> str:
@@ -112,6 +124,9 @@ def _make_wrapper(
 
     t_pos, r_pos, g_pos = locate(spec.tensor), locate(spec.reduce), locate("group")
     a_pos, p_pos = locate("async_op"), locate(spec.peer)
+    root_name = spec.root
+    group_root_name = f"group_{root_name}" if root_name else None
+    o_pos, go_pos = locate(root_name), locate(group_root_name)
     always_async = op in ("isend", "irecv")
     names = GROUP_NAMES
 
@@ -150,9 +165,14 @@ def _make_wrapper(
                 if r_pos >= 0:
                     red = arg(args, kwargs, r_pos, spec.reduce)
                     reduce_op = "SUM" if red is None else _reduce_name(red)
-                seq = rec.begin(
-                    pg, op, tensors, reduce_op=reduce_op, source="user", call_site=rec.call_site(1)
-                )
+                site = rec.call_site(1)
+                if root_name is None:  # all_reduce and the other unrooted ops: not even a None root
+                    seq = rec.begin(pg, op, tensors, reduce_op=reduce_op, source="user", call_site=site)
+                else:
+                    root = _root(args, kwargs, o_pos, root_name, go_pos, group_root_name, g_pos)
+                    seq = rec.begin(
+                        pg, op, tensors, reduce_op=reduce_op, source="user", call_site=site, root=root
+                    )
         except Exception:
             rec._failed(op)
             pg = None
@@ -174,6 +194,41 @@ def _make_wrapper(
 
     wrapper.__ddpscope_original__ = fn  # type: ignore[attr-defined]
     return wrapper
+
+
+def _root(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    pos: int,
+    name: str,
+    group_pos: int,
+    group_name: str | None,
+    g_pos: int,
+) -> int | None:
+    """The global rank of a rooted op's root, from ``src``/``dst`` or from ``group_src``/``group_dst``
+    (a rank in the group); None when neither is given or it cannot be read (torch raises then)."""
+
+    def arg(p: int, n: str | None) -> Any:
+        if 0 <= p < len(args):
+            return args[p]
+        return kwargs.get(n) if n else None
+
+    try:
+        root = arg(pos, name)
+        if root is not None:
+            return int(root)
+        group_root = arg(group_pos, group_name)
+        if group_root is None:
+            return None
+        group = arg(g_pos, "group")
+        if group is None:
+            return int(group_root)
+        import torch.distributed as dist
+
+        return int(dist.get_global_rank(group, int(group_root)))
+    except Exception:  # a bad argument: torch reports it; the record goes without a root
+        logger.debug("ddpscope could not read the root of a collective", exc_info=True)
+        return None
 
 
 _REDUCE_NAMES: dict[Any, str] = {}
@@ -225,6 +280,7 @@ def install(rec: CollectiveRecorder) -> bool:
         return False
     if not dist.is_available():
         return False
+    GROUP_NAMES.recorder = rec
     if _originals:
         return True
     c10d = dist.distributed_c10d

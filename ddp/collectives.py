@@ -81,6 +81,11 @@ class CollectiveRecorder:
         self._cwd = os.getcwd() + os.sep
         self.internal_errors = 0
         """Failures inside the recorder itself (swallowed so training goes on)."""
+        self.group_ranks: dict[str, list[int]] = {}
+        """Non-default group name -> its members' global ranks, sent on each of its collectives (the
+        collector keeps a window of recent ones, so a once-only field would age out). Filled by
+        ``register_group`` (the patches and ``groups.pg_name`` see the group objects); kept by
+        ``reset()``: groups outlive numbering, and a new group object re-registers its name."""
 
     # -- engine interface ------------------------------------------------------------------------
 
@@ -110,8 +115,11 @@ class CollectiveRecorder:
         step: int | None = None,
         call_site: str | None = None,
         durable: bool | None = None,
+        root: int | None = None,
     ) -> int:
         """Number a collective about to be issued, emit its ``collective`` record; return its seq.
+
+        ``root`` is the global rank of a rooted op's src (broadcast, scatter) or dst (reduce, gather).
 
         ``durable`` (default: every collective but the engine's send/recv) makes the record
         crash-durable before returning, so it survives an abort inside the collective (see the
@@ -146,6 +154,13 @@ class CollectiveRecorder:
                 "step": step,
                 "source": source,
             }
+            # Optional fields only when they apply: the default group's all_reduce pays two tests.
+            if pg != "default":
+                ranks = self.group_ranks.get(pg)
+                if ranks is not None:
+                    record["group_ranks"] = ranks
+            if root is not None:
+                record["root"] = root
             progress = self.progress
             progress.inflight[(pg, seq)] = record
             if pg == "default":
@@ -185,6 +200,11 @@ class CollectiveRecorder:
             )
         except Exception:
             self._failed("end")
+
+    def register_group(self, pg: str, ranks: Sequence[int]) -> None:
+        """Remember the members (global ranks) of non-default group ``pg`` for its records."""
+        if pg != "default":
+            self.group_ranks[pg] = [int(r) for r in ranks]
 
     # -- async completion ------------------------------------------------------------------------
 

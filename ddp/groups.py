@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch.distributed as dist
+
+from ddpscope.ddp.collectives import RECORDER
+
+logger = logging.getLogger(__name__)
 
 
 def pg_name(group: Any = None) -> str:
@@ -19,7 +24,18 @@ def pg_name(group: Any = None) -> str:
     if dist.is_initialized() and group is dist.distributed_c10d._get_default_group():
         return "default"
     name = getattr(group, "group_name", None)
-    return f"pg:{name}" if name else f"pg:{id(group):x}"
+    pg = f"pg:{name}" if name else f"pg:{id(group):x}"
+    _register(pg, group)
+    return pg
+
+
+def _register(pg: str, group: Any) -> None:
+    """Tell the recorder the members of ``group``, so the engine's records on it carry them too (the
+    collector cannot tell a member that never issued a collective from a rank outside the group)."""
+    try:
+        RECORDER.register_group(pg, dist.get_process_group_ranks(group))
+    except Exception:  # not a ProcessGroup torch knows (a test double): its records go without members
+        logger.debug("ddpscope could not read the members of %s", pg, exc_info=True)
 
 
 def group_rank(group: Any = None) -> int:

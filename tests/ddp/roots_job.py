@@ -1,0 +1,47 @@
+"""A raw torch.distributed job that misuses a root or a subgroup, streaming to a collector.
+
+    python roots_job.py SCENARIO
+
+Scenarios:
+  bcast_src  2 ranks: a broadcast where each rank names itself as src (both wait until the timeout).
+  subgroup   3 ranks, group [0, 1]: rank 0 all-reduces on the group, which rank 1 never does (it
+             goes on to the default group's next all-reduce, where it waits for rank 0 with rank 2).
+
+The process group's timeout is ``JOB_PG_TIMEOUT_S``: the hung collectives then raise and the ranks
+exit with an error. Lines marked ``# SITE:<name>`` are the call sites the tests look for.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ddpscope.agent import get_agent
+from ddpscope.ddp import monitor
+
+
+def main() -> None:
+    scenario = sys.argv[1]
+    timeout = datetime.timedelta(seconds=float(os.environ.get("JOB_PG_TIMEOUT_S", "30")))
+    dist.init_process_group("gloo", timeout=timeout)
+    monitor.enable()
+    rank = dist.get_rank()
+    sub = dist.new_group([0, 1]) if scenario == "subgroup" else None
+    for _ in range(3):
+        dist.all_reduce(torch.ones(4))  # SITE:warmup
+    if scenario == "bcast_src":
+        dist.broadcast(torch.full((8,), float(rank)), src=rank)  # SITE:bcast
+    elif scenario == "subgroup":
+        if rank == 0:
+            dist.all_reduce(torch.ones(8), group=sub)  # SITE:sub
+        dist.all_reduce(torch.ones(4))  # SITE:after
+    get_agent().force_flush(5.0)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""The recorder's ``root`` (src/dst of rooted collectives) and ``group_ranks`` (members of a
+non-default group), on a real single-rank gloo group in this process, and in real multi-rank jobs
+whose ranks disagree on a root or skip a subgroup's collective, diagnosed by a real collector."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddpscope.ddp import groups
+from ddpscope.ddp.collectives import RECORDER
+from tests.ddp import test_collectives_recorder as base
+from tests.ddp.test_collectives_recorder import Records
+from tests.support.collector_proc import CollectorProc
+from tests.support.procs import kill_group, started_ranks
+
+JOB = Path(__file__).parent / "roots_job.py"
+
+# The single-rank gloo group and the in-memory agent of the recorder's own tests.
+gloo, records = base.gloo, base.records
+
+
+def by_op(begun: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {r["op"]: r for r in begun}
+
+
+def test_rooted_collectives_record_their_root_and_others_record_none(records: Records) -> None:
+    t = torch.ones(4)
+    dist.broadcast(t, src=0)
+    dist.reduce(t, dst=0, op=dist.ReduceOp.MAX)
+    dist.gather(t, [torch.zeros(4)], dst=0)
+    dist.scatter(t, [torch.ones(4)], src=0)
+    dist.all_reduce(t)
+    dist.barrier()
+    begun = by_op(records("collective"))
+    assert {op: r.get("root") for op, r in begun.items()} == {
+        "broadcast": 0, "reduce": 0, "gather": 0, "scatter": 0, "all_reduce": None, "barrier": None,
+    }  # fmt: skip
+    # No key at all where there is no root, and none of the default group's members: nothing to send.
+    assert "root" not in begun["all_reduce"] and "root" not in begun["barrier"]
+    assert not any("group_ranks" in r for r in begun.values())
+    assert begun["reduce"]["reduce_op"] == "MAX"
+
+
+def test_a_root_given_by_position_or_as_a_group_rank_is_recorded_as_a_global_rank(records: Records) -> None:
+    sub = dist.new_group([0])
+    t = torch.ones(4)
+    dist.broadcast(t, 0)
+    dist.broadcast(t, group=sub, group_src=0)
+    dist.reduce(t, None, dist.ReduceOp.SUM, sub, False, 0)  # group_dst by position
+    begun = records("collective")
+    assert [(r["pg"], r["op"], r["root"]) for r in begun] == [
+        ("default", "broadcast", 0), (groups.pg_name(sub), "broadcast", 0), (groups.pg_name(sub), "reduce", 0),
+    ]  # fmt: skip
+
+
+def test_every_collective_of_a_subgroup_carries_its_members(records: Records) -> None:
+    sub = dist.new_group([0])
+    t = torch.ones(4)
+    dist.all_reduce(t, group=sub)
+    dist.all_reduce(t)
+    dist.barrier(group=sub)
+    begun = records("collective")
+    assert [(r["pg"], r.get("group_ranks")) for r in begun] == [
+        (groups.pg_name(sub), [0]), ("default", None), (groups.pg_name(sub), [0]),
+    ]  # fmt: skip
+
+
+def test_the_engines_collectives_on_a_subgroup_carry_its_members_once_pg_name_has_seen_it(
+    records: Records,
+) -> None:
+    sub = dist.new_group([0])
+    pg = groups.pg_name(sub)  # what the engine does at construction
+    RECORDER.reset()  # numbering restarts; the members stay known
+    seq = RECORDER.begin(pg, "all_reduce", [torch.ones(2)], reduce_op="SUM", source="engine", step=0)
+    RECORDER.end(pg, seq)
+    (begun,) = records("collective")
+    assert begun["pg"] == pg and begun["group_ranks"] == [0] and "root" not in begun
+
+
+# ------------------------------------------------------------------------------- real jobs, real collector
+
+WAIT_S = 90.0
+"""Deadline for a diagnosis to show up (both jobs run at once on a 2-core machine)."""
+
+
+def site(name: str) -> str:
+    for number, line in enumerate(JOB.read_text().splitlines(), start=1):
+        if line.rstrip().endswith(f"# SITE:{name}"):
+            return f"{JOB.name}:{number}"
+    raise KeyError(name)
+
+
+def incidents(url: str, job: str) -> list[dict[str, Any]]:
+    with urllib.request.urlopen(f"{url}/api/v1/jobs/{job}/incidents", timeout=10) as resp:
+        return list(json.loads(resp.read())["items"])
+
+
+def wait_for(
+    url: str, job: str, procs: list[subprocess.Popen[str]], found: Callable[[list[dict[str, Any]]], Any]
+) -> Any:
+    deadline = time.monotonic() + WAIT_S
+    seen: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            seen = incidents(url, job)
+            result = found(seen)
+            if result:
+                return result
+        time.sleep(0.5)
+    logs = ""
+    for rank, p in enumerate(procs):
+        kill_group(p)
+        with contextlib.suppress(Exception):
+            logs += f"--- rank {rank} rc={p.returncode}\n{p.communicate(timeout=10)[1][-2500:]}\n"
+    raise AssertionError(f"not diagnosed within {WAIT_S} s; incidents: {seen}\n{logs}")
+
+
+@pytest.fixture(scope="module")
+def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    tmp = tmp_path_factory.mktemp("roots-jobs")
+    with CollectorProc(f"sqlite:///{tmp / 'ddpscope.db'}", log_path=tmp / "collector.log") as proc:
+        yield proc.start(), tmp
+
+
+@contextlib.contextmanager
+def job(
+    collector: tuple[str, Path], scenario: str, world: int
+) -> Iterator[tuple[str, list[subprocess.Popen[str]]]]:
+    """Start ``scenario`` on ``world`` ranks streaming to the collector; every rank is killed by pid
+    (its process group) when the block ends, hung or not."""
+    url, tmp = collector
+    job_id = f"{scenario}-{uuid.uuid4().hex[:6]}"
+    env = {
+        "DDPSCOPE_URL": url,
+        "DDPSCOPE_JOB": job_id,
+        "DDPSCOPE_HANG_TIMEOUT": "1",
+        "DDPSCOPE_HEARTBEAT_S": "0.5",
+        "DDPSCOPE_SPOOL_DIR": str(tmp / "spool" / job_id),
+        "JOB_PG_TIMEOUT_S": "40",
+    }
+    with started_ranks(JOB, world, args=[scenario], env=env) as procs:
+        yield job_id, procs
+
+
+@pytest.mark.slow
+def test_a_real_broadcast_where_each_rank_names_itself_src_is_a_mismatch_naming_both_srcs(
+    collector: tuple[str, Path],
+) -> None:
+    url = collector[0]
+    with job(collector, "bcast_src", 2) as (job_id, procs):
+        (m,) = wait_for(url, job_id, procs, lambda inc: [i for i in inc if i["kind"] == "mismatch"])
+    at = m["call_site"]  # relative to the ranks' working directory
+    assert m["seq"] == 4 and m["culprit_ranks"] == [1] and at.endswith(site("bcast")), m
+    assert f"rank 1 issued broadcast(src=1) [8] float32 at {at}" in m["message"], m
+    assert f"where rank 0 issued broadcast(src=0) [8] float32 at {at}" in m["message"], m
+    assert "roots differ (src)" in m["message"], m
+
+
+@pytest.mark.slow
+def test_a_real_subgroup_collective_one_member_never_issued_names_that_member(
+    collector: tuple[str, Path],
+) -> None:
+    url = collector[0]
+    with job(collector, "subgroup", 3) as (job_id, procs):
+
+        def on_subgroup(inc: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [i for i in inc if i["kind"] == "missing_collective" and i["pg"] != "default"]
+
+        (missing,) = wait_for(url, job_id, procs, on_subgroup)
+    assert missing["culprit_ranks"] == [1] and missing["seq"] == 1 and missing["rank"] == 0, missing
+    assert "rank 1 never issued it" in missing["message"] and site("sub") in missing["message"], missing
