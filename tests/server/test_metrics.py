@@ -113,9 +113,11 @@ def test_a_stale_hang_of_a_dead_rank_does_not_keep_ddpscope_hang_active_at_1(cli
     samples = scrape(client, now)
     assert value(samples, "ddpscope_hang_active", "stale", 0) == 0.0
     assert value(samples, "ddpscope_hang_active", "stale", 1) == 0.0
-    # The API says the same: the hang is over, and the job failed rather than hangs.
+    # The API says the hang is over (it ended in the rank's death) but keeps it in the diagnosis of the
+    # failure, and the job failed rather than hangs.
     hangs = client.get("/api/v1/jobs/stale/incidents?kind=hang").json()["items"]
-    assert [(h["rank"], h["active"]) for h in hangs] == [(0, False)]
+    assert [h["rank"] for h in hangs] == [0] and hangs[0]["message"].startswith("(ended when the rank died)")
+    assert client.get("/api/v1/jobs/stale").json()["status"] == "failed"
 
 
 def test_a_hang_reported_before_a_rank_restarted_does_not_count(client):
