@@ -16,7 +16,14 @@ from functools import partial
 from operator import itemgetter
 from typing import Any
 
-from ddpscope.server.analysis.incident_model import Incident, Record, describe, ranks_phrase, where
+from ddpscope.server.analysis.incident_model import (
+    ROOTED_OPS,
+    Incident,
+    Record,
+    describe,
+    ranks_phrase,
+    where,
+)
 from ddpscope.server.analysis.snapshot import JobSnapshot
 from ddpscope.server.analysis.status import Liveness
 from ddpscope.server.analysis.stuck import stuck_outside
@@ -94,7 +101,6 @@ P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 """Point-to-point ops: a send on one rank pairs with a recv on its peer at the same sequence number."""
 
 
-ROOTED_OPS = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
 """Ops with a root rank (the record's ``root``: a global rank), and the argument naming it."""
 
 
@@ -112,17 +118,6 @@ def _roots_comparable(recs: Mapping[int, Record]) -> bool:
     (The point-to-point peer differs per rank by nature and is not a root: its pg names the pair.)"""
     ops = {c.get("op") for c in recs.values()}
     return len(ops) == 1 and ops.pop() in ROOTED_OPS and all(c.get("root") is not None for c in recs.values())
-
-
-def describe_root(c: Record) -> str:
-    """``describe`` with the root of a rooted op: ``broadcast(src=1) [8] float32 at train.py:64``,
-    ``reduce(SUM, dst=0) [4] float32``."""
-    arg, root = ROOTED_OPS.get(c.get("op") or ""), c.get("root")
-    if arg is None or root is None:
-        return describe(c)
-    red = c.get("reduce_op")
-    inside = f"{red}, {arg}={root}" if red else f"{arg}={root}"
-    return describe({**c, "op": f"{c['op']}({inside})", "reduce_op": None})
 
 
 _COMPARED_FIELDS = ("op", "shapes", "dtypes", "reduce_op", "call_site", "source")
@@ -252,10 +247,10 @@ def _mismatch(
     for r in culprits:
         distinct.setdefault(_full_key(recs[r]), r)
     what = "; ".join(
-        f"{ranks_phrase(r2 for r2 in culprits if _full_key(recs[r2]) == k)} issued {describe_root(recs[r])}"
+        f"{ranks_phrase(r2 for r2 in culprits if _full_key(recs[r2]) == k)} issued {describe(recs[r])}"
         for k, r in distinct.items()
     )
-    msg = f"{what} where {ranks_phrase(ref)} issued {describe_root(rrec)} at collective #{seq} of group {pg}"
+    msg = f"{what} where {ranks_phrase(ref)} issued {describe(rrec)} at collective #{seq} of group {pg}"
     shift = _shift(ranks.get(c0, {}), ranks.get(r0, {}), seq)
     if shift:
         msg += f": {ranks_phrase([c0])} {shift}"
@@ -377,7 +372,7 @@ def _missing(
     stuck = stuck_outside(snapshot)
     msg = (
         f"{ranks_phrase(waiters)} {'has' if len(waiters) == 1 else 'have'} waited {since:.0f} s in "
-        f"{describe_root(wait)}, collective #{seq} of group {pg}; {ranks_phrase(missing)} never issued it"
+        f"{describe(wait)}, collective #{seq} of group {pg}; {ranks_phrase(missing)} never issued it"
     )
     details = []
     for r in missing:
@@ -395,9 +390,7 @@ def _missing(
             if r in stuck
             else "it is alive, doing something else"
         )
-        lst = (
-            f"last collective #{last['coll_seq']} {describe_root(last)}" if last else "no collective recorded"
-        )
+        lst = f"last collective #{last['coll_seq']} {describe(last)}" if last else "no collective recorded"
         done = colls.max_seq.get((r, pg), 0)
         if done > (last["coll_seq"] if last else 0):
             lst += f" (its peers completed #{done} with it; its own newer records never arrived)"

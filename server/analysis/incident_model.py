@@ -47,9 +47,16 @@ def ranks_phrase(ranks: Iterable[int]) -> str:
     return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
 
 
+ROOTED_OPS = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
+"""Ops with a root rank, and the name of their root argument (a collective record's ``root``)."""
+
+
 def describe(c: Record) -> str:
-    """``all_reduce(SUM) [4] float32 at train.py:57``."""
-    op = c.get("op", "?") + (f"({c['reduce_op']})" if c.get("reduce_op") else "")
+    """``all_reduce(SUM) [4] float32 at train.py:57``; ``broadcast(src=1) [8] float32``,
+    ``reduce(SUM, dst=0) [4] float32`` for rooted ops whose record has a root."""
+    arg, root = ROOTED_OPS.get(c.get("op") or ""), c.get("root")
+    args = [a for a in (c.get("reduce_op"), f"{arg}={root}" if arg and root is not None else None) if a]
+    op = c.get("op", "?") + (f"({', '.join(args)})" if args else "")
     shapes = c.get("shapes")
     shape_txt = " " + ", ".join("[" + ",".join(map(str, s)) + "]" for s in shapes) if shapes else ""
     dtypes = sorted(set(c.get("dtypes") or []))
