@@ -20,11 +20,23 @@ class Progress:
     counter moved, but the rank did not make progress, and a hang that ends this way is not resolved.
     """
 
-    __slots__ = ("phase", "step", "counter", "failures", "last_coll_seq", "inflight", "pending_buckets")
+    __slots__ = (
+        "phase",
+        "step",
+        "began",
+        "counter",
+        "failures",
+        "last_coll_seq",
+        "inflight",
+        "pending_buckets",
+    )
 
     def __init__(self) -> None:
         self.phase = "idle"
         self.step = 0
+        self.began = False
+        """A step has begun: some phase other than 'idle' was entered. Until then an idle rank is in
+        set-up (model building, the first batch), which the hang watchdog does not report."""
         self.counter = 0
         """Moves on every event; the watchdog samples it, so the hot path reads no clock."""
         self.failures = 0
@@ -40,6 +52,8 @@ class Progress:
         self.phase = phase
         if step is not None:
             self.step = step
+        if phase != "idle":
+            self.began = True
         self.tick()
 
     def tick(self) -> None:

@@ -5,14 +5,37 @@ Usage (the engine starts it at construction; raw torch.distributed jobs may star
     from ddpscope.ddp.watchdog import start_watchdog
     start_watchdog()            # DDPSCOPE_HANG_TIMEOUT (300 s), DDPSCOPE_HEARTBEAT_S (2.0 s)
 
-The thread samples ``PROGRESS.counter`` (moved by the engine and the collective recorder on every
-event). When it has not moved for ``timeout_s`` while the rank is busy (phase other than 'idle', or a
-collective in flight) it emits one ``hang`` record at once: phase, step, pending buckets, in-flight
+The thread samples ``PROGRESS.counter``. Progress is what moves it: every phase change of a step
+(forward, backward, all-reduce, back to idle), every gradient, and the start and end of every
+collective, the engine's and the user's own (the recorder counts them). When it has not moved for
+``timeout_s`` the thread emits one ``hang`` record at once: phase, step, pending buckets, in-flight
 collectives, every thread's stack and a sentence a person can act on. When the counter moves again it
 emits ``hang_resolved``, unless what moved it was a collective ending in an error (``Progress.failures``,
 a peer died): that hang ended in a failure, which the ``rank_error`` record reports, not in progress.
 Every ``heartbeat_s`` it emits a ``heartbeat``, hung or not: a silent rank is itself a diagnosis at the
 collector.
+
+From the first step on, the rule is the same in every phase, ``idle`` included. A rank stuck *between
+steps* (a deadlocked data loader, a blocking queue, a checkpoint write that never returns) waits in no
+collective, and its peers wait in the next step's all-reduce for it: its own report, phase ``idle``
+with nothing in flight and no bucket pending, is the one that shows where it is stuck (the collector
+reads such a report as "stuck in its own code" and blames that rank). Between steps, the next forward
+and any collective are progress, so a long phase that issues collectives (an evaluation that
+all-reduces its metrics, a sharded checkpoint) is never reported; one that goes on for ``timeout_s``
+with neither is, since the timeout is the user's statement of how long no progress is acceptable. That
+includes the time after the last step: stop the watchdog (``stop_watchdog()``) once training is done if
+a long final save without collectives is expected. The report says how much CPU the main thread used
+meanwhile: none means it is blocked, waiting; a lot means it is busy (long work, or a loop that never
+ends).
+
+Before the first step (``Progress.began`` still false: set-up, model building, loading a checkpoint,
+starting data loader workers, the first batch) an idle rank is not reported; a collective in flight
+still is, as in any phase. Set-up has no step to compare with: it routinely takes longer than a timeout
+tuned for steps (tens of seconds of imports on a loaded machine, minutes to load a large checkpoint),
+and reporting it would page at every start. A rank stuck there is still found: its peers report their
+wait in the first step's all-reduce, and the collector names it from its heartbeats (phase idle, step
+0). Jobs that never enter a phase (raw ``torch.distributed`` without the engine or ``instrument()``)
+are, likewise, reported only inside collectives.
 
 It keeps working while the main thread is blocked inside a gloo collective, because gloo releases the
 GIL while it waits. It never raises: a failure in a tick is logged and counted, and the next tick runs.
@@ -24,6 +47,7 @@ import atexit
 import logging
 import os
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Callable
@@ -46,12 +70,13 @@ MAX_TICK_S = 0.25
 """Longest sleep between samples: bounds the lateness of a report and of an async collective's end."""
 
 _PHASE_WORDS = {
-    "idle": "between steps",
     "forward": "forward",
     "backward": "backward",
     "allreduce": "all-reduce",
     "optimizer": "the optimizer step",
 }
+BLOCKED_CPU_SHARE = 0.1
+"""Below this share of the stall spent on the CPU, the main thread is called blocked (waiting)."""
 
 
 def _setting(explicit: float | None, attrs: tuple[str, ...], env: str, default: float) -> float:
@@ -93,6 +118,33 @@ def _rank() -> str:
     return os.environ.get("RANK", "?")
 
 
+def _where(phase: str, step: int, began: bool, pending: list[dict[str, Any]], stuck_here: bool) -> str:
+    """Where the rank is, as the end of "has made no progress for N s ..."."""
+    if pending:
+        first = pending[0]
+        if first.get("launched"):
+            return f"in all-reduce of bucket {first.get('index')} (step {step})"
+        return f"in backward, waiting for gradients of bucket {first.get('index')} (step {step})"
+    if phase != "idle":
+        return f"in {_PHASE_WORDS.get(phase, phase)} (step {step})"
+    if not began:  # only with a collective in flight: an idle rank in set-up is not reported
+        return "before its first step"
+    return f"between steps, after step {step}" + (
+        " (the optimizer step, data loading or its own code)" if stuck_here else ""
+    )
+
+
+def _cpu_words(cpu_s: float, stalled_s: float) -> str:
+    """Blocked or busy: the first question about a rank stuck in its own code."""
+    used = f"the main thread used {cpu_s:.1f} s of CPU meanwhile"
+    if cpu_s < BLOCKED_CPU_SHARE * stalled_s:
+        return f"{used}: it is blocked, waiting (on a data loader, a queue, a lock, a file or a socket)"
+    return (
+        f"{used}: it is busy, not waiting (work longer than the timeout, or a loop that never ends; "
+        f"if that work is expected, raise {ENV_HANG_TIMEOUT})"
+    )
+
+
 def hang_message(
     rank: str,
     phase: str,
@@ -102,16 +154,19 @@ def hang_message(
     inflight: list[dict[str, Any]],
     main_site: str | None = None,
     last: dict[str, Any] | None = None,
+    *,
+    began: bool = True,
+    main_cpu_s: float | None = None,
 ) -> str:
-    """The sentence of a hang report: where this rank is stuck and what to look at next."""
-    where = _PHASE_WORDS.get(phase, phase)
-    if pending:
-        first = pending[0]
-        if first.get("launched"):
-            where = f"all-reduce of bucket {first.get('index')}"
-        else:
-            where = f"backward, waiting for gradients of bucket {first.get('index')}"
-    parts = [f"rank {rank} has made no progress for {stalled_s:.1f} s in {where} (step {step})"]
+    """The sentence of a hang report: where this rank is stuck and what to look at next.
+
+    ``began``: a step has begun (else an idle rank is still in set-up); ``main_cpu_s``: CPU seconds the
+    main thread used during the stall, said when no collective is in flight (blocked or busy).
+    """
+    missing = [name for b in pending for name in b.get("missing", ())]
+    stuck_here = not inflight and not missing
+    where = _where(phase, step, began, pending, stuck_here)
+    parts = [f"rank {rank} has made no progress for {stalled_s:.1f} s {where}"]
     if inflight:
         shown = [
             f"{c['pg']}#{c['coll_seq']} {c['op']}" + (f" at {c['call_site']}" if c.get("call_site") else "")
@@ -120,7 +175,6 @@ def hang_message(
         more = f" (+{len(inflight) - 3} more)" if len(inflight) > 3 else ""
         verb = "is" if len(inflight) == 1 else "are"
         parts.append(f"collective {', '.join(shown)}{more} {verb} in flight")
-    missing = [name for b in pending for name in b.get("missing", ())]
     if missing:
         extra = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
         parts.append(f"parameters whose gradients never arrived: {', '.join(missing[:10])}{extra}")
@@ -130,6 +184,8 @@ def hang_message(
         parts.append(f"its last collective was {last['pg']}#{last['coll_seq']} {last['op']}{at}")
     if main_site:
         parts.append(f"the main thread waits at {main_site}")
+    if main_cpu_s is not None and not inflight:
+        parts.append(_cpu_words(main_cpu_s, stalled_s))
     text = "; ".join(parts) + "."
     if inflight:
         first = inflight[0]
@@ -140,8 +196,62 @@ def hang_message(
     elif missing:
         text += " Those parameters took no part in this step's forward on this rank."
     else:
-        text += " No collective is in flight: this rank itself is stuck; see the main thread's stack."
+        text += (
+            " No collective is in flight: this rank itself is stuck; see the main thread's stack."
+            " Peers waiting in a collective are waiting for it."
+        )
     return text
+
+
+def _main_thread_cpu_s() -> float | None:
+    """CPU seconds the main thread has used so far; None where the platform cannot tell."""
+    try:
+        ident = threading.main_thread().ident
+        if ident is None:
+            return None
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+    except (AttributeError, OSError, OverflowError):  # no such clock here, or the thread is gone
+        return None
+
+
+_library_dirs: tuple[str, ...] | None = None
+_verdicts: dict[str, bool] = {}
+"""co_filename -> whether it is library code (read on the watchdog thread only, at report time)."""
+
+
+def _is_library(filename: str) -> bool:
+    """Whether a frame's file is not the user's: the standard library, installed packages, torch,
+    ddpscope itself (the collector's ``user_frame`` draws the same line)."""
+    global _library_dirs
+    verdict = _verdicts.get(filename)
+    if verdict is not None:
+        return verdict
+    if _library_dirs is None:
+        paths = sysconfig.get_paths()
+        dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(k)}
+        # torch and ddpscope's own folders too: either may be an editable install outside them.
+        for name in ("torch", "ddpscope.agent"):
+            module_file = getattr(sys.modules.get(name), "__file__", None)
+            if module_file:
+                dirs.add(os.path.dirname(module_file))
+        dirs.add(os.path.dirname(__file__))
+        _library_dirs = tuple(os.path.join(os.path.abspath(d), "") for d in dirs)
+    # "<frozen importlib._bootstrap>" and the like: the interpreter's own.
+    verdict = filename.startswith("<frozen") or os.path.abspath(filename).startswith(_library_dirs)
+    _verdicts[filename] = verdict
+    return verdict
+
+
+def _user_site(frame: Any) -> str | None:
+    """``file:line`` of the innermost frame of user code in ``frame``'s stack (a blocked main thread
+    is innermost in ``threading`` or ``queue``; the line to read is the user's call into them)."""
+    cwd = os.path.join(os.getcwd(), "")
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not _is_library(filename):
+            return f"{filename.removeprefix(cwd)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
 
 
 def _pending_wire(bucket: Any) -> dict[str, Any]:
@@ -165,6 +275,7 @@ class Watchdog:
         progress: Progress = PROGRESS,
         recorder: CollectiveRecorder = RECORDER,
         clock: Callable[[], float] = time.monotonic,
+        main_cpu_s: Callable[[], float | None] = _main_thread_cpu_s,
     ) -> None:
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
@@ -175,11 +286,14 @@ class Watchdog:
         self._progress = progress
         self._recorder = recorder
         self._clock = clock
+        self._main_cpu_s = main_cpu_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_counter = progress.counter
         self._last_failures = progress.failures
         self._last_change = clock()
+        self._cpu_at_change = main_cpu_s()
+        """The main thread's CPU time at ``_last_change``: blocked or busy, when a report says where."""
         self._hung = False
         self._next_heartbeat = 0.0
 
@@ -198,6 +312,7 @@ class Watchdog:
         self._last_counter = self._progress.counter
         self._last_failures = self._progress.failures
         self._last_change = self._clock()
+        self._cpu_at_change = self._main_cpu_s()
         self._next_heartbeat = self._last_change
         thread = threading.Thread(target=self._run, name="ddpscope-watchdog", daemon=True)
         try:
@@ -269,10 +384,14 @@ class Watchdog:
             self._last_counter = counter
             self._last_failures = failures
             self._last_change = now
+            self._cpu_at_change = self._main_cpu_s()
             return
+        # Idle counts too once a step has begun: a rank stuck between steps (a data loader, a queue)
+        # waits in no collective, and its report is the only place its stack shows up. Before the
+        # first step only a collective in flight does (set-up has no step to compare with).
         stalled_s = now - self._last_change
-        busy = progress.phase != "idle" or bool(progress.inflight)
-        if not self._hung and busy and stalled_s >= self.timeout_s:
+        watched = progress.began or progress.phase != "idle" or bool(progress.inflight)
+        if not self._hung and watched and stalled_s >= self.timeout_s:
             self._hung = True
             self.hangs_reported += 1
             self._report(stalled_s)
@@ -287,10 +406,22 @@ class Watchdog:
         inflight = self._recorder.inflight()
         phase, step = progress.phase, progress.step
         main_frame = sys._current_frames().get(threading.main_thread().ident or -1)
-        main_site = self._recorder.frame_site(main_frame) if main_frame is not None else None
+        main_site = None
+        if main_frame is not None:
+            main_site = _user_site(main_frame) or self._recorder.frame_site(main_frame)
+        cpu_now, cpu_then = self._main_cpu_s(), self._cpu_at_change
         recent = self._recorder.recent(1)
         message = hang_message(
-            _rank(), phase, step, stalled_s, pending, inflight, main_site, recent[-1] if recent else None
+            _rank(),
+            phase,
+            step,
+            stalled_s,
+            pending,
+            inflight,
+            main_site,
+            recent[-1] if recent else None,
+            began=progress.began,
+            main_cpu_s=None if cpu_now is None or cpu_then is None else max(0.0, cpu_now - cpu_then),
         )
         emit(
             {

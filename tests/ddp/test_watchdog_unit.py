@@ -115,17 +115,6 @@ def test_progress_after_a_hang_emits_hang_resolved_with_the_stall_duration(
     assert len(records("hang_resolved")) == 1
 
 
-def test_an_idle_rank_with_nothing_in_flight_is_never_called_hung(
-    records: Records, parts: tuple[Progress, CollectiveRecorder, ManualClock]
-) -> None:
-    _, _, clock = parts
-    dog = make(parts, timeout_s=1.0)
-    for _ in range(10):
-        clock.now += 1.0
-        dog.check()
-    assert records("hang") == [] and not dog.hung
-
-
 def test_an_idle_rank_waiting_in_a_collective_is_hung(
     records: Records, parts: tuple[Progress, CollectiveRecorder, ManualClock]
 ) -> None:

@@ -40,6 +40,11 @@ def run_job(
     results = run_ranks(
         COLLECTIVE_JOB, world_size, args=[scenario, str(out_dir)], env=dict(env or {}), timeout_s=timeout_s
     )
+    return JobRun(results, read_records(out_dir, world_size))
+
+
+def read_records(out_dir: Path, world_size: int) -> dict[int, list[dict[str, Any]]]:
+    """Every rank's records from ``out_dir/rank<R>.jsonl`` (written by ``_capture``), validated."""
     records: dict[int, list[dict[str, Any]]] = {}
     for rank in range(world_size):
         path = out_dir / f"rank{rank}.jsonl"
@@ -54,7 +59,7 @@ def run_job(
         for record in parsed:
             validate_record(record)
         records[rank] = parsed
-    return JobRun(results, records)
+    return records
 
 
 def site(name: str, script: Path = COLLECTIVE_JOB) -> str:
