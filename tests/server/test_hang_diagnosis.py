@@ -5,7 +5,7 @@ a hung job killed by its time limit, a stopped rank whose heartbeat lags its ste
 from __future__ import annotations
 
 from ddpscope.server.analysis.incidents import diagnose
-from ddpscope.server.analysis.status import job_status
+from ddpscope.server.analysis.status import job_status, liveness
 from tests.server.test_incidents import T0, JobRecords, inflight, kinds, only, started
 
 
@@ -225,3 +225,17 @@ def test_a_timeout_is_blamed_on_a_rank_that_was_stuck_at_the_time_even_if_it_mov
     hang0 = next(i for i in incidents if i.kind == "hang" and i.rank == 0)
     assert hang0.active and hang0.message.startswith("(ended when the rank died)")
     assert hang0.culprit_ranks == [1] and "entered collective #7 25 s late" in hang0.message
+
+
+def test_a_rank_killed_while_it_hung_no_longer_hangs_and_its_hang_explains_the_failure() -> None:
+    job = started(2)
+    end = job.train(3)
+    stuck_hang(job, 1, end + 5, step=3, phase="idle")
+    job.coll(0, end, 7, site="train.py:57", step=3, done=False)
+    job.hang(0, end + 5, step=3, inflight=[inflight(7, end)])
+    job.error(0, end + 8, "Connection reset by peer", step=3)  # rank 1 was SIGKILLed at end + 8
+    snap = job.snapshot()
+    live = liveness(snap, end + 9)
+    assert live.crashed == [1] and live.active_hangs == {} and live.status == "failed"
+    hang1 = next(i for i in diagnose(snap, end + 9) if i.kind == "hang" and i.rank == 1)
+    assert hang1.message.startswith("(ended when the rank died)") and hang1.culprit_ranks == [1]
