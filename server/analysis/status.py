@@ -153,7 +153,9 @@ def liveness(
             live.fatal.setdefault(err["rank"], err)
     live.crashed = _crashed(live)
     # A crashed rank's hang ended with it: no hang_resolved or exit will ever come.
-    live.active_hangs = {r: h for r, h in _active_hangs(snapshot, live, counts).items() if r not in live.crashed}
+    live.active_hangs = {
+        r: h for r, h in _active_hangs(snapshot, live, counts).items() if r not in live.crashed
+    }
     live.stopped_hangs = _stopped_hangs(snapshot, live, counts)
     live.silent = _silent(live)
     return live

@@ -181,7 +181,9 @@ def test_the_engines_different_model_error_is_one_incident_blamed_on_the_odd_ran
     err = incidents[0]
     assert err.culprit_ranks == [1] and err.rank == 1
     assert "before its first step" in err.message and "after step 0" not in err.message
-    assert "requires_grad and order) before wrapping it; rank 0 reported" in err.message  # not cut mid-sentence
+    assert (
+        "requires_grad and order) before wrapping it; rank 0 reported" in err.message
+    )  # not cut mid-sentence
 
 
 def test_a_rank_stopped_by_sigterm_alone_is_told_apart_from_uneven_inputs() -> None:
