@@ -10,40 +10,19 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import torch
 
-from ddpscope import agent
-from ddpscope.agent.records import validate_record
 from ddpscope.ddp import watchdog as wd
 from ddpscope.ddp.collectives import CollectiveRecorder
 from ddpscope.ddp.progress import Progress
-
-Records = Callable[..., list[dict[str, Any]]]
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.ddp.watchdog_support import ManualClock, Records, in_memory_records
 
 
 @pytest.fixture
 def records() -> Iterator[Records]:
-    exporter = agent.InMemoryExporter()
-    agent.configure(exporter=exporter, rank=1)
-
-    def read(*kinds: str) -> list[dict[str, Any]]:
-        agent.get_agent().force_flush(5.0)
-        for r in exporter.records:
-            validate_record(r)
-        return [r for r in exporter.records if not kinds or r["kind"] in kinds]
-
-    yield read
+    yield from in_memory_records(rank=1)
 
 
 @pytest.fixture

@@ -1,0 +1,35 @@
+"""What the watchdog unit tests share: a clock the test moves by hand, and the records the watchdog
+emitted through an in-memory agent."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ddpscope import agent
+from ddpscope.agent.records import validate_record
+
+Records = Callable[..., list[dict[str, Any]]]
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def in_memory_records(rank: int) -> Iterator[Records]:
+    """Configure the agent with an in-memory exporter for ``rank``; yield a reader that flushes and
+    returns the records (of the given kinds, or all), each checked against the wire format."""
+    exporter = agent.InMemoryExporter()
+    agent.configure(exporter=exporter, rank=rank)
+
+    def read(*kinds: str) -> list[dict[str, Any]]:
+        agent.get_agent().force_flush(5.0)
+        for r in exporter.records:
+            validate_record(r)
+        return [r for r in exporter.records if not kinds or r["kind"] in kinds]
+
+    yield read
