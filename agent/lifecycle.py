@@ -86,8 +86,7 @@ def install_sigterm() -> bool:
 
 def _watcher_may_act() -> bool:
     """SIGTERM still goes to our handler, over the default action (see ``sigterm_watcher``)."""
-    prev = _prev_sigterm
-    return signal.getsignal(signal.SIGTERM) is _on_sigterm and not callable(prev) and prev == signal.SIG_DFL
+    return signal.getsignal(signal.SIGTERM) is _on_sigterm and _prev_sigterm == signal.SIG_DFL
 
 
 def _is_rank(agent: Any) -> bool:

@@ -38,7 +38,9 @@ class CollectiveIndex:
         """(rank, pg) -> highest seq it issued; 0 for a member of a group that issued none on it."""
         self.group_ranks: dict[str, list[int]] = {}
         """Non-default group -> its members, from the records' ``group_ranks`` (newer agents)."""
-        max_seq, group_ranks = self.max_seq, self.group_ranks
+        self.completed: dict[str, int] = {}
+        """pg -> highest seq that completed on some rank (point-to-point left out)."""
+        max_seq, group_ranks, completed = self.max_seq, self.group_ranks, self.completed
         for c in snapshot.collectives:
             rank, pg, seq = c["rank"], c["pg"], c["coll_seq"]
             self.by_pg.setdefault(pg, {}).setdefault(rank, {})[seq] = c
@@ -46,6 +48,8 @@ class CollectiveIndex:
                 max_seq[(rank, pg)] = seq
             if pg not in group_ranks and c.get("group_ranks"):
                 group_ranks[pg] = sorted(c["group_ranks"])
+            if c.get("ok") and c.get("op") not in P2P_OPS and seq > completed.get(pg, 0):
+                completed[pg] = seq
         # A member that never issued anything on its group must show up in it (with nothing issued):
         # readers that take a group's members from max_seq (the hang diagnosis) then see it too.
         for pg, ranks in group_ranks.items():
@@ -55,14 +59,10 @@ class CollectiveIndex:
             self._saw(r, "default", int(hb.get("last_coll_seq") or 0))
         # A collective that completed on one rank was issued by every member of its group: records of
         # a stopped rank can lag (they leave the process in rounds), the peers' completions say more.
-        self.completed: dict[str, int] = {}
-        for c in snapshot.collectives:
-            if c.get("ok") and c.get("op") not in P2P_OPS and c["coll_seq"] > self.completed.get(c["pg"], 0):
-                self.completed[c["pg"]] = c["coll_seq"]
         members = [(r, pg) for (r, pg) in max_seq] + [(r, "default") for r in live.ranks]
         for r, pg in members:
-            if self.completed.get(pg, 0) > max_seq.get((r, pg), 0):
-                max_seq[(r, pg)] = self.completed[pg]
+            if completed.get(pg, 0) > max_seq.get((r, pg), 0):
+                max_seq[(r, pg)] = completed[pg]
         # waits[pg][rank] = {seq: collective}: what each live rank is blocked in, from its own hang
         # report or from a collective in flight for longer than a rank may stay silent.
         self.waits: dict[str, dict[int, dict[int, Record]]] = {}
@@ -99,9 +99,6 @@ class CollectiveIndex:
 
 P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 """Point-to-point ops: a send on one rank pairs with a recv on its peer at the same sequence number."""
-
-
-"""Ops with a root rank (the record's ``root``: a global rank), and the argument naming it."""
 
 
 def _signature(c: Record, root: bool = True) -> tuple[Any, ...]:
@@ -362,12 +359,7 @@ def _missing(
     blame: dict[int, str],
 ) -> Incident:
     wait = waiting[waiters[0]][seq]
-    # Once the whole job went quiet, the wait ended with it (killed): measure it to the last sign of life.
-    end_s = (
-        max((live.last_alive_s.get(r, live.now_s) for r in waiters), default=live.now_s)
-        if live.lost
-        else live.now_s
-    )
+    end_s = max(live.seen_until_s(r) for r in waiters)
     since = end_s - min(waiting[r][seq]["start_ns"] for r in waiters) / 1e9
     stuck = stuck_outside(snapshot)
     msg = (

@@ -112,23 +112,17 @@ class _HangReading:
         start = hang_start_s(self.h)
         if ended_s is not None:
             return max(0.0, ended_s - start)
-        last = self.live.last_alive_s.get(self.rank)
-        now = last if (self.live.lost and last is not None) else self.live.now_s
-        return max(float(self.h.get("stalled_s", 0.0)), now - start)
+        return max(float(self.h.get("stalled_s", 0.0)), self.live.seen_until_s(self.rank) - start)
 
-    def _peers_at_wait(self) -> tuple[list[int], dict[int, str]]:
-        """(culprits, why) among the peers of the awaited collective: never issued it, or came late."""
+    def _peers_at_wait(self) -> dict[int, str]:
+        """Culprits among the peers of the awaited collective, with why: never issued it, or came late."""
         wait = self.wait
         if wait is None:
-            return [], {}
+            return {}
         pg, seq = wait["pg"], wait["coll_seq"]
-        if pg == "default":
-            members = self.live.ranks
-        else:
-            members = sorted({r for (r, p) in self.colls.max_seq if p == pg})
         why: dict[int, str] = {}
         late_after = max(LATE_AFTER_S, 0.5 * float(self.h.get("stalled_s", 0.0)))
-        for r in members:
+        for r in self.colls.members(pg, self.live):
             if r == self.rank:
                 continue
             stuck = self.stuck.get(r)
@@ -138,7 +132,7 @@ class _HangReading:
                 why[r] = f"never issued collective #{seq} of group {pg}{meanwhile}"
             elif rec is not None and (late := (rec["start_ns"] - wait["start_ns"]) / 1e9) >= late_after:
                 why[r] = f"entered collective #{seq} {late:.0f} s late{meanwhile}"
-        return sorted(why), why
+        return why
 
     def incident(
         self, missing: Sequence[Incident], blame: Mapping[int, str], waiting: Sequence[int]
@@ -157,7 +151,7 @@ class _HangReading:
         if not wait and site:
             msg += f", main thread at {site}"
 
-        culprits, why = self._peers_at_wait()
+        why = self._peers_at_wait()
         for inc in missing:
             if wait and inc.pg == wait["pg"] and rank not in inc.culprit_ranks:
                 for r in inc.culprit_ranks:

@@ -304,10 +304,9 @@ def _error_incidents(
         where_txt = step_phrase(p.get("step"), p.get("phase"), started=p["rank"] in snapshot.steps)
         head = f"Rank {p['rank']} {'died' if p.get('fatal') else 'raised (and kept running)'}{where_txt}"
         msg = f"{head}: {p.get('error_type')}: {first_line(p.get('message', '')).rstrip('.')}"
-        if named and any(x.isdigit() for x in named.parameters):
-            names = _resolved_names(named, snapshot)
-            if names != list(named.parameters):
-                msg += f" (parameter indices {', '.join(named.parameters)} are {', '.join(names)})"
+        names = _resolved_names(named, snapshot) if named else []
+        if named and names != list(named.parameters):
+            msg += f" (parameter indices {', '.join(named.parameters)} are {', '.join(names)})"
         if others:
             msg += f"; {ranks_phrase(e['rank'] for e in others)} reported the same error"
         lost = [v for v in related if v not in others]
@@ -330,7 +329,7 @@ def _error_incidents(
             "rank_crashed" if crash else "rank_error", p, msg, related, culprits=culprits
         )
         if named:
-            incident.parameters = _resolved_names(named, snapshot)
+            incident.parameters = names
             incident.bucket = named.bucket
         out.append(incident)
         if any(e.get("fatal") for e in same):

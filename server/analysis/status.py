@@ -106,6 +106,12 @@ class Liveness:
         with time alone, only with new records, e.g. a restarted rank)."""
         return self.failed or self.finished
 
+    def seen_until_s(self, rank: int) -> float:
+        """How far the rank's story runs: now, or its last sign of life once the whole job went quiet
+        (killed, stopped): a wait or a hang ended then, it does not keep growing."""
+        last = self.last_alive_s.get(rank)
+        return last if self.lost and last is not None else self.now_s
+
     def age_s(self, rank: int) -> float | None:
         seen = self.last_alive_s.get(rank)
         return None if seen is None else self.now_s - seen
