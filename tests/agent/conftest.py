@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 
 from ddpscope.agent import _core, _errors, spool
 from tests.agent.fake_collector import FakeCollector
-from tests.support.procs import pid_alive
+from tests.support.procs import kill_group, pid_alive
 
 
 @pytest.fixture(autouse=True)
@@ -92,3 +93,15 @@ def spool_dir(tmp_path: Path) -> Iterator[Path]:
 def collector() -> Iterator[FakeCollector]:
     with FakeCollector(hang_s=10.0) as c:
         yield c
+
+
+@pytest.fixture
+def started() -> Iterator[list[subprocess.Popen[Any]]]:
+    """Processes a test starts (each in its own process group): whatever still runs at the end is
+    killed by its group, and every one is reaped."""
+    procs: list[subprocess.Popen[Any]] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            kill_group(p)
+        p.communicate(timeout=10)

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from tests.agent.conftest import kill_shippers, wait_shippers_gone
 from tests.agent.fake_collector import FakeCollector
 from tests.support.agent_env import agent_env
-from tests.support.procs import assert_all_ok, free_port, kill_group, run_ranks
+from tests.support.procs import assert_all_ok, free_port, run_ranks
 
 CHILD = Path(__file__).with_name("child.py")
 pytestmark = pytest.mark.timeout(120)
@@ -22,16 +21,6 @@ pytestmark = pytest.mark.timeout(120)
 
 def child_env(url: str, spool_dir: Path, job: str, **extra: str) -> dict[str, str]:
     return agent_env(url, spool_dir, job, **{"DDPSCOPE_HTTP_TIMEOUT_S": "2", **extra})
-
-
-@pytest.fixture
-def started() -> Iterator[list[subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-    yield procs
-    for p in procs:
-        if p.poll() is None:
-            kill_group(p)
-        p.communicate(timeout=10)
 
 
 def start(

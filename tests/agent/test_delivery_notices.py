@@ -81,16 +81,6 @@ def not_a_collector() -> Iterator[NotACollector]:
         yield server
 
 
-@pytest.fixture
-def started() -> Iterator[list[subprocess.Popen[bytes]]]:
-    procs: list[subprocess.Popen[bytes]] = []
-    yield procs
-    for p in procs:
-        if p.poll() is None:
-            kill_group(p)
-        p.wait(10)
-
-
 def start_rank(
     procs: list[subprocess.Popen[bytes]], mode: str, env: dict[str, str], stderr: int | IO[Any]
 ) -> subprocess.Popen[bytes]:

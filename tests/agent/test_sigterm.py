@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from ddpscope.agent import lifecycle, sigterm_watcher
 from tests.agent.conftest import spooled
 from tests.agent.fake_collector import FakeCollector
 from tests.support.agent_env import agent_env
-from tests.support.procs import free_port, kill_group, started_ranks
+from tests.support.procs import free_port, started_ranks
 
 CHILD = Path(__file__).with_name("sigterm_child.py")
 pytestmark = pytest.mark.timeout(120)
@@ -65,16 +64,6 @@ def term_blocked_rank(env: dict[str, str]) -> tuple[int | None, float, str]:
         assert rank1.poll() is None, "rank 1 must still be away from the collective"
         out, err = rank0.communicate(timeout=10)
         return rank0.returncode, took, out + err
-
-
-@pytest.fixture
-def started() -> Iterator[list[subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-    yield procs
-    for p in procs:
-        if p.poll() is None:
-            kill_group(p)
-        p.communicate(timeout=10)
 
 
 def start(started: list[subprocess.Popen[str]], mode: str, env: dict[str, str]) -> subprocess.Popen[str]:
