@@ -34,7 +34,15 @@ from ddpscope.server.analysis.incident_model import (
 )
 from ddpscope.server.analysis.snapshot import JobSnapshot
 from ddpscope.server.analysis.status import Liveness
-from ddpscope.server.analysis.stuck import Stuck, hang_start_s, main_site, stuck_outside
+from ddpscope.server.analysis.stuck import (
+    Stuck,
+    hang_start_s,
+    in_own_code,
+    is_hang,
+    main_site,
+    stuck_outside,
+    waiters,
+)
 
 LATE_AFTER_S = 1.0
 """A peer whose record of the awaited collective starts this much after the wait began (and at least
@@ -59,7 +67,8 @@ def hang_incidents(
     seen: set[tuple[Any, ...]] = set()
     for h in sorted(snapshot.hangs, key=record_s, reverse=True):
         key = (h["rank"], h.get("step"), h.get("phase"))
-        if key in seen:
+        if key in seen or not is_hang(snapshot, h):
+            # A stall in its own code no peer waited for (every rank evaluating): not a hang.
             continue
         seen.add(key)
         out.append(_HangReading(h, snapshot, live, colls, stuck).incident(missing, blame, waiting))
@@ -87,7 +96,8 @@ class _HangReading:
             self.wait = {**c, **colls.by_pg.get(c["pg"], {}).get(self.rank, {}).get(c["coll_seq"], {})}
 
     def _end(self) -> tuple[str, float | None]:
-        """('active' | 'resolved' | 'stopped' | 'died' | 'exited', when it ended)."""
+        """('active' | 'resolved' | 'stopped' | 'died' | 'exited' | 'lost', when it ended; 'lost': the
+        whole job fell quiet and is dead)."""
         r, t = self.rank, record_s(self.h)
         resolved = [x for x in self.snapshot.hang_resolved if x["rank"] == r and record_s(x) >= t]
         if resolved:
@@ -106,6 +116,8 @@ class _HangReading:
             return "died", record_s(fatal)
         if r in self.live.crashed:
             return "died", self.live.last_alive_s.get(r)
+        if self.live.hangs_at_death.get(r) is self.h:
+            return "lost", self.live.last_alive_s.get(r)
         return "active", None
 
     def _duration_s(self, ended_s: float | None) -> float:
@@ -161,13 +173,18 @@ class _HangReading:
                 why.setdefault(r, reason)
         culprits = sorted(why)
         others = [r for r in waiting if r != rank]
+        if in_own_code(h):
+            # Who waited for it while it was stuck, also once that is over (a checkpoint that ended).
+            others = sorted(set(others) | set(waiters(self.snapshot, h)))
         if culprits:
             msg += "; culprit: " + "; ".join(f"rank {r} ({why[r]})" for r in culprits)
         elif not wait and not pending and others:
             culprits = [rank]
             msg += (
-                f"; it is stuck in its own code, outside any collective, while {ranks_phrase(others)} "
-                f"{'waits' if len(others) == 1 else 'wait'} for it"
+                f"; it {'is' if state == 'active' else 'was'} stuck in its own code, outside any collective, "
+                f"while {ranks_phrase(others)} "
+                + (("waits" if len(others) == 1 else "wait") if state == "active" else "waited")
+                + " for it"
                 + (f" (it {blame[rank]})" if rank in blame else "")
             )
         elif rank in blame:
@@ -188,6 +205,7 @@ class _HangReading:
             "stopped": "(ended when the rank was stopped by SIGTERM) ",
             "died": "(ended when the rank died) ",
             "exited": "(ended when the rank exited) ",
+            "lost": "(ended when the whole job fell silent) ",
         }.get(state, "")
         return Incident(
             kind="hang",

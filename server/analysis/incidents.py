@@ -169,6 +169,10 @@ def _silent_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int, st
             f"No rank has reported for {quiet_s:.0f} s and not every rank exited cleanly: the job was killed, "
             "stopped, or lost its connection to the collector; check the scheduler and the ranks' logs"
         )
+        if live.hangs_at_death:
+            msg += f". {ranks_phrase(live.hangs_at_death)} hung until then (see the hang incidents)"
+        if live.dead:
+            msg += f". After {live.dead_after_s:.0f} s of silence the job counts as dead (failed)"
         # One rank falling quiet well before the rest (stopped, deadlocked, while the others waited for
         # it and were killed later) is where to look first.
         seen = {r: live.last_alive_s[r] for r in live.ranks if r in live.last_alive_s and r not in live.exits}

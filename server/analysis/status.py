@@ -5,12 +5,19 @@ order of precedence:
 
 - **failed**: a rank died of an error (a fatal ``rank_error``, a ``rank_exit`` with reason ``'error'``),
   crashed without a word (it stopped reporting, never exited, and its peers then lost their connections),
-  or was stopped by SIGTERM while it hung (a scheduler's time limit ending a hung job is not a finish).
+  was stopped by SIGTERM while it hung (a scheduler's time limit ending a hung job is not a finish), or
+  the whole job has been quiet without a clean exit for ``dead_after_s`` (killed with all its ranks at
+  once, its node lost): nothing will come from it any more, and a dead job must neither read as hung
+  nor page as one forever.
 - **finished**: every rank of ``world_size`` sent ``rank_exit`` (a SIGTERM to a job that was making
   progress, a cancellation or a preemption, counts: nothing went wrong inside the job).
 - **hung**: a hang report not yet resolved, or a silent rank (no record for ``silent_after_s``) while the
-  job is unfinished, or the whole job quiet without a clean exit (killed, stopped or cut off: the four
-  statuses have no better word, and it must not read as running).
+  job is unfinished, or the whole job quiet without a clean exit for less than ``dead_after_s`` (killed,
+  stopped or cut off from the collector for a moment: it must not read as running).
+
+A hang report of a rank stuck in its own code (nothing in flight, no bucket pending: a long evaluation, a
+checkpoint write) is a hang only while another rank waits for it in a collective (``stuck.waiters``):
+when every rank is busy in its own code, no rank waits for another and nothing is hung.
 - **running**: otherwise.
 
 ``liveness(snapshot, now_s)`` exposes the same facts per rank for ``incidents.diagnose``. Only events after
@@ -27,10 +34,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpscope.server.analysis.snapshot import JobSnapshot, split_restart
+from ddpscope.server.analysis.stuck import is_hang
 
 DEFAULT_SILENT_AFTER_S = 10.0
 """A rank with no record for this long is silent: a few heartbeat intervals, so one late heartbeat or a
 slow batch upload is not mistaken for a stopped process."""
+DEFAULT_DEAD_AFTER_S = 120.0
+"""A job none of whose ranks has sent anything for this long, without every rank exiting cleanly, is
+dead (failed): 60 missed heartbeats, twice the time DDPRankSilent waits, and longer than the shipper's
+retry backoff, so a collector restart or a short network cut does not end a live job."""
 
 SECONDARY_ERROR = re.compile(
     r"connection (?:reset|closed|refused|aborted)|(?:reset|closed) by peer|broken pipe|"
@@ -75,6 +87,11 @@ class Liveness:
     """Ranks that went quiet without an error or exit before their peers lost their connections."""
     lost: bool = False
     """Every rank still expected to report has been quiet for ``silent_after_s``."""
+    dead_after_s: float = DEFAULT_DEAD_AFTER_S
+    dead: bool = False
+    """``lost`` for ``dead_after_s``: the job is gone (killed with all its ranks, its node lost)."""
+    hangs_at_death: dict[int, Record] = field(default_factory=dict)
+    """The hangs that were still active when a dead job fell quiet: they ended with it."""
 
     @property
     def finished(self) -> bool:
@@ -83,7 +100,7 @@ class Liveness:
     @property
     def failed(self) -> bool:
         errored_exit = any(e.get("reason") == "error" for e in self.exits.values())
-        return bool(self.fatal) or bool(self.crashed) or errored_exit or bool(self.stopped_hangs)
+        return bool(self.fatal) or bool(self.crashed) or errored_exit or bool(self.stopped_hangs) or self.dead
 
     @property
     def hung(self) -> bool:
@@ -122,14 +139,18 @@ def _s(record: Mapping[str, Any]) -> float:
 
 
 def liveness(
-    snapshot: JobSnapshot, now_s: float, *, silent_after_s: float = DEFAULT_SILENT_AFTER_S
+    snapshot: JobSnapshot,
+    now_s: float,
+    *,
+    silent_after_s: float = DEFAULT_SILENT_AFTER_S,
+    dead_after_s: float = DEFAULT_DEAD_AFTER_S,
 ) -> Liveness:
     """Work out, for every rank, whether it exited, died, hangs, went silent or crashed (its current
     process: what a restarted rank's earlier process left is set aside)."""
     snapshot = split_restart(snapshot)[0]
     seen_ranks = set(snapshot.rank_last_seen_s) | set(snapshot.heartbeats) | set(snapshot.ranks)
     ranks = sorted(set(range(snapshot.world_size)) | seen_ranks)
-    live = Liveness(now_s=now_s, silent_after_s=silent_after_s, ranks=ranks)
+    live = Liveness(now_s=now_s, silent_after_s=silent_after_s, ranks=ranks, dead_after_s=dead_after_s)
     started = {r: _s(rec) for r, rec in snapshot.ranks.items()}
 
     def counts(rec: Mapping[str, Any]) -> bool:
@@ -164,6 +185,9 @@ def liveness(
     }
     live.stopped_hangs = _stopped_hangs(snapshot, live, counts)
     live.silent = _silent(live)
+    if live.dead:
+        # No hang_resolved or exit will ever come from a dead job: its hangs ended with it.
+        live.hangs_at_death, live.active_hangs = live.active_hangs, {}
     return live
 
 
@@ -173,7 +197,7 @@ def _active_hangs(snapshot: JobSnapshot, live: Liveness, counts: Any) -> dict[in
         ends[rec["rank"]] = max(ends.get(rec["rank"], float("-inf")), _s(rec))
     active: dict[int, Record] = {}
     for h in sorted(snapshot.hangs, key=_s):
-        if counts(h) and _s(h) > ends.get(h["rank"], float("-inf")):
+        if counts(h) and _s(h) > ends.get(h["rank"], float("-inf")) and is_hang(snapshot, h):
             active[h["rank"]] = h
     return active
 
@@ -187,7 +211,9 @@ def _stopped_hangs(snapshot: JobSnapshot, live: Liveness, counts: Any) -> dict[i
             continue
         resolved_s = max((_s(x) for x in snapshot.hang_resolved if x["rank"] == r), default=float("-inf"))
         hangs = [
-            h for h in snapshot.hangs if h["rank"] == r and counts(h) and resolved_s < _s(h) <= _s(exit_)
+            h
+            for h in snapshot.hangs
+            if h["rank"] == r and counts(h) and resolved_s < _s(h) <= _s(exit_) and is_hang(snapshot, h)
         ]
         if hangs:
             out[r] = max(hangs, key=_s)
@@ -226,6 +252,8 @@ def _silent(live: Liveness) -> list[int]:
         # Nobody is left to wait for anyone: the whole job stopped reporting (killed by the scheduler,
         # all stopped, or cut off from the collector). No single rank is to blame.
         live.lost = True
+        ages = [a for r in candidates if (a := live.age_s(r)) is not None]
+        live.dead = bool(ages) and min(ages) >= live.dead_after_s
         return []
     # A rank never seen at all only counts as silent when the others are demonstrably waiting.
     return [r for r in quiet if r in live.last_alive_s or live.active_hangs]

@@ -4,6 +4,11 @@ A hang report with no collective in flight and no bucket pending says the rank i
 anyone: its main thread is somewhere in user code (a data loader, a forward that never returns, a
 sleep). Peers waiting in a collective are then waiting for *it*; the hang and collective diagnoses and
 the timeout attribution all read this.
+
+Such a report is a hang only while some peer waits in a collective (``waiters``). When every rank is
+busy in its own code at once (an evaluation under ``torch.no_grad()`` on ``model.module``, a long
+checkpoint every rank writes) no rank waits for another: the job is working, not hung, however long the
+stretch. The watchdog cannot see progress in user code, so the collector decides.
 """
 
 from __future__ import annotations
@@ -43,6 +48,41 @@ def hang_start_s(hang: Record) -> float:
     return record_s(hang) - float(hang.get("stalled_s", 0.0))
 
 
+def in_own_code(hang: Record) -> bool:
+    """The report shows the rank outside any collective, with no gradient awaited: in its own code."""
+    return not hang.get("inflight") and not hang.get("pending_buckets")
+
+
+def _span_s(snapshot: JobSnapshot, hang: Record) -> tuple[float, float]:
+    """From the stall's start to the rank's first ``hang_resolved`` after the report (open-ended: a
+    hang that ended in a death or an exit is treated as lasting, which only widens the overlap)."""
+    resolved = [
+        record_s(x)
+        for x in snapshot.hang_resolved
+        if x["rank"] == hang["rank"] and record_s(x) >= record_s(hang)
+    ]
+    return hang_start_s(hang), min(resolved, default=float("inf"))
+
+
+def waiters(snapshot: JobSnapshot, hang: Record) -> list[int]:
+    """The other ranks that reported a wait in a collective (or for gradients) while this rank's stall
+    lasted: the stall held them up."""
+    start, end = _span_s(snapshot, hang)
+    out = set()
+    for peer in snapshot.hangs:
+        if peer["rank"] == hang["rank"] or in_own_code(peer):
+            continue
+        peer_start, peer_end = _span_s(snapshot, peer)
+        if peer_start < end and start < peer_end:
+            out.add(peer["rank"])
+    return sorted(out)
+
+
+def is_hang(snapshot: JobSnapshot, hang: Record) -> bool:
+    """A wait in a collective always is; a stall in the rank's own code only while a peer waits for it."""
+    return not in_own_code(hang) or bool(waiters(snapshot, hang))
+
+
 def stuck_outside(snapshot: JobSnapshot, at_s: float | None = None) -> dict[int, Stuck]:
     """Per rank, its first hang report with nothing in flight and nothing pending: the rank is stuck in
     its own code (a data loader, a forward that never returns). Without ``at_s``, only hangs not since
@@ -51,7 +91,7 @@ def stuck_outside(snapshot: JobSnapshot, at_s: float | None = None) -> dict[int,
     out: dict[int, Stuck] = {}
     for h in sorted(snapshot.hangs, key=record_s):
         r = h["rank"]
-        if h.get("inflight") or h.get("pending_buckets") or r in out:
+        if not in_own_code(h) or r in out:
             continue
         start = hang_start_s(h)
         resolved = [

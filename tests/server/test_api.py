@@ -152,7 +152,12 @@ def test_trace_is_perfetto_json_for_a_step_range(client):
 
 
 def test_metrics_expose_the_design_names_and_ended_jobs_leave_after_their_retention(client):
-    _feed(client, synth_job(2, 5, 2, job="live", slow_rank=1, finished=False, unused={0: ["w"]}))
+    # "live" ran a second ago: a job that fell silent long ago is dead and would leave after its retention.
+    recent_ns = time.time_ns() - 1_000_000_000
+    _feed(
+        client,
+        synth_job(2, 5, 2, job="live", slow_rank=1, finished=False, unused={0: ["w"]}, t0_ns=recent_ns),
+    )
     # Both finished; "done" in 2023, far beyond the default 15-minute retention, "just-done" a second ago.
     _feed(client, synth_job(2, 5, 2, job="done"))
     _feed(client, synth_job(2, 5, 2, job="just-done", t0_ns=time.time_ns() - 1_000_000_000))
@@ -191,13 +196,18 @@ def test_incidents_can_be_filtered_by_kind(client):
 
 
 def test_metrics_show_active_hangs_until_resolved_and_the_agents_drops(client):
-    records = synth_job(2, 3, 2, finished=False)
+    # Recent (a job silent for long is dead, its hang over), and waiting in an all-reduce.
+    records = synth_job(2, 3, 2, finished=False, t0_ns=time.time_ns() - 1_000_000_000)
     stats = next(r for r in records if r["kind"] == "agent_stats" and r["rank"] == 1)
     stats["dropped"] = {"queue_full:step": 3, "queue_full:heartbeat": 2}
     env = {"job": "synth", "rank": 0, "stream": "synth-r0"}
+    t_ns = records[-1]["time_ns"] + 1
+    waiting = {"pg": "default", "coll_seq": 9, "op": "all_reduce", "shapes": [[4]], "dtypes": ["float32"],
+               "call_site": "train.py:57", "start_ns": t_ns - 60 * 10**9}  # fmt: skip
     hang = {
-        **env, "kind": "hang", "seq": 10_000, "time_ns": records[-1]["time_ns"] + 1, "phase": "allreduce", "step": 3,
-        "stalled_s": 60.0, "pending_buckets": [], "inflight": [], "stacks": [], "message": "no progress for 60 s",
+        **env, "kind": "hang", "seq": 10_000, "time_ns": t_ns, "phase": "allreduce", "step": 3,
+        "stalled_s": 60.0, "pending_buckets": [], "inflight": [waiting], "stacks": [],
+        "message": "no progress for 60 s",
     }  # fmt: skip
     _feed(client, [*records, hang])
     text = client.get("/metrics").text

@@ -241,3 +241,61 @@ def test_a_rank_killed_while_it_hung_no_longer_hangs_and_its_hang_explains_the_f
     assert live.crashed == [1] and live.active_hangs == {} and live.status == "failed"
     hang1 = next(i for i in diagnose(snap, end + 9) if i.kind == "hang" and i.rank == 1)
     assert hang1.message.startswith("(ended when the rank died)") and hang1.culprit_ranks == [1]
+
+
+def evaluating(job: JobRecords, rank: int, t: float, *, step: int) -> None:
+    """A rank evaluating on ``model.module`` under no_grad: its watchdog sees no progress, nothing in
+    flight, the main thread in user code."""
+    stuck_hang(job, rank, t, step=step, phase="idle", line=40)
+
+
+def test_every_rank_busy_in_its_own_code_with_no_collective_in_flight_is_not_a_hang() -> None:
+    job = started(2)
+    end = job.train(3)
+    for r in range(2):
+        evaluating(job, r, end + 5, step=2)
+        job.heartbeat(r, end + 9, step=2, phase="idle", last=6)
+    snap = job.snapshot()
+    live = liveness(snap, end + 9.5)
+    assert live.status == "running" and live.active_hangs == {}
+    assert "hang" not in kinds(diagnose(snap, end + 9.5))
+    # The evaluation ends on both ranks and training goes on: still nothing to report.
+    for r in range(2):
+        job.add("hang_resolved", r, end + 12, step=3, hang_s=12.0)
+    end2 = job.train(2, t=end + 12)
+    assert diagnose(job.snapshot(), end2) == [] and job_status(job.snapshot(), end2) == "running"
+
+
+def test_a_rank_busy_in_its_own_code_becomes_the_culprit_once_a_peer_reports_waiting_for_it() -> None:
+    job = started(2)
+    end = job.train(3)
+    evaluating(job, 1, end + 5, step=2)  # rank 1 still evaluates; rank 0 went on to the next step
+    assert job_status(job.snapshot(), end + 6) == "running"
+    waiting_in(job, 0, end + 10, 7, step=3)
+    snap = job.snapshot()
+    assert job_status(snap, end + 10.5) == "hung" and sorted(liveness(snap, end + 10.5).active_hangs) == [
+        0,
+        1,
+    ]
+    hangs = {i.rank: i for i in diagnose(snap, end + 10.5) if i.kind == "hang"}
+    assert hangs[0].culprit_ranks == [1] and hangs[1].culprit_ranks == [1]
+
+
+def test_a_checkpoint_on_one_rank_that_held_up_its_peer_stays_its_culprit_after_it_ended() -> None:
+    job = started(2)
+    end = job.train(3)
+    stuck_hang(job, 0, end + 5, step=2, phase="idle")  # rank 0 writes a checkpoint for 12 s
+    job.coll(1, end, 7, op="barrier", reduce_op=None, site="train.py:67", step=2, done=False)
+    job.hang(1, end + 5, step=2, phase="idle", inflight=[inflight(7, end, "train.py:67")])
+    job.coll(0, end + 12, 7, op="barrier", reduce_op=None, site="train.py:67", step=2)
+    job.add("hang_resolved", 0, end + 12.1, step=3, hang_s=12.0)
+    job.add("hang_resolved", 1, end + 12.1, step=3, hang_s=12.0)
+    end2 = job.train(1, t=end + 12.2)
+    snap = job.snapshot()
+    assert job_status(snap, end2) == "running"
+    hangs = {i.rank: i for i in diagnose(snap, end2) if i.kind == "hang"}
+    assert not hangs[0].active and hangs[0].culprit_ranks == [0]
+    assert (
+        "it was stuck in its own code, outside any collective, while rank 1 waited for it" in hangs[0].message
+    )
+    assert hangs[0].call_site == "/proj/data.py:12"

@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddpscope.server import serve
-from ddpscope.server.analysis.status import job_status
+from ddpscope.server.analysis.status import DEFAULT_DEAD_AFTER_S, job_status
 from ddpscope.server.metrics import make_registry
 from ddpscope.server.settings import DEFAULT_METRICS_RETENTION_S, Settings
 from tests.server.conftest import make_client, post
@@ -75,10 +75,22 @@ def extra(job: str, rank: int, kind: str, time_ns: int, seq: int, **fields: Any)
 
 
 def hang(job: str, rank: int, time_ns: int, seq: int = 0) -> dict[str, Any]:
+    """A hang report of a rank waiting in an all-reduce (a wait, so a hang whatever its peers do)."""
+    waiting = {"pg": "default", "coll_seq": 99, "op": "all_reduce", "shapes": [[4]], "dtypes": ["float32"],
+               "call_site": "train.py:57", "start_ns": time_ns - 300 * 10**9}  # fmt: skip
     return extra(
         job, rank, "hang", time_ns, seq, phase="allreduce", step=3, stalled_s=300.0,
-        pending_buckets=[], inflight=[], stacks=[], message="no progress for 300 s",
+        pending_buckets=[], inflight=[waiting], stacks=[], message="no progress for 300 s",
     )  # fmt: skip
+
+
+def heartbeats(job: str, until_s: float, seq: int) -> list[dict[str, Any]]:
+    """Each rank's latest heartbeat at ``until_s``: its processes are alive (hung or not)."""
+    t_ns = int(until_s * 1e9)
+    return [
+        extra(job, r, "heartbeat", t_ns, seq, phase="allreduce", step=3, last_coll_seq=8, pid=100 + r)
+        for r in (0, 1)
+    ]
 
 
 def died(job: str, rank: int, time_ns: int, message: str, seq: int = 1) -> list[dict[str, Any]]:
@@ -206,11 +218,12 @@ def test_a_mismatch_of_the_processes_before_a_restart_stops_counting(client):
     assert value(samples, "ddpscope_collective_mismatches_total", "fixed") == 0.0
 
 
-def test_a_running_jobs_series_never_disappear(client):
+def test_a_running_jobs_series_never_disappear_while_its_ranks_report(client):
     records = synth_job(2, 4, 2, job="live", finished=False)
     feed(client, records)
     last = last_s(records)
-    for later_s in (1.0, RETENTION_S + 1, 1000 * RETENTION_S):
+    for i, later_s in enumerate((1.0, RETENTION_S + 1, 1000 * RETENTION_S)):
+        feed(client, heartbeats("live", last + later_s - 1, seq=i * 2))
         samples = of_job(scrape(client, last + later_s), "live")
         assert {name for name, _ in samples} == PER_JOB, later_s
         assert value(samples, "ddpscope_rank_finished", "live", 0) == 0.0
@@ -219,10 +232,25 @@ def test_a_running_jobs_series_never_disappear(client):
 def test_a_hung_jobs_series_and_its_hang_stay_however_long_it_hangs(client):
     records = synth_job(2, 4, 2, job="stuck", finished=False)
     feed(client, [*records, hang("stuck", 1, max(r["time_ns"] for r in records) + 1)])
-    samples = scrape(client, last_s(records) + 1000 * RETENTION_S)
+    later = last_s(records) + 1000 * RETENTION_S
+    feed(client, heartbeats("stuck", later - 1, seq=1))
+    samples = scrape(client, later)
     assert value(samples, "ddpscope_hang_active", "stuck", 1) == 1.0
     assert value(samples, "ddpscope_hang_active", "stuck", 0) == 0.0
-    assert client.get("/api/v1/jobs/stuck").json()["status"] == "hung"
+    assert job_status(client.app.state.storage.load_snapshot("stuck"), later) == "hung"
+
+
+def test_a_hung_job_killed_whole_stops_paging_as_a_hang_and_leaves_metrics_after_the_retention(client):
+    # Every rank SIGKILLed at once (a scheduler's kill) while rank 1 hung: nothing will ever resolve it.
+    records = synth_job(2, 4, 2, job="gone", finished=False)
+    feed(client, [*records, hang("gone", 1, max(r["time_ns"] for r in records) + 1)])
+    last, retention = last_s(records), DEFAULT_METRICS_RETENTION_S
+    assert value(scrape(client, last + 30, retention), "ddpscope_hang_active", "gone", 1) == 1.0
+    dead_s = last + DEFAULT_DEAD_AFTER_S + 1
+    assert value(scrape(client, dead_s, retention), "ddpscope_hang_active", "gone", 1) == 0.0
+    assert job_status(client.app.state.storage.load_snapshot("gone"), dead_s) == "failed"
+    # Still exposed for the retention (DDPRankSilent pages meanwhile), then its series go and alerts resolve.
+    assert of_job(scrape(client, last + retention + 1, retention), "gone") == {}
 
 
 def test_every_per_job_gauge_agrees_with_the_api(client):

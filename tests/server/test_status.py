@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ddpscope.server.analysis.status import is_secondary, job_status, liveness
+from ddpscope.server.analysis.incidents import diagnose
+from ddpscope.server.analysis.status import DEFAULT_DEAD_AFTER_S, is_secondary, job_status, liveness
 from tests.server.test_incidents import T0, inflight, started
 
 
@@ -84,11 +85,34 @@ def test_a_silent_rank_makes_the_job_hung() -> None:
     assert liveness(snap, end + 21).silent == [1]
 
 
-def test_a_job_that_stopped_reporting_altogether_is_not_shown_as_running() -> None:
+def test_a_job_that_stopped_reporting_altogether_is_hung_for_a_while_then_failed() -> None:
     job = started(2)
     end = job.train(3)
     assert job_status(job.snapshot(), end + 5) == "running"
-    assert job_status(job.snapshot(), end + 3600) == "hung"
+    # Quiet for a moment: killed, stopped, or cut off from the collector; it must not read as running.
+    assert job_status(job.snapshot(), end + 60) == "hung"
+    # Quiet for good (a scheduler killed every rank at once): dead, which is a failure, not a hang.
+    assert job_status(job.snapshot(), end + 3600) == "failed"
+
+
+def test_a_hung_job_killed_whole_stops_hanging_once_it_is_dead_and_its_hangs_end_with_it() -> None:
+    job = started(2)
+    end = job.train(3)
+    job.hang(0, end + 5, step=3, inflight=[inflight(7, end)])
+    job.hang(1, end + 5, step=3, inflight=[inflight(7, end)])
+    for r in range(2):
+        job.heartbeat(r, end + 9, step=3, phase="allreduce")  # then SIGKILLed, every rank at once
+    snap = job.snapshot()
+    assert liveness(snap, end + 30).status == "hung" and sorted(liveness(snap, end + 30).active_hangs) == [
+        0,
+        1,
+    ]
+    dead = liveness(snap, end + 9 + DEFAULT_DEAD_AFTER_S + 1)
+    assert dead.status == "failed" and dead.active_hangs == {} and sorted(dead.hangs_at_death) == [0, 1]
+    hangs = [i for i in diagnose(snap, end + 9 + DEFAULT_DEAD_AFTER_S + 1) if i.kind == "hang"]
+    assert [i.message.startswith("(ended when the whole job fell silent)") for i in hangs] == [True, True]
+    # Part of the failure's story, not history.
+    assert all(i.active for i in hangs)
 
 
 def test_a_killed_rank_fails_the_job_and_only_it_counts_as_crashed() -> None:
