@@ -25,8 +25,10 @@ from ddpscope.ddp import monitor
 from ddpscope.ddp.broadcast import broadcast_coalesced
 from ddpscope.ddp.clock import estimate_offset
 from ddpscope.ddp.collectives import disabled
+from ddpscope.ddp.errors import report_error
 from ddpscope.ddp.groups import global_rank, pg_name
 from ddpscope.ddp.layout import check_same_layout, describe
+from ddpscope.ddp.progress import PROGRESS
 from ddpscope.ddp.rank_start import rank_start_record
 from ddpscope.ddp.reducer import Reducer
 from ddpscope.ddp.step_record import StepTimer
@@ -196,7 +198,9 @@ class DistributedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
-            # Evaluation: no gradients to reduce, but buffers are synced as torch does.
+            # Evaluation: no gradients to reduce, but buffers are synced as torch does. Each forward is
+            # progress for the hang watchdog: an evaluation longer than the timeout is working, not hung.
+            PROGRESS.tick()
             self._sync_buffers()
             return self.module(*args, **kwargs)
         synced = self.require_backward_grad_sync
@@ -205,7 +209,14 @@ class DistributedDataParallel(nn.Module):
             self._rebuild_buckets()
         reducer.prepare_forward(self._step, synced)
         self._sync_buffers()
-        out = self.module(*args, **kwargs)
+        try:
+            out = self.module(*args, **kwargs)
+        except Exception as exc:
+            # Said now, not only if it kills the process: a training loop that catches it and goes on to
+            # the next batch leaves this rank one synced step behind its peers, and this record is the
+            # only trace of why (the collector ties it to the hang or the early exit that follows).
+            report_error(exc, fatal=False)
+            raise
         self._timer.forward_end()
         reducer.after_forward(out, synced)
         self._step += 1

@@ -1,0 +1,69 @@
+"""What the engine's forward tells the watchdog and the collector: a forward under ``torch.no_grad()``
+(an evaluation through the DDP wrapper) is progress, and an exception leaving the forward is reported
+at once, since a training loop may catch it and go on one step behind its peers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddpscope import agent
+from ddpscope.ddp import DistributedDataParallel
+from ddpscope.ddp.progress import PROGRESS
+from ddpscope.ddp.watchdog import stop_watchdog
+from tests.ddp.watchdog_support import Records, in_memory_records
+from tests.support.procs import free_port
+
+
+class Flaky(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(4, 2)
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise ValueError("corrupt sample")
+        return self.body(x)
+
+
+@pytest.fixture
+def records() -> Iterator[Records]:
+    created = False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        created = True
+    try:
+        yield from in_memory_records(0)
+    finally:
+        stop_watchdog()
+        agent.shutdown()
+        if created:
+            dist.destroy_process_group()
+
+
+def test_a_forward_under_no_grad_through_the_engine_is_progress_for_the_watchdog(records: Records) -> None:
+    model = DistributedDataParallel(Flaky())
+    model(torch.randn(3, 4)).sum().backward()
+    before = PROGRESS.counter
+    with torch.no_grad():
+        model(torch.randn(3, 4))
+    assert PROGRESS.counter > before
+
+
+def test_an_exception_leaving_the_forward_is_reported_at_once_and_still_raised(records: Records) -> None:
+    module = Flaky()
+    model = DistributedDataParallel(module)
+    model(torch.randn(3, 4)).sum().backward()
+    module.fail = True
+    with pytest.raises(ValueError, match="corrupt sample"):
+        model(torch.randn(3, 4))
+    (error,) = records("rank_error")
+    assert (error["error_type"], error["message"], error["fatal"]) == ("ValueError", "corrupt sample", False)
+    assert error["phase"] == "forward" and error["step"] == 1
+    # The loop caught it and goes on: the next batch trains normally.
+    module.fail = False
+    model(torch.randn(3, 4)).sum().backward()
