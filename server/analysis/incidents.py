@@ -230,6 +230,19 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
             "uneven data per rank (a sampler without drop_last, a shard shorter than the others), or wrap "
             "the loop in torch.distributed.algorithms.Join for uneven inputs."
         )
+        caught = [e for e in live.errors if e["rank"] == r and not e.get("fatal") and not is_secondary(e)]
+        if caught and reason == "finished":
+            # The rank raised, its loop caught the exception and went on to the next batch: it ran one
+            # synced step fewer than its peers for each, and so ran out of batches first.
+            first = caught[0]
+            when = step_phrase(first.get("step"), first.get("phase"), started=True)
+            times = f" ({len(caught)} times)" if len(caught) > 1 else ""
+            advice = (
+                f"It raised{when}{times} and kept running: {first.get('error_type')}: "
+                f"{first_line(first.get('message', '')).rstrip('.')} (see its rank_error). Its training loop "
+                "caught the exception and skipped that step, so it ran fewer synced steps than its peers. "
+                "Skip a batch on every rank or on none (e.g. all_reduce a skip flag), or let the error end the job."
+            )
         after = f" after step {last}" if last is not None else ""
         hung = [o for o in stranded_ranks if o in live.active_hangs]
         failed = [o for o in stranded_ranks if o not in hung]
@@ -305,7 +318,10 @@ def _error_incidents(
         ]
         attached.update(id(v) for v in related)
         crash = bool(_SIGNAL.search(f"{p.get('error_type', '')} {p.get('message', '')}"))
-        where_txt = step_phrase(p.get("step"), p.get("phase"), started=p["rank"] in snapshot.steps)
+        # A step number above 0 says the rank got past its first step (the snapshot of the processes
+        # before a restart has no step records to ask).
+        began = p["rank"] in snapshot.steps or (p.get("step") or 0) > 0
+        where_txt = step_phrase(p.get("step"), p.get("phase"), started=began)
         head = f"Rank {p['rank']} {'died' if p.get('fatal') else 'raised (and kept running)'}{where_txt}"
         msg = f"{head}: {p.get('error_type')}: {first_line(p.get('message', '')).rstrip('.')}"
         names = _resolved_names(named, snapshot) if named else []

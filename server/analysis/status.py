@@ -178,6 +178,14 @@ def liveness(
         live.errors.append(err)
         if err.get("fatal"):
             live.fatal.setdefault(err["rank"], err)
+    # The engine reports an exception leaving its forward at once (a loop may catch it and go on); if
+    # nothing caught it, the same exception killed the rank: one error, the fatal one.
+    died_of = {(e["rank"], e.get("error_type"), e.get("message")) for e in live.fatal.values()}
+    live.errors = [
+        e
+        for e in live.errors
+        if e.get("fatal") or (e["rank"], e.get("error_type"), e.get("message")) not in died_of
+    ]
     live.crashed = _crashed(live)
     # A crashed rank's hang ended with it: no hang_resolved or exit will ever come.
     live.active_hangs = {

@@ -647,3 +647,16 @@ def test_the_same_engine_error_on_every_rank_is_one_incident_blamed_on_the_rank_
     assert (
         unused.culprit_ranks == [1] and unused.parameters == ["aux.weight", "aux.bias"] and unused.bucket == 0
     )
+
+
+def test_an_error_between_steps_before_a_restart_is_placed_after_its_step_not_in_set_up() -> None:
+    job = started(2)
+    end = job.train(5)
+    job.add("rank_error", 1, end, step=4, phase="idle", error_type="RuntimeError", message="boom at step 5",
+            stack="Traceback ...", fatal=True)  # fmt: skip
+    for r in range(2):
+        job.start(r, end + 10)
+    end2 = job.train(5, t=end + 11)
+    before = only(diagnose(job.snapshot(), end2 + 0.5), "rank_error")
+    assert "Rank 1 died after step 4 (between steps" in before.message
+    assert "before its first step" not in before.message
