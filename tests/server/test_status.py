@@ -113,6 +113,8 @@ def test_a_hung_job_killed_whole_stops_hanging_once_it_is_dead_and_its_hangs_end
     assert [i.message.startswith("(ended when the whole job fell silent)") for i in hangs] == [True, True]
     # Part of the failure's story, not history.
     assert all(i.active for i in hangs)
+    silent = next(i for i in diagnose(snap, end + 9 + DEFAULT_DEAD_AFTER_S + 1) if i.kind == "job_silent")
+    assert "Ranks 0, 1 hung until then" in silent.message and "counts as dead (failed)" in silent.message
 
 
 def test_a_killed_rank_fails_the_job_and_only_it_counts_as_crashed() -> None:
