@@ -9,7 +9,7 @@ Usage (training side; the engine and the adapter call ``emit`` for you)::
 
 The agent stamps ``job``, ``stream``, ``seq``, ``time_ns`` and (when missing) ``rank`` on a copy of
 each record on its worker thread; the caller's dict is never modified, but must not be changed after
-it was emitted. By default records go to an append-only disk spool in rounds (every 0.1 s while
+it was emitted. By default records go to an append-only disk spool in rounds (every 0.25 s while
 records keep coming; hang, hang_resolved and rank_error at once, also copied into a memory-mapped
 write-ahead ring when emitted and printed on stderr) and a small shipper process per
 agent POSTs them to ``DDPSCOPE_URL``, so they arrive even if this process is SIGKILLed or aborts

@@ -30,6 +30,7 @@ from ddpscope.agent.clock import now_ns
 from ddpscope.agent.config import Config
 from ddpscope.agent.exporters import Exporter, ExportResult, InMemoryExporter
 from ddpscope.agent.records import ENVELOPE, RECORD_KINDS, URGENT_KINDS, RecordError, validate_record
+from ddpscope.agent.ring import SLOTS
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,10 @@ FULL_CHECKS = 16
 DURABLE_WAIT_S = 0.05
 """Longest ``make_durable`` waits for the export lock (held by the worker while it writes a batch)
 before giving up and leaving the record to the worker's next round."""
+RING_DRAIN_AT = SLOTS // 2
+"""Queued records at which ``emit_durable`` wakes the worker before its round ends: every durable
+record is in the write-ahead ring *and* the queue until the worker spools it, and the ring keeps only
+the last ``SLOTS``; draining at half keeps a crash from finding a record in neither."""
 STAMPED = -1
 """Queue items ``(STAMPED, record)`` were stamped by ``emit_durable``: the worker must not re-stamp."""
 REQUIRED = {
@@ -75,6 +80,9 @@ class Agent:
         callers both stamp)."""
         self._write_ahead: Any = None
         """The exporter's ``write_ahead(record) -> bool`` (the spool's mapped ring), once it exists."""
+        self._persists = getattr(exporter, "crash_durable", True)
+        """False for an exporter that keeps records in memory: writing to it early saves nothing from a
+        crash, so ``emit_durable`` does not drain the queue in the caller for it."""
         self._emitted = 0
         self._drops: collections.Counter[str] = collections.Counter()
         self._drops_lock = threading.Lock()
@@ -143,22 +151,25 @@ class Agent:
     def emit_durable(self, record: dict[str, Any]) -> bool:
         """``emit`` a record that must survive an abort right after this call (the collective
         recorder's, before the collective enters torch). Stamped here, in the caller, and copied into
-        the exporter's write-ahead ring (a memory-mapped file, ~3 us, no system call and no wake-up);
-        the stamped record then takes the ordinary path to the spool, with the same idempotency key.
-        Without a ring (another exporter, a record too big for a slot) it falls back to ``emit`` and
-        ``make_durable``. Never raises; True once the record is crash-durable."""
+        the exporter's write-ahead ring (a memory-mapped file, ~3 us warm, no system call and no
+        wake-up); the stamped record then takes the ordinary path to the spool, with the same
+        idempotency key. Without a ring (another exporter, a record too big for a slot) it falls back
+        to ``emit`` and ``make_durable``, except for an exporter that keeps records in memory, which
+        a crash takes anyway. Never raises; True once the record is crash-durable (or as durable as
+        the exporter makes anything)."""
         try:
             if self._write_ahead is None or len(self._queue) >= self._max_queue:
                 self.emit(record)
-                return self.make_durable()
+                return self.make_durable() if self._persists else True
             durable = self._into_ring(record)
             if durable is None:
                 return False
-            if durable:
-                if self._worker.idle:
-                    self._worker.nudge()
-                return True
-            return bool(self._worker.persist(DURABLE_WAIT_S))
+            worker = self._worker
+            if worker.idle or len(self._queue) >= RING_DRAIN_AT:
+                # Past RING_DRAIN_AT the ring would soon overwrite records that are not yet in the
+                # spool (fast steps with many buckets): drain now rather than at the round's end.
+                worker.nudge()
+            return durable or bool(worker.persist(DURABLE_WAIT_S))
         except Exception:
             swallowed("emit_durable")
             return False

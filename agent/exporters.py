@@ -34,6 +34,9 @@ class Exporter(Protocol):
 class InMemoryExporter:
     """Keeps every exported record in ``records`` (tests, and ``ddpscope demo`` style in-process use)."""
 
+    crash_durable = False
+    """Records here die with the process: exporting them early (``emit_durable``) protects nothing."""
+
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
         self._lock = threading.Lock()

@@ -42,8 +42,12 @@ def encode_record(record: dict[str, Any]) -> bytes:
     stored by the collector without parsing one JSON number per bucket and field."""
     if record.get("kind") == "step":
         record = packed_step_record(record)
-    # default=plain: a 0-d tensor or numpy integer becomes its number, as in the spool.
-    return json.dumps(record, separators=(",", ":"), allow_nan=False, default=plain).encode()
+    return _ENCODER.encode(record).encode()
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False, default=plain)
+"""One encoder for every record (``json.dumps`` with options builds one per call, ~1 us a record).
+default=plain: a 0-d tensor or numpy integer becomes its number, as in the spool."""
 
 
 def batch_body(encoded: list[bytes]) -> bytes:

@@ -9,7 +9,8 @@ print the peak RSS growth; ``job``: a gloo job of N steps, one step record per s
 ``dataloader``: a torch DataLoader with 2 forked workers that emit from the workers;
 ``durable_abort`` / ``durable_exit``: N collective records through ``emit_durable`` (the worker's
 round far away), then ``os.abort()`` or a normal exit; ``kill_unflushed``: N records emitted, READY
-printed at once (no flush), then wait to be killed.
+printed at once (no flush), then wait to be killed; ``kill_ringed``: N collective records through
+``emit_durable`` (the worker's round far away), READY at once, wait to be killed.
 """
 
 from __future__ import annotations
@@ -125,6 +126,15 @@ def main() -> None:
         return
     if mode.startswith("durable_"):
         run_durable(n, mode)
+        return
+    if mode == "kill_ringed":
+        from ddpscope.agent import emit_durable
+
+        assert agent.get_agent().flush_local(30.0)  # the exporter (and its ring) exists
+        for i in range(1, n + 1):
+            emit_durable(collective(i))
+        print("READY", flush=True)
+        time.sleep(120)
         return
     if mode == "kill_unflushed":
         # No flush: what the worker has not spooled yet is only in memory and, for urgent records,

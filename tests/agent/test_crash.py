@@ -116,6 +116,22 @@ def test_urgent_records_emitted_just_before_a_sigkill_arrive_without_any_flush(
     assert collector.duplicates == 0
 
 
+def test_more_durable_collectives_than_the_ring_holds_all_arrive_after_a_sigkill(
+    collector, spool_dir, started
+) -> None:
+    # The worker's round is a minute away and 1200 collectives overflow the ring's 512 slots: the
+    # early ones survive only because half a ring of unspooled records wakes the worker to spool them.
+    env = child_env(collector.url, spool_dir, "ring-overflow", DDPSCOPE_FLUSH_INTERVAL_S="60")
+    p = start(started, "kill_ringed", 1200, env)
+    wait_ready(p)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(10)
+    ok = collector.wait_for(lambda c: len(c.of_kind("collective")) == 1200, 30)
+    assert ok, (len(collector.of_kind("collective")), logs(spool_dir))
+    assert collective_seqs(collector) == list(range(1, 1201))
+    assert collector.duplicates == 0
+
+
 def test_collectives_made_durable_then_spooled_at_exit_are_not_sent_twice(
     collector, spool_dir, started
 ) -> None:

@@ -87,6 +87,23 @@ def test_a_record_too_big_for_a_slot_is_refused_and_emit_durable_spools_it_at_on
 _ENVELOPE = ("job", "rank", "stream", "seq", "time_ns")
 
 
+def test_emit_durable_does_not_drain_an_in_memory_exporter_in_the_callers_thread() -> None:
+    # Records kept in memory die with the process whenever they are exported: draining the queue in
+    # the training thread before a collective would cost it time and protect nothing.
+    exporter = agent.InMemoryExporter()
+    a = agent.configure(job="mem", rank=0, exporter=exporter, flush_interval_s=60)
+    try:
+        assert a.flush_local(10.0)
+        exporter.clear()
+        record = {k: v for k, v in collective(3).items() if k not in _ENVELOPE}
+        assert agent.emit_durable(record)
+        assert exporter.records == []
+        assert a.flush_local(10.0)
+        assert [r["coll_seq"] for r in exporter.records if r["kind"] == "collective"] == [3]
+    finally:
+        agent.shutdown(2.0)
+
+
 def test_emit_durable_goes_to_the_ring_not_the_spool_and_keeps_one_key_for_both(tmp_path: Path) -> None:
     a = agent.configure(
         job="k", rank=0, url="http://127.0.0.1:9", spool_dir=str(tmp_path), flush_interval_s=60
