@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ddpscope.ddp.collectives import dtype_name
+
 MIB = 1024 * 1024
 FIRST_BUCKET_BYTES = MIB
 """torch's ``_DEFAULT_FIRST_BUCKET_BYTES``: the small bucket used when ``bucket_cap_mb`` is not given."""
@@ -80,7 +82,19 @@ def assign_buckets(
 class Bucket:
     """One flat buffer holding the gradients of a few parameters, reduced by one all-reduce."""
 
-    __slots__ = ("index", "param_indices", "names", "dtype", "device", "nbytes", "buffer", "views", "status")
+    __slots__ = (
+        "index",
+        "param_indices",
+        "names",
+        "dtype",
+        "device",
+        "nbytes",
+        "buffer",
+        "views",
+        "status",
+        "record_shapes",
+        "record_dtypes",
+    )
 
     def __init__(
         self,
@@ -108,6 +122,9 @@ class Bucket:
             self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
         self.status = self.buffer[offset:] if status_slots else None
+        # What the collective recorder writes for this bucket's all-reduce, computed once, not per step.
+        self.record_shapes = [list(self.buffer.shape)]
+        self.record_dtypes = [dtype_name(self.dtype)]
 
     def to_wire(self) -> dict[str, Any]:
         """The BUCKET shape of agent/records.py."""

@@ -41,10 +41,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ddpscope.agent import emit, get_agent
-
-# Not (yet) re-exported by ddpscope.agent, whose __init__ another part owns: see agent/_core.py.
-from ddpscope.agent._core import emit_durable
+from ddpscope.agent import emit, emit_durable, get_agent
 from ddpscope.agent.clock import now_ns
 from ddpscope.ddp.progress import PROGRESS, Progress
 
@@ -116,10 +113,14 @@ class CollectiveRecorder:
         call_site: str | None = None,
         durable: bool | None = None,
         root: int | None = None,
+        shapes: list[list[int]] | None = None,
+        dtypes: list[str] | None = None,
     ) -> int:
         """Number a collective about to be issued, emit its ``collective`` record; return its seq.
 
         ``root`` is the global rank of a rooted op's src (broadcast, scatter) or dst (reduce, gather).
+        ``shapes`` and ``dtypes`` (the engine's, computed once per bucket) save reading them from the
+        tensors: with the caches cold from a backward pass that alone costs ~20 us a call.
 
         ``durable`` (default: every collective but the engine's send/recv) makes the record
         crash-durable before returning, so it survives an abort inside the collective (see the
@@ -135,8 +136,9 @@ class CollectiveRecorder:
             if self._pending:
                 self.poll()
             try:
-                shapes = [list(t.shape) for t in tensors]
-                dtypes = [_dtype_name(t.dtype) for t in tensors]
+                if shapes is None or dtypes is None:
+                    shapes = [list(t.shape) for t in tensors]
+                    dtypes = [dtype_name(t.dtype) for t in tensors]
             except Exception:
                 # Keep the sequence gap-free: a record without shapes beats no record.
                 self._failed("begin")
@@ -349,7 +351,8 @@ ping-pong, where a spool write on one side would lengthen the round trip it meas
 _DTYPE_NAMES: dict[Any, str] = {}
 
 
-def _dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: Any) -> str:
+    """A dtype as records name it (``float32``), the same on every rank."""
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")

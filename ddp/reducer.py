@@ -253,7 +253,14 @@ class Reducer:
             if bucket.status is not None:
                 self._write_status(bucket.status)
             seq = RECORDER.begin(
-                self.pg, "all_reduce", (bucket.buffer,), reduce_op="SUM", source="engine", step=self.step
+                self.pg,
+                "all_reduce",
+                (bucket.buffer,),
+                reduce_op="SUM",
+                source="engine",
+                step=self.step,
+                shapes=bucket.record_shapes,
+                dtypes=bucket.record_dtypes,
             )
             self.works[k] = self._pg_obj.allreduce([bucket.buffer], self._sum)
             self.seqs[k] = seq
