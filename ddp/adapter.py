@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,7 @@ from ddpscope.ddp.adapter_layout import (
 )
 from ddpscope.ddp.clock import estimate_offset
 from ddpscope.ddp.collectives import RECORDER
+from ddpscope.ddp.errors import report_error
 from ddpscope.ddp.groups import global_rank, pg_name
 from ddpscope.ddp.outputs import grad_tensors
 from ddpscope.ddp.progress import PROGRESS
@@ -241,6 +243,8 @@ class Instrumentation:
         ]
         self._handles.append(ddp.register_forward_pre_hook(self._before_forward))
         self._handles.append(ddp.register_forward_hook(self._after_forward))
+        self._handles.append(ddp.register_forward_hook(self._after_forward_or_error, always_call=True))
+        self._forward_ok = True
         # torch's own register_comm_hook: it also names the hook in _get_ddp_logging_data().
         ddp.register_comm_hook(None, self._comm_hook)
         PROGRESS.pending_buckets = self.pending_wire
@@ -282,8 +286,12 @@ class Instrumentation:
         self._seqs = [0] * n
 
     def _before_forward(self, module: Any, args: Any) -> None:
+        self._forward_ok = False
         if not torch.is_grad_enabled():
-            return  # evaluation: no backward follows
+            # Evaluation: no backward follows. Each forward is progress for the hang watchdog: an
+            # evaluation longer than the timeout is working, not hung.
+            PROGRESS.tick()
+            return
         self._synced = synced = bool(self.ddp.require_backward_grad_sync)
         self._active = False
         self._queued = False
@@ -292,6 +300,7 @@ class Instrumentation:
         PROGRESS.enter("forward", self._step)
 
     def _after_forward(self, module: Any, args: Any, output: Any) -> None:
+        self._forward_ok = True
         if not torch.is_grad_enabled():
             return
         self.timer.forward_end()
@@ -318,6 +327,18 @@ class Instrumentation:
             else:
                 # Bound in C++: ~2 us a step, where Tensor.register_hook's Python wrapper costs ~5 us.
                 node.register_prehook(self._on_output_grad)
+
+    def _after_forward_or_error(self, module: Any, args: Any, output: Any) -> None:
+        """torch calls this after every forward, also one that raised (``always_call``), from inside
+        its ``except`` clause: then ``_after_forward`` did not run and the exception is the one being
+        handled. It is said now, not only if it kills the process: a loop that catches it and goes
+        on leaves this rank one synced step behind its peers, and this record says why."""
+        if self._forward_ok:
+            return
+        self._forward_ok = True
+        exc = sys.exc_info()[1]
+        if isinstance(exc, Exception):
+            report_error(exc, fatal=False)
 
     # -- backward --------------------------------------------------------------------------------
 

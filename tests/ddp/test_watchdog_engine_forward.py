@@ -11,9 +11,8 @@ import torch
 import torch.distributed as dist
 
 from ddpscope import agent
-from ddpscope.ddp import DistributedDataParallel
+from ddpscope.ddp import DistributedDataParallel, monitor
 from ddpscope.ddp.progress import PROGRESS
-from ddpscope.ddp.watchdog import stop_watchdog
 from tests.ddp.watchdog_support import Records, in_memory_records
 from tests.support.procs import free_port
 
@@ -39,7 +38,7 @@ def records() -> Iterator[Records]:
     try:
         yield from in_memory_records(0)
     finally:
-        stop_watchdog()
+        monitor.disable()  # the engine enabled it: hooks and patches must not leak into later tests
         agent.shutdown()
         if created:
             dist.destroy_process_group()

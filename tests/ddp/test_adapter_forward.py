@@ -1,0 +1,77 @@
+"""What ``instrument()``'s forward hooks tell the watchdog and the collector, as the engine's forward
+does: a forward under ``torch.no_grad()`` is progress, and an exception leaving the forward is
+reported at once (a training loop may catch it and go on one step behind its peers)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpscope import agent
+from ddpscope.ddp import instrument, monitor
+from ddpscope.ddp.progress import PROGRESS
+from tests.ddp.test_watchdog_engine_forward import Flaky
+from tests.ddp.watchdog_support import Records, in_memory_records
+from tests.support.procs import free_port
+
+
+@pytest.fixture
+def records() -> Iterator[Records]:
+    created = False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        created = True
+    try:
+        yield from in_memory_records(0)
+    finally:
+        monitor.disable()  # the engine enabled it: hooks and patches must not leak into later tests
+        agent.shutdown()
+        if created:
+            dist.destroy_process_group()
+
+
+def test_a_forward_under_no_grad_through_instrumented_torch_ddp_is_progress_for_the_watchdog(
+    records: Records,
+) -> None:
+    model = instrument(DistributedDataParallel(Flaky()))
+    model(torch.randn(3, 4)).sum().backward()
+    before = PROGRESS.counter
+    with torch.no_grad():
+        model(torch.randn(3, 4))
+    assert PROGRESS.counter > before
+    model.__dict__["_ddpscope_instrumentation"].remove_hooks()
+
+
+def test_an_exception_leaving_instrumented_torch_ddp_s_forward_is_reported_at_once_and_still_raised(
+    records: Records,
+) -> None:
+    module = Flaky()
+    model = instrument(DistributedDataParallel(module))
+    model(torch.randn(3, 4)).sum().backward()
+    module.fail = True
+    with pytest.raises(ValueError, match="corrupt sample"):
+        model(torch.randn(3, 4))
+    (error,) = records("rank_error")
+    assert (error["error_type"], error["message"], error["fatal"]) == ("ValueError", "corrupt sample", False)
+    assert error["phase"] == "forward"
+    # The loop caught it and goes on: the next batch trains, and nothing more is reported.
+    module.fail = False
+    model(torch.randn(3, 4)).sum().backward()
+    assert len(records("rank_error")) == 1
+    model.__dict__["_ddpscope_instrumentation"].remove_hooks()
+
+
+def test_a_forward_called_while_the_script_handles_another_exception_reports_nothing(
+    records: Records,
+) -> None:
+    model = instrument(DistributedDataParallel(Flaky()))
+    try:
+        raise KeyError("the script's own, already handled")
+    except KeyError:
+        model(torch.randn(3, 4)).sum().backward()
+    assert records("rank_error") == []
+    model.__dict__["_ddpscope_instrumentation"].remove_hooks()
