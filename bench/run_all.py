@@ -36,6 +36,7 @@ BENCHMARKS: dict[str, tuple[float, float]] = {
     "debug_aids": (240, 1800),
     "watchdog": (180, 900),
     "agent": (180, 900),
+    "cost_accounting": (240, 900),
     "hang_latency": (150, 600),
     "collector": (360, 1800),
     "scale": (240, 1800),

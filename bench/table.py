@@ -63,10 +63,14 @@ def _watchdog(d: Mapping[str, Any]) -> Iterator[Row]:
     for key, label in (
         ("step_overhead_pct", "recorder + watchdog, wall step time"),
         ("cpu_overhead_pct", "recorder + watchdog, CPU per step"),
-        ("recorder_share_of_step_pct", "recorder cost x collectives / step"),
     ):
         if key in d:
             yield Row("watchdog", label, f"{d[key]:+.2f} %", f"≤ {limit:.0f} %", d[key] <= limit)
+    if "recorder_share_of_step_pct" in d:
+        # A warm loop: in training the caches are cold from the backward pass and a call costs ~30x
+        # more (bench.cost_accounting has that figure, with the target).
+        label = "recorder cost in a warm loop x collectives / step (not the real cost: see cost_accounting)"
+        yield Row("watchdog", label, f"{d['recorder_share_of_step_pct']:+.2f} %", "—", None)
 
 
 def _agent(d: Mapping[str, Any]) -> Iterator[Row]:
@@ -76,8 +80,38 @@ def _agent(d: Mapping[str, Any]) -> Iterator[Row]:
     yield Row("agent", "emit() max", f"{emit['max_ns'] / 1e6:.1f} ms", "—", None)
     ship = d["shipping"]["spool_and_shipper"]["records_per_s"]
     yield Row("agent", "step records shipped/s (spool + shipper)", f"{ship:,.0f}", "—", None)
+    # A stress figure, not the target (that one is on the engine benchmark: bench.cost_accounting).
     over = d["training_step"]["overhead"]
-    yield Row("agent", "agent step-time overhead", _pct(over), "≤ 1 %", over <= 0.01)
+    yield Row(
+        "agent",
+        "agent overhead, synthetic 7 ms step with a 50-bucket step + 8 collective records",
+        _pct(over),
+        "—",
+        None,
+    )
+
+
+def _cost_accounting(d: Mapping[str, Any]) -> Iterator[Row]:
+    limit = float(d.get("target_pct", 1.0))
+    for name, m in d["models"].items():
+        us = m["us_per_step"]
+        step_ms = m["median_step_us"] / 1e3
+        agent_parts = (
+            f"thread {us['agent thread']:.0f} + shipper {us['shipper process']:.0f} + calls "
+            f"{us['agent calls on the training thread']:.0f} µs"
+        )
+        recorder_parts = f"calls {us['recorder calls on the training thread']:.0f} + watchdog {us['watchdog thread']:.0f} µs"
+        for label, key, parts in (
+            ("agent", "agent_pct", agent_parts),
+            ("recorder + watchdog", "recorder_watchdog_pct", recorder_parts),
+        ):
+            yield Row(
+                "cost_accounting",
+                f"{label}, CPU accounted per {step_ms:.1f} ms step, {name}, 2 ranks ({parts})",
+                f"{m[key]:.2f} %",
+                f"≤ {limit:.0f} %",
+                m[key] <= limit,
+            )
 
 
 def _collector(d: Mapping[str, Any]) -> Iterator[Row]:
@@ -186,6 +220,7 @@ ROWS: dict[str, Callable[[Mapping[str, Any]], Iterator[Row]]] = {
     "debug_aids": _debug_aids,
     "watchdog": _watchdog,
     "agent": _agent,
+    "cost_accounting": _cost_accounting,
     "hang_latency": _hang_latency,
     "collector": _collector,
     "scale": _scale,

@@ -146,3 +146,25 @@ def test_scale_and_debug_aid_figures_are_published_without_a_verdict() -> None:
     rows = rows_for("debug_aids", aids)
     assert [(r.measured, r.met) for r in rows] == [("1.020", None), ("6.50", None)]
     assert all(r.met is None for r in rows_for("scale", scale))
+
+
+def test_accounted_costs_are_summed_per_part_and_judged_against_one_percent_of_the_step() -> None:
+    from bench.cost_accounting import _shares
+
+    def rank(step_us: float, calls_us: float) -> dict[str, object]:
+        return {
+            "median_step_us": step_us,
+            "us_per_step": {
+                "agent thread": 40.0,
+                "shipper process": 50.0,
+                "agent calls on the training thread": 10.0,
+                "recorder calls on the training thread": calls_us,
+                "watchdog thread": 10.0,
+                "training thread (all of it)": 9000.0,
+            },
+        }
+
+    shares = _shares([rank(10_000.0, 150.0), rank(10_000.0, 250.0)])
+    assert (shares["agent_pct"], shares["recorder_watchdog_pct"]) == (1.0, 2.1)
+    rows = rows_for("cost_accounting", {"target_pct": 1.0, "models": {"mlp": shares}})
+    assert [(r.measured, r.met) for r in rows] == [("1.00 %", True), ("2.10 %", False)]
