@@ -208,10 +208,13 @@ class Storage:
         end: int | None = None,
         limit: int | None = None,
         after: tuple[int, int] | None = None,
+        every_attempt: bool = False,
     ) -> list[StepRow]:
-        """Step rows with ``start <= step <= end``, ordered by (step, rank), after the cursor ``after``."""
-        q = self._steps_query(job_id, rank, start, end, limit, after)
+        """Step rows with ``start <= step <= end``, ordered by (step, rank), after the cursor ``after``:
+        of each rank's latest attempt only (see ``_latest_attempt``), unless ``every_attempt``."""
         with self.engines.reader.connect() as conn:
+            attempt = None if every_attempt else _latest_attempt(schema.steps, _restarts(conn, job_id))
+            q = self._steps_query(job_id, rank, start, end, limit, after, attempt)
             return [StepRow.from_db(r) for r in conn.execute(q).all()]
 
     def step_times(
@@ -225,8 +228,9 @@ class Storage:
         after: tuple[int, int] | None = None,
     ) -> list[StepTimes]:
         """The same rows as ``steps`` with only what per-step metrics read (several times cheaper)."""
-        q = self._steps_query(job_id, rank, start, end, limit, after)
         with self.engines.reader.connect() as conn:
+            attempt = _latest_attempt(schema.steps, _restarts(conn, job_id))
+            q = self._steps_query(job_id, rank, start, end, limit, after, attempt)
             return [StepTimes.from_db(r) for r in conn.execute(q).all()]
 
     @staticmethod
@@ -237,9 +241,12 @@ class Storage:
         end: int | None,
         limit: int | None,
         after: tuple[int, int] | None,
+        attempt: Any,
     ) -> Any:
         t = schema.steps
         q = select(*_STEP_COLS).where(t.c.job_id == job_id)
+        if attempt is not None:
+            q = q.where(attempt)
         if rank is not None:
             q = q.where(t.c.rank == rank)
         if start is not None:
@@ -271,10 +278,16 @@ class Storage:
         return [] if last is None else self.step_times(job_id, start=last - n + 1, end=last)
 
     def unused_rows(self, job_id: int) -> list[tuple[int, int, list[str]]]:
-        t = schema.step_unused
+        """``(rank, step, names)`` of the steps of each rank's latest attempt that had unused parameters
+        (a restart that fixed the code path must not keep reporting the old one)."""
+        t, s = schema.step_unused, schema.steps
         with self.engines.reader.connect() as conn:
-            rows = conn.execute(select(t.c.rank, t.c.step, t.c.names).where(t.c.job_id == job_id))
-            return [(r.rank, r.step, decode_json(r.names)) for r in rows]
+            q = select(t.c.rank, t.c.step, t.c.names).where(t.c.job_id == job_id)
+            attempt = _latest_attempt(s, _restarts(conn, job_id))
+            if attempt is not None:  # the step row has the time the attempt test needs; few rows join
+                key = [t.c[k] == s.c[k] for k in ("job_id", "rank", "stream", "seq")]
+                q = q.where(select(s.c.seq).where(*key, attempt).exists())
+            return [(r.rank, r.step, decode_json(r.names)) for r in conn.execute(q)]
 
     def fetch_records(
         self, job: str, kinds: Iterable[str] = ALL_KINDS, *, rank: int | None = None
@@ -312,7 +325,7 @@ class Storage:
                 out.extend(_end_wire(job, r) for r in conn.execute(q))
         if "step" in kinds:
             unused = {(r[0], r[1]): r[2] for r in self.unused_rows(job_id)}
-            for s in self.steps(job_id, rank=rank):
+            for s in self.steps(job_id, rank=rank, every_attempt=True):  # as stored: every attempt
                 s.unused_parameters = unused.get((s.rank, s.step), [])
                 out.append(s.to_wire(job))
         out.sort(key=lambda r: (r["time_ns"], r["rank"], r["seq"]))
@@ -392,6 +405,45 @@ class Storage:
 
 def _rank_row(r: Any) -> RankRow:
     return RankRow(r.rank, r.last_seen_ns, r.step_records, r.last_step, r.last_step_end_ns)
+
+
+def _restarts(conn: Any, job_id: int) -> dict[int, tuple[str, int]]:
+    """Per rank that restarted (``rank_start`` records from more than one agent stream), the stream and
+    time of its latest ``rank_start``: a handful of indexed rows per rank."""
+    e = schema.events
+    q = (
+        select(e.c.rank, e.c.stream, e.c.time_ns)
+        .where(e.c.job_id == job_id, e.c.kind == "rank_start")
+        .order_by(e.c.time_ns, e.c.seq)
+    )
+    streams: dict[int, set[str]] = {}
+    latest: dict[int, tuple[str, int]] = {}
+    for r in conn.execute(q):
+        streams.setdefault(r.rank, set()).add(r.stream)
+        latest[r.rank] = (r.stream, int(r.time_ns))
+    return {rank: latest[rank] for rank, seen in streams.items() if len(seen) > 1}
+
+
+def _latest_attempt(t: Any, restarts: dict[int, tuple[str, int]]) -> Any:
+    """A WHERE clause keeping the rows of ``t`` (rank, stream, time_ns) that belong to each restarted
+    rank's latest attempt, as ``analysis.snapshot.split_restart`` divides records: on the stream of
+    its latest ``rank_start``, or not older than it (a reconfigured agent's new stream). None when no
+    rank restarted: nothing to filter, and the hot path stays as it was.
+
+    Row by row: ranks that never restarted and rows on a current stream pass on cheap tests (an IN
+    list is a lookup); only rows of other streams at or after the earliest restart reach the per-rank
+    time test, so the clause costs no more than a constant per row however many ranks restarted."""
+    if not restarts:
+        return None
+    earliest = min(ns for _, ns in restarts.values())
+    return or_(
+        t.c.rank.not_in(sorted(restarts)),
+        t.c.stream.in_(sorted({stream for stream, _ in restarts.values()})),
+        and_(
+            t.c.time_ns >= earliest,
+            or_(*(and_(t.c.rank == rank, t.c.time_ns >= ns) for rank, (_, ns) in sorted(restarts.items()))),
+        ),
+    )
 
 
 def _latest_by_rank(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:

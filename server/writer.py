@@ -243,9 +243,11 @@ class BatchWriter:
         for r in records:
             if r.time_ns > seen.get(r.rank, -1):
                 seen[r.rank] = r.time_ns
+        # A rank's last step is the one it completed last, not the highest number: after a restart
+        # (steps from 0 or a checkpoint again) it is the new process's progress.
         last: dict[int, Any] = {}
         for r in steps:
-            if r.rank not in last or r.step >= last[r.rank].step:
+            if r.rank not in last or r.backward_end_ns >= last[r.rank].backward_end_ns:
                 last[r.rank] = r
         rows = [
             {
@@ -263,7 +265,9 @@ class BatchWriter:
         t = schema.ranks
         stmt = _insert(self.dialect, t)
         ex = stmt.excluded
-        newer = ex.last_step.is_not(None) & (t.c.last_step.is_(None) | (ex.last_step >= t.c.last_step))
+        newer = ex.last_step.is_not(None) & (
+            t.c.last_step_end_ns.is_(None) | (ex.last_step_end_ns >= t.c.last_step_end_ns)
+        )
         stmt = stmt.on_conflict_do_update(
             index_elements=[t.c.job_id, t.c.rank],
             set_={

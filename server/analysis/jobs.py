@@ -47,16 +47,20 @@ class JobSummary:
     """Aligned-clock (≈ wall-clock) seconds of the newest record."""
     first_seen: float
     steps: int
-    """Highest step number any rank completed, plus one (0 before the first step)."""
+    """The step the current processes reached: the highest of the ranks' last completed steps, plus
+    one (0 before the first step). After a restart, the new processes' step, not the old ones'."""
     step_rate: float | None
-    """Steps per second since the job's first record."""
+    """Steps per second since the current processes started (the job's first record when no rank
+    announced itself)."""
 
 
 def summarize(snapshot: JobSnapshot, first_seen_s: float, status: str) -> JobSummary:
     last_steps = [s.last_step for s in snapshot.steps.values()]
     steps = max(last_steps) + 1 if last_steps else 0
     ends = [s.last_step_end_ns / 1e9 for s in snapshot.steps.values()]
-    span = (max(ends) - first_seen_s) if ends else 0.0
+    # The latest rank_start of each rank: a restart's wait and the old processes' steps are not rate.
+    began = min((r["time_ns"] / 1e9 for r in snapshot.ranks.values()), default=first_seen_s)
+    span = (max(ends) - max(first_seen_s, began)) if ends else 0.0
     rate = steps / span if span > 0 else None
     return JobSummary(
         job=snapshot.job,

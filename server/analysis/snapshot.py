@@ -20,8 +20,9 @@ Every record inside is a **wire-shaped dict**: exactly the fields of ``ddpscope.
   window is loaded: per process group, the collectives whose ``coll_seq`` is within
   ``COLLECTIVE_WINDOW`` of the highest sequence number any rank issued on it (ranks move in lockstep
   on a group, so a hang or a mismatch is always inside it). Sorted by ``(pg, coll_seq, rank)``.
-- ``steps``: ``{rank: RankSteps}``: count of step records, the last step number and its
-  ``backward_end_ns`` (the time the rank last completed a step).
+- ``steps``: ``{rank: RankSteps}``: count of step records, the step the rank completed last and its
+  ``backward_end_ns`` (after a restart, the new process's step, even when an earlier attempt got
+  further).
 - ``unused``: ``[UnusedParameter]``: parameters that got no gradient, aggregated by name over ranks
   and steps (see ``analysis.unused``).
 - ``agent_stats``: ``{rank: agent_stats}``: the latest agent accounting of each rank (cumulative per
@@ -188,7 +189,7 @@ def snapshot_from_records(job: str, records: Iterable[Mapping[str, Any]]) -> Job
             steps[s["rank"]] = RankSteps(s["rank"], 1, s["step"], s["backward_end_ns"])
             continue
         cur.count += 1
-        if s["step"] >= cur.last_step:
+        if s["backward_end_ns"] >= cur.last_step_end_ns:  # completed last: a restart's progress
             cur.last_step, cur.last_step_end_ns = s["step"], s["backward_end_ns"]
     seen: dict[int, float] = {}
     for recs in by_kind.values():
@@ -208,13 +209,35 @@ def snapshot_from_records(job: str, records: Iterable[Mapping[str, Any]]) -> Job
         collectives=window_collectives(merged),
         steps=steps,
         unused=aggregate_unused(
-            (s["rank"], s["step"], s["unused_parameters"]) for s in by_kind.get("step", [])
+            (s["rank"], s["step"], s["unused_parameters"])
+            for s in latest_attempt(by_kind.get("step", []), by_kind.get("rank_start", []))
         ),
         agent_stats=_latest(by_kind.get("agent_stats", [])),
         rank_last_seen_s=seen,
     )
     snap.world_size = infer_world_size(snap.ranks, seen)
     return snap
+
+
+def latest_attempt(records: Iterable[Record], rank_starts: Iterable[Mapping[str, Any]]) -> list[Record]:
+    """The records that belong to each restarted rank's latest attempt (what the collector's step
+    views show; ``storage._latest_attempt`` is the same test in SQL): a rank restarted when its
+    ``rank_start`` records come from more than one agent stream, and a record of it belongs to the
+    latest attempt when it is on that start's stream or not older than it (``split_restart``'s rule)."""
+    streams: dict[int, set[str]] = {}
+    latest: dict[int, tuple[str, int]] = {}
+    for s in sorted(rank_starts, key=lambda r: (r["time_ns"], r["seq"])):
+        streams.setdefault(s["rank"], set()).add(s["stream"])
+        latest[s["rank"]] = (s["stream"], s["time_ns"])
+
+    def current(rec: Mapping[str, Any]) -> bool:
+        rank = rec["rank"]
+        if len(streams.get(rank, ())) < 2:
+            return True
+        stream, start_ns = latest[rank]
+        return rec["stream"] == stream or rec["time_ns"] >= start_ns
+
+    return [r for r in records if current(r)]
 
 
 def infer_world_size(ranks: Mapping[int, Mapping[str, Any]], seen: Iterable[int]) -> int:

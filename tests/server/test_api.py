@@ -233,3 +233,27 @@ def test_the_collector_serves_the_dashboard_pages_when_the_dashboard_is_installe
     pytest.importorskip("ddpscope.dashboard")
     r = client.get("/")
     assert r.status_code == 200 and "text/html" in r.headers["content-type"]
+
+
+def test_a_restarted_job_shows_its_current_attempts_steps_in_every_step_view(client):
+    from tests.server.test_incidents import started
+
+    job = started(2)
+    end = job.train(5)  # the first attempt: steps 0-4, then a crash
+    for r in range(2):  # torchrun --max-restarts: new processes, same job id, steps from 0 again
+        job.start(r, end + 10)
+    end2 = job.train(12, t=end + 11)
+    r = post(client, job.records)
+    assert r.status_code == 200, r.text
+    base = f"/api/v1/jobs/{job.job}"
+    steps = client.get(f"{base}/steps").json()["items"]
+    assert sorted((s["rank"], s["step"]) for s in steps) == [(r, s) for r in range(2) for s in range(12)]
+    (summary,) = client.get("/api/v1/jobs").json()["items"]
+    assert summary["steps"] == 12
+    assert summary["step_rate"] == pytest.approx(12 / (end2 - 0.1 + 9e-6 - (end + 10)), rel=1e-3)
+    tl = client.get(f"{base}/timeline", params={"step": 3}).json()
+    assert [row["rank"] for row in tl["ranks"]] == [0, 1]
+    trace = client.get(f"{base}/trace").json()
+    spans = [e for e in trace["traceEvents"] if e.get("name") == "forward"]
+    assert len(spans) == 2 * 12
+    assert {s["rank"] for s in client.get(f"{base}/stragglers").json()["items"]} == {0, 1}

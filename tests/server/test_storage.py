@@ -14,6 +14,7 @@ from ddpscope.server.analysis.snapshot import snapshot_from_records
 from ddpscope.server.codec import kind_of
 from ddpscope.server.storage import ALL_KINDS, Storage
 from tests.server.conftest import decoded
+from tests.server.test_incidents import JobRecords, started
 from tests.support.synth import T0_NS, by_rank, synth_job
 
 LATEST_ONLY = {"heartbeat", "agent_stats"}
@@ -231,3 +232,66 @@ def test_after_a_restart_the_new_processes_collectives_are_in_the_snapshot_windo
     old = {c["coll_seq"] for c in snap.collectives if not c["stream"].endswith("-restarted")}
     assert new == list(range(1, 7)) and max(old) == 300
     assert all(c["end_ns"] is not None for c in snap.collectives), "each end joined to its own process's call"
+
+
+def _restarted_job(resume_at: int = 0) -> JobRecords:
+    """Two ranks ran steps 0-4, crashed and came back (new processes, new agent streams) to run
+    steps ``resume_at``..``resume_at + 11`` under the same job id, step 1 of rank 1 with an unused
+    parameter in the first attempt only."""
+    job = started(2)
+    end = job.train(5)
+    for r in range(2):
+        job.start(r, end + 10)
+    t = end + 11
+    for s in range(resume_at, resume_at + 12):
+        for r in range(2):
+            job.step(r, t, s, seqs=[2 * s + 1, 2 * s + 2])
+        t += 0.1
+    return job
+
+
+def _first_attempt_unused(job: JobRecords) -> None:
+    for rec in job.records:
+        if rec["kind"] == "step" and rec["stream"] == "s1.1" and rec["step"] == 1:
+            rec["unused_parameters"] = ["head.bias"]
+
+
+def test_steps_of_a_restarted_rank_come_from_its_latest_attempt_only(storage):
+    job = _restarted_job()
+    storage.write_batch(decoded(job.records))
+    job_id = storage.job_id(job.job)
+    rows = storage.steps(job_id)
+    assert [(r.step, r.rank) for r in rows] == [(s, r) for s in range(12) for r in range(2)]
+    assert {r.stream for r in rows} == {"s0.2", "s1.2"}
+    times = storage.step_times(job_id, rank=1, start=2, end=3)
+    assert [t.step for t in times] == [2, 3]
+    assert all(t.forward_start_ns >= job.records[-1]["time_ns"] - 2 * 10**9 for t in times)
+    assert len(storage.steps(job_id, every_attempt=True)) == 2 * 5 + 2 * 12
+
+
+def test_the_last_step_of_a_restarted_job_is_its_current_attempts_even_when_the_old_one_got_further(storage):
+    job = _restarted_job(resume_at=0)
+    # The first attempt got to step 30 before it crashed; the new processes restarted from 0.
+    old = next(r for r in job.records if r["kind"] == "step" and r["step"] == 4 and r["rank"] == 0)
+    old["step"] = 30
+    storage.write_batch(decoded(job.records))
+    job_id = storage.job_id(job.job)
+    assert storage.last_step(job_id) == 11
+    assert {r.step for r in storage.recent_steps(job_id, 3)} == {9, 10, 11}
+    assert storage.load_snapshot(job.job).steps[0].last_step == 11
+    assert job.snapshot().steps[0].last_step == 11
+
+
+def test_unused_parameters_of_an_attempt_before_a_restart_are_not_reported(storage):
+    job = _restarted_job()
+    _first_attempt_unused(job)
+    storage.write_batch(decoded(job.records))
+    assert storage.unused_rows(storage.job_id(job.job)) == []
+    assert storage.load_snapshot(job.job).unused == job.snapshot().unused == []
+
+
+def test_a_job_that_never_restarted_keeps_every_step_row(storage):
+    job = started(2)
+    job.train(4)
+    storage.write_batch(decoded(job.records))
+    assert len(storage.steps(storage.job_id(job.job))) == 8
