@@ -18,7 +18,8 @@ Read API (what routes, /metrics and the analysis modules use):
 - ``steps(job_id, rank=, start=, end=, limit=, after=) -> list[StepRow]``: step rows ordered by
   ``(step, rank)``, with unpacked arrays (``rows.StepRow``); ``step_times(...)`` the same rows with only
   what per-step metrics read (``rows.StepTimes``); ``recent_steps(job_id, n)`` the last ``n``
-  step numbers.
+  step numbers. Every step view reads only each restarted rank's latest attempt (``_latest_attempt``):
+  after a restart (step, rank) repeats, and the views are about the current processes.
 - ``unused_rows(job_id)``: ``(rank, step, names)`` for every step that had unused parameters.
 - ``counters()``, ``count(name, n)``: the collector's own counters (e.g. ``rejected_batches:too_large``).
 - ``ping()``: True when the database answers.
