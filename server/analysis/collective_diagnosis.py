@@ -18,13 +18,15 @@ from typing import Any
 
 from ddpscope.server.analysis.incident_model import (
     ROOTED_OPS,
+    UNEVEN_DATA_ADVICE,
     Incident,
     Record,
+    capitalized,
     describe,
     ranks_phrase,
     where,
 )
-from ddpscope.server.analysis.snapshot import JobSnapshot
+from ddpscope.server.analysis.snapshot import JobSnapshot, RankSteps
 from ddpscope.server.analysis.status import Liveness
 from ddpscope.server.analysis.stuck import stuck_outside
 
@@ -197,7 +199,9 @@ def _keys_by_rank(ranks: Mapping[int, Mapping[int, Record]]) -> dict[int, set[tu
     return {r: {_full_key(c) for c in q.values()} for r, q in ranks.items()}
 
 
-def mismatch_incidents(colls: CollectiveIndex, blame: dict[int, str]) -> list[Incident]:
+def mismatch_incidents(
+    colls: CollectiveIndex, snapshot: JobSnapshot, blame: dict[int, str]
+) -> list[Incident]:
     out = []
     for pg, ranks in sorted(colls.by_pg.items()):
         # Needed only once ranks disagree somewhere: built on first use.
@@ -216,7 +220,11 @@ def mismatch_incidents(colls: CollectiveIndex, blame: dict[int, str]) -> list[In
             elif reason:
                 later += 1
         if found is not None:
-            out.append(_mismatch(pg, *found, later=later, ranks=ranks, keys=keys(), blame=blame))
+            out.append(
+                _mismatch(
+                    pg, *found, later=later, ranks=ranks, keys=keys(), blame=blame, steps=snapshot.steps
+                )
+            )
     return out
 
 
@@ -231,6 +239,7 @@ def _mismatch(
     ranks: Mapping[int, Mapping[int, Record]],
     keys: Mapping[int, set[tuple[Any, ...]]],
     blame: dict[int, str],
+    steps: Mapping[int, RankSteps],
 ) -> Incident:
     if reason == "source":
         # The engine's side is right by construction: it runs the same schedule on every rank.
@@ -248,6 +257,9 @@ def _mismatch(
         for k, r in distinct.items()
     )
     msg = f"{what} where {ranks_phrase(ref)} issued {describe(rrec)} at collective #{seq} of group {pg}"
+    left = _left_loop(culprits, ref, recs, ranks, steps)
+    if left:
+        msg = f"{left}: {msg}"
     shift = _shift(ranks.get(c0, {}), ranks.get(r0, {}), seq)
     if shift:
         msg += f": {ranks_phrase([c0])} {shift}"
@@ -277,20 +289,66 @@ def _mismatch(
         msg += f". The {reason} differ: gloo pairs them silently and the results are wrong"
     if later:
         msg += f" ({later} later collective{'s of this group disagree' if later > 1 else ' of this group disagrees'} too, as a consequence)"
-    msg += f". {why}Make every rank issue the same collectives in the same order."
+    if left:
+        msg += f". {UNEVEN_DATA_ADVICE}"
+        for r in culprits:
+            blame.setdefault(r, "left its training loop early")
+    else:
+        msg += f". {why}Make every rank issue the same collectives in the same order."
     for r in culprits:
         blame.setdefault(r, f"issued a different collective at #{seq} of group {pg}")
     sites = sorted({recs[r]["call_site"] for r in culprits if recs[r].get("call_site")})
+    # The user call's record may carry no step (outside forward and backward); the engine's does.
+    step = next((recs[r]["step"] for r in (c0, *ref, *recs) if recs[r].get("step") is not None), None)
     return Incident(
         kind="mismatch",
         message=msg,
         rank=c0,
-        step=crec.get("step"),
+        step=step,
         seq=seq,
         pg=pg,
         culprit_ranks=culprits,
         call_site=", ".join(sites) or None,
         time_s=min(recs[r]["start_ns"] for r in recs) / 1e9,
+    )
+
+
+def _left_loop(
+    culprits: list[int],
+    ref: list[int],
+    recs: Mapping[int, Record],
+    ranks: Mapping[int, Mapping[int, Record]],
+    steps: Mapping[int, RankSteps],
+) -> str:
+    """ "Rank 1 left its training loop after step 7 ..." when the culprits' side of a mismatch is a user
+    collective issued after their last step, with nothing of the engine after it, where the reference
+    ranks issued the engine's own bucket all-reduce of a step the culprits never ran: they ran out of
+    batches (or broke out of the loop) and reached the collective at the end of their script while
+    their peers went on training. '' otherwise."""
+    if not all(recs[r].get("source") == "engine" for r in ref):
+        return ""
+    peer_step = recs[ref[0]].get("step")
+    lasts = []
+    for r in culprits:
+        c, done = recs[r], steps.get(r)
+        trained_on = any(
+            s > c["coll_seq"] and x.get("source") == "engine" for s, x in ranks.get(r, {}).items()
+        )
+        if c.get("source") != "user" or done is None or trained_on:
+            return ""
+        if c["start_ns"] < done.last_step_end_ns or (peer_step is not None and done.last_step >= peer_step):
+            return ""
+        lasts.append(done.last_step)
+    who = ranks_phrase(culprits)
+    after = (
+        f"after step {max(lasts)}" if len(set(lasts)) == 1 else "after steps " + ", ".join(map(str, lasts))
+    )
+    in_step = f"step {peer_step}'s" if peer_step is not None else "the next step's"
+    return (
+        f"{capitalized(who)} left {'its' if len(culprits) == 1 else 'their'} training loop early "
+        f"({after}: fewer batches than {'its' if len(culprits) == 1 else 'their'} peers, or a rank-dependent "
+        f"break) and called a collective at the end of the script while {ranks_phrase(ref)} "
+        f"{'was' if len(ref) == 1 else 'were'} in {in_step} bucket all-reduce"
     )
 
 
@@ -363,7 +421,7 @@ def _missing(
     since = end_s - min(waiting[r][seq]["start_ns"] for r in waiters) / 1e9
     stuck = stuck_outside(snapshot)
     msg = (
-        f"{ranks_phrase(waiters)} {'has' if len(waiters) == 1 else 'have'} waited {since:.0f} s in "
+        f"{capitalized(ranks_phrase(waiters))} {'has' if len(waiters) == 1 else 'have'} waited {since:.0f} s in "
         f"{describe(wait)}, collective #{seq} of group {pg}; {ranks_phrase(missing)} never issued it"
     )
     details = []

@@ -47,6 +47,20 @@ def ranks_phrase(ranks: Iterable[int]) -> str:
     return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
 
 
+def capitalized(text: str) -> str:
+    """``text`` with its first letter upper-case: a message that opens with ``ranks_phrase`` (lowercase,
+    as it is also used mid-sentence) is still a sentence."""
+    return text[:1].upper() + text[1:]
+
+
+UNEVEN_DATA_ADVICE = (
+    "Every rank must run the same synced steps: look for a rank-dependent break or return, "
+    "uneven data per rank (a sampler without drop_last, a shard shorter than the others), or wrap "
+    "the loop in torch.distributed.algorithms.Join for uneven inputs."
+)
+"""What to do about a rank that left its training loop before its peers."""
+
+
 ROOTED_OPS = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
 """Ops with a root rank, and the name of their root argument (a collective record's ``root``)."""
 

@@ -52,8 +52,10 @@ from ddpscope.server.analysis.collective_diagnosis import (
 )
 from ddpscope.server.analysis.hang_diagnosis import hang_incidents
 from ddpscope.server.analysis.incident_model import (
+    UNEVEN_DATA_ADVICE,
     Incident,
     Record,
+    capitalized,
     error_brief,
     first_line,
     position,
@@ -126,7 +128,7 @@ def diagnose(
     blame: dict[int, str] = {}
     out = _silent_incidents(snapshot, live, blame)
     out += _early_exit_incidents(snapshot, live, blame)
-    out += mismatch_incidents(colls, blame)
+    out += mismatch_incidents(colls, snapshot, blame)
     missing = missing_incidents(colls, live, snapshot, blame)
     out += missing
     out += _error_incidents(live, snapshot, colls, blame)
@@ -227,9 +229,7 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
             "Something outside the job stopped this rank alone (a preemption, a time or memory limit, "
             "torchrun's agent, a manual kill): check the scheduler's and the launcher's logs for it."
             if reason == "sigterm"
-            else "Every rank must run the same synced steps: look for a rank-dependent break or return, "
-            "uneven data per rank (a sampler without drop_last, a shard shorter than the others), or wrap "
-            "the loop in torch.distributed.algorithms.Join for uneven inputs."
+            else UNEVEN_DATA_ADVICE
         )
         caught = [e for e in live.errors if e["rank"] == r and not e.get("fatal") and not is_secondary(e)]
         if caught and reason == "finished":
@@ -398,7 +398,7 @@ def _error_incidents(
         else:
             cause = "no rank reported a cause: look for a rank killed by the OS or a network failure"
         msg = (
-            f"{ranks_phrase(v['rank'] for v in left)} failed waiting for a peer ({first.get('error_type')}: "
+            f"{capitalized(ranks_phrase(v['rank'] for v in left))} failed waiting for a peer ({first.get('error_type')}: "
             f"{first_line(first.get('message', ''))}); {cause}."
         )
         out.append(_error_incident("rank_error", first, msg, left[1:], culprits=culprits))

@@ -190,7 +190,7 @@ def test_a_rank_stopped_by_sigterm_alone_is_told_apart_from_uneven_inputs() -> N
     job = started(2)
     end = job.train(3)
     job.exit(1, end, reason="sigterm", step=2)
-    job.train(1, t=end + 0.1, ranks=[0])
+    job.train(1, t=end + 0.1, ranks=[0], first=3)
     job.error(0, end + 0.5, "Connection closed by peer", step=4)
     early = only(diagnose(job.snapshot(), end + 1), "rank_exited_early")
     assert "check the scheduler's and the launcher's logs" in early.message

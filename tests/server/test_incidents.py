@@ -90,10 +90,17 @@ class JobRecords:
         )  # fmt: skip
 
     def train(
-        self, steps: int, *, t: float = T0 + 1, dt: float = 0.1, ranks: list[int] | None = None
+        self,
+        steps: int,
+        *,
+        t: float = T0 + 1,
+        dt: float = 0.1,
+        ranks: list[int] | None = None,
+        first: int = 0,
     ) -> float:
-        """Healthy steps on ``ranks`` (two engine all-reduces each, then a heartbeat); returns the end time."""
-        for s in range(steps):
+        """Healthy steps ``first``.. on ``ranks`` (two engine all-reduces each, then a heartbeat); returns
+        the end time."""
+        for s in range(first, first + steps):
             for r in ranks if ranks is not None else range(self.world):
                 seqs = [2 * s + 1, 2 * s + 2]
                 for i, seq in enumerate(seqs):
@@ -572,6 +579,51 @@ def test_a_user_collective_paired_with_the_engines_all_reduce_is_flagged_even_wi
     job.coll(1, end, 7, shapes=[[10]], site=None, source="engine", step=3)
     m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
     assert m.culprit_ranks == [0] and m.call_site == "train.py:33" and "some ranks only" in m.message
+
+
+def test_a_rank_that_ran_out_of_batches_and_called_barrier_is_said_to_have_left_its_loop_early() -> None:
+    job = started(2)
+    end = job.train(8)  # engine all-reduces #1-#16, steps 0-7 on both ranks
+    # Rank 1 has no batch 8: it leaves its loop and calls dist.barrier() at the end of its script,
+    # while rank 0 is in step 8's first bucket all-reduce. Both wait there.
+    job.coll(0, end, 17, shapes=[[10]], site="ddp/reducer.py:88", source="engine", step=8, done=False)
+    job.coll(1, end, 17, op="barrier", reduce_op=None, shapes=[], site="train.py:120", done=False)
+    incidents = diagnose(job.snapshot(), end + 0.1)
+    m = only(incidents, "mismatch")
+    assert m.message.startswith("Rank 1 left its training loop early (after step 7")
+    assert "rank 0 was in step 8's bucket all-reduce" in m.message
+    assert "rank 1 issued barrier at train.py:120 where rank 0 issued all_reduce(SUM)" in m.message
+    assert "torch.distributed.algorithms.Join" in m.message and "same synced steps" in m.message
+    assert m.culprit_ranks == [1] and m.seq == 17 and m.call_site == "train.py:120"
+
+
+def test_a_user_collective_inside_a_step_on_one_rank_is_not_said_to_leave_the_loop() -> None:
+    job = started(2)
+    end = job.train(3)
+    job.coll(0, end, 7, shapes=[[10]], site="ddp/reducer.py:88", source="engine", step=3)
+    job.coll(1, end, 7, shapes=[[10]], site="train.py:33", source="user")
+    job.step(1, end, 3, seqs=[8, 9])  # rank 1 went on with step 3: it did not leave its loop
+    m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
+    assert "left its training loop" not in m.message and "some ranks only" in m.message
+
+
+def test_a_mismatch_takes_its_step_from_the_peers_record_when_the_user_call_has_none() -> None:
+    job = started(2)
+    end = job.train(3)
+    job.coll(0, end, 7, shapes=[[10]], site="ddp/reducer.py:88", source="engine", step=3)
+    job.coll(1, end, 7, op="barrier", reduce_op=None, shapes=[], site="train.py:120")
+    assert only(diagnose(job.snapshot(), end + 0.1), "mismatch").step == 3
+
+
+def test_failed_waiting_for_a_peer_is_a_sentence_starting_with_a_capital() -> None:
+    job = started(2)
+    end = job.train(5)
+    # Both ranks fail waiting for a peer, and no rank says why: the message opens with the ranks.
+    job.error(0, end + 1, "[../gloo/transport/tcp/pair.cc:598] Connection reset by peer", step=5)
+    job.error(1, end + 1, "[../gloo/transport/tcp/pair.cc:598] Connection reset by peer", step=5)
+    incidents = diagnose(job.snapshot(), end + 2)
+    failed = [i for i in incidents if "failed waiting for a peer" in i.message]
+    assert failed and failed[0].message.startswith("Ranks 0, 1 failed waiting for a peer")
 
 
 FAULTHANDLER_DUMP = """Fatal Python error: Aborted
