@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
 from ddpscope.agent import spool
@@ -98,6 +99,12 @@ class SpoolExporter:
             logger.warning(
                 "ddpscope: no write-ahead ring in %s; durable records take the spool path", spool_dir
             )
+        self.write_ahead: Callable[[dict[str, Any]], bool] = (
+            self._ring.put if self._ring is not None else _no_ring
+        )
+        """Make one stamped record crash-durable now, without a system call (see ``ring.py``); the
+        caller still exports it as usual. False when it does not fit or the ring is closed: then spool
+        it synchronously. The ring's own ``put``: no wrapper level on the training thread's hot path."""
         self._start_shipper()
 
     def _enable_crash_file(self) -> None:
@@ -133,12 +140,6 @@ class SpoolExporter:
     @property
     def shipper_pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
-
-    def write_ahead(self, record: dict[str, Any]) -> bool:
-        """Make one stamped record crash-durable now, without a system call (see ``ring.py``); the
-        caller still exports it as usual. False when it does not fit: then spool it synchronously."""
-        ring = self._ring
-        return ring is not None and not self._closed and ring.put(record)
 
     def drop_write_ahead(self) -> None:
         """Remove the ring: the agent drained everything into the spool (a clean shutdown)."""
@@ -229,3 +230,7 @@ class SpoolExporter:
             with contextlib.suppress(OSError):
                 self._proc.stdin.close()
         self._wake_fd = -1
+
+
+def _no_ring(record: dict[str, Any]) -> bool:
+    return False
