@@ -105,7 +105,8 @@ def test_a_corrupted_spool_is_skipped_counted_and_the_rest_delivered(
     env = agent_env(
         collector.url, spool_dir, job, DDPSCOPE_SHIPPER_LINGER_S="0", DDPSCOPE_FLUSH_INTERVAL_S="0.002"
     )
-    finish(started.emitter(env, n, 300.0), 60)  # slow enough for one frame every few records
+    # Slow enough for a frame every few dozen records (a busy round every 0.25 s): 16 or so frames.
+    finish(started.emitter(env, n, 150.0), 60)
     deadline = time.monotonic() + 20
     while list(spool_dir.glob("*.lock")) and any(_holds_lock(p) for p in spool_dir.glob("*.lock")):
         assert time.monotonic() < deadline, "the first shipper did not give up"
@@ -120,14 +121,15 @@ def test_a_corrupted_spool_is_skipped_counted_and_the_rest_delivered(
         for payload, end in spool.parse(buf, final=True).entries:
             frames.append((path, start, end, payload))
             start = end
-    assert len(frames) >= 6, f"need several frames to damage, got {len(frames)}"
+    assert len(frames) >= 8, f"need several frames to damage, got {len(frames)}"
 
     def steps_in(payload: bytes) -> int:
         return sum(r["kind"] == "step" for r in _decode(payload))
 
-    # Damage: one flipped byte inside two payloads, one garbled header, and a torn tail.
-    flipped = [frames[1], frames[len(frames) // 2]]
-    garbled = frames[len(frames) // 3]
+    # Damage: one flipped byte inside two payloads, one garbled header, and a torn tail, with an intact
+    # frame between any two (adjacent damage is skipped, and counted, as one region).
+    flipped = [frames[1], frames[5]]
+    garbled = frames[3]
     tail = frames[-1]
     for path, start, end, _ in flipped:
         _flip(Path(path), start + spool.HEADER.size + (end - start - spool.HEADER.size) // 2)
