@@ -8,30 +8,17 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpscope import agent
-from ddpscope.ddp import instrument, monitor
+from ddpscope.ddp import instrument
 from ddpscope.ddp.progress import PROGRESS
 from tests.ddp.test_watchdog_engine_forward import Flaky
-from tests.ddp.watchdog_support import Records, in_memory_records
-from tests.support.procs import free_port
+from tests.ddp.watchdog_support import Records, one_rank_job_records
 
 
 @pytest.fixture
 def records() -> Iterator[Records]:
-    created = False
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-        created = True
-    try:
-        yield from in_memory_records(0)
-    finally:
-        monitor.disable()  # the engine enabled it: hooks and patches must not leak into later tests
-        agent.shutdown()
-        if created:
-            dist.destroy_process_group()
+    yield from one_rank_job_records()
 
 
 def test_a_forward_under_no_grad_through_instrumented_torch_ddp_is_progress_for_the_watchdog(

@@ -33,3 +33,25 @@ def in_memory_records(rank: int) -> Iterator[Records]:
         return [r for r in exporter.records if not kinds or r["kind"] in kinds]
 
     yield read
+
+
+def one_rank_job_records() -> Iterator[Records]:
+    """``in_memory_records`` in a 1-rank gloo group (created here unless one exists), for tests that
+    build a real engine or instrument torch DDP; afterwards the monitor the engine enabled is disabled,
+    so its error hooks and patches do not leak into later tests."""
+    import torch.distributed as dist
+
+    from ddpscope.ddp import monitor
+    from tests.support.procs import free_port
+
+    created = False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        created = True
+    try:
+        yield from in_memory_records(0)
+    finally:
+        monitor.disable()
+        agent.shutdown()
+        if created:
+            dist.destroy_process_group()
