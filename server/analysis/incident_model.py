@@ -141,16 +141,44 @@ def step_phrase(step: Any, phase: Any, *, started: bool = True) -> str:
 
 
 def position(snapshot: JobSnapshot, rank: int) -> tuple[int | None, str | None]:
-    """(step, phrase): the newest evidence of where a rank got to, from its last heartbeat or its last
-    step record, whichever is newer (heartbeats come every few seconds; a fast job completes many steps
-    between two, so a stopped rank's last heartbeat can lag its last step by several)."""
-    hb = snapshot.heartbeats.get(rank)
+    """(step, phrase): the newest evidence of where a rank got to, from its last heartbeat, its last
+    step record or its last collective, whichever is newest. Heartbeats come every few seconds and
+    step records leave the process in rounds, so a rank killed a few fast steps in may have shipped
+    neither lately; its collective records are crash-durable (written before each call enters torch)
+    and carry the step they belong to."""
+    candidates: list[tuple[int, int | None, str]] = []
     done = snapshot.steps.get(rank)
-    if done is not None and (hb is None or done.last_step_end_ns >= int(hb["time_ns"])):
-        return done.last_step, f"last completed step {done.last_step}"
+    if done is not None:
+        candidates.append((done.last_step_end_ns, done.last_step, f"last completed step {done.last_step}"))
+    hb = snapshot.heartbeats.get(rank)
     if hb is not None:
-        return hb.get("step"), f"last heartbeat: phase {hb['phase']}, step {hb['step']}"
-    return None, None
+        candidates.append(
+            (int(hb["time_ns"]), hb.get("step"), f"last heartbeat: phase {hb['phase']}, step {hb['step']}")
+        )
+    last = _newest_collective(snapshot, rank)
+    if last is not None:
+        candidates.append(
+            (
+                int(last["start_ns"]),
+                last["step"],
+                f"last collective #{last['coll_seq']} {last['op']} in step {last['step']}",
+            )
+        )
+    if not candidates:
+        return None, None
+    _, step, phrase = max(candidates, key=lambda c: c[0])
+    return step, phrase
+
+
+def _newest_collective(snapshot: JobSnapshot, rank: int) -> Record | None:
+    """The rank's latest collective that names its step (one pass; called for culprits only)."""
+    newest: Record | None = None
+    for c in snapshot.collectives:
+        if c["rank"] != rank or c.get("step") is None or c.get("start_ns") is None:
+            continue
+        if newest is None or c["start_ns"] > newest["start_ns"]:
+            newest = c
+    return newest
 
 
 def where(snapshot: JobSnapshot, rank: int) -> str:

@@ -246,6 +246,22 @@ def test_a_killed_rank_is_the_culprit_and_the_survivors_connection_errors_are_at
     assert "SIGKILL" in crash.message
 
 
+def test_a_rank_killed_a_few_fast_steps_in_is_placed_by_its_durable_collectives() -> None:
+    # Its step records and later heartbeats were still in the process when it was SIGKILLed (they leave
+    # in rounds); its collective records were written before each call and reached the collector.
+    job = started(2)
+    end = job.train(1)
+    for s in range(1, 6):
+        job.coll(
+            1, end + s * 0.05, 2 * s + 1, shapes=[[10]], site="ddp/reducer.py:88", step=s, source="engine"
+        )
+    job.train(5, t=end, dt=0.05, ranks=[0], first=1)
+    job.error(0, end + 0.4, "[../gloo/transport/tcp/pair.cc:598] Connection reset by peer", step=6)
+    crash = only(diagnose(job.snapshot(), end + 1), "rank_crashed")
+    assert crash.rank == 1 and crash.step == 5
+    assert "last collective #11 all_reduce in step 5" in crash.message, crash.message
+
+
 def test_a_rank_error_is_the_origin_and_its_peers_errors_are_related_not_blamed() -> None:
     job = started(2)
     end = job.train(3)
