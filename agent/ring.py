@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import marshal
 import mmap
 import os
 import zlib
@@ -29,9 +28,6 @@ from typing import Any
 from ddpscope.agent import spool
 
 logger = logging.getLogger(__name__)
-
-_HEADER_PACK = spool.HEADER.pack
-_HEADER_SIZE = spool.HEADER.size
 
 SLOT_BYTES = 4096
 """A collective record with its envelope marshals to ~300 bytes, a 50-bucket step record to ~1.8 KB;
@@ -66,21 +62,16 @@ class WriteAheadRing:
         m = self._map
         if m is None:
             return False
-        # spool.frame(spool.encode_batch([record])), inlined: called between a backward hook and an
-        # all-reduce, with the caches cold, each Python call level costs microseconds.
         try:
-            payload = marshal.dumps([record], spool.MARSHAL_VERSION)
+            data = spool.frame(spool.encode_batch([record]))
         except ValueError:
-            try:
-                payload = spool.encode_batch([record])  # str/int subclasses, 0-d tensors: made plain
-            except ValueError:
-                return False
-        end = _HEADER_SIZE + len(payload)
-        if end > self.slot_bytes:
             return False
-        at = (next(self._next) % self.slots) * self.slot_bytes
+        size = self.slot_bytes
+        if len(data) > size:
+            return False
+        at = (next(self._next) % self.slots) * size
         try:
-            m[at : at + end] = _HEADER_PACK(spool.MAGIC, len(payload), zlib.crc32(payload)) + payload
+            m[at : at + len(data)] = data
         except (ValueError, TypeError):  # closed by a concurrent shutdown
             return False
         return True
