@@ -25,6 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from bench.common import task_cpu_ns
 from ddpscope import agent
 from ddpscope.agent.clock import now_ns
 from ddpscope.agent.transport import HttpExporter
@@ -233,12 +234,8 @@ def switches_of(pid: int | None) -> int:
 
 
 def thread_cpu_ns(tid: int | None) -> int:
-    """CPU time of one thread of this process, in ns (Linux schedstat)."""
-    try:
-        with open(f"/proc/self/task/{tid}/schedstat") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0
+    """CPU time of one thread of this process, in ns (0 if it is gone)."""
+    return (task_cpu_ns("self", tid) if tid is not None else None) or 0
 
 
 def idle_worker_cpu_share(seconds: float) -> float:

@@ -85,6 +85,16 @@ def machine_line(m: Mapping[str, Any]) -> str:
 # -- statistics -----------------------------------------------------------------------------------
 
 
+def task_cpu_ns(pid: int | str, tid: int | str) -> int | None:
+    """CPU time in ns of one thread (``pid="self"`` for this process), from the kernel's per-thread
+    accounting (Linux ``schedstat``, ns resolution); None when the thread is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def summary(values: Sequence[float]) -> dict[str, Any]:
     """Median, quartiles, IQR, 10th/90th percentiles (the spread), min, max and count."""
     if not values:

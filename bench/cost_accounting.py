@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.common import check_ranks, machine, machine_line, run_module_ranks, write_result
+from bench.common import check_ranks, machine, machine_line, run_module_ranks, task_cpu_ns, write_result
 
 TARGET_PCT = 1.0
 # model -> (warm-up steps, measured steps); quick and full.
@@ -55,13 +55,10 @@ def _thread_cpu_ns() -> dict[str, int]:
     names[os.getpid()] = "main"
     out: dict[str, int] = {}
     for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[0])
-        except OSError:
-            continue  # the thread ended meanwhile
-        name = names.get(int(tid), "other")
-        out[name] = out.get(name, 0) + ns
+        ns = task_cpu_ns("self", tid)
+        if ns is not None:  # else the thread ended meanwhile
+            name = names.get(int(tid), "other")
+            out[name] = out.get(name, 0) + ns
     return out
 
 
@@ -69,14 +66,11 @@ def _process_cpu_ns(pid: int | None) -> int:
     """CPU ns of every thread of another process (0 if it is gone)."""
     if pid is None:
         return 0
-    total = 0
     try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
+        tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        pass
-    return total
+        return 0
+    return sum(task_cpu_ns(pid, tid) or 0 for tid in tids)
 
 
 class _CallTimer:
