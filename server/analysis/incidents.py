@@ -172,8 +172,9 @@ def _silent_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int, st
             "stopped, or lost its connection to the collector; check the scheduler and the ranks' logs"
         )
         if live.hangs_at_death:
-            hung = ranks_phrase(live.hangs_at_death)
-            msg += f". {hung[0].upper()}{hung[1:]} hung until then (see the hang incidents)"
+            msg += (
+                f". {capitalized(ranks_phrase(live.hangs_at_death))} hung until then (see the hang incidents)"
+            )
         if live.dead:
             msg += f". After {live.dead_after_s:.0f} s of silence the job counts as dead (failed)"
         # One rank falling quiet well before the rest (stopped, deadlocked, while the others waited for

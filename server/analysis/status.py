@@ -14,11 +14,11 @@ order of precedence:
 - **hung**: a hang report not yet resolved, or a silent rank (no record for ``silent_after_s``) while the
   job is unfinished, or the whole job quiet without a clean exit for less than ``dead_after_s`` (killed,
   stopped or cut off from the collector for a moment: it must not read as running).
+- **running**: otherwise.
 
 A hang report of a rank stuck in its own code (nothing in flight, no bucket pending: a long evaluation, a
 checkpoint write) is a hang only while another rank waits for it in a collective (``stuck.waiters``):
 when every rank is busy in its own code, no rank waits for another and nothing is hung.
-- **running**: otherwise.
 
 ``liveness(snapshot, now_s)`` exposes the same facts per rank for ``incidents.diagnose``. Only events after
 a rank's latest ``rank_start`` count (a restarted rank leaves its old errors behind), and an error after a
