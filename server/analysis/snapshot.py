@@ -140,8 +140,7 @@ def split_restart(snapshot: JobSnapshot) -> tuple[JobSnapshot, JobSnapshot | Non
     starts = {r: (s["stream"], s["time_ns"]) for r, s in snapshot.ranks.items()}
 
     def earlier(rec: Mapping[str, Any]) -> bool:
-        start = starts.get(rec["rank"])
-        return start is not None and rec.get("stream") != start[0] and rec["time_ns"] < start[1]
+        return _before_start(rec, starts.get(rec["rank"]))
 
     def side(old: bool) -> dict[str, Any]:
         """The per-process fields of one side of the restart, as JobSnapshot keyword arguments."""
@@ -230,14 +229,15 @@ def latest_attempt(records: Iterable[Record], rank_starts: Iterable[Mapping[str,
         streams.setdefault(s["rank"], set()).add(s["stream"])
         latest[s["rank"]] = (s["stream"], s["time_ns"])
 
-    def current(rec: Mapping[str, Any]) -> bool:
-        rank = rec["rank"]
-        if len(streams.get(rank, ())) < 2:
-            return True
-        stream, start_ns = latest[rank]
-        return rec["stream"] == stream or rec["time_ns"] >= start_ns
+    restarted = {rank: latest[rank] for rank, seen in streams.items() if len(seen) > 1}
+    return [r for r in records if not _before_start(r, restarted.get(r["rank"]))]
 
-    return [r for r in records if current(r)]
+
+def _before_start(rec: Mapping[str, Any], start: tuple[str, int] | None) -> bool:
+    """``rec`` came from a process of its rank older than ``start`` (the stream and time of the rank's
+    latest ``rank_start``): another stream, and earlier. The one restart rule of ``split_restart`` and
+    ``latest_attempt``."""
+    return start is not None and rec.get("stream") != start[0] and rec["time_ns"] < start[1]
 
 
 def infer_world_size(ranks: Mapping[int, Mapping[str, Any]], seen: Iterable[int]) -> int:
