@@ -25,21 +25,6 @@ def records() -> Iterator[Records]:
     yield from in_memory_records(rank=1)
 
 
-@pytest.fixture
-def progress() -> Progress:
-    return Progress()
-
-
-@pytest.fixture
-def recorder(progress: Progress) -> CollectiveRecorder:
-    return CollectiveRecorder(progress=progress)
-
-
-@pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
 def make(
     progress: Progress,
     recorder: CollectiveRecorder,

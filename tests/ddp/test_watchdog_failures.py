@@ -37,21 +37,6 @@ def records() -> Iterator[Records]:
 
 
 @pytest.fixture
-def progress() -> Progress:
-    return Progress()
-
-
-@pytest.fixture
-def recorder(progress: Progress) -> CollectiveRecorder:
-    return CollectiveRecorder(progress=progress)
-
-
-@pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
 def dog(progress: Progress, recorder: CollectiveRecorder, clock: ManualClock) -> wd.Watchdog:
     return wd.Watchdog(timeout_s=5.0, heartbeat_s=1.0, progress=progress, recorder=recorder, clock=clock)
 
