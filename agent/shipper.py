@@ -41,7 +41,15 @@ from typing import Any
 
 from ddpscope.agent import ring, spool
 from ddpscope.agent.config import DDPSCOPE_NOTICE_AFTER_S
-from ddpscope.agent.transport import Backoff, Outcome, Poster, batch_body, encode_record, set_aside
+from ddpscope.agent.transport import (
+    Backoff,
+    Outcome,
+    Poster,
+    batch_body,
+    encode_record,
+    encode_records,
+    set_aside,
+)
 
 logger = logging.getLogger("ddpscope.agent.shipper")
 
@@ -52,6 +60,9 @@ NICE = 10
 IDLE_MAX_S = 2.0
 """Longest look-free sleep with nothing to send (a rank that died with a forked child holding the
 pipe open, so no end-of-file comes, is still noticed this soon)."""
+RECENT_SEQS = 4 * ring.SLOTS
+"""How many ``seq`` of the latest spool records are kept: the ring holds only the latest
+``ring.SLOTS``, so four times that covers every ring record the spool carried."""
 NOTICE_AFTER_S = 30.0
 """Default of ``DDPSCOPE_NOTICE_AFTER_S``: how long the collector may accept nothing (unreachable,
 busy, failing) before the rank's stderr hears of it; shorter outages are only logged here."""
@@ -111,11 +122,8 @@ class Shipper:
         self.ring_checked = False
         self.backlog = False
         """The last chunk was full: more is waiting, ship again without pausing."""
-        window = 4 * ring.SLOTS
-        self.recent: deque[int] = deque(maxlen=window)
-        self.recent_set: set[int] = set()
-        """``seq`` of the latest records shipped from the spool: the ring holds only the latest
-        ``ring.SLOTS``, so a window of four times that covers every ring record the spool carried."""
+        self.recent: deque[Any] = deque(maxlen=RECENT_SEQS)
+        """``seq`` of the latest records shipped from the spool (see ``RECENT_SEQS``)."""
 
     def writer_done(self) -> bool:
         if not self.eof and self.writer_pid is not None and os.getppid() != self.writer_pid:
@@ -200,25 +208,25 @@ class Shipper:
             self.dropped["corrupt:unknown"] += chunk.corrupt
         if chunk.truncated:
             self.dropped["truncated:unknown"] += chunk.truncated
-        encoded: list[bytes] = []
-        kinds: Counter[str] = Counter()
         self.backlog = sum(len(p) for p in chunk.payloads) >= MAX_POST_BYTES // 2
-        for payload in chunk.payloads:
-            for record in spool.decode_batch(payload):
-                self.remember(record.get("seq"))
-                try:
-                    encoded.append(encode_record(record))
-                    kinds[str(record.get("kind"))] += 1
-                except (TypeError, ValueError):  # NaN, inf: strict JSON parsers refuse them
+        records = [record for payload in chunk.payloads for record in spool.decode_batch(payload)]
+        self.remember(records)
+        # The whole chunk in one encoder call (``encode_records``): per record, this transcoding
+        # is most of the shipper's CPU.
+        items, shipped = encode_records(records)
+        if len(shipped) < len(records):  # NaN, inf: strict JSON parsers refuse them
+            kept = {id(r) for r in shipped}
+            for record in records:
+                if id(record) not in kept:
                     self.dropped[f"unserializable:{record.get('kind')}"] += 1
         extra = list(self.extra)
         stats = self.stats_record() if dict(self.dropped) != self.stats_sent else None
         if stats is not None:
             extra.append(stats)
-        if not encoded and not extra:
+        if not shipped and not extra:
             self.reader.ack(chunk.end)
             return "drained", 0.0
-        encoded += [encode_record(r) for r in extra]
+        encoded = [items, *(encode_record(r) for r in extra)]
         outcome = self.poster.post(batch_body(encoded))
         if outcome.retry or wrong_url(outcome):
             delay = self.backoff.next_delay(outcome.retry_after_s)
@@ -234,8 +242,10 @@ class Shipper:
             logger.error(
                 "ddpscope shipper: collector refused a batch (%s): %s", outcome.status, outcome.detail
             )
-            set_aside(os.path.join(self.dir, f"{self.prefix}.rejected"), encoded, outcome)
-            for kind, n in kinds.items():
+            # One line per record in the rejected file: encoded again, on this rare path only.
+            lines = [encode_record(r) for r in shipped] + encoded[1:]
+            set_aside(os.path.join(self.dir, f"{self.prefix}.rejected"), lines, outcome)
+            for kind, n in Counter(str(r.get("kind")) for r in shipped).items():
                 self.dropped[f"rejected:{kind}"] += n
             self.notices.refused(outcome)
         else:
@@ -248,20 +258,19 @@ class Shipper:
             self.stats_seq += 1
         return "sent", 0.0
 
-    def remember(self, seq: Any) -> None:
-        if len(self.recent) == self.recent.maxlen:
-            self.recent_set.discard(self.recent[0])
-        self.recent.append(seq)
-        self.recent_set.add(seq)
+    def remember(self, records: list[dict[str, Any]]) -> None:
+        # Only the last ``recent.maxlen`` seqs count; the set is built once, when the ring is read.
+        self.recent.extend([r.get("seq") for r in records[-RECENT_SEQS:]])
 
     def unsent_ring_records(self) -> list[dict[str, Any]]:
         """Records of the dead writer's write-ahead ring that the spool did not carry: those it
         emitted right before it died (e.g. the collective gloo aborted in), oldest first."""
         own = self.meta.get("stream")
+        recent = set(self.recent)
         records = [
             r
             for r in ring.read_ring(self.dir, self.prefix)
-            if r.get("stream") == own and r.get("seq") not in self.recent_set
+            if r.get("stream") == own and r.get("seq") not in recent
         ]
         if records:
             logger.info("ddpscope shipper: %d records from the write-ahead ring", len(records))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from pathlib import Path
@@ -9,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from ddpscope import agent
-from ddpscope.agent.transport import HttpExporter, parse_retry_after
+from ddpscope.agent.transport import (
+    HttpExporter,
+    batch_body,
+    encode_record,
+    encode_records,
+    parse_retry_after,
+)
 from tests.agent.fake_collector import FakeCollector
 
 FAULTS = [500, ("429", 0.1), "reset", "hang", "commit-then-500", ("503", 0), 502, "reset"]
@@ -157,3 +164,37 @@ def test_a_record_json_cannot_carry_is_counted_and_the_rest_of_its_batch_arrives
         ),
         10,
     )
+
+
+def test_records_encoded_in_one_call_read_as_if_encoded_one_by_one() -> None:
+    """``encode_records`` (the shipper's one encoder call per chunk) leaves out exactly the records
+    ``encode_record`` refuses, a NaN or a cycle anywhere in the list, and keeps the rest in order."""
+    cycle: list[object] = [1]
+    cycle.append(cycle)
+    step = {
+        "kind": "step",
+        "step": 3,
+        **{
+            name: [5, 9]
+            for name in (
+                "bucket_ready_ns",
+                "allreduce_start_ns",
+                "allreduce_end_ns",
+                "bucket_bytes",
+                "ready_order",
+                "collective_seqs",
+            )
+        },
+    }
+    good = [heartbeat(1), step, heartbeat(2)]
+    bad = [{"kind": "hang_resolved", "hang_s": float("nan")}, {"kind": "x", "v": cycle}]
+    records = [good[0], bad[0], good[1], bad[1], good[2]]
+    for batch in (good, records):
+        items, shipped = encode_records(batch)
+        assert shipped == good
+        body = json.loads(gzip.decompress(batch_body([items, encode_record(heartbeat(9))])))
+        assert body["records"] == [json.loads(encode_record(r)) for r in [*good, heartbeat(9)]]
+    assert encode_records([]) == (b"", [])
+    assert json.loads(gzip.decompress(batch_body([b"", encode_record(heartbeat(9))])))["records"] == [
+        heartbeat(9)
+    ]
