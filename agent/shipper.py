@@ -190,6 +190,8 @@ class Shipper:
                     self.notices.last,
                     self.prefix,
                 )
+                self.poster.close()
+                self.reader.close()
                 return False
             if state == "failed":
                 retry_at = time.monotonic() + delay
@@ -304,6 +306,7 @@ class Shipper:
 
     def cleanup(self) -> None:
         self.poster.close()
+        self.reader.close()
         for _, path in spool.list_segments(self.dir, self.prefix):
             _unlink(path)
         for suffix in (".ack", ".meta", ".crash", ".ring", NOTICE_SUFFIX):

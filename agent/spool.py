@@ -145,21 +145,43 @@ def ack_path(directory: str, prefix: str) -> str:
     return os.path.join(directory, f"{prefix}.ack")
 
 
+ACK_BYTES = 64
+"""The ack file's fixed size: ``<segno> <offset> <crc32>`` padded with spaces, rewritten in place."""
+
+
+def _ack_text(pos: Position) -> bytes:
+    text = b"%d %d" % pos
+    return (b"%s %08x" % (text, zlib.crc32(text))).ljust(ACK_BYTES - 1) + b"\n"
+
+
 def read_ack(directory: str, prefix: str) -> Position:
-    try:
-        with open(ack_path(directory, prefix)) as f:
-            segno, offset = f.read().split()
-        return int(segno), int(offset)
-    except (FileNotFoundError, ValueError):
-        return (0, 0)
+    """The acknowledged position; (0, 0) if there is none (everything is sent again: at least once)."""
+    for _ in range(100):
+        try:
+            with open(ack_path(directory, prefix), "rb") as f:
+                fields = f.read().split()
+        except FileNotFoundError:
+            return (0, 0)
+        try:
+            if len(fields) == 2:  # the rename-only form of earlier shippers
+                return int(fields[0]), int(fields[1])
+            segno, offset, crc = fields
+            if zlib.crc32(b"%s %s" % (segno, offset)) == int(crc, 16):
+                return int(segno), int(offset)
+        except ValueError:
+            pass
+        # Read while the shipper rewrote it (a torn read, which the checksum catches): read again.
+        time.sleep(0.0001)
+    return (0, 0)
 
 
 def write_ack(directory: str, prefix: str, pos: Position) -> None:
+    """Replace the ack file atomically (a reader never sees half a position)."""
     path = ack_path(directory, prefix)
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{pos[0]} {pos[1]}")
-    os.replace(tmp, path)  # atomic: a reader never sees half a position
+    with open(tmp, "wb") as f:
+        f.write(_ack_text(pos))
+    os.replace(tmp, path)
 
 
 def encode_batch(records: list[dict[str, Any]]) -> bytes:
@@ -307,6 +329,8 @@ class SpoolReader:
     def __init__(self, directory: str, prefix: str) -> None:
         self.directory, self.prefix = directory, prefix
         self.pos: Position = read_ack(directory, prefix)
+        self._ack_fd = -1
+        """The ack file, rewritten in place once this reader replaced it (see ``ack``)."""
 
     def read(self, max_bytes: int, writer_done: bool) -> Chunk:
         """Frames from the acknowledged position, up to about ``max_bytes`` (at least one frame)."""
@@ -319,12 +343,18 @@ class SpoolReader:
             offset = chunk.end[1] if segno == chunk.end[0] else 0
             sealed = writer_done or i < len(segs) - 1
             try:
-                with open(path, "rb") as f:
-                    f.seek(offset)
-                    buf = f.read(budget if not chunk.payloads else max(1, budget))
-                    at_eof = not f.read(1)
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
                 continue
+            try:
+                # Only what is there: a read of the whole budget allocates (and faults in) 2 MB for
+                # the ~100 kB a second brings, ~80 us a read.
+                size = os.fstat(fd).st_size
+                want = min(size - offset, budget if not chunk.payloads else max(1, budget))
+                buf = os.pread(fd, want, offset) if want > 0 else b""
+            finally:
+                os.close(fd)
+            at_eof = offset + len(buf) >= size
             parsed = parse(buf, final=sealed and at_eof)
             if not parsed.entries and not at_eof and not chunk.payloads:
                 # One frame bigger than the budget: read the rest of the segment.
@@ -349,11 +379,26 @@ class SpoolReader:
     def ack(self, pos: Position) -> None:
         if pos == self.pos:
             return
-        write_ack(self.directory, self.prefix, pos)
+        if self._ack_fd < 0:
+            # Once per reader: a fresh file of the fixed size by rename, then in place (one pwrite,
+            # ~3 us, where a rename over the file costs ~200 us of the shipper's CPU on ext4, once a
+            # second). A reader that catches the pwrite half done sees a bad checksum and reads again.
+            write_ack(self.directory, self.prefix, pos)
+            self._ack_fd = os.open(ack_path(self.directory, self.prefix), os.O_WRONLY | os.O_CLOEXEC)
+            older = True
+        else:
+            os.pwrite(self._ack_fd, _ack_text(pos), 0)
+            older = pos[0] != self.pos[0]
         self.pos = pos
-        for segno, path in list_segments(self.directory, self.prefix):
-            if segno < pos[0]:
-                _unlink(path)
+        if older:  # a segment was finished: delete what lies before the position
+            for segno, path in list_segments(self.directory, self.prefix):
+                if segno < pos[0]:
+                    _unlink(path)
+
+    def close(self) -> None:
+        if self._ack_fd >= 0:
+            os.close(self._ack_fd)
+            self._ack_fd = -1
 
     def pending_bytes(self) -> int:
         total = 0

@@ -111,3 +111,34 @@ def test_magic_bytes_inside_a_payload_are_not_mistaken_for_a_frame_start() -> No
     assert parsed.corrupt == 0 and parsed.consumed == len(spool.frame(payload(1)))
     done = spool.parse(buf + whole[-4:], final=False)
     assert len(done.entries) == 2 and done.corrupt == 0
+
+
+def test_every_acknowledgement_is_read_back_and_finished_segments_go(tmp_path: Path) -> None:
+    """The first ``ack`` of a reader replaces the ack file, later ones rewrite it in place."""
+    write(tmp_path, 30, segment_bytes=200)
+    reader = spool.SpoolReader(str(tmp_path), "p")
+    got: list[int] = []
+    while True:
+        chunk = reader.read(150, writer_done=True)
+        if not chunk.payloads:
+            break
+        got += [index(p) for p in chunk.payloads]
+        reader.ack(chunk.end)
+        assert spool.read_ack(str(tmp_path), "p") == chunk.end
+        assert all(segno >= chunk.end[0] for segno, _ in spool.list_segments(str(tmp_path), "p"))
+    reader.close()
+    assert got == list(range(30))
+    assert spool.SpoolReader(str(tmp_path), "p").read(1 << 30, writer_done=True).payloads == []
+
+
+def test_an_ack_file_is_read_in_the_earlier_form_and_a_damaged_one_means_from_the_start(
+    tmp_path: Path,
+) -> None:
+    path = Path(spool.ack_path(str(tmp_path), "p"))
+    path.write_text("3 1234")  # written by an earlier shipper
+    assert spool.read_ack(str(tmp_path), "p") == (3, 1234)
+    spool.write_ack(str(tmp_path), "p", (4, 5678))
+    assert len(path.read_bytes()) == spool.ACK_BYTES
+    assert spool.read_ack(str(tmp_path), "p") == (4, 5678)
+    path.write_bytes(path.read_bytes().replace(b"5678", b"5679"))  # a torn or damaged write
+    assert spool.read_ack(str(tmp_path), "p") == (0, 0)  # everything is sent again: at least once
