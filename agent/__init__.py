@@ -18,7 +18,9 @@ the spool write now (before a deliberate crash or exit); ``make_durable()`` writ
 so far to the spool before returning (~10-20 us, lock-bounded), right after a record that may be the
 last before an abort; ``emit_durable(record)`` does the same for one record at a fraction of the cost
 (a memory-mapped write-ahead ring the shipper reads if this process dies; the collective recorder
-calls it before each collective enters torch). At exit and on
+calls it before each collective enters torch); ``emit_templated(template, values)`` is the same for a
+record that differs from call to call only in a few integers (the engine's bucket all-reduces;
+``template.RecordTemplate``), cheaper still in the caller. At exit and on
 SIGTERM a rank emits ``rank_exit`` and flushes within 5 s; an uncaught exception becomes a fatal
 ``rank_error`` first.
 
@@ -34,18 +36,22 @@ from ddpscope.agent._core import (
     configure,
     emit,
     emit_durable,
+    emit_templated,
     get_agent,
     make_durable,
     shutdown,
 )
+from ddpscope.agent.template import RecordTemplate
 
 __all__ = [
     "Agent",
+    "RecordTemplate",
     "ExportResult",
     "InMemoryExporter",
     "configure",
     "emit",
     "emit_durable",
+    "emit_templated",
     "get_agent",
     "make_durable",
     "shutdown",

@@ -30,7 +30,8 @@ from ddpscope.agent.clock import now_ns
 from ddpscope.agent.config import Config
 from ddpscope.agent.exporters import Exporter, ExportResult, InMemoryExporter
 from ddpscope.agent.records import ENVELOPE, RECORD_KINDS, URGENT_KINDS, RecordError, validate_record
-from ddpscope.agent.ring import SLOTS
+from ddpscope.agent.ring import SLOTS, encode_template
+from ddpscope.agent.template import RecordTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ __all__ = [
     "configure",
     "emit",
     "emit_durable",
+    "emit_templated",
     "make_durable",
     "get_agent",
     "shutdown",
@@ -58,6 +60,9 @@ record is in the write-ahead ring *and* the queue until the worker spools it, an
 the last ``SLOTS``; draining at half keeps a crash from finding a record in neither."""
 STAMPED = -1
 """Queue items ``(STAMPED, record)`` were stamped by ``emit_durable``: the worker must not re-stamp."""
+TEMPLATED = -2
+"""Queue items ``(TEMPLATED, (template, seq, time_ns, values))`` come from ``emit_templated``: the worker
+builds the record."""
 REQUIRED = {
     kind: frozenset(f.name for f in (*ENVELOPE, *fields) if f.required)
     for kind, fields in RECORD_KINDS.items()
@@ -81,6 +86,8 @@ class Agent:
         callers both stamp)."""
         self._write_ahead: Any = None
         """The exporter's ``write_ahead(record) -> bool`` (the spool's mapped ring), once it exists."""
+        self._write_ahead_templated: Any = None
+        """Its ``write_ahead_templated(frame, seq, time_ns, values) -> bool``, for ``emit_templated``."""
         self._persists = getattr(exporter, "crash_durable", True)
         """False for an exporter that keeps records in memory: writing to it early saves nothing from a
         crash, so ``emit_durable`` does not drain the queue in the caller for it."""
@@ -175,6 +182,63 @@ class Agent:
             swallowed("emit_durable")
             return False
 
+    def emit_templated(self, template: RecordTemplate, values: tuple[int, ...], durable: bool = True) -> bool:
+        """Emit the record ``template`` makes with ``values`` (see ``template.py``): for the recorder's
+        bucket all-reduces, where building and marshalling a dict in the caller costs 3-4x more. The
+        same record as ``emit_durable(template.expand(values))`` (or ``emit`` when not ``durable``)
+        would send; the worker builds it. Never raises; True once it is crash-durable."""
+        try:
+            if len(values) != len(template.variables):
+                self._drop("invalid", template.fixed)
+                swallowed(f"emit_templated: {len(values)} values for {template.variables}")
+                return False
+            put = self._write_ahead_templated
+            if put is None or len(self._queue) >= self._max_queue:
+                # No ring (an in-memory exporter, or before the worker made the exporter) or full.
+                record = template.expand(values)
+                if template.time_index is not None:
+                    record["time_ns"] = values[template.time_index]
+                if durable:
+                    return self.emit_durable(record)
+                self.emit(record)
+                return False
+            index = template.time_index
+            t = now_ns() if index is None else values[index]
+            s = next(self._seqs)
+            ok = False
+            if durable:
+                encoded = template.encoded
+                if encoded is None or encoded[0] is not self.stream:
+                    encoded = template.encoded = (self.stream, self._encode(template))
+                if encoded[1] is not None:
+                    ok = put(encoded[1], s, t, values)
+            self._queue.append((TEMPLATED, (template, s, t, values)))
+            worker = self._worker
+            if worker.idle or len(self._queue) >= RING_DRAIN_AT:
+                worker.nudge()  # see emit_durable
+            if durable and not ok:
+                return bool(worker.persist(DURABLE_WAIT_S))
+            return ok
+        except Exception:
+            swallowed("emit_templated")
+            return False
+
+    def _encode(self, template: RecordTemplate) -> Any:
+        fixed = {"rank": self._rank, **template.fixed, "job": self._job, "stream": self.stream}
+        return encode_template(fixed, template.variables)
+
+    def _build(self, template: RecordTemplate, s: int, t: int, values: tuple[int, ...]) -> dict[str, Any]:
+        # The record read back from the ring is the same dict (ring.read_ring), key for key.
+        return {
+            "rank": self._rank,
+            **template.fixed,
+            **dict(zip(template.variables, values, strict=True)),
+            "job": self._job,
+            "stream": self.stream,
+            "seq": s,
+            "time_ns": t,
+        }
+
     def _into_ring(self, record: dict[str, Any]) -> bool | None:
         """Stamp ``record`` here, copy it into the write-ahead ring and queue the stamped copy for the
         spool (same idempotency key). None when it is not a valid record (dropped and counted), else
@@ -212,12 +276,16 @@ class Agent:
             )
         if self._write_ahead is None:
             self._write_ahead = getattr(self._exporter, "write_ahead", None)
+            self._write_ahead_templated = getattr(self._exporter, "write_ahead_templated", None)
         return self._exporter
 
     def _export_items(self, items: list[tuple[int, Any]]) -> None:
         batch = []
         for t, record in items:
             self._emitted += 1
+            if t == TEMPLATED:
+                batch.append(self._build(*record))  # checked once, when the template was made
+                continue
             out = record if t == STAMPED else self._stamp(t, record)
             if out is not None:
                 batch.append(out)
@@ -370,6 +438,9 @@ class NullAgent:
     def emit_durable(self, record: dict[str, Any]) -> bool:
         return True
 
+    def emit_templated(self, template: RecordTemplate, values: tuple[int, ...], durable: bool = True) -> bool:
+        return True
+
     def force_flush(self, timeout_s: float = 5.0) -> bool:
         return True
 
@@ -487,6 +558,19 @@ def emit_durable(record: dict[str, Any]) -> bool:
             swallowed("emit_durable: creating the agent")
             return False
     return agent.emit_durable(record)
+
+
+def emit_templated(template: RecordTemplate, values: tuple[int, ...], durable: bool = True) -> bool:
+    """Emit the record ``template`` makes with ``values``: crash-durable like ``emit_durable`` at a
+    fraction of its cost in the caller (see ``Agent.emit_templated``); never raises."""
+    agent = _agent
+    if agent is None:
+        try:
+            agent = get_agent()
+        except Exception:
+            swallowed("emit_templated: creating the agent")
+            return False
+    return agent.emit_templated(template, values, durable)
 
 
 def shutdown(timeout_s: float = 5.0) -> None:

@@ -105,6 +105,10 @@ class SpoolExporter:
         """Make one stamped record crash-durable now, without a system call (see ``ring.py``); the
         caller still exports it as usual. False when it does not fit or the ring is closed: then spool
         it synchronously. The ring's own ``put``: no wrapper level on the training thread's hot path."""
+        self.write_ahead_templated: Callable[..., bool] | None = (
+            self._ring.put_templated if self._ring is not None else None
+        )
+        """The same for a record made from a template (``WriteAheadRing.put_templated``)."""
         self._start_shipper()
 
     def _enable_crash_file(self) -> None:

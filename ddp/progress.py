@@ -43,7 +43,7 @@ class Progress:
         """Collectives that ended in an error (a peer died, a timeout): ends, not progress."""
         self.last_coll_seq = 0
         """Highest collective sequence number issued on the default group."""
-        self.inflight: dict[tuple[str, int], dict[str, Any]] = {}
+        self.inflight: dict[tuple[str, int], Any] = {}
         """(pg, coll_seq) -> the collective record of every collective issued and not yet completed."""
         self.pending_buckets: Callable[[], list[dict[str, Any]]] = list
         """Set by the engine: returns the buckets still pending (wire shape PENDING_BUCKET)."""

@@ -108,6 +108,13 @@ class Reducer:
             for pos, i in enumerate(b.param_indices):
                 self.where[i] = (b, pos)
         self.timer.set_buckets([b.nbytes for b in self.buckets])
+        self.plans = [
+            RECORDER.plan(
+                self.pg, "all_reduce", reduce_op="SUM", shapes=b.record_shapes, dtypes=b.record_dtypes
+            )
+            for b in self.buckets
+        ]
+        """Each bucket's all-reduce as the recorder plans it (its records made once per layout)."""
         # GPU buckets are timed with CUDA events (cuda_timing.py); None keeps the CPU path free of checks.
         on_gpu = any(b.device.type == "cuda" for b in self.buckets)
         self.cuda = CudaBucketEvents(len(self.buckets)) if on_gpu else None
@@ -252,16 +259,7 @@ class Reducer:
             bucket = self.buckets[k]
             if bucket.status is not None:
                 self._write_status(bucket.status)
-            seq = RECORDER.begin(
-                self.pg,
-                "all_reduce",
-                (bucket.buffer,),
-                reduce_op="SUM",
-                source="engine",
-                step=self.step,
-                shapes=bucket.record_shapes,
-                dtypes=bucket.record_dtypes,
-            )
+            seq = RECORDER.begin_planned(self.plans[k], self.step)
             self.works[k] = self._pg_obj.allreduce([bucket.buffer], self._sum)
             self.seqs[k] = seq
             self.timer.allreduce_launched(k, seq)
@@ -295,7 +293,7 @@ class Reducer:
 
     def _done(self, k: int) -> None:
         self.timer.allreduce_done(k)
-        RECORDER.end(self.pg, self.seqs[k], ok=True)
+        RECORDER.end_planned(self.plans[k], self.seqs[k])
         self.next_done = k + 1
 
     def _wait(self, work: Any, seq: int) -> None:

@@ -236,3 +236,37 @@ def test_reduce_ops_are_named_alike_on_every_rank_even_as_reduce_op_objects(reco
     dist.all_reduce(torch.ones(2), dist.ReduceOp.PRODUCT)
     dist.reduce(torch.ones(2), dst=0)
     assert [r["reduce_op"] for r in records("collective")] == ["MIN", "PRODUCT", "SUM"]
+
+
+def test_a_planned_collective_records_what_begin_and_end_would_and_is_tracked_alike(records: Records) -> None:
+    plan = RECORDER.plan("default", "all_reduce", reduce_op="SUM", shapes=[[7]], dtypes=["float32"])
+    planned = RECORDER.begin_planned(plan, 4)
+    (open_,) = RECORDER.inflight()
+    assert (open_["coll_seq"], open_["shapes"], open_["call_site"]) == (planned, [[7]], None)
+    assert PROGRESS.last_coll_seq == planned
+    RECORDER.end_planned(plan, planned)
+    assert RECORDER.inflight() == []
+    ordinary = RECORDER.begin(
+        "default", "all_reduce", [torch.ones(7)], reduce_op="SUM", source="engine", step=4
+    )
+    RECORDER.end("default", ordinary)
+
+    assert [(c["coll_seq"], c["ok"]) for c in RECORDER.recent(10)] == [(planned, True), (ordinary, True)]
+    a, b = records("collective")
+    moving = ("seq", "time_ns", "coll_seq", "start_ns")
+    assert {k: v for k, v in a.items() if k not in moving} == {k: v for k, v in b.items() if k not in moving}
+    assert a["time_ns"] == a["start_ns"]
+    end_a, end_b = records("collective_end")
+    assert (end_a["coll_seq"], end_a["ok"], end_a["error"]) == (planned, True, None)
+    assert set(end_a) == set(end_b)
+
+
+def test_a_plan_the_wire_format_refuses_falls_back_to_the_ordinary_records(records: Records) -> None:
+    plan = RECORDER.plan("default", "all_reduce", reduce_op="SUM", shapes=[["x"]], dtypes=["float32"])  # type: ignore[list-item]
+    assert plan.begin is None
+    seq = RECORDER.begin_planned(plan, 1)
+    RECORDER.end_planned(plan, seq)
+    assert RECORDER.inflight() == [] and [c["ok"] for c in RECORDER.recent(5)] == [True]
+    # The agent's own check drops and counts the bad record, as it does any emitted one.
+    assert records("collective") == [] and len(records("collective_end")) == 1
+    assert agent.get_agent().stats()["dropped"] == {"invalid:collective": 1}

@@ -1,0 +1,61 @@
+"""Record templates: a record emitted again and again whose fields stay the same but for a few integers.
+
+The engine's bucket all-reduce is the case: the same op, group, shapes and dtypes every step; only the
+collective's sequence number, start time and step change. The recorder emits that record between a
+backward hook and the all-reduce, when the caches are cold from the backward pass, and there building
+the dict, stamping a copy and marshalling it into the write-ahead ring cost ~90 us a call
+(``bench/cost_accounting.py``; a warm loop says 3 us). With a template the caller passes a tuple of
+integers: the agent packs them into a ring slot next to the template's bytes, encoded once per agent
+(~25 us cold for the recorder's whole ``begin``), and the worker thread builds the full record, the
+same one ``emit`` would have sent, later and warm.
+
+    BEGIN = RecordTemplate({"kind": "collective", "pg": "default", ...}, ("coll_seq", "start_ns", "step"),
+                           time_field="start_ns")
+    agent.emit_templated(BEGIN, (seq, start_ns, step))          # crash-durable like emit_durable
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ddpscope.agent.records import RECORD_KINDS, URGENT_KINDS, RecordError, validate_record
+
+_ENVELOPE_SAMPLE = {"job": "j", "stream": "s", "seq": 1, "time_ns": 1, "rank": 0}
+
+
+class RecordTemplate:
+    """The fixed fields of one record kind and the names of its integer fields.
+
+    Checked once, here, against the wire format (with every variable field set to 1), so the records
+    built from it need no per-record check. Raises ``ValueError`` naming what is wrong.
+    """
+
+    __slots__ = ("fixed", "variables", "time_index", "encoded")
+
+    def __init__(
+        self, fixed: Mapping[str, Any], variables: Sequence[str], *, time_field: str | None = None
+    ) -> None:
+        kind = fixed.get("kind")
+        if kind not in RECORD_KINDS:
+            raise ValueError(f"record template: unknown kind {kind!r}")
+        if kind in URGENT_KINDS:
+            raise ValueError(f"record template: {kind!r} records are urgent; emit them with emit()")
+        overlap = set(fixed) & set(variables)
+        if overlap:
+            raise ValueError(f"record template: {sorted(overlap)} are both fixed and variable")
+        self.fixed = dict(fixed)
+        self.variables = tuple(variables)
+        self.time_index = None if time_field is None else self.variables.index(time_field)
+        """Which value is the record's time (its ``time_ns``); None: the agent reads the clock."""
+        self.encoded: Any = None
+        """The agent's encoding for its write-ahead ring, with the stream it was made for (an agent
+        incarnation encodes it at its first use: the envelope is part of the bytes)."""
+        try:
+            validate_record({**_ENVELOPE_SAMPLE, **self.expand((1,) * len(self.variables))})
+        except RecordError as e:
+            raise ValueError(f"record template: {e}") from None
+
+    def expand(self, values: Sequence[Any]) -> dict[str, Any]:
+        """The record without its envelope, as ``emit`` would take it."""
+        return {**self.fixed, **dict(zip(self.variables, values, strict=True))}

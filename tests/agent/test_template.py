@@ -1,0 +1,161 @@
+"""Record templates: the engine's bucket all-reduce records, emitted as a few integers, must reach the
+spool and the write-ahead ring as exactly the records ``emit_durable`` would have written, and a torn
+slot must never be read as a record."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddpscope import agent
+from ddpscope.agent import ring
+from ddpscope.agent.template import RecordTemplate
+from tests.agent.conftest import spooled
+
+FIXED = {
+    "kind": "collective", "pg": "default", "op": "all_reduce", "reduce_op": "SUM", "shapes": [[16]],
+    "dtypes": ["float32"], "call_site": None, "source": "engine",
+}  # fmt: skip
+VARIABLES = ("coll_seq", "start_ns", "step")
+
+
+def template() -> RecordTemplate:
+    return RecordTemplate(FIXED, VARIABLES, time_field="start_ns")
+
+
+def frame() -> ring.TemplateFrame:
+    encoded = ring.encode_template({"rank": 0, **FIXED, "job": "j", "stream": "s"}, VARIABLES)
+    assert encoded is not None
+    return encoded
+
+
+def spool_agent(tmp_path: Path, job: str) -> Any:
+    # Port 9 refuses connections: the spool keeps what was written for us to read.
+    a = agent.configure(
+        job=job, rank=0, url="http://127.0.0.1:9", spool_dir=str(tmp_path), flush_interval_s=60
+    )
+    assert a.flush_local(30.0)  # the exporter and its ring exist
+    return a
+
+
+def test_a_templated_record_is_the_record_emit_durable_writes_in_the_spool_and_in_the_ring(
+    tmp_path: Path,
+) -> None:
+    a = spool_agent(tmp_path, "tpl")
+    try:
+        assert agent.emit_templated(template(), (7, 1_000, 3))
+        assert agent.emit_durable({**FIXED, "coll_seq": 8, "start_ns": 2_000, "step": 3, "time_ns": 2_000})
+        in_ring = sorted(ring.read_ring(str(tmp_path), a.exporter.prefix), key=lambda r: r["coll_seq"])
+        assert a.flush_local(10.0)
+        in_spool = sorted(
+            (r for r in spooled(tmp_path) if r["kind"] == "collective"), key=lambda r: r["coll_seq"]
+        )
+        assert in_ring == in_spool
+        templated, ordinary = in_spool
+        envelope = ("seq", "coll_seq", "start_ns", "time_ns")
+        assert {k: v for k, v in templated.items() if k not in envelope} == {
+            k: v for k, v in ordinary.items() if k not in envelope
+        }
+        assert (templated["coll_seq"], templated["start_ns"], templated["time_ns"]) == (7, 1_000, 1_000)
+        assert templated["stream"] == a.stream and templated["seq"] != ordinary["seq"]
+    finally:
+        agent.shutdown(2.0)
+
+
+def test_a_non_durable_templated_record_skips_the_ring_but_reaches_the_spool(tmp_path: Path) -> None:
+    end = RecordTemplate(
+        {"kind": "collective_end", "pg": "default", "ok": True, "error": None}, ("coll_seq", "end_ns")
+    )
+    a = spool_agent(tmp_path, "tpl-end")
+    try:
+        agent.emit_templated(end, (4, 5_000), False)
+        assert ring.read_ring(str(tmp_path), a.exporter.prefix) == []
+        assert a.flush_local(10.0)
+        (got,) = [r for r in spooled(tmp_path) if r["kind"] == "collective_end"]
+        assert (got["coll_seq"], got["end_ns"], got["ok"]) == (4, 5_000, True)
+    finally:
+        agent.shutdown(2.0)
+
+
+def test_without_a_ring_a_templated_record_takes_the_ordinary_path() -> None:
+    exporter = agent.InMemoryExporter()
+    a = agent.configure(job="tpl-mem", rank=0, exporter=exporter, flush_interval_s=60)
+    try:
+        assert agent.emit_templated(template(), (2, 500, 1))
+        assert a.flush_local(10.0)
+        (got,) = [r for r in exporter.records if r["kind"] == "collective"]
+        assert (got["coll_seq"], got["start_ns"], got["step"]) == (2, 500, 1)
+    finally:
+        agent.shutdown(2.0)
+
+
+def test_the_wrong_number_of_values_is_dropped_and_counted_not_raised(tmp_path: Path) -> None:
+    a = spool_agent(tmp_path, "tpl-bad")
+    try:
+        assert not agent.emit_templated(template(), (1, 2))
+        assert a.stats()["dropped"] == {"invalid:collective": 1}
+    finally:
+        agent.shutdown(2.0)
+
+
+@pytest.mark.parametrize(
+    ("fixed", "variables", "problem"),
+    [
+        ({"kind": "nonsense"}, (), "unknown kind"),
+        ({"kind": "hang"}, (), "urgent"),
+        (FIXED, ("coll_seq", "op"), "both fixed and variable"),
+        ({**FIXED, "shapes": "16"}, VARIABLES, "shapes"),
+    ],
+)
+def test_a_template_that_cannot_make_a_valid_record_is_refused_when_made(
+    fixed: dict[str, Any], variables: tuple[str, ...], problem: str
+) -> None:
+    with pytest.raises(ValueError, match=problem):
+        RecordTemplate(fixed, variables)
+
+
+def test_the_ring_reads_templated_records_back_after_wrapping_around(tmp_path: Path) -> None:
+    w = ring.WriteAheadRing(str(tmp_path), "p", slots=4)
+    f = frame()
+    for seq in range(1, 11):
+        assert w.put_templated(f, seq, 100 + seq, (seq, 100 + seq, 9))
+    w.close()
+    got = sorted(ring.read_ring(str(tmp_path), "p"), key=lambda r: r["seq"])
+    assert [(r["seq"], r["coll_seq"], r["time_ns"], r["step"]) for r in got] == [
+        (s, s, 100 + s, 9) for s in range(7, 11)
+    ]
+    assert all(r["shapes"] == [[16]] and r["job"] == "j" for r in got)
+
+
+def test_ordinary_and_templated_records_take_turns_in_a_slot_without_ghosts(tmp_path: Path) -> None:
+    w = ring.WriteAheadRing(str(tmp_path), "p", slots=1)
+    f = frame()
+    assert w.put_templated(f, 1, 1, (1, 1, 1))
+    assert w.put({"kind": "heartbeat", "seq": 2, "x": "y" * 300})
+    assert [r["seq"] for r in ring.read_ring(str(tmp_path), "p")] == [2]
+    assert w.put_templated(f, 3, 3, (3, 3, 3))  # the slot no longer holds the template: rewritten
+    w.close()
+    assert [(r["seq"], r["kind"]) for r in ring.read_ring(str(tmp_path), "p")] == [(3, "collective")]
+
+
+def test_torn_integers_or_a_torn_template_are_skipped(tmp_path: Path) -> None:
+    w = ring.WriteAheadRing(str(tmp_path), "p", slots=3)
+    f = frame()
+    for seq in (1, 2, 3):
+        w.put_templated(f, seq, seq, (seq, seq, 0))
+    w.close()
+    path = Path(ring.ring_path(str(tmp_path), "p"))
+    data = bytearray(path.read_bytes())
+    data[16 + 8] ^= 0x01  # slot 0: a bit of its time_ns (the writer died halfway through the integers)
+    data[ring.SLOT_BYTES + 16 + 6 * 8 + 5] ^= 0xFF  # slot 1: inside its template
+    path.write_bytes(bytes(data))
+    assert [r["seq"] for r in ring.read_ring(str(tmp_path), "p")] == [3]
+
+
+def test_a_value_that_is_no_int64_is_refused_by_the_ring(tmp_path: Path) -> None:
+    w = ring.WriteAheadRing(str(tmp_path), "p", slots=2)
+    assert not w.put_templated(frame(), 1, 1, (1, 1, None))  # type: ignore[arg-type]
+    assert not w.put_templated(frame(), 2, 2, (1, 1, 2**64))
+    w.close()
