@@ -186,42 +186,50 @@ class Agent:
         """Emit the record ``template`` makes with ``values`` (see ``template.py``): for the recorder's
         bucket all-reduces, where building and marshalling a dict in the caller costs 3-4x more. The
         same record as ``emit_durable(template.expand(values))`` (or ``emit`` when not ``durable``)
-        would send; the worker builds it. Never raises; True once it is crash-durable."""
+        would send; the worker builds it. Never raises; True once it is crash-durable.
+
+        Written for the fewest operations on the common path: with the caches cold from a backward
+        pass, each costs about half a microsecond."""
         try:
-            if len(values) != len(template.variables):
-                self._drop("invalid", template.fixed)
-                swallowed(f"emit_templated: {len(values)} values for {template.variables}")
-                return False
+            queue = self._queue
             put = self._write_ahead_templated
-            if put is None or len(self._queue) >= self._max_queue:
-                # No ring (an in-memory exporter, or before the worker made the exporter) or full.
-                record = template.expand(values)
-                if template.time_index is not None:
-                    record["time_ns"] = values[template.time_index]
-                if durable:
-                    return self.emit_durable(record)
-                self.emit(record)
-                return False
+            if put is None or len(queue) >= self._max_queue or len(values) != len(template.variables):
+                return self._emit_expanded(template, values, durable)
             index = template.time_index
             t = now_ns() if index is None else values[index]
             s = next(self._seqs)
-            ok = False
-            if durable:
-                encoded = template.encoded
-                if encoded is None or encoded[0] is not self.stream:
-                    encoded = template.encoded = (self.stream, self._encode(template))
-                if encoded[1] is not None:
-                    ok = put(encoded[1], s, t, values)
-            self._queue.append((TEMPLATED, (template, s, t, values)))
             worker = self._worker
-            if worker.idle or len(self._queue) >= RING_DRAIN_AT:
+            if not durable:
+                queue.append((TEMPLATED, (template, s, t, values)))
+                if worker.idle:
+                    worker.nudge()
+                return False
+            encoded = template.encoded
+            if encoded is None or encoded[0] is not self.stream:
+                encoded = template.encoded = (self.stream, self._encode(template))
+            ok = encoded[1] is not None and put(encoded[1], s, t, values)
+            queue.append((TEMPLATED, (template, s, t, values)))
+            if worker.idle or len(queue) >= RING_DRAIN_AT:
                 worker.nudge()  # see emit_durable
-            if durable and not ok:
-                return bool(worker.persist(DURABLE_WAIT_S))
-            return ok
+            return ok or bool(worker.persist(DURABLE_WAIT_S))
         except Exception:
             swallowed("emit_templated")
             return False
+
+    def _emit_expanded(self, template: RecordTemplate, values: tuple[int, ...], durable: bool) -> bool:
+        """``emit_templated`` the ordinary way: no ring (an in-memory exporter, or before the worker
+        made the exporter), a full queue (counted there) or the wrong number of values."""
+        if len(values) != len(template.variables):
+            self._drop("invalid", template.fixed)
+            swallowed(f"emit_templated: {len(values)} values for {template.variables}")
+            return False
+        record = template.expand(values)
+        if template.time_index is not None:
+            record["time_ns"] = values[template.time_index]
+        if durable:
+            return self.emit_durable(record)
+        self.emit(record)
+        return False
 
     def _encode(self, template: RecordTemplate) -> Any:
         fixed = {"rank": self._rank, **template.fixed, "job": self._job, "stream": self.stream}

@@ -101,6 +101,9 @@ def _cost_accounting(d: Mapping[str, Any]) -> Iterator[Row]:
             f"{us['agent calls on the training thread']:.0f} µs"
         )
         recorder_parts = f"calls {us['recorder calls on the training thread']:.0f} + watchdog {us['watchdog thread']:.0f} µs"
+        floor = m.get("measuring_floor_us_per_call")
+        if floor:  # calls are net of the measuring wrapper's own cost (bench.cost_accounting)
+            recorder_parts += f"; calls net of {floor['recorder']:.1f} µs/call measuring"
         for label, key, parts in (
             ("agent", "agent_pct", agent_parts),
             ("recorder + watchdog", "recorder_watchdog_pct", recorder_parts),

@@ -162,9 +162,13 @@ def test_accounted_costs_are_summed_per_part_and_judged_against_one_percent_of_t
                 "watchdog thread": 10.0,
                 "training thread (all of it)": 9000.0,
             },
+            "as_timed_us_per_step": {"recorder": calls_us + 20.0, "agent": 12.0},
+            "measuring_floor_ns_per_call": {"recorder": 5_000.0, "agent": 2_000.0},
         }
 
     shares = _shares([rank(10_000.0, 150.0), rank(10_000.0, 250.0)])
     assert (shares["agent_pct"], shares["recorder_watchdog_pct"]) == (1.0, 2.1)
+    assert shares["measuring_floor_us_per_call"] == {"recorder": 5.0, "agent": 2.0}
     rows = rows_for("cost_accounting", {"target_pct": 1.0, "models": {"mlp": shares}})
     assert [(r.measured, r.met) for r in rows] == [("1.00 %", True), ("2.10 %", False)]
+    assert "net of 5.0 µs/call measuring" in rows[1].figure
