@@ -64,19 +64,27 @@ class _Discard:
 # -- the worker (one per rank) ------------------------------------------------------------------------
 
 
+_ENGINE_CALLS = ("begin", "end", "begin_planned", "end_planned")
+
+
+def _no_op(*args: Any, **kwargs: Any) -> int:
+    return 0
+
+
 def _set_mode(on: bool) -> None:
     from ddpscope.ddp import collectives, watchdog
     from ddpscope.ddp.collectives import RECORDER
 
     if on:
-        RECORDER.__dict__.pop("begin", None)
-        RECORDER.__dict__.pop("end", None)
+        for name in _ENGINE_CALLS:
+            RECORDER.__dict__.pop(name, None)
         collectives.install()
         watchdog.start_watchdog()
     else:
-        # Instance attributes shadow the methods: the engine's own recorder calls become no-ops.
-        RECORDER.begin = lambda *a, **k: 0
-        RECORDER.end = lambda *a, **k: None
+        # Instance attributes shadow the methods: the engine's own recorder calls (its bucket
+        # all-reduces are planned ones) become no-ops.
+        for name in _ENGINE_CALLS:
+            setattr(RECORDER, name, _no_op)
         collectives.uninstall()
         watchdog.stop_watchdog()
 
