@@ -170,12 +170,7 @@ class CollectiveRecorder:
         """
         seq = 0
         try:
-            counter = self._counters.get(pg)
-            if counter is None:
-                counter = self._counters.setdefault(pg, itertools.count(1))
-            seq = next(counter)
-            if self._pending:
-                self.poll()
+            seq = self._number(pg)
             try:
                 if shapes is None or dtypes is None:
                     shapes = [list(t.shape) for t in tensors]
@@ -258,12 +253,7 @@ class CollectiveRecorder:
         seq = 0
         try:
             pg = plan.pg
-            counter = self._counters.get(pg)
-            if counter is None:
-                counter = self._counters.setdefault(pg, itertools.count(1))
-            seq = next(counter)
-            if self._pending:
-                self.poll()
+            seq = self._number(pg)
             start = now_ns()
             entry = (plan, seq, start, step)
             progress = self.progress
@@ -291,6 +281,17 @@ class CollectiveRecorder:
             emit_templated(plan.end, (seq, end_ns), False)
         except Exception:
             self._failed("end")
+
+    def _number(self, pg: str) -> int:
+        """The next sequence number on ``pg``; first ends the async collectives that completed, so
+        their ends come before this collective's start."""
+        counter = self._counters.get(pg)
+        if counter is None:
+            counter = self._counters.setdefault(pg, itertools.count(1))
+        seq = next(counter)
+        if self._pending:
+            self.poll()
+        return seq
 
     def end(self, pg: str, seq: int, *, ok: bool = True, error: str | None = None) -> None:
         """Mark collective (pg, seq) complete and emit ``collective_end``. Safe from any thread."""

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ddpscope import agent
+from ddpscope.agent.records import STEP_ARRAYS
 from ddpscope.agent.transport import (
     HttpExporter,
     batch_body,
@@ -174,17 +175,7 @@ def test_records_encoded_in_one_call_read_as_if_encoded_one_by_one() -> None:
     step = {
         "kind": "step",
         "step": 3,
-        **{
-            name: [5, 9]
-            for name in (
-                "bucket_ready_ns",
-                "allreduce_start_ns",
-                "allreduce_end_ns",
-                "bucket_bytes",
-                "ready_order",
-                "collective_seqs",
-            )
-        },
+        **{name: [5, 9] for name in STEP_ARRAYS},
     }
     good = [heartbeat(1), step, heartbeat(2)]
     bad = [{"kind": "hang_resolved", "hang_s": float("nan")}, {"kind": "x", "v": cycle}]
