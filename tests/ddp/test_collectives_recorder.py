@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 from ddpscope import agent
-from ddpscope.agent.records import validate_record
 from ddpscope.ddp import collectives
 from ddpscope.ddp.collectives import RECORDER
 from ddpscope.ddp.progress import PROGRESS
+from tests.ddp.watchdog_support import in_memory_records
 from tests.support.procs import free_port
 
 HERE = os.path.basename(__file__)
@@ -39,17 +39,10 @@ def gloo() -> Iterator[None]:
 @pytest.fixture
 def records(gloo: None) -> Iterator[Records]:
     """Install the recorder on a fresh in-memory agent; ``records(kind)`` flushes and returns them."""
-    exporter = agent.InMemoryExporter()
-    agent.configure(exporter=exporter, rank=0)
+    reading = in_memory_records(rank=0)
+    read = next(reading)  # the agent first: install() asks it whether ddpscope is disabled
     RECORDER.reset()
     assert collectives.install()
-
-    def read(*kinds: str) -> list[dict[str, Any]]:
-        agent.get_agent().force_flush(5.0)
-        for r in exporter.records:
-            validate_record(r)
-        return [r for r in exporter.records if not kinds or r["kind"] in kinds]
-
     yield read
     collectives.uninstall()
 

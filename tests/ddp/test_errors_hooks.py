@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from ddpscope import agent
 from ddpscope.agent.records import validate_record
 from ddpscope.ddp import errors
 from ddpscope.ddp.progress import PROGRESS
+from tests.ddp.watchdog_support import in_memory_records
 
 JOBS = Path(__file__).parent / "failure_jobs"
 Records = Callable[..., list[dict[str, Any]]]
@@ -23,17 +23,8 @@ Records = Callable[..., list[dict[str, Any]]]
 
 @pytest.fixture
 def records() -> Iterator[Records]:
-    exporter = agent.InMemoryExporter()
-    agent.configure(exporter=exporter, rank=2)
     saved = (PROGRESS.phase, PROGRESS.step)
-
-    def read(*kinds: str) -> list[dict[str, Any]]:
-        agent.get_agent().force_flush(5.0)
-        for r in exporter.records:
-            validate_record(r)
-        return [r for r in exporter.records if not kinds or r["kind"] in kinds]
-
-    yield read
+    yield from in_memory_records(rank=2)
     PROGRESS.phase, PROGRESS.step = saved
 
 
