@@ -139,9 +139,10 @@ class WriteAheadRing:
 
         A closure over the mapping and the slot counter, not a method: it runs between a backward hook
         and an all-reduce, with the caches cold, where each attribute lookup on ``self`` costs about a
-        microsecond (the method measured 20 us a call in the engine, 5 of them before the first copy);
-        each copy into the mapping costs 5-10 us there, hence the template is written only when the
-        slot holds something else."""
+        microsecond (the method measured 20 us a call in the engine, 5 of them before the first copy;
+        what the closure saves is within the run-to-run spread of ``bench.cost_accounting``). Each copy
+        into the mapping costs 5-10 us there, hence the template is written only when the slot holds
+        something else."""
         m = self._map
         assert m is not None
         counter, slots, slot_bytes, held = self._next, self.slots, self.slot_bytes, self._held

@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 
-from ddpscope.ddp.collectives import dtype_name
-
 MIB = 1024 * 1024
 FIRST_BUCKET_BYTES = MIB
 """torch's ``_DEFAULT_FIRST_BUCKET_BYTES``: the small bucket used when ``bucket_cap_mb`` is not given."""
@@ -92,8 +90,6 @@ class Bucket:
         "buffer",
         "views",
         "status",
-        "record_shapes",
-        "record_dtypes",
     )
 
     def __init__(
@@ -122,9 +118,6 @@ class Bucket:
             self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
         self.status = self.buffer[offset:] if status_slots else None
-        # What the collective recorder writes for this bucket's all-reduce, computed once, not per step.
-        self.record_shapes = [list(self.buffer.shape)]
-        self.record_dtypes = [dtype_name(self.dtype)]
 
     def to_wire(self) -> dict[str, Any]:
         """The BUCKET shape of agent/records.py."""

@@ -44,7 +44,8 @@ class Progress:
         self.last_coll_seq = 0
         """Highest collective sequence number issued on the default group."""
         self.inflight: dict[tuple[str, int], Any] = {}
-        """(pg, coll_seq) -> the collective record of every collective issued and not yet completed."""
+        """(pg, coll_seq) -> every collective issued and not yet completed: its record, or for a planned
+        one the recorder's compact entry (read them through ``CollectiveRecorder.inflight()``)."""
         self.pending_buckets: Callable[[], list[dict[str, Any]]] = list
         """Set by the engine: returns the buckets still pending (wire shape PENDING_BUCKET)."""
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ddpscope import agent
 from ddpscope.ddp import errors
 from ddpscope.ddp.buckets import Bucket, ParamSpec, assign_buckets, build_buckets, size_limits
-from ddpscope.ddp.collectives import RECORDER
+from ddpscope.ddp.collectives import RECORDER, dtype_name
 from ddpscope.ddp.cuda_timing import CudaBucketEvents
 from ddpscope.ddp.outputs import grad_tensors
 from ddpscope.ddp.progress import PROGRESS
@@ -110,7 +110,11 @@ class Reducer:
         self.timer.set_buckets([b.nbytes for b in self.buckets])
         self.plans = [
             RECORDER.plan(
-                self.pg, "all_reduce", reduce_op="SUM", shapes=b.record_shapes, dtypes=b.record_dtypes
+                self.pg,
+                "all_reduce",
+                reduce_op="SUM",
+                shapes=[list(b.buffer.shape)],
+                dtypes=[dtype_name(b.dtype)],
             )
             for b in self.buckets
         ]
