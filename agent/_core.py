@@ -55,14 +55,22 @@ DURABLE_WAIT_S = 0.05
 """Longest ``make_durable`` waits for the export lock (held by the worker while it writes a batch)
 before giving up and leaving the record to the worker's next round."""
 RING_DRAIN_AT = SLOTS // 2
-"""Queued records at which ``emit_durable`` wakes the worker before its round ends: every durable
-record is in the write-ahead ring *and* the queue until the worker spools it, and the ring keeps only
-the last ``SLOTS``; draining at half keeps a crash from finding a record in neither."""
+"""Ring records not yet spooled at which ``emit_durable`` wakes the worker before its round ends:
+every durable record is in the write-ahead ring *and* the queue until the worker spools it, and the
+ring keeps only the last ``SLOTS``."""
+RING_PERSIST_AT = SLOTS * 3 // 4
+"""Ring records not yet spooled at which ``emit_durable`` spools the queue itself, in the caller: the
+worker, woken at ``RING_DRAIN_AT``, has not kept up (a starved thread, a burst faster than it writes),
+and a few more records would overwrite ring slots whose records are in neither the ring nor the
+spool. A crash then loses nothing ``emit_durable`` called durable."""
 STAMPED = -1
-"""Queue items ``(STAMPED, record)`` were stamped by ``emit_durable``: the worker must not re-stamp."""
+"""Queue items ``(STAMPED, record)`` were stamped by ``emit_durable`` (or ``emit`` for an urgent kind)
+and copied into the ring: the worker must not re-stamp."""
 TEMPLATED = -2
-"""Queue items ``(TEMPLATED, (template, seq, time_ns, values))`` come from ``emit_templated``: the worker
-builds the record."""
+"""Queue items ``(TEMPLATED, (template, seq, time_ns, values))`` come from a durable ``emit_templated``
+(also in the ring): the worker builds the record."""
+TEMPLATED_QUEUED = -3
+"""Like ``TEMPLATED`` from an ``emit_templated(..., durable=False)``: in the queue only."""
 REQUIRED = {
     kind: frozenset(f.name for f in (*ENVELOPE, *fields) if f.required)
     for kind, fields in RECORD_KINDS.items()
@@ -88,6 +96,12 @@ class Agent:
         """The exporter's ``write_ahead(record) -> bool`` (the spool's mapped ring), once it exists."""
         self._write_ahead_templated: Any = None
         """Its ``write_ahead_templated(frame, seq, time_ns, values) -> bool``, for ``emit_templated``."""
+        self._ring_queued = itertools.count(1)
+        """``next`` numbers each record queued on the ring's path (``STAMPED``, ``TEMPLATED``), in queue
+        order; atomic under the GIL like ``_seqs``."""
+        self._ring_spooled = 0
+        """How many of those the exporter has written, counted under the export lock. As the queue is
+        first in, first out, the difference is the ring records a crash would find only in the ring."""
         self._persists = getattr(exporter, "crash_durable", True)
         """False for an exporter that keeps records in memory: writing to it early saves nothing from a
         crash, so ``emit_durable`` does not drain the queue in the caller for it."""
@@ -132,6 +146,7 @@ class Agent:
                 if kind in URGENT_KINDS and self._write_ahead is not None:
                     if self._into_ring(record) is None:
                         return
+                    next(self._ring_queued)  # counted like emit_durable's; the wake below drains it
                 else:
                     self._queue.append((now_ns(), record))
                 if kind in URGENT_KINDS:
@@ -172,12 +187,7 @@ class Agent:
             durable = self._into_ring(record)
             if durable is None:
                 return False
-            worker = self._worker
-            if worker.idle or len(self._queue) >= RING_DRAIN_AT:
-                # Past RING_DRAIN_AT the ring would soon overwrite records that are not yet in the
-                # spool (fast steps with many buckets): drain now rather than at the round's end.
-                worker.nudge()
-            return durable or bool(worker.persist(DURABLE_WAIT_S))
+            return self._after_ring(durable)
         except Exception:
             swallowed("emit_durable")
             return False
@@ -200,7 +210,7 @@ class Agent:
             s = next(self._seqs)
             worker = self._worker
             if not durable:
-                queue.append((TEMPLATED, (template, s, t, values)))
+                queue.append((TEMPLATED_QUEUED, (template, s, t, values)))
                 if worker.idle:
                     worker.nudge()
                 return False
@@ -209,12 +219,25 @@ class Agent:
                 encoded = template.encoded = (self.stream, self._encode(template))
             ok = encoded[1] is not None and put(encoded[1], s, t, values)
             queue.append((TEMPLATED, (template, s, t, values)))
-            if worker.idle or len(queue) >= RING_DRAIN_AT:
-                worker.nudge()  # see emit_durable
-            return ok or bool(worker.persist(DURABLE_WAIT_S))
+            return self._after_ring(ok)
         except Exception:
             swallowed("emit_templated")
             return False
+
+    def _after_ring(self, in_ring: bool) -> bool:
+        """After a record went into the ring (if ``in_ring``) and the queue: keep the ring from
+        overwriting a record the spool does not have yet. Returns whether the record is durable."""
+        unspooled = next(self._ring_queued) - self._ring_spooled
+        worker = self._worker
+        if unspooled >= RING_DRAIN_AT:
+            # Fast steps with many buckets: drain now rather than at the round's end, and if the worker
+            # has fallen this far behind, in this thread (RING_PERSIST_AT).
+            if unspooled >= RING_PERSIST_AT:
+                return bool(worker.persist(DURABLE_WAIT_S)) or in_ring
+            worker.nudge()
+        elif worker.idle:
+            worker.nudge()
+        return in_ring or bool(worker.persist(DURABLE_WAIT_S))
 
     def _emit_expanded(self, template: RecordTemplate, values: tuple[int, ...], durable: bool) -> bool:
         """``emit_templated`` the ordinary way: no ring (an in-memory exporter, or before the worker
@@ -289,16 +312,22 @@ class Agent:
 
     def _export_items(self, items: list[tuple[int, Any]]) -> None:
         batch = []
+        ringed = 0
         for t, record in items:
             self._emitted += 1
-            if t == TEMPLATED:
-                batch.append(self._build(*record))  # checked once, when the template was made
-                continue
+            if t < 0:
+                ringed += t != TEMPLATED_QUEUED
+                if t != STAMPED:
+                    batch.append(self._build(*record))  # checked once, when the template was made
+                    continue
             out = record if t == STAMPED else self._stamp(t, record)
             if out is not None:
                 batch.append(out)
-        if batch:
-            self._send(batch)
+        try:
+            if batch:
+                self._send(batch)
+        finally:
+            self._ring_spooled += ringed  # written or lost: either way no longer waiting behind the ring
 
     def _stamp(self, t: int, record: Any) -> dict[str, Any] | None:
         try:

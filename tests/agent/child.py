@@ -10,7 +10,8 @@ print the peak RSS growth; ``job``: a gloo job of N steps, one step record per s
 ``durable_abort`` / ``durable_exit``: N collective records through ``emit_durable`` (the worker's
 round far away), then ``os.abort()`` or a normal exit; ``kill_unflushed``: N records emitted, READY
 printed at once (no flush), then wait to be killed; ``kill_ringed``: N collective records through
-``emit_durable`` (the worker's round far away), READY at once, wait to be killed.
+``emit_durable`` (the worker's round far away), READY at once, wait to be killed; with
+CHILD_STARVE_WORKER set the worker is never woken early.
 """
 
 from __future__ import annotations
@@ -131,6 +132,10 @@ def main() -> None:
         from ddpscope.agent import emit_durable
 
         assert agent.get_agent().flush_local(30.0)  # the exporter (and its ring) exists
+        if os.environ.get("CHILD_STARVE_WORKER"):
+            # A worker thread that never gets to run before the kill (a loaded machine): the wake-ups
+            # go nowhere, and only the callers themselves can move records from the ring to the spool.
+            agent.get_agent()._worker.nudge = lambda: None  # type: ignore[attr-defined]
         for i in range(1, n + 1):
             emit_durable(collective(i))
         print("READY", flush=True)

@@ -116,12 +116,16 @@ def test_urgent_records_emitted_just_before_a_sigkill_arrive_without_any_flush(
     assert collector.duplicates == 0
 
 
+@pytest.mark.parametrize("worker", ["woken", "starved"])
 def test_more_durable_collectives_than_the_ring_holds_all_arrive_after_a_sigkill(
-    collector, spool_dir, started
+    collector, spool_dir, started, worker
 ) -> None:
     # The worker's round is a minute away and 1200 collectives overflow the ring's 512 slots: the
-    # early ones survive only because half a ring of unspooled records wakes the worker to spool them.
+    # early ones survive because half a ring of unspooled records wakes the worker to spool them, and
+    # when the worker does not run (starved), because the caller spools them itself at three quarters.
     env = child_env(collector.url, spool_dir, "ring-overflow", DDPSCOPE_FLUSH_INTERVAL_S="60")
+    if worker == "starved":
+        env["CHILD_STARVE_WORKER"] = "1"
     p = start(started, "kill_ringed", 1200, env)
     wait_ready(p)
     os.kill(p.pid, signal.SIGKILL)
