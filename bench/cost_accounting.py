@@ -20,9 +20,11 @@ order: a wake-up that delays a gloo thread, cache misses. ``bench.end_to_end`` g
 
 The collector's CPU per step is printed too but not counted: it is a separate service, here only on
 the same 2 cores for convenience. Targets: each <= 1 % of the step (issues 3 and 5). Writes
-bench/results/cost_accounting.json. ``--quick``: the MLP only, fewer steps.
+bench/results/cost_accounting.json. ``--quick``: the MLP only, fewer steps. ``--instrument``: the
+same accounting for torch's own DDP observed by ``ddpscope.ddp.instrument()`` (issue 7; its comm hook
+calls the recorder and the agent the same way), written to cost_accounting_instrument.json.
 
-    .venv/bin/python -m bench.cost_accounting [--quick]
+    .venv/bin/python -m bench.cost_accounting [--quick] [--instrument]
 """
 
 from __future__ import annotations
@@ -190,7 +192,8 @@ def worker(plan: dict[str, list[int]], out: str) -> None:
 
     from bench.engine import _models
     from ddpscope import agent
-    from ddpscope.ddp import DistributedDataParallel
+    from ddpscope.ddp import DistributedDataParallel, instrument
+    from ddpscope.ddp.adapter import instrumentation
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -204,7 +207,12 @@ def worker(plan: dict[str, list[int]], out: str) -> None:
         factory, batch = _models()[name]
         torch.manual_seed(0)
         module = factory()
-        model = DistributedDataParallel(module)
+        if os.environ.get("BENCH_INSTRUMENT"):
+            model = instrument(torch.nn.parallel.DistributedDataParallel(module))
+            remove_hooks = instrumentation(model).remove_hooks  # type: ignore[union-attr]
+        else:
+            model = DistributedDataParallel(module)
+            remove_hooks = model.remove_hooks
         opt = torch.optim.SGD(module.parameters(), lr=0.01)
         gen = torch.Generator().manual_seed(rank)
         times: list[float] = []
@@ -249,7 +257,7 @@ def worker(plan: dict[str, list[int]], out: str) -> None:
                 "training thread (all of it)": per_step.get("main", 0) / 1e3,
             },
         }
-        model.remove_hooks()
+        remove_hooks()
         agent.shutdown(10.0)
     dist.barrier()
     Path(f"{out}.{rank}").write_text(json.dumps(results))
@@ -290,6 +298,7 @@ def _shares(rank_results: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the MLP only, fewer steps")
+    parser.add_argument("--instrument", action="store_true", help="torch DDP observed by instrument()")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -312,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             "DDPSCOPE_SPOOL_DIR": os.environ.get("BENCH_SPOOL", os.path.join(tmp, "spool")),
             "BENCH_JOB": f"bench-cost-{uuid.uuid4().hex[:6]}",
         }
+        if args.instrument:
+            env["BENCH_INSTRUMENT"] = "1"
         runs = run_module_ranks(
             "bench.cost_accounting",
             2,
@@ -326,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     total_steps = sum(steps for _, steps in plan.values())
     result = {
         "quick": args.quick,
+        "observed": "torch DDP + instrument()" if args.instrument else "ddpscope engine",
         "machine": m,
         "target_pct": TARGET_PCT,
         "models": models,
@@ -347,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"collector CPU per step (both ranks' records, not counted): {result['collector_cpu_us_per_step_both_ranks']} us"
     )
-    print(f"wrote {write_result('cost_accounting', result)}")
+    name = "cost_accounting_instrument" if args.instrument else "cost_accounting"
+    print(f"wrote {write_result(name, result)}")
     return 0
 
 

@@ -37,17 +37,23 @@ BENCHMARKS: dict[str, tuple[float, float]] = {
     "watchdog": (180, 900),
     "agent": (180, 900),
     "cost_accounting": (240, 900),
+    "cost_accounting_instrument": (240, 900),
     "hang_latency": (150, 600),
     "collector": (360, 1800),
     "scale": (240, 1800),
     "dashboard": (240, 600),
 }
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "cost_accounting_instrument": ("cost_accounting", ["--instrument"])
+}
+"""Benchmarks that are another module run with extra arguments (each writes ``<name>.json``)."""
 
 
 def run_one(name: str, quick: bool, deadline_s: float) -> dict[str, Any]:
     """Run one benchmark to completion or its deadline; its output goes straight to ours."""
-    cmd = [sys.executable, "-m", f"bench.{name}"] + (["--quick"] if quick else [])
-    print(f"\n=== bench.{name} {'--quick ' if quick else ''}(deadline {deadline_s:.0f} s)", flush=True)
+    module, extra = VARIANTS.get(name, (name, []))
+    cmd = [sys.executable, "-m", f"bench.{module}", *extra] + (["--quick"] if quick else [])
+    print(f"\n=== {' '.join(cmd[2:])} (deadline {deadline_s:.0f} s)", flush=True)
     started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
     status = "ok"

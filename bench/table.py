@@ -104,13 +104,14 @@ def _cost_accounting(d: Mapping[str, Any]) -> Iterator[Row]:
         floor = m.get("measuring_floor_us_per_call")
         if floor:  # calls are net of the measuring wrapper's own cost (bench.cost_accounting)
             recorder_parts += f"; calls net of {floor['recorder']:.1f} µs/call measuring"
+        observed = "instrument(), " if str(d.get("observed", "")).startswith("torch") else ""
         for label, key, parts in (
             ("agent", "agent_pct", agent_parts),
             ("recorder + watchdog", "recorder_watchdog_pct", recorder_parts),
         ):
             yield Row(
                 "cost_accounting",
-                f"{label}, CPU accounted per {step_ms:.1f} ms step, {name}, 2 ranks ({parts})",
+                f"{observed}{label}, CPU accounted per {step_ms:.1f} ms step, {name}, 2 ranks ({parts})",
                 f"{m[key]:.2f} %",
                 f"≤ {limit:.0f} %",
                 m[key] <= limit,
@@ -224,6 +225,7 @@ ROWS: dict[str, Callable[[Mapping[str, Any]], Iterator[Row]]] = {
     "watchdog": _watchdog,
     "agent": _agent,
     "cost_accounting": _cost_accounting,
+    "cost_accounting_instrument": _cost_accounting,
     "hang_latency": _hang_latency,
     "collector": _collector,
     "scale": _scale,

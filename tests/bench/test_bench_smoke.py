@@ -172,3 +172,7 @@ def test_accounted_costs_are_summed_per_part_and_judged_against_one_percent_of_t
     rows = rows_for("cost_accounting", {"target_pct": 1.0, "models": {"mlp": shares}})
     assert [(r.measured, r.met) for r in rows] == [("1.00 %", True), ("2.10 %", False)]
     assert "net of 5.0 µs/call measuring" in rows[1].figure
+    observed = {"target_pct": 1.0, "observed": "torch DDP + instrument()", "models": {"mlp": shares}}
+    assert all(
+        r.figure.startswith("instrument(), ") for r in rows_for("cost_accounting_instrument", observed)
+    )

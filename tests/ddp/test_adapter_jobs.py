@@ -196,6 +196,27 @@ def test_step_records_are_ordered_in_time_with_one_collective_per_bucket(parity:
     ]
 
 
+def test_each_bucket_all_reduce_record_carries_its_bucket_shape_step_and_end(parity: AdapterRun) -> None:
+    # The hook's records come from per-bucket plans (made once per bucket size): they must still say
+    # what each step's all-reduce was, across torch's bucket rebuild after the first iteration.
+    for rank in (0, 1):
+        begins = {r["coll_seq"]: r for r in parity.of(rank, "collective") if r["pg"] == "default"}
+        ends = {r["coll_seq"]: r for r in parity.of(rank, "collective_end") if r["pg"] == "default"}
+        for step in steps(parity, rank):
+            if not step["synced"]:
+                continue
+            for seq, size in zip(step["collective_seqs"], step["bucket_bytes"], strict=True):
+                record = begins[seq]
+                assert (record["op"], record["reduce_op"], record["source"]) == (
+                    "all_reduce",
+                    "SUM",
+                    "engine",
+                )
+                assert record["step"] == step["step"] and record["dtypes"] == ["float32"]
+                assert record["shapes"] == [[size // 4]]
+                assert ends[seq]["ok"] is True and ends[seq]["end_ns"] >= record["start_ns"]
+
+
 def test_no_sync_steps_are_recorded_unsynchronised_without_buckets(parity: AdapterRun) -> None:
     record = steps(parity, 0)[3]
     assert record["synced"] is False
