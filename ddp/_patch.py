@@ -145,6 +145,7 @@ def _make_wrapper(
             return fn(*args, **kwargs)
         pg = None
         seq = 0
+        plan = None
         try:
             pg = names.name(arg(args, kwargs, g_pos, "group"))
             if pg is not None:
@@ -166,13 +167,13 @@ def _make_wrapper(
                     red = arg(args, kwargs, r_pos, spec.reduce)
                     reduce_op = "SUM" if red is None else _reduce_name(red)
                 site = rec.call_site(1)
-                if root_name is None:  # all_reduce and the other unrooted ops: not even a None root
-                    seq = rec.begin(pg, op, tensors, reduce_op=reduce_op, source="user", call_site=site)
-                else:
-                    root = _root(args, kwargs, o_pos, root_name, go_pos, group_root_name, g_pos)
-                    seq = rec.begin(
-                        pg, op, tensors, reduce_op=reduce_op, source="user", call_site=site, root=root
-                    )
+                # all_reduce and the other unrooted ops: not even a None root
+                root = (
+                    None
+                    if root_name is None
+                    else _root(args, kwargs, o_pos, root_name, go_pos, group_root_name, g_pos)
+                )
+                seq, plan = rec.begin_user(pg, op, tensors, reduce_op=reduce_op, call_site=site, root=root)
         except Exception:
             rec._failed(op)
             pg = None
@@ -188,6 +189,8 @@ def _make_wrapper(
             local.in_user_call = False
         if result is not None and (always_async or (a_pos >= 0 and arg(args, kwargs, a_pos, "async_op"))):
             rec.track(pg, seq, result)
+        elif plan is not None:
+            rec.end_planned(plan, seq)
         else:
             rec.end(pg, seq)
         return result

@@ -54,6 +54,9 @@ from ddpscope.ddp.progress import PROGRESS, Progress
 
 logger = logging.getLogger(__name__)
 
+MAX_USER_PLANS = 256
+"""Distinct user calls remembered for planning (``begin_user``); more means shapes that keep changing."""
+_UNSEEN = object()
 RING_SIZE = 2000
 """Recent collectives kept in memory for the hang report (torch's Flight Recorder keeps 2000 too)."""
 
@@ -64,22 +67,28 @@ _DDPSCOPE_DIRS = tuple(
 
 
 class PlannedCollective:
-    """A collective the engine issues every step with the same group, op, shapes and dtypes (a bucket
-    all-reduce), made once per bucket layout by ``CollectiveRecorder.plan``. Its ``collective`` and
-    ``collective_end`` records are agent templates (``agent.template``): ``begin_planned`` and
-    ``end_planned`` hand the agent a few integers instead of a dict, which with the caches cold from
-    the backward pass costs ~30 us a bucket instead of ~105 us (``bench/cost_accounting.py``)."""
+    """A collective issued again and again with the same group, op, shapes and dtypes: an engine's
+    bucket all-reduce (planned once per bucket layout by ``CollectiveRecorder.plan``) or a user's call
+    repeated from one line (``begin_user``). Its ``collective`` and ``collective_end`` records are agent
+    templates (``agent.template``): ``begin_planned`` and ``end_planned`` hand the agent a few integers
+    instead of a dict, which with the caches cold from the backward pass costs ~30 us a bucket instead
+    of ~105 us (``bench/cost_accounting.py``)."""
 
     __slots__ = ("pg", "fixed", "begin", "end")
 
-    def __init__(self, pg: str, fixed: dict[str, Any]) -> None:
+    def __init__(self, pg: str, fixed: dict[str, Any], stepped: bool = True) -> None:
         self.pg = pg
         self.fixed = fixed
         """The begin record's fields but coll_seq, start_ns and step."""
         self.begin: RecordTemplate | None = None
         self.end: RecordTemplate | None = None
         try:
-            self.begin = RecordTemplate(fixed, ("coll_seq", "start_ns", "step"), time_field="start_ns")
+            if stepped:  # the engine's: begin_planned passes the step
+                self.begin = RecordTemplate(fixed, ("coll_seq", "start_ns", "step"), time_field="start_ns")
+            else:  # a user's call carries no step (begin_planned passes None)
+                self.begin = RecordTemplate(
+                    {**fixed, "step": None}, ("coll_seq", "start_ns"), time_field="start_ns"
+                )
             self.end = RecordTemplate(
                 {"kind": "collective_end", "pg": pg, "ok": True, "error": None},
                 ("coll_seq", "end_ns"),
@@ -113,6 +122,9 @@ class CollectiveRecorder:
         """Async user collectives (pg, seq) -> torch Work, ended by ``waited()`` or ``poll()``."""
         self._pending_ids: dict[int, tuple[str, int]] = {}
         """id(Work) -> (pg, seq): lets the patched ``Work.wait`` find its collective."""
+        self._user_plans: dict[tuple[Any, ...], PlannedCollective | None] = {}
+        """A user call's (pg, op, reduce_op, call site, root, (shape, dtype) per tensor) -> its plan, or
+        None once seen (``begin_user``)."""
         self._skip_files: dict[str, bool] = {}
         self._sites: dict[tuple[str, int], str] = {}
         self._torch_dir: str | None = None
@@ -224,8 +236,12 @@ class CollectiveRecorder:
         dtypes: list[str],
         reduce_op: str | None = None,
         source: str = "engine",
+        call_site: str | None = None,
+        root: int | None = None,
+        stepped: bool = True,
     ) -> PlannedCollective:
-        """The plan of a collective issued again and again with these fields (see ``PlannedCollective``)."""
+        """The plan of a collective issued again and again with these fields (see ``PlannedCollective``);
+        ``stepped``: its calls pass ``begin_planned`` a step (the engine's), else None (a user's)."""
         fixed: dict[str, Any] = {
             "kind": "collective",
             "pg": pg,
@@ -233,22 +249,77 @@ class CollectiveRecorder:
             "reduce_op": reduce_op,
             "shapes": shapes,
             "dtypes": dtypes,
-            "call_site": None,
+            "call_site": call_site,
             "source": source,
         }
         ranks = self.group_ranks.get(pg) if pg != "default" else None
         if ranks is not None:
             fixed["group_ranks"] = ranks
-        return PlannedCollective(pg, fixed)
+        if root is not None:
+            fixed["root"] = root
+        return PlannedCollective(pg, fixed, stepped)
 
-    def begin_planned(self, plan: PlannedCollective, step: int) -> int:
+    def begin_user(
+        self,
+        pg: str,
+        op: str,
+        tensors: Sequence[Any],
+        *,
+        reduce_op: str | None,
+        call_site: str | None,
+        root: int | None = None,
+    ) -> tuple[int, PlannedCollective | None]:
+        """``begin`` for a user's call through the patched ``torch.distributed``; returns its seq and the
+        plan to end it with (``end_planned``), or None (``end``).
+
+        A call repeated from the same line with the same group, op and tensor shapes and dtypes (a loss
+        or metric all-reduce every step) is planned on its second sighting: the tensors' shapes are then
+        only hashed, not copied into a record, and the record is an agent template, ~65 instead of
+        ~115 us a call with the caches cold. Never raises."""
+        plans = self._user_plans
+        try:
+            key = (pg, op, reduce_op, call_site, root, *[(t.shape, t.dtype) for t in tensors])
+            plan = plans.get(key, _UNSEEN)
+        except Exception:  # not tensors: the ordinary path records what it can, torch raises
+            key, plan = None, None
+        if isinstance(plan, PlannedCollective):
+            return self.begin_planned(plan, None), plan
+        seq = self.begin(pg, op, tensors, reduce_op=reduce_op, source="user", call_site=call_site, root=root)
+        if key is not None:
+            try:
+                if len(plans) >= MAX_USER_PLANS:
+                    plans.clear()  # shapes that keep changing: start over rather than grow
+                plans[key] = (
+                    None if plan is _UNSEEN else self._plan_user(pg, op, tensors, reduce_op, call_site, root)
+                )
+            except Exception:
+                self._failed("begin")
+        return seq, None
+
+    def _plan_user(
+        self,
+        pg: str,
+        op: str,
+        tensors: Sequence[Any],
+        reduce_op: str | None,
+        call_site: str | None,
+        root: int | None,
+    ) -> PlannedCollective | None:
+        plan = self.plan(
+            pg, op, shapes=[list(t.shape) for t in tensors], dtypes=[dtype_name(t.dtype) for t in tensors],
+            reduce_op=reduce_op, source="user", call_site=call_site, root=root, stepped=False,
+        )  # fmt: skip
+        return plan if plan.begin is not None else None
+
+    def begin_planned(self, plan: PlannedCollective, step: int | None) -> int:
         """``begin`` for a planned collective: numbered, tracked and recorded (crash-durable) the same
-        way, at a third of the cost in the caller. Never raises."""
+        way, at a third of the cost in the caller. ``step``: None for a plan made with ``stepped=False``.
+        Never raises."""
         if plan.begin is None:
             f = plan.fixed
             return self.begin(
                 plan.pg, f["op"], (), reduce_op=f["reduce_op"], source=f["source"], step=step,
-                shapes=f["shapes"], dtypes=f["dtypes"],
+                shapes=f["shapes"], dtypes=f["dtypes"], call_site=f["call_site"], root=f.get("root"),
             )  # fmt: skip
         seq = 0
         try:
@@ -262,7 +333,7 @@ class CollectiveRecorder:
                 progress.last_coll_seq = seq
             progress.counter += 1
             self._ring.append(entry)
-            emit_templated(plan.begin, (seq, start, step))
+            emit_templated(plan.begin, (seq, start) if step is None else (seq, start, step))
         except Exception:
             self._failed("begin")
         return seq
@@ -320,7 +391,10 @@ class CollectiveRecorder:
     def register_group(self, pg: str, ranks: Sequence[int]) -> None:
         """Remember the members (global ranks) of non-default group ``pg`` for its records."""
         if pg != "default":
-            self.group_ranks[pg] = [int(r) for r in ranks]
+            members = [int(r) for r in ranks]
+            if self.group_ranks.get(pg) != members:
+                self.group_ranks[pg] = members
+                self._user_plans.clear()  # their records carry the old members
 
     # -- async completion ------------------------------------------------------------------------
 
@@ -443,9 +517,10 @@ class CollectiveRecorder:
         self._pending_ids.clear()
         self.progress.inflight.clear()
         self.progress.last_coll_seq = 0
+        self._user_plans.clear()
 
 
-_Planned = tuple[PlannedCollective, int, int, int]
+_Planned = tuple[PlannedCollective, int, int, int | None]
 """How the recorder keeps a planned collective in flight and in its ring: (plan, seq, start_ns, step)."""
 
 

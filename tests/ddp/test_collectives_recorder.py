@@ -263,3 +263,41 @@ def test_a_plan_the_wire_format_refuses_falls_back_to_the_ordinary_records(recor
     # The agent's own check drops and counts the bad record, as it does any emitted one.
     assert records("collective") == [] and len(records("collective_end")) == 1
     assert agent.get_agent().stats()["dropped"] == {"invalid:collective": 1}
+
+
+def test_a_user_call_repeated_from_one_line_is_planned_and_records_what_it_did_before(
+    records: Records,
+) -> None:
+    site = here(3)
+    for step in range(4):
+        t = torch.full((2, 3), float(step))
+        dist.all_reduce(t)
+        dist.broadcast(torch.ones(step % 2 + 1), src=0)  # two shapes in turn: two plans
+    begins, ends = records("collective"), records("collective_end")
+    shown = begins[0]["call_site"]
+    assert shown.endswith(site)
+    assert RECORDER._user_plans[
+        ("default", "all_reduce", "SUM", shown, None, (torch.Size([2, 3]), torch.float32))
+    ]
+    assert [r["coll_seq"] for r in begins] == list(range(1, 9))
+    assert sorted(r["coll_seq"] for r in ends) == list(range(1, 9)) and all(r["ok"] for r in ends)
+    moving = ("seq", "time_ns", "coll_seq", "start_ns")
+    reduces = [{k: v for k, v in r.items() if k not in moving} for r in begins[0::2]]
+    assert reduces[0]["step"] is None
+    assert all(r == reduces[0] for r in reduces), reduces  # ordinary (first two) and planned alike
+    broadcasts = [{k: v for k, v in r.items() if k not in moving} for r in begins[1::2]]
+    assert [(r["shapes"], r["root"]) for r in broadcasts] == [([[1]], 0), ([[2]], 0)] * 2
+    assert RECORDER.inflight() == []
+
+
+def test_user_plans_are_forgotten_when_their_group_changes_members_and_bounded(records: Records) -> None:
+    RECORDER.register_group("g", [0, 1])
+    RECORDER._user_plans[("g",)] = None
+    RECORDER.register_group("g", [0, 1])  # the same members: plans stay
+    assert ("g",) in RECORDER._user_plans
+    RECORDER.register_group("g", [0, 2])
+    assert RECORDER._user_plans == {}
+    for i in range(collectives.MAX_USER_PLANS + 5):
+        dist.all_reduce(torch.ones(i + 1))  # a new shape every call: never planned
+    assert len(RECORDER._user_plans) <= collectives.MAX_USER_PLANS
+    assert all(v is None for v in RECORDER._user_plans.values())
