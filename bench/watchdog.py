@@ -47,7 +47,9 @@ class _Discard:
         from ddpscope.agent.ring import WriteAheadRing
 
         self._dir = tempfile.TemporaryDirectory(prefix="ddpscope-bench-ring-")
-        self.write_ahead = WriteAheadRing(self._dir.name, f"r{id(self)}").put
+        ring = WriteAheadRing(self._dir.name, f"r{id(self)}")
+        self.write_ahead = ring.put
+        self.write_ahead_templated = ring.put_templated  # the planned collectives' path
 
     def export(self, batch: list[dict[str, Any]]) -> Any:
         from ddpscope.agent import ExportResult
