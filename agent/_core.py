@@ -203,17 +203,23 @@ class Agent:
         try:
             queue = self._queue
             put = self._write_ahead_templated
-            if put is None or len(queue) >= self._max_queue or len(values) != len(template.variables):
+            if (
+                (put is None and self._persists)
+                or len(queue) >= self._max_queue
+                or len(values) != len(template.variables)
+            ):
                 return self._emit_expanded(template, values, durable)
             index = template.time_index
             t = now_ns() if index is None else values[index]
             s = next(self._seqs)
             worker = self._worker
-            if not durable:
+            if not durable or put is None:
+                # put is None here: an exporter that keeps records in memory, which a crash takes
+                # anyway; the worker still builds the record (emit_durable says True for it too).
                 queue.append((TEMPLATED_QUEUED, (template, s, t, values)))
                 if worker.idle:
                     worker.nudge()
-                return False
+                return put is None
             encoded = template.encoded
             if encoded is None or encoded[0] is not self.stream:
                 encoded = template.encoded = (self.stream, self._encode(template))
@@ -240,8 +246,8 @@ class Agent:
         return in_ring or bool(worker.persist(DURABLE_WAIT_S))
 
     def _emit_expanded(self, template: RecordTemplate, values: tuple[int, ...], durable: bool) -> bool:
-        """``emit_templated`` the ordinary way: no ring (an in-memory exporter, or before the worker
-        made the exporter), a full queue (counted there) or the wrong number of values."""
+        """``emit_templated`` the ordinary way: no ring yet (before the worker made the exporter), or
+        none for a persisting exporter, a full queue (counted there) or the wrong number of values."""
         if len(values) != len(template.variables):
             self._drop("invalid", template.fixed)
             swallowed(f"emit_templated: {len(values)} values for {template.variables}")

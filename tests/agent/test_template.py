@@ -11,6 +11,7 @@ import pytest
 
 from ddpscope import agent
 from ddpscope.agent import ring
+from ddpscope.agent._core import TEMPLATED_QUEUED
 from ddpscope.agent.template import RecordTemplate
 from tests.agent.conftest import spooled
 
@@ -79,14 +80,20 @@ def test_a_non_durable_templated_record_skips_the_ring_but_reaches_the_spool(tmp
         agent.shutdown(2.0)
 
 
-def test_without_a_ring_a_templated_record_takes_the_ordinary_path() -> None:
+def test_an_exporter_in_memory_gets_the_same_record_built_by_the_worker() -> None:
     exporter = agent.InMemoryExporter()
     a = agent.configure(job="tpl-mem", rank=0, exporter=exporter, flush_interval_s=60)
     try:
         assert agent.emit_templated(template(), (2, 500, 1))
+        assert len(a._queue) == 1 and a._queue[0][0] == TEMPLATED_QUEUED  # not built in the caller
+        agent.emit_durable({**template().expand((3, 600, 1)), "time_ns": 600})
         assert a.flush_local(10.0)
-        (got,) = [r for r in exporter.records if r["kind"] == "collective"]
-        assert (got["coll_seq"], got["start_ns"], got["step"]) == (2, 500, 1)
+        built, emitted = [r for r in exporter.records if r["kind"] == "collective"]
+        assert (built["coll_seq"], built["start_ns"], built["step"], built["time_ns"]) == (2, 500, 1, 500)
+        moving = ("seq", "coll_seq", "start_ns", "time_ns")
+        assert {k: v for k, v in built.items() if k not in moving} == {
+            k: v for k, v in emitted.items() if k not in moving
+        }
     finally:
         agent.shutdown(2.0)
 
