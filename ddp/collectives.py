@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 MAX_USER_PLANS = 256
 """Distinct user calls remembered for planning (``begin_user``); more means shapes that keep changing."""
 _UNSEEN = object()
+_UNPLANNABLE = object()
 RING_SIZE = 2000
 """Recent collectives kept in memory for the hang report (torch's Flight Recorder keeps 2000 too)."""
 
@@ -122,9 +123,9 @@ class CollectiveRecorder:
         """Async user collectives (pg, seq) -> torch Work, ended by ``waited()`` or ``poll()``."""
         self._pending_ids: dict[int, tuple[str, int]] = {}
         """id(Work) -> (pg, seq): lets the patched ``Work.wait`` find its collective."""
-        self._user_plans: dict[tuple[Any, ...], PlannedCollective | None] = {}
-        """A user call's (pg, op, reduce_op, call site, root, (shape, dtype) per tensor) -> its plan, or
-        None once seen (``begin_user``)."""
+        self._user_plans: dict[tuple[Any, ...], Any] = {}
+        """A user call's (pg, op, reduce_op, call site, root, (shape, dtype) per tensor) -> its plan; None
+        once seen; ``_UNPLANNABLE`` when its records cannot be a template (``begin_user``)."""
         self._skip_files: dict[str, bool] = {}
         self._sites: dict[tuple[str, int], str] = {}
         self._torch_dir: str | None = None
@@ -285,31 +286,21 @@ class CollectiveRecorder:
         if isinstance(plan, PlannedCollective):
             return self.begin_planned(plan, None), plan
         seq = self.begin(pg, op, tensors, reduce_op=reduce_op, source="user", call_site=call_site, root=root)
-        if key is not None:
+        if key is not None and plan is not _UNPLANNABLE:
             try:
                 if len(plans) >= MAX_USER_PLANS:
                     plans.clear()  # shapes that keep changing: start over rather than grow
-                plans[key] = (
-                    None if plan is _UNSEEN else self._plan_user(pg, op, tensors, reduce_op, call_site, root)
-                )
+                made = None
+                if plan is not _UNSEEN:  # the second sighting
+                    made = self.plan(
+                        pg, op, shapes=[list(t.shape) for t in tensors], dtypes=[dtype_name(t.dtype) for t in tensors],
+                        reduce_op=reduce_op, source="user", call_site=call_site, root=root, stepped=False,
+                    )  # fmt: skip
+                # A plan the wire format refuses is not made again at every call (it logs a warning).
+                plans[key] = made if made is None or made.begin is not None else _UNPLANNABLE
             except Exception:
                 self._failed("begin")
         return seq, None
-
-    def _plan_user(
-        self,
-        pg: str,
-        op: str,
-        tensors: Sequence[Any],
-        reduce_op: str | None,
-        call_site: str | None,
-        root: int | None,
-    ) -> PlannedCollective | None:
-        plan = self.plan(
-            pg, op, shapes=[list(t.shape) for t in tensors], dtypes=[dtype_name(t.dtype) for t in tensors],
-            reduce_op=reduce_op, source="user", call_site=call_site, root=root, stepped=False,
-        )  # fmt: skip
-        return plan if plan.begin is not None else None
 
     def begin_planned(self, plan: PlannedCollective, step: int | None) -> int:
         """``begin`` for a planned collective: numbered, tracked and recorded (crash-durable) the same

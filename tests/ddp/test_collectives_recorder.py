@@ -301,3 +301,20 @@ def test_user_plans_are_forgotten_when_their_group_changes_members_and_bounded(r
         dist.all_reduce(torch.ones(i + 1))  # a new shape every call: never planned
     assert len(RECORDER._user_plans) <= collectives.MAX_USER_PLANS
     assert all(v is None for v in RECORDER._user_plans.values())
+
+
+def test_a_user_call_whose_records_cannot_be_a_template_is_tried_once_not_at_every_call(
+    records: Records, caplog: pytest.LogCaptureFixture
+) -> None:
+    pg = "g" * 300  # longer than the wire format allows: the template is refused
+    for _ in range(4):
+        seq, plan = RECORDER.begin_user(
+            pg, "all_reduce", [torch.ones(2)], reduce_op="SUM", call_site="x.py:1"
+        )
+        assert plan is None
+        RECORDER.end(pg, seq)
+    assert sum("no record template" in r.message for r in caplog.records) == 1
+    assert (
+        RECORDER._user_plans[(pg, "all_reduce", "SUM", "x.py:1", None, (torch.Size([2]), torch.float32))]
+        is collectives._UNPLANNABLE
+    )
