@@ -167,7 +167,7 @@ def _make_wrapper(
                     red = arg(args, kwargs, r_pos, spec.reduce)
                     reduce_op = "SUM" if red is None else _reduce_name(red)
                 site = rec.call_site(1)
-                # all_reduce and the other unrooted ops: not even a None root
+                # Unrooted ops (all_reduce, ...): None, which the record leaves out.
                 root = (
                     None
                     if root_name is None

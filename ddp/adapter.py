@@ -412,10 +412,11 @@ class Instrumentation:
         buf = bucket.buffer()
         user = self._user_hook
         step = None if self.detached else self._cur  # a detached model's steps are counted no more
-        plan = None if step is None else self._plan(k, buf)
-        if plan is None or step is None:
+        plan = None
+        if step is None:
             seq = RECORDER.begin(self._pg, "all_reduce", (buf,), reduce_op="SUM", source="engine", step=step)
         else:
+            plan = self._plan(k, buf)
             seq = RECORDER.begin_planned(plan, step)
         if user is None:
             # Exactly torch's default path: scale in the bucket, then a SUM all-reduce. Called on the
@@ -432,7 +433,7 @@ class Instrumentation:
             PROGRESS.enter("allreduce")  # nothing of a detached model's would ever return it to idle
         return fut.then(functools.partial(self._on_reduced, k, seq, plan, user is None))
 
-    def _plan(self, k: int, buf: torch.Tensor) -> PlannedCollective | None:
+    def _plan(self, k: int, buf: torch.Tensor) -> PlannedCollective:
         """Bucket k's all-reduce plan, made the first time a bucket of this index, size and dtype is
         reduced: torch's buckets keep their size and dtype step after step (a rebuild makes new keys),
         so like the engine's the hook hands the recorder integers instead of reading the bucket's
