@@ -30,7 +30,7 @@ from ddpscope.agent.clock import now_ns
 from ddpscope.agent.config import Config
 from ddpscope.agent.exporters import Exporter, ExportResult, InMemoryExporter
 from ddpscope.agent.records import ENVELOPE, RECORD_KINDS, URGENT_KINDS, RecordError, validate_record
-from ddpscope.agent.ring import SLOTS, encode_template
+from ddpscope.agent.ring import SLOTS, encode_template, fill
 from ddpscope.agent.template import RecordTemplate
 
 logger = logging.getLogger(__name__)
@@ -136,10 +136,11 @@ class Agent:
 
         The common path is one append (well under a microsecond): the worker stamps the record and
         writes it to the spool within a round (``BUSY_ROUND_S`` while records keep coming), so a
-        SIGKILL can lose at most that last round of ordinary records. Evidence cannot wait: urgent
-        kinds (hang reports, errors) are stamped here and copied into the write-ahead ring, crash-
-        durable when ``emit`` returns, and they wake the sender at once; collectives use
-        ``emit_durable``. Serialising every record here would cost 3-13 us per call instead."""
+        SIGKILL can lose at most that last round of records emitted this way. Evidence cannot wait:
+        urgent kinds (hang reports, errors) are stamped here and copied into the write-ahead ring,
+        crash-durable when ``emit`` returns, and they wake the sender at once; collectives, step
+        records and heartbeats use ``emit_durable`` or ``emit_templated``. Serialising every record
+        here would cost 3-13 us per call instead."""
         try:
             if len(self._queue) < self._max_queue:  # 0 after shutdown
                 kind = record.get("kind") if type(record) is dict else None
@@ -206,7 +207,7 @@ class Agent:
             if (
                 (put is None and self._persists)
                 or len(queue) >= self._max_queue
-                or len(values) != len(template.variables)
+                or len(values) != template.width
             ):
                 return self._emit_expanded(template, values, durable)
             index = template.time_index
@@ -248,7 +249,7 @@ class Agent:
     def _emit_expanded(self, template: RecordTemplate, values: tuple[int, ...], durable: bool) -> bool:
         """``emit_templated`` the ordinary way: no ring yet (before the worker made the exporter), or
         none for a persisting exporter, a full queue (counted there) or the wrong number of values."""
-        if len(values) != len(template.variables):
+        if len(values) != template.width:
             self._drop("invalid", template.fixed)
             swallowed(f"emit_templated: {len(values)} values for {template.variables}")
             return False
@@ -269,7 +270,7 @@ class Agent:
         return {
             "rank": self._rank,
             **template.fixed,
-            **dict(zip(template.variables, values, strict=True)),
+            **fill(template.variables, values),
             "job": self._job,
             "stream": self.stream,
             "seq": s,

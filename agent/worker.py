@@ -37,12 +37,11 @@ BUSY_ROUND_S = 0.25
 """Shortest time between two rounds while records keep coming. A wake-up costs 50-150 us of CPU on
 a small VM (measured: a bare ``time.sleep(0.02)`` loop, 47 us per wake-up; a round, ~150 us): at 50
 rounds a second that alone was ~2 % of a training step; at 10 the agent thread took ~80 us of a
-15 ms step, at 4 ~40 us (bench/cost_accounting.py). This is the SIGKILL loss window of ordinary
-records (step records, collective ends, heartbeats); collective and urgent records are crash-durable
-before it (the agent copies them into the write-ahead ring when they are emitted, ``ring.py``), and
-urgent ones wake the worker. Making step records durable too was measured and refused: stamped and
-copied on the training thread, each cost 50-100 us of CPU with the caches cold from the backward
-pass (vs ~1 us for a queue append), ~1.5 % of that step."""
+15 ms step, at 4 ~40 us (bench/cost_accounting.py). This is the SIGKILL loss window of records that
+are only queued (a plain ``emit`` of an ordinary kind, collective ends); the records ddpscope's
+engine, recorder and watchdog rely on are crash-durable before it (the agent copies them into the
+write-ahead ring when they are emitted, ``ring.py``: step records as templates, ~25 us each with the
+caches cold, where a stamped copy cost 50-100 us), and urgent ones wake the worker."""
 
 
 class Worker:

@@ -226,7 +226,7 @@ class Instrumentation:
         self._in_bucket = [False] * len(params)
         """Per parameter (``_exact_div`` only): its gradient was already a view of its bucket."""
 
-        agent.emit(
+        agent.emit_durable(
             rank_start_record(
                 rank=self._rank,
                 world_size=world,
@@ -254,7 +254,7 @@ class Instrumentation:
     # -- records ---------------------------------------------------------------------------------
 
     def _emit_layout(self, reason: str, step: int = 0) -> None:
-        agent.emit(
+        agent.emit_durable(
             {
                 "kind": "layout",
                 "rank": self._rank,
@@ -499,7 +499,7 @@ class Instrumentation:
         """Second queued callback: after torch's finalizer waited for every bucket."""
         end = now_ns()
         try:
-            agent.emit(self._step_record(end))
+            self.timer.emit(self._fill_timer(), backward_end_ns=end)
         except Exception:
             logger.warning("ddpscope: building the step record failed", exc_info=True)
         finally:
@@ -507,10 +507,11 @@ class Instrumentation:
             self._queued = False
             PROGRESS.enter("idle")
 
-    def _step_record(self, end: int) -> dict[str, Any]:
+    def _fill_timer(self) -> list[str]:
+        """Hand this step's bucket times to the timer; returns the unused parameters' names."""
         timer = self.timer
         if not self._synced:
-            return timer.finish((), backward_end_ns=end)
+            return []
         buckets = self.layout.buckets
         times, launch, done, seqs = self._times, self._launch, self._done, self._seqs
         # A bucket whose parameters all went unused is ready when torch launches it.
@@ -526,8 +527,7 @@ class Instrumentation:
             timer.allreduce_launched(k, seqs[k], launch[k])
             timer.allreduce_done(k, done[k])
         names = self._base.names
-        unused = [names[i] for i, t in enumerate(times) if not t]
-        return timer.finish(unused, backward_end_ns=end)
+        return [names[i] for i, t in enumerate(times) if not t]
 
     # -- watchdog view ---------------------------------------------------------------------------
 

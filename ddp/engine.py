@@ -162,7 +162,7 @@ class DistributedDataParallel(nn.Module):
             timer=self._timer,
         )
         first = trainable[0][1]
-        agent.emit(
+        agent.emit_durable(
             rank_start_record(
                 rank=self._global_rank,
                 world_size=self._world,
@@ -179,7 +179,7 @@ class DistributedDataParallel(nn.Module):
     # -- records ---------------------------------------------------------------------------------
 
     def _emit_layout(self, reason: str) -> None:
-        agent.emit(
+        agent.emit_durable(
             {
                 "kind": "layout",
                 "rank": self._global_rank,

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpscope import agent
 from ddpscope.ddp import errors
 from ddpscope.ddp.buckets import Bucket, ParamSpec, assign_buckets, build_buckets, size_limits
 from ddpscope.ddp.collectives import RECORDER, dtype_name
@@ -315,7 +314,7 @@ class Reducer:
             if self.active:
                 self._finalize_synced()
             else:
-                agent.emit(self.timer.finish())
+                self.timer.emit()
         finally:
             self.active = False
             self.queued = False
@@ -347,7 +346,7 @@ class Reducer:
             bad_ranks = [r for r in range(self.world_size) if flags[r]]
             if bad_ranks:
                 self._device_times()
-                agent.emit(self.timer.finish(unused))
+                self.timer.emit(unused)
                 error = UnreducedGradientsError(self._failure_message(bad_ranks, flags[self.world_size :]))
                 # Shipped now, with step and phase: the caller may catch it, or the process may die of it.
                 errors.report_error(error)
@@ -355,7 +354,7 @@ class Reducer:
         self._write_back(global_used)
         self.log_complete = self.ready_log is not None and len(self.ready_log) == len(self.params)
         self._device_times()
-        agent.emit(self.timer.finish(unused))
+        self.timer.emit(unused)
 
     def _device_times(self) -> None:
         if self.cuda is None:

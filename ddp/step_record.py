@@ -10,11 +10,18 @@ Independent of any engine: ddpscope's own engine and the adapter for stock torch
     timer.backward_start()
     timer.bucket_ready(0); timer.allreduce_launched(0, coll_seq=7); timer.allreduce_done(0)
     ...
-    record = timer.finish(unused_parameters=[])  # a dict ready for agent.emit()
+    timer.emit(unused_parameters=[])          # the record, crash-durable (or finish() for the dict)
 
 Every time is ``ddpscope.agent.clock.now_ns()`` (the job's aligned clock) unless the caller passes one
 (the CUDA path converts event times itself). A time of 0 means "did not happen in this step" (a bucket
 that was never reduced because its step failed, or every bucket of an unsynchronised step).
+
+Why ``emit`` goes through a record template (``agent/template.py``) rather than ``agent.emit``: an
+ordinary record waits in memory for the agent's next round (up to 0.25 s), so a SIGKILL or an abort
+loses the last steps before it, which are the ones a post-mortem wants. A template makes the record
+crash-durable when ``emit`` returns, in the write-ahead ring, for the price of packing its integers:
+the bucket arrays are fixed-length variables of a template made once per bucket layout (and set of
+unused parameters), so the caller builds one tuple of integers and no dict.
 """
 
 from __future__ import annotations
@@ -22,7 +29,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ddpscope import agent
 from ddpscope.agent.clock import now_ns
+from ddpscope.agent.template import RecordTemplate
+
+MAX_TEMPLATES = 8
+"""Step templates kept per timer: one per (ready-order length, unused parameters) seen since the last
+layout. A job whose unused set changes every step makes a new one each time; the cap bounds memory."""
+_HEAD = ("step", "forward_start_ns", "forward_end_ns", "backward_start_ns", "backward_end_ns")
+"""The scalar variables of every step template, in value order."""
+_BUCKET_TIMES = ("bucket_ready_ns", "allreduce_start_ns", "allreduce_end_ns")
 
 
 class StepTimer:
@@ -41,6 +57,7 @@ class StepTimer:
         "_done",
         "_seqs",
         "_order",
+        "_templates",
     )
 
     def __init__(self, rank: int, bucket_bytes: Sequence[int] = ()) -> None:
@@ -53,6 +70,7 @@ class StepTimer:
     def set_buckets(self, bucket_bytes: Sequence[int]) -> None:
         """Call after every (re)layout; takes effect from the next ``forward_start``."""
         self.bucket_bytes = list(bucket_bytes)
+        self._templates: dict[tuple[int, tuple[str, ...]], RecordTemplate | None] = {}
         self._reset_buckets()
 
     def _reset_buckets(self) -> None:
@@ -99,10 +117,62 @@ class StepTimer:
     def is_done(self, index: int) -> bool:
         return self._done[index] != 0
 
+    def emit(self, unused_parameters: Sequence[str] = (), backward_end_ns: int | None = None) -> None:
+        """Emit this iteration's step record (the one ``finish`` returns) through the agent, crash-
+        durable when this returns. Call at the end of backward; never raises."""
+        end = now_ns() if backward_end_ns is None else backward_end_ns
+        try:
+            synced = self.synced
+            order = self._order
+            key = (len(order) if synced else -1, tuple(unused_parameters))
+            template = self._templates.get(key, False)
+            if template is False:
+                template = self._template(key)
+            values: tuple[int, ...] = (self.step, self._fwd_start, self._fwd_end, self._bwd_start or end, end)
+            if template is not None:
+                if synced:
+                    values = (*values, *self._ready, *self._launch, *self._done, *order, *self._seqs)
+                if len(values) == template.width:
+                    agent.emit_templated(template, values)
+                    return
+        except Exception:  # the record below is the same one; only its durability is at stake
+            pass
+        agent.emit(self.finish(unused_parameters, end))
+
+    def _template(self, key: tuple[int, tuple[str, ...]]) -> RecordTemplate | None:
+        """The template for steps of this shape (None when its fixed fields do not make a valid record,
+        e.g. a parameter name the wire format refuses: ``emit`` then sends the dict, which the agent
+        checks and counts)."""
+        if len(self._templates) >= MAX_TEMPLATES:
+            self._templates.clear()
+        order_length, unused = key
+        fixed: dict[str, Any] = {
+            "kind": "step",
+            "rank": self.rank,
+            "synced": order_length >= 0,
+            "unused_parameters": list(unused),
+        }
+        variables: list[str | tuple[str, int]] = list(_HEAD)
+        if order_length < 0:
+            # An unsynchronised step (no_sync) has no bucket arrays: the same empty lists ``finish`` sends.
+            for name in (*_BUCKET_TIMES, "bucket_bytes", "ready_order", "collective_seqs"):
+                fixed[name] = []
+        else:
+            n = len(self.bucket_bytes)
+            fixed["bucket_bytes"] = list(self.bucket_bytes)
+            variables += [(name, n) for name in _BUCKET_TIMES]
+            variables += [("ready_order", order_length), ("collective_seqs", n)]
+        try:
+            template: RecordTemplate | None = RecordTemplate(fixed, variables)
+        except ValueError:
+            template = None
+        self._templates[key] = template
+        return template
+
     def finish(
         self, unused_parameters: Sequence[str] = (), backward_end_ns: int | None = None
     ) -> dict[str, Any]:
-        """The ``step`` record for this iteration (call at the end of backward)."""
+        """The ``step`` record for this iteration as a dict (``emit`` sends the same record)."""
         end = now_ns() if backward_end_ns is None else backward_end_ns
         synced = self.synced
         return {

@@ -147,18 +147,47 @@ def test_ordinary_and_templated_records_take_turns_in_a_slot_without_ghosts(tmp_
     assert [(r["seq"], r["kind"]) for r in ring.read_ring(str(tmp_path), "p")] == [(3, "collective")]
 
 
-def test_torn_integers_or_a_torn_template_are_skipped(tmp_path: Path) -> None:
-    w = ring.WriteAheadRing(str(tmp_path), "p", slots=3)
+def test_integers_torn_at_any_byte_read_back_as_the_old_record_or_nothing(tmp_path: Path) -> None:
+    # A SIGKILL can land anywhere inside put_templated's pack_into, which zeroes the integers' span and
+    # then writes them in order: replay that write cut at every byte over an older record in the slot.
+    w = ring.WriteAheadRing(str(tmp_path), "p", slots=1)
     f = frame()
-    for seq in (1, 2, 3):
-        w.put_templated(f, seq, seq, (seq, seq, 0))
+    assert w.put_templated(f, 1, 10, (1, 10, 0))
+    w.close()
+    path = Path(ring.ring_path(str(tmp_path), "p"))
+    old = path.read_bytes()
+    start = 16  # the integers follow the 16-byte prefix
+    new = f.ints.pack(2, 20, 2, 20, 0, ~2 ^ f.crc)
+    seen = set()
+    for cut in range(len(new) + 1):
+        torn = bytearray(old)
+        torn[start : start + len(new)] = new[:cut] + bytes(len(new) - cut)
+        path.write_bytes(bytes(torn))
+        got = [(r["seq"], r["coll_seq"], r["time_ns"]) for r in ring.read_ring(str(tmp_path), "p")]
+        assert got in ([], [(2, 2, 20)]), (cut, got)
+        seen.add(len(got))
+    assert seen == {0, 1}  # only the complete write reads back
+
+
+def test_a_slot_whose_template_changed_under_old_integers_is_skipped(tmp_path: Path) -> None:
+    # Torn between a new template's prefix and its integers: the old integers' check names the old
+    # template, so they are not read as the new one's values.
+    w = ring.WriteAheadRing(str(tmp_path), "p", slots=1)
+    other = ring.encode_template(
+        {"rank": 0, **FIXED, "op": "broadcast", "job": "j", "stream": "s"}, VARIABLES
+    )
+    assert other is not None and other.crc != frame().crc
+    assert w.put_templated(frame(), 1, 10, (1, 10, 0))
     w.close()
     path = Path(ring.ring_path(str(tmp_path), "p"))
     data = bytearray(path.read_bytes())
-    data[16 + 8] ^= 0x01  # slot 0: a bit of its time_ns (the writer died halfway through the integers)
-    data[ring.SLOT_BYTES + 16 + 6 * 8 + 5] ^= 0xFF  # slot 1: inside its template
+    body = 16 + other.ints.size
+    data[body : body + len(other.payload)] = other.payload  # torn before the prefix: its crc fails
     path.write_bytes(bytes(data))
-    assert [r["seq"] for r in ring.read_ring(str(tmp_path), "p")] == [3]
+    assert ring.read_ring(str(tmp_path), "p") == []
+    data[:16] = other.prefix  # torn before the integers: their check fails
+    path.write_bytes(bytes(data))
+    assert ring.read_ring(str(tmp_path), "p") == []
 
 
 def test_a_value_that_is_no_int64_is_refused_by_the_ring(tmp_path: Path) -> None:

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+from ddpscope import agent
+from ddpscope.agent import ring
 from ddpscope.agent.records import validate_record
 from ddpscope.ddp.step_record import StepTimer
+from tests.agent.conftest import spooled
 
 
 def stamp(record: dict) -> dict:
@@ -77,3 +83,75 @@ def test_device_measured_bucket_times_replace_the_host_ones_but_keep_the_ready_o
     assert record["bucket_ready_ns"] == [16, 15]
     assert record["allreduce_start_ns"] == [17, 18] and record["allreduce_end_ns"] == [20, 21]
     assert record["ready_order"] == [1, 0]
+
+
+def spool_agent(tmp_path: Path, job: str) -> Any:
+    # Port 9 refuses connections: the spool keeps what was written for us to read.
+    a = agent.configure(
+        job=job, rank=3, url="http://127.0.0.1:9", spool_dir=str(tmp_path), flush_interval_s=60
+    )
+    assert a.flush_local(30.0)  # the exporter and its ring exist
+    return a
+
+
+def a_step(timer: StepTimer, step: int, *, synced: bool = True, ready: tuple[int, ...] = (1, 0)) -> None:
+    timer.forward_start(step=step, synced=synced, t_ns=10 + step)
+    timer.forward_end(t_ns=20 + step)
+    timer.backward_start(t_ns=25 + step)
+    if synced:
+        for k in ready:
+            timer.bucket_ready(k, t_ns=30 + k)
+            timer.allreduce_launched(k, coll_seq=5 + k + 2 * step, t_ns=41 + k)
+            timer.allreduce_done(k, t_ns=50 + k)
+
+
+ENVELOPE = ("job", "stream", "seq", "time_ns")
+
+
+def test_emit_makes_each_step_record_crash_durable_and_identical_to_finish_whatever_its_shape(
+    tmp_path: Path,
+) -> None:
+    a = spool_agent(tmp_path, "steps")
+    timer = StepTimer(rank=3, bucket_bytes=[400, 100])
+    expected = []
+    try:
+        # Synced, twice with the same shape (one template), then unsynced, then unused parameters, then a
+        # failed step whose bucket 0 never became ready, then a new layout.
+        shapes: list[tuple[dict[str, Any], list[str]]] = [
+            ({}, []), ({}, []), ({"synced": False}, []), ({}, ["fc.bias"]), ({"ready": (1,)}, []),
+        ]  # fmt: skip
+        for step, (kwargs, unused) in enumerate(shapes):
+            a_step(timer, step, **kwargs)
+            expected.append(timer.finish(unused, backward_end_ns=60 + step))
+            timer.emit(unused, backward_end_ns=60 + step)
+        timer.set_buckets([8, 8, 8])
+        a_step(timer, 9, ready=(2, 1, 0))
+        expected.append(timer.finish(backward_end_ns=70))
+        timer.emit(backward_end_ns=70)
+
+        # Before any spool write: the ring alone has every step, as a crash would leave it.
+        in_ring = sorted(
+            (r for r in ring.read_ring(str(tmp_path), a.exporter.prefix) if r["kind"] == "step"),
+            key=lambda r: r["step"],
+        )
+        assert a.flush_local(10.0)
+        in_spool = sorted((r for r in spooled(tmp_path) if r["kind"] == "step"), key=lambda r: r["step"])
+        assert in_ring == in_spool
+        assert [{k: v for k, v in r.items() if k not in ENVELOPE} for r in in_spool] == expected
+        assert all(validate_record(r) == "step" for r in in_spool)
+    finally:
+        agent.shutdown(2.0)
+
+
+def test_a_step_record_the_wire_format_refuses_as_a_template_still_goes_out_as_a_dict() -> None:
+    exporter = agent.InMemoryExporter()
+    agent.configure(job="odd", rank=0, exporter=exporter, flush_interval_s=60)
+    try:
+        timer = StepTimer(rank=0, bucket_bytes=[4])
+        a_step(timer, 0, ready=(0,))
+        timer.emit([7])  # type: ignore[list-item]  # not a name: no template; the agent counts it
+        assert agent.get_agent().flush_local(10.0)
+        assert [r for r in exporter.records if r["kind"] == "step"] == []
+        assert agent.get_agent().stats()["dropped"] == {"invalid:step": 1}
+    finally:
+        agent.shutdown(2.0)
