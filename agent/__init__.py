@@ -20,9 +20,9 @@ last before an abort; ``emit_durable(record)`` does the same for one record at a
 (a memory-mapped write-ahead ring the shipper reads if this process dies; the collective recorder
 calls it before each collective enters torch); ``emit_templated(template, values)`` is the same for a
 record that differs from call to call only in integers (the engine's bucket all-reduces and its
-step records; ``template.RecordTemplate``), cheaper still in the caller. What ddpscope itself emits in
-training is crash-durable this way but for ``collective_end`` records (a step record repeats the
-engine's bucket end times) and ``agent_stats``; a plain ``emit`` of another kind, as a user's own,
+step records; ``template.RecordTemplate``), cheaper still in the caller. Every record ddpscope
+itself emits in training is crash-durable one of these ways (but the clock's start-up ping-pong and
+``agent_stats``, which the worker sends); a plain ``emit`` of an ordinary kind, such as a user's own,
 waits for the round. At exit and on
 SIGTERM a rank emits ``rank_exit`` and flushes within 5 s; an uncaught exception becomes a fatal
 ``rank_error`` first.

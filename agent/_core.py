@@ -138,8 +138,8 @@ class Agent:
         writes it to the spool within a round (``BUSY_ROUND_S`` while records keep coming), so a
         SIGKILL can lose at most that last round of records emitted this way. Evidence cannot wait:
         urgent kinds (hang reports, errors) are stamped here and copied into the write-ahead ring,
-        crash-durable when ``emit`` returns, and they wake the sender at once; collectives, step
-        records and heartbeats use ``emit_durable`` or ``emit_templated``. Serialising every record
+        crash-durable when ``emit`` returns, and they wake the sender at once; collectives and their
+        ends, step records and heartbeats use ``emit_durable`` or ``emit_templated``. Serialising every record
         here would cost 3-13 us per call instead."""
         try:
             if len(self._queue) < self._max_queue:  # 0 after shutdown

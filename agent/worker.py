@@ -38,8 +38,8 @@ BUSY_ROUND_S = 0.25
 a small VM (measured: a bare ``time.sleep(0.02)`` loop, 47 us per wake-up; a round, ~150 us): at 50
 rounds a second that alone was ~2 % of a training step; at 10 the agent thread took ~80 us of a
 15 ms step, at 4 ~40 us (bench/cost_accounting.py). This is the SIGKILL loss window of records that
-are only queued (a plain ``emit`` of an ordinary kind, collective ends); the records ddpscope's
-engine, recorder and watchdog rely on are crash-durable before it (the agent copies them into the
+are only queued (a plain ``emit`` of an ordinary kind); the records ddpscope's engine, recorder and
+watchdog emit are crash-durable before it (the agent copies them into the
 write-ahead ring when they are emitted, ``ring.py``: step records as templates, ~25 us each with the
 caches cold, where a stamped copy cost 50-100 us), and urgent ones wake the worker."""
 

@@ -13,7 +13,9 @@ Engine usage (the engine records its own calls and marks them so they are not re
 User calls are recorded once ``install()`` has patched the public ``torch.distributed`` functions
 (see ``ddpscope.ddp._patch``). Every call emits a ``collective`` record *before* it enters torch: gloo
 aborts the process on mismatched sizes, and the record of the call that killed it is the evidence a
-post-mortem needs. Completion emits ``collective_end``.
+post-mortem needs. Completion emits ``collective_end``, durable too: without it a post-mortem of a
+killed rank would place it inside a collective it had left (~15-25 us a record with the caches cold,
+``bench/cost_accounting.py``).
 
 That record is made crash-durable before the call enters torch (``emit_durable``: stamped and copied
 into the agent's memory-mapped write-ahead ring, no system call; the shipper reads the ring
@@ -340,7 +342,7 @@ class CollectiveRecorder:
             progress.inflight.pop((plan.pg, seq), None)
             progress.counter += 1
             self._ends.append((plan.pg, seq, end_ns, True))
-            emit_templated(plan.end, (seq, end_ns), False)
+            emit_templated(plan.end, (seq, end_ns))
         except Exception:
             self._failed("end")
 
@@ -366,7 +368,7 @@ class CollectiveRecorder:
             else:
                 progress.fail()  # the hang watchdog must not call this progress
             self._ends.append((pg, seq, end_ns, ok))
-            emit(
+            emit_durable(
                 {
                     "kind": "collective_end",
                     "pg": pg,

@@ -221,7 +221,7 @@ def test_the_collective_record_is_made_durable_before_torch_is_entered(
     wrapped = _patch._make_wrapper(RECORDER, "all_reduce", _patch.OPS["all_reduce"], fake_all_reduce)
     wrapped(torch.ones(3), group=None)
     assert seen_at_call == [[("durable", "collective")]]
-    assert handed == [("durable", "collective"), ("emit", "collective_end")]
+    assert handed == [("durable", "collective"), ("durable", "collective_end")]
 
 
 def test_reduce_ops_are_named_alike_on_every_rank_even_as_reduce_op_objects(records: Records) -> None:

@@ -8,6 +8,8 @@ kill it was printed.
 
 from __future__ import annotations
 
+import json
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,30 @@ SETTLE_S = 3.0
 def printed_steps(lines: list[str]) -> dict[int, float]:
     """``STEP n T`` lines of a rank's stdout as {step: monotonic time printed}."""
     return {int(x.split()[1]): float(x.split()[2]) for x in lines if x.startswith("STEP ")}
+
+
+def unended_collectives(db: Path, job: str, rank: int, last_step: int) -> list[tuple[str, int]]:
+    """The rank's collectives of steps up to ``last_step`` whose ``collective_end`` did not arrive."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+    try:
+        (job_id,) = con.execute("SELECT id FROM jobs WHERE job = ?", (job,)).fetchone()
+        begun = con.execute(
+            "SELECT pg, coll_seq, body FROM collectives WHERE job_id = ? AND rank = ?", (job_id, rank)
+        ).fetchall()
+        ended = set(
+            con.execute(
+                "SELECT pg, coll_seq FROM collective_ends WHERE job_id = ? AND rank = ?", (job_id, rank)
+            )
+        )
+    finally:
+        con.close()
+    steps = [(pg, seq, json.loads(body).get("step")) for pg, seq, body in begun]
+    assert any(step == last_step for _, _, step in steps), "no collective of the last printed step arrived"
+    return sorted(
+        (pg, seq)
+        for pg, seq, step in steps
+        if step is not None and step <= last_step and (pg, seq) not in ended
+    )
 
 
 def test_every_step_record_emitted_before_a_sigkill_reaches_the_collector_once_without_gaps(
@@ -93,6 +119,8 @@ def test_every_step_record_emitted_before_a_sigkill_reaches_the_collector_once_w
     }
     for r in (0, 1):
         assert not lost[r], (r, sorted(lost[r]), figures["training_sigkill"])
+        # A printed step's bucket all-reduces had ended: their collective_end records are durable too.
+        assert unended_collectives(db, job, r, max(printed[r])) == [], r
         # At most the step the kill interrupted between its emit and its print is delivered unprinted.
         assert delivered[r] == set(range(max(delivered[r]) + 1)), (r, sorted(delivered[r]))
     assert acc.duplicates == 0
