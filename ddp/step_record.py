@@ -125,9 +125,8 @@ class StepTimer:
             synced = self.synced
             order = self._order
             key = (len(order) if synced else -1, tuple(unused_parameters))
-            template = self._templates.get(key, False)
-            if template is False:
-                template = self._template(key)
+            templates = self._templates
+            template = templates[key] if key in templates else self._template(key)
             values: tuple[int, ...] = (self.step, self._fwd_start, self._fwd_end, self._bwd_start or end, end)
             if template is not None:
                 if synced:
