@@ -48,7 +48,7 @@ def _p2p(op: str, buf: torch.Tensor, peer: int, pair: str) -> None:
                 dist.recv(buf, src=peer)
             ok = True
         finally:
-            RECORDER.end(pair, seq, ok=ok)
+            RECORDER.end(pair, seq, ok=ok, durable=False)  # like its begin (an engine send/recv)
 
 
 def estimate_offset(group: Any = None, rounds: int = DEFAULT_ROUNDS) -> ClockEstimate:

@@ -357,8 +357,12 @@ class CollectiveRecorder:
             self.poll()
         return seq
 
-    def end(self, pg: str, seq: int, *, ok: bool = True, error: str | None = None) -> None:
-        """Mark collective (pg, seq) complete and emit ``collective_end``. Safe from any thread."""
+    def end(
+        self, pg: str, seq: int, *, ok: bool = True, error: str | None = None, durable: bool = True
+    ) -> None:
+        """Mark collective (pg, seq) complete and emit ``collective_end`` (crash-durable unless not
+        ``durable``: the clock's ping-pong, which times the gap the ring write would add). Safe from
+        any thread."""
         try:
             end_ns = now_ns()
             progress = self.progress
@@ -368,16 +372,18 @@ class CollectiveRecorder:
             else:
                 progress.fail()  # the hang watchdog must not call this progress
             self._ends.append((pg, seq, end_ns, ok))
-            emit_durable(
-                {
-                    "kind": "collective_end",
-                    "pg": pg,
-                    "coll_seq": seq,
-                    "end_ns": end_ns,
-                    "ok": ok,
-                    "error": error,
-                }
-            )
+            record = {
+                "kind": "collective_end",
+                "pg": pg,
+                "coll_seq": seq,
+                "end_ns": end_ns,
+                "ok": ok,
+                "error": error,
+            }
+            if durable:
+                emit_durable(record)
+            else:
+                emit(record)
         except Exception:
             self._failed("end")
 
