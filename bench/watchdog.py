@@ -47,9 +47,13 @@ class _Discard:
         from ddpscope.agent.ring import WriteAheadRing
 
         self._dir = tempfile.TemporaryDirectory(prefix="ddpscope-bench-ring-")
-        ring = WriteAheadRing(self._dir.name, f"r{id(self)}")
-        self.write_ahead = ring.put
-        self.write_ahead_templated = ring.put_templated  # the planned collectives' path
+        self._ring = WriteAheadRing(self._dir.name, f"r{id(self)}")
+        self.write_ahead = self._ring.put
+        self.write_ahead_templated = self._ring.put_templated  # the planned collectives' path
+
+    def drop_write_ahead(self) -> None:
+        """What the agent calls once everything is spooled at shutdown (here: nothing to keep)."""
+        self._ring.close()
 
     def export(self, batch: list[dict[str, Any]]) -> Any:
         from ddpscope.agent import ExportResult
