@@ -71,6 +71,18 @@ def wait_shippers_gone(spool_dir: Path, timeout_s: float) -> bool:
     return False
 
 
+def spool_agent(spool_dir: Path, job: str, rank: int = 0) -> Any:
+    """An agent spooling into ``spool_dir`` whose exporter and write-ahead ring exist. Port 9 refuses
+    connections: the spool keeps what was written for the test to read."""
+    from ddpscope import agent
+
+    a = agent.configure(
+        job=job, rank=rank, url="http://127.0.0.1:9", spool_dir=str(spool_dir), flush_interval_s=60
+    )
+    assert a.flush_local(30.0)
+    return a
+
+
 def spooled(spool_dir: Path) -> list[dict[str, Any]]:
     """Every record in the spool's segments (the collector is unreachable, so nothing is deleted)."""
     out: list[dict[str, Any]] = []

@@ -13,7 +13,7 @@ from ddpscope import agent
 from ddpscope.agent import ring
 from ddpscope.agent._core import TEMPLATED_QUEUED
 from ddpscope.agent.template import RecordTemplate
-from tests.agent.conftest import spooled
+from tests.agent.conftest import spool_agent, spooled
 
 FIXED = {
     "kind": "collective", "pg": "default", "op": "all_reduce", "reduce_op": "SUM", "shapes": [[16]],
@@ -30,15 +30,6 @@ def frame() -> ring.TemplateFrame:
     encoded = ring.encode_template({"rank": 0, **FIXED, "job": "j", "stream": "s"}, VARIABLES)
     assert encoded is not None
     return encoded
-
-
-def spool_agent(tmp_path: Path, job: str) -> Any:
-    # Port 9 refuses connections: the spool keeps what was written for us to read.
-    a = agent.configure(
-        job=job, rank=0, url="http://127.0.0.1:9", spool_dir=str(tmp_path), flush_interval_s=60
-    )
-    assert a.flush_local(30.0)  # the exporter and its ring exist
-    return a
 
 
 def test_a_templated_record_is_the_record_emit_durable_writes_in_the_spool_and_in_the_ring(

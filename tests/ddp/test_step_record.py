@@ -9,7 +9,7 @@ from ddpscope import agent
 from ddpscope.agent import ring
 from ddpscope.agent.records import validate_record
 from ddpscope.ddp.step_record import StepTimer
-from tests.agent.conftest import spooled
+from tests.agent.conftest import spool_agent, spooled
 
 
 def stamp(record: dict) -> dict:
@@ -85,15 +85,6 @@ def test_device_measured_bucket_times_replace_the_host_ones_but_keep_the_ready_o
     assert record["ready_order"] == [1, 0]
 
 
-def spool_agent(tmp_path: Path, job: str) -> Any:
-    # Port 9 refuses connections: the spool keeps what was written for us to read.
-    a = agent.configure(
-        job=job, rank=3, url="http://127.0.0.1:9", spool_dir=str(tmp_path), flush_interval_s=60
-    )
-    assert a.flush_local(30.0)  # the exporter and its ring exist
-    return a
-
-
 def a_step(timer: StepTimer, step: int, *, synced: bool = True, ready: tuple[int, ...] = (1, 0)) -> None:
     timer.forward_start(step=step, synced=synced, t_ns=10 + step)
     timer.forward_end(t_ns=20 + step)
@@ -111,7 +102,7 @@ ENVELOPE = ("job", "stream", "seq", "time_ns")
 def test_emit_makes_each_step_record_crash_durable_and_identical_to_finish_whatever_its_shape(
     tmp_path: Path,
 ) -> None:
-    a = spool_agent(tmp_path, "steps")
+    a = spool_agent(tmp_path, "steps", rank=3)
     timer = StepTimer(rank=3, bucket_bytes=[400, 100])
     expected = []
     try:
