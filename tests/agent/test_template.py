@@ -114,8 +114,15 @@ def test_a_template_that_cannot_make_a_valid_record_is_refused_when_made(
         RecordTemplate(fixed, variables)
 
 
-def test_the_ring_reads_templated_records_back_after_wrapping_around(tmp_path: Path) -> None:
-    w = ring.WriteAheadRing(str(tmp_path), "p", slots=4)
+INLINE = pytest.param(0, id="inline")
+TABLED = pytest.param(ring.TABLE_ENTRIES, id="table")
+
+
+@pytest.mark.parametrize("table_entries", [TABLED, INLINE])
+def test_the_ring_reads_templated_records_back_after_wrapping_around(
+    tmp_path: Path, table_entries: int
+) -> None:
+    w = ring.WriteAheadRing(str(tmp_path), "p", slots=4, table_entries=table_entries)
     f = frame()
     for seq in range(1, 11):
         assert w.put_templated(f, seq, 100 + seq, (seq, 100 + seq, 9))
@@ -127,43 +134,106 @@ def test_the_ring_reads_templated_records_back_after_wrapping_around(tmp_path: P
     assert all(r["shapes"] == [[16]] and r["job"] == "j" for r in got)
 
 
-def test_ordinary_and_templated_records_take_turns_in_a_slot_without_ghosts(tmp_path: Path) -> None:
-    w = ring.WriteAheadRing(str(tmp_path), "p", slots=1)
+@pytest.mark.parametrize("table_entries", [TABLED, INLINE])
+def test_ordinary_and_templated_records_take_turns_in_a_slot_without_ghosts(
+    tmp_path: Path, table_entries: int
+) -> None:
+    w = ring.WriteAheadRing(str(tmp_path), "p", slots=1, table_entries=table_entries)
     f = frame()
     assert w.put_templated(f, 1, 1, (1, 1, 1))
     assert w.put({"kind": "heartbeat", "seq": 2, "x": "y" * 300})
     assert [r["seq"] for r in ring.read_ring(str(tmp_path), "p")] == [2]
-    assert w.put_templated(f, 3, 3, (3, 3, 3))  # the slot no longer holds the template: rewritten
+    assert w.put_templated(f, 3, 3, (3, 3, 3))
     w.close()
     assert [(r["seq"], r["kind"]) for r in ring.read_ring(str(tmp_path), "p")] == [(3, "collective")]
 
 
-def test_integers_torn_at_any_byte_read_back_as_the_old_record_or_nothing(tmp_path: Path) -> None:
-    # A SIGKILL can land anywhere inside put_templated's pack_into, which zeroes the integers' span and
-    # then writes them in order: replay that write cut at every byte over an older record in the slot.
+def test_templates_past_the_full_table_travel_inline_and_every_record_reads_back(tmp_path: Path) -> None:
+    w = ring.WriteAheadRing(str(tmp_path), "p", slots=8, table_entries=2)
+    frames = [
+        ring.encode_template({"rank": 0, **FIXED, "shapes": [[k]], "job": "j", "stream": "s"}, VARIABLES)
+        for k in range(1, 5)
+    ]
+    for seq, f in enumerate(frames, 1):
+        assert f is not None and w.put_templated(f, seq, seq, (seq, seq, 0))
+    assert [f.ref is not None for f in frames if f is not None] == [True, True, False, False]
+    w.close()
+    got = sorted(ring.read_ring(str(tmp_path), "p"), key=lambda r: r["seq"])
+    assert [(r["seq"], r["shapes"]) for r in got] == [(k, [[k]]) for k in range(1, 5)]
+
+
+def test_a_frame_written_by_a_new_ring_gets_an_entry_in_that_ring(tmp_path: Path) -> None:
+    f = frame()
+    first = ring.WriteAheadRing(str(tmp_path), "a")
+    assert first.put_templated(f, 1, 1, (1, 1, 1))
+    first.close()
+    second = ring.WriteAheadRing(str(tmp_path), "b")  # say, an agent rebuilt after a fork
+    assert second.put_templated(f, 2, 2, (2, 2, 2))
+    second.close()
+    assert [r["seq"] for r in ring.read_ring(str(tmp_path), "b")] == [2]
+
+
+def _torn(old: bytes, start: int, new: bytes, zeroed: int, written: int) -> bytes:
+    """``old`` with the ``pack_into`` of ``new`` at ``start`` cut short: the span zeroed up to
+    ``zeroed``, then (once all zeroed) ``written`` bytes of ``new`` copied."""
+    torn = bytearray(old)
+    end = start + len(new)
+    torn[start : start + zeroed] = bytes(zeroed)
+    if zeroed == len(new):
+        torn[start:end] = new[:written] + bytes(len(new) - written)
+    return bytes(torn)
+
+
+def test_a_slot_torn_at_any_byte_reads_back_as_the_old_record_or_nothing(tmp_path: Path) -> None:
+    # A SIGKILL can land anywhere inside put_templated's pack_into, which zeroes its span (prefix and
+    # integers) and then writes the fields in order: replay that write cut at every byte, over an older
+    # record in the slot.
     w = ring.WriteAheadRing(str(tmp_path), "p", slots=1)
     f = frame()
     assert w.put_templated(f, 1, 10, (1, 10, 0))
     w.close()
+    assert f.ref is not None
     path = Path(ring.ring_path(str(tmp_path), "p"))
     old = path.read_bytes()
-    start = 16  # the integers follow the 16-byte prefix
-    new = f.ints.pack(2, 20, 2, 20, 0, ~2 ^ f.crc)
+    new = f.ref[1].pack(ring.REF_MAGIC, f.ref[2], f.crc, 3, 2, 20, 2, 20, 0, ~2 ^ f.crc)
     seen = set()
-    for cut in range(len(new) + 1):
-        torn = bytearray(old)
-        torn[start : start + len(new)] = new[:cut] + bytes(len(new) - cut)
-        path.write_bytes(bytes(torn))
+    for zeroed, written in [(z, 0) for z in range(len(new))] + [(len(new), w) for w in range(len(new) + 1)]:
+        path.write_bytes(_torn(old, 0, new, zeroed, written))
         got = [(r["seq"], r["coll_seq"], r["time_ns"]) for r in ring.read_ring(str(tmp_path), "p")]
-        assert got in ([], [(2, 2, 20)]), (cut, got)
-        seen.add(len(got))
-    assert seen == {0, 1}  # only the complete write reads back
+        assert got in ([], [(1, 1, 10)], [(2, 2, 20)]), (zeroed, written, got)
+        seen.add(tuple(got))
+    assert seen == {((1, 1, 10),), (), ((2, 2, 20),)}  # the new record only from the complete write
 
 
-def test_a_slot_whose_template_changed_under_old_integers_is_skipped(tmp_path: Path) -> None:
+def test_a_slot_naming_a_torn_or_different_table_entry_is_skipped(tmp_path: Path) -> None:
+    w = ring.WriteAheadRing(str(tmp_path), "p", slots=1)
+    f = frame()
+    assert w.put_templated(f, 1, 10, (1, 10, 0))
+    w.close()
+    assert f.ref is not None
+    path = Path(ring.ring_path(str(tmp_path), "p"))
+    good = path.read_bytes()
+    entry = f.ref[2] * ring.SLOT_BYTES
+    data = bytearray(good)
+    data[entry + 20] ^= 0xFF  # the template torn (its crc fails)
+    path.write_bytes(bytes(data))
+    assert ring.read_ring(str(tmp_path), "p") == []
+    other = ring.encode_template(
+        {"rank": 0, **FIXED, "op": "broadcast", "job": "j", "stream": "s"}, VARIABLES
+    )
+    assert other is not None and other.crc != f.crc
+    data = bytearray(good)  # the entry holds another template (a stale file, a wrong index)
+    data[entry : entry + 16 + len(other.payload)] = (
+        ring._TEMPLATE_PREFIX.pack(ring.TABLE_MAGIC, len(other.payload), other.crc, 3) + other.payload
+    )
+    path.write_bytes(bytes(data))
+    assert ring.read_ring(str(tmp_path), "p") == []
+
+
+def test_an_inline_slot_whose_template_changed_under_old_integers_is_skipped(tmp_path: Path) -> None:
     # Torn between a new template's prefix and its integers: the old integers' check names the old
     # template, so they are not read as the new one's values.
-    w = ring.WriteAheadRing(str(tmp_path), "p", slots=1)
+    w = ring.WriteAheadRing(str(tmp_path), "p", slots=1, table_entries=0)
     other = ring.encode_template(
         {"rank": 0, **FIXED, "op": "broadcast", "job": "j", "stream": "s"}, VARIABLES
     )
