@@ -12,8 +12,9 @@ what is compared is the time a rank spends *before* it can join the all-reduce:
 In each of the recent steps, a rank's ratio is its ``busy`` time (between steps + compute) over the
 **median of the other ranks'**, and so is its compute ratio; the step counts against it when either
 exceeds ``1 + threshold`` (and by at least ``min_excess_s``, so sub-millisecond jitter never counts).
-A rank is a straggler when that happens in **most** of the recent steps and its median ratio
-(``slowdown``, the larger of the two) also exceeds the threshold. Medians everywhere: on an
+A rank is a straggler when that happens in **most** of the recent steps (of at least ``MIN_STEPS``,
+after the ``WARMUP_STEPS``) and its median ratio (``slowdown``, the larger of the two) also exceeds
+the threshold. Medians everywhere: on an
 oversubscribed machine any rank can lose the CPU for one step, but not for most of them.
 
 The slowdown is attributed to the phase with the largest excess, in seconds, over the others'
@@ -35,7 +36,12 @@ from ddpscope.server.rows import StepRow, StepTimes
 
 THRESHOLD = 0.15
 WINDOW_STEPS = 20
-MIN_STEPS = 3
+MIN_STEPS = 8
+"""Steps a rank must be compared in before it can be flagged: a job that fails after a few steps
+has only its warm-up to go on, where one rank losing the CPU for three steps out of five is noise (a
+culprit flagged as slow before it hung points the reader the wrong way)."""
+WARMUP_STEPS = 2
+"""Steps 0 and 1 are never compared: the first allocates everything, the second rebuilds buckets."""
 MIN_EXCESS_S = 0.001
 
 
@@ -100,7 +106,7 @@ def stragglers(
     for (rank, step), r in by_rank_step.items():
         previous = by_rank_step.get((rank, step - 1))
         by_step[step][rank] = _phases(r, None if previous is None else previous.backward_end_ns)
-    recent = sorted(s for s, ranks in by_step.items() if len(ranks) >= 2)[-window:]
+    recent = sorted(s for s, ranks in by_step.items() if len(ranks) >= 2 and s >= WARMUP_STEPS)[-window:]
     # Per rank and step: (slowdown, forward, backward, between ratios, then their excess seconds).
     ratios: dict[int, list[tuple[float, ...]]] = defaultdict(list)
     flagged_steps: dict[int, int] = defaultdict(int)

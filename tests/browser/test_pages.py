@@ -49,7 +49,7 @@ def test_job_list_shows_each_job_with_status_world_size_steps_and_straggler_flag
     healthy, slow = unique("healthy"), unique("slow")
     post(collector.url, synth_job(2, 6, 3, job=healthy, t0_ns=time.time_ns() - 10**9))
     straggling = SynthJob(slow, world_size=3, buckets=3, slow_rank=1)
-    post(collector.url, straggling.start() + straggling.steps(8))
+    post(collector.url, straggling.start() + straggling.steps(12))
     open_job_list(page, collector.url)
     page.wait_for_function(
         "(job) => [...document.querySelectorAll('#jobs tbody tr')].some(tr => tr.dataset.job === job && tr.textContent.includes('straggler'))",

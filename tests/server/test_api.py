@@ -156,7 +156,7 @@ def test_metrics_expose_the_design_names_and_ended_jobs_leave_after_their_retent
     recent_ns = time.time_ns() - 1_000_000_000
     _feed(
         client,
-        synth_job(2, 5, 2, job="live", slow_rank=1, finished=False, unused={0: ["w"]}, t0_ns=recent_ns),
+        synth_job(2, 12, 2, job="live", slow_rank=1, finished=False, unused={0: ["w"]}, t0_ns=recent_ns),
     )
     # Both finished; "done" in 2023, far beyond the default 15-minute retention, "just-done" a second ago.
     _feed(client, synth_job(2, 5, 2, job="done"))
