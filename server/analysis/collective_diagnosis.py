@@ -292,7 +292,7 @@ def _mismatch(
     if left:
         msg += f". {UNEVEN_DATA_ADVICE}"
         for r in culprits:
-            blame.setdefault(r, "left its training loop early")
+            blame.setdefault(r, "stopped training early or issued a collective its peers skip")
     else:
         msg += f". {why}Make every rank issue the same collectives in the same order."
     for r in culprits:
@@ -344,11 +344,14 @@ def _left_loop(
         f"after step {max(lasts)}" if len(set(lasts)) == 1 else "after steps " + ", ".join(map(str, lasts))
     )
     in_step = f"step {peer_step}'s" if peer_step is not None else "the next step's"
+    its, it = ("its", "it") if len(culprits) == 1 else ("their", "they")
+    # The records cannot tell a collective after the loop from one inside it that only these ranks
+    # reach: both stop the engine's collectives there. Say both rather than guess.
     return (
-        f"{capitalized(who)} left {'its' if len(culprits) == 1 else 'their'} training loop early "
-        f"({after}: fewer batches than {'its' if len(culprits) == 1 else 'their'} peers, or a rank-dependent "
-        f"break) and called a collective at the end of the script while {ranks_phrase(ref)} "
-        f"{'was' if len(ref) == 1 else 'were'} in {in_step} bucket all-reduce"
+        f"{capitalized(who)} stopped training {after} and called a collective while {ranks_phrase(ref)} "
+        f"{'was' if len(ref) == 1 else 'were'} in {in_step} bucket all-reduce: either {who} left {its} "
+        f"training loop early (fewer batches than {its} peers, or a rank-dependent break) or {it} issued, "
+        f"inside the loop, a collective {its} peers skip (a rank-dependent branch)"
     )
 
 

@@ -54,7 +54,8 @@ def capitalized(text: str) -> str:
 
 
 UNEVEN_DATA_ADVICE = (
-    "Every rank must run the same synced steps: look for a rank-dependent break or return, "
+    "Every rank must run the same synced steps and collectives: look for a rank-dependent break, "
+    "return or branch around a collective, "
     "uneven data per rank (a sampler without drop_last, a shard shorter than the others), or wrap "
     "the loop in torch.distributed.algorithms.Join for uneven inputs."
 )

@@ -597,7 +597,9 @@ def test_a_user_collective_paired_with_the_engines_all_reduce_is_flagged_even_wi
     assert m.culprit_ranks == [0] and m.call_site == "train.py:33" and "some ranks only" in m.message
 
 
-def test_a_rank_that_ran_out_of_batches_and_called_barrier_is_said_to_have_left_its_loop_early() -> None:
+def test_a_rank_that_called_barrier_after_its_last_step_is_said_to_have_left_its_loop_or_skipped_a_branch() -> (
+    None
+):
     job = started(2)
     end = job.train(8)  # engine all-reduces #1-#16, steps 0-7 on both ranks
     # Rank 1 has no batch 8: it leaves its loop and calls dist.barrier() at the end of its script,
@@ -606,8 +608,11 @@ def test_a_rank_that_ran_out_of_batches_and_called_barrier_is_said_to_have_left_
     job.coll(1, end, 17, op="barrier", reduce_op=None, shapes=[], site="train.py:120", done=False)
     incidents = diagnose(job.snapshot(), end + 0.1)
     m = only(incidents, "mismatch")
-    assert m.message.startswith("Rank 1 left its training loop early (after step 7")
+    assert m.message.startswith("Rank 1 stopped training after step 7 and called a collective")
     assert "rank 0 was in step 8's bucket all-reduce" in m.message
+    # A barrier inside the loop that only rank 1 reaches leaves the same records: both causes are named.
+    assert "left its training loop early (fewer batches" in m.message
+    assert "inside the loop, a collective its peers skip" in m.message
     assert "rank 1 issued barrier at train.py:120 where rank 0 issued all_reduce(SUM)" in m.message
     assert "torch.distributed.algorithms.Join" in m.message and "same synced steps" in m.message
     assert m.culprit_ranks == [1] and m.seq == 17 and m.call_site == "train.py:120"
