@@ -50,6 +50,13 @@ def _no_agent() -> Any:
     return None
 
 
+def set_exit_reason(reason: str) -> None:
+    """What this process's ``rank_exit`` will say (``'error'``: the ddp layer saw it end in a failing
+    ``sys.exit``, which reaches no excepthook)."""
+    global _exit_reason
+    _exit_reason = reason
+
+
 _current: Callable[[], Any] = _no_agent
 
 

@@ -8,6 +8,13 @@ Usage::
         train()
     report_error(exc)                 # the engine, for errors it raises itself
 
+A failing ``sys.exit`` (a non-zero status or a message: ``sys.exit("loss is NaN")``) reaches no
+excepthook, and the process would look as if its loop had ended normally: the hooks also wrap
+``sys.exit`` to note the call (status, step, phase, stack) and, at exit, report it as a fatal
+``rank_error`` of type ``SystemExit`` unless training went on after it (the ``SystemExit`` was caught).
+A bare ``raise SystemExit(3)`` is not seen; ``os._exit`` runs nothing at all (the collector then sees
+a rank that stopped with no error, like a SIGKILL).
+
 Fatal signals (gloo's SIGABRT on mismatched sizes) never reach Python; the agent's crash path
 covers those. An exception is reported once per fatality: ``report_error(exc)`` followed by the same
 exception escaping to ``sys.excepthook`` emits a second, ``fatal=True`` record, because the process
@@ -16,6 +23,7 @@ dying of it is new information; the same exception reported twice with the same 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import sys
@@ -23,9 +31,9 @@ import threading
 import traceback
 from collections.abc import Iterator
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
-from ddpscope.agent import emit, get_agent
+from ddpscope.agent import emit, get_agent, lifecycle
 from ddpscope.ddp.collectives import disabled
 from ddpscope.ddp.progress import PROGRESS
 
@@ -38,8 +46,16 @@ _MARK = "__ddpscope_reported__"
 _AGENT_MARK = "_ddpscope_reported"
 
 
-def report_error(exc: BaseException, fatal: bool = False, *, flush: bool | None = None) -> bool:
+def report_error(
+    exc: BaseException,
+    fatal: bool = False,
+    *,
+    flush: bool | None = None,
+    where: tuple[int | None, str, str] | None = None,
+) -> bool:
     """Emit a ``rank_error`` for ``exc`` (step and phase from PROGRESS). Never raises.
+
+    ``where``: (step, phase, stack) noted earlier, for an exception reported after the fact.
 
     Returns False when this exception was already reported with the same ``fatal`` flag. ``flush``
     (default: ``fatal``) waits up to 2 s for the record to leave the process.
@@ -53,15 +69,19 @@ def report_error(exc: BaseException, fatal: bool = False, *, flush: bool | None 
             if fatal:
                 # The agent's own last-resort excepthook skips exceptions marked this way.
                 setattr(exc, _AGENT_MARK, True)
-        stack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        step, phase = PROGRESS.step, PROGRESS.phase
+        if where is None:
+            stack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        else:
+            step, phase, stack = where
         if len(stack) > MAX_STACK_CHARS:
             # Keep the end: the innermost frames and the message are what a reader needs.
             stack = "...\n" + stack[-MAX_STACK_CHARS:]
         emit(
             {
                 "kind": "rank_error",
-                "step": PROGRESS.step,
-                "phase": PROGRESS.phase,
+                "step": step,
+                "phase": phase,
                 "error_type": type(exc).__name__,
                 "message": str(exc)[:4000] or type(exc).__name__,
                 "stack": stack,
@@ -117,9 +137,45 @@ def _threading_excepthook(args: Any) -> None:
     previous(args)
 
 
+_atexit_registered = False
+_exit_call: list[Any] = []
+"""The last failing ``sys.exit`` call: [status, step, phase, stack, progress counter]."""
+
+
+def _sys_exit(status: object = None) -> NoReturn:
+    """``sys.exit``, noting a failing status first (see the module docstring)."""
+    if status is not None and status != 0:
+        try:
+            stack = "Traceback (most recent call last):\n" + "".join(traceback.format_stack()[:-1])
+            stack += f"SystemExit: {status}\n"
+            _exit_call[:] = [status, PROGRESS.step, PROGRESS.phase, stack, PROGRESS.counter]
+        except Exception:
+            logger.debug("ddpscope could not note sys.exit(%r)", status, exc_info=True)
+    exit_ = _previous.get("exit") or sys.__dict__.get("exit")
+    if exit_ is None or exit_ is _sys_exit:
+        raise SystemExit(status)
+    exit_(status)
+    raise SystemExit(status)  # not reached: sys.exit raises
+
+
+def _report_failed_exit() -> None:
+    """At exit (before the agent's own exit hook: atexit runs last-registered first): report the
+    failing ``sys.exit`` that ended the process, if one did."""
+    if not _exit_call or "sys" not in _previous:
+        return
+    status, step, phase, stack, counter = _exit_call
+    if PROGRESS.counter != counter:
+        return  # the SystemExit was caught and the process went on training
+    code = status if isinstance(status, int) else 1
+    said = f"sys.exit({status!r})" if isinstance(status, int) else f"{status} (sys.exit with this message)"
+    error = SystemExit(f"{said}: exit status {code}")
+    report_error(error, fatal=True, where=(step, phase, stack))
+    lifecycle.set_exit_reason("error")
+
+
 def install_error_hooks() -> None:
-    """Wrap ``sys.excepthook`` and ``threading.excepthook`` (idempotent; the previous hooks still run).
-    Does nothing when ddpscope is disabled."""
+    """Wrap ``sys.excepthook``, ``threading.excepthook`` and ``sys.exit`` (idempotent; the previous
+    hooks still run). Does nothing when ddpscope is disabled."""
     if disabled():
         return
     try:
@@ -133,8 +189,14 @@ def install_error_hooks() -> None:
             return
         _previous["sys"] = sys.excepthook
         _previous["threading"] = threading.excepthook
+        _previous["exit"] = sys.exit
         sys.excepthook = _excepthook
         threading.excepthook = _threading_excepthook
+        sys.exit = _sys_exit
+        global _atexit_registered
+        if not _atexit_registered:
+            atexit.register(_report_failed_exit)
+            _atexit_registered = True
 
 
 def uninstall_error_hooks() -> None:
@@ -146,7 +208,10 @@ def uninstall_error_hooks() -> None:
             sys.excepthook = _previous["sys"]
         if threading.excepthook is _threading_excepthook:
             threading.excepthook = _previous["threading"]
+        if sys.exit is _sys_exit:
+            sys.exit = _previous["exit"]
         _previous.clear()
+        _exit_call.clear()
 
 
 @contextlib.contextmanager

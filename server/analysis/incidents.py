@@ -364,7 +364,8 @@ def _error_incidents(
             f"Rank {r} stopped reporting with no error and no clean exit{where(snapshot, r)}, and "
             f"{ranks_phrase(v['rank'] for v in victims)} then lost "
             f"{'its connection' if len({v['rank'] for v in victims}) == 1 else 'their connections'} to it: it was killed "
-            "(SIGKILL, the OOM killer) or crashed in native code; check its log and the host's kernel log."
+            "(SIGKILL, the OOM killer), crashed in native code or left through os._exit() (which runs no exit "
+            "hook); check its log, its exit status and the host's kernel log."
         )
         out.append(
             Incident(

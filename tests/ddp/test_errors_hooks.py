@@ -94,12 +94,63 @@ def test_an_uncaught_exception_in_a_thread_becomes_a_non_fatal_rank_error(record
 
 
 def test_install_is_idempotent_and_uninstall_restores_the_hooks() -> None:
-    before = (sys.excepthook, threading.excepthook)
+    before = (sys.excepthook, threading.excepthook, sys.exit)
     errors.install_error_hooks()
     errors.install_error_hooks()
-    assert sys.excepthook is not before[0]
+    assert sys.excepthook is not before[0] and sys.exit is not before[2]
     errors.uninstall_error_hooks()
-    assert (sys.excepthook, threading.excepthook) == before
+    assert (sys.excepthook, threading.excepthook, sys.exit) == before
+
+
+def test_the_wrapped_sys_exit_raises_the_same_system_exit() -> None:
+    with errors.error_hooks():
+        for status in (None, 0, 3, "bye"):
+            with pytest.raises(SystemExit) as caught:
+                sys.exit(status)
+            assert caught.value.code == status
+    errors._exit_call.clear()
+
+
+def _run_uncaught(tmp_path: Path, how: str) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+    proc = subprocess.run(
+        [sys.executable, str(JOBS / "uncaught_job.py"), str(tmp_path), how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "RANK": "0"},
+    )
+    lines = (tmp_path / "rank0.jsonl").read_text().splitlines()
+    return proc, [json.loads(line) for line in lines]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("how", "code", "message"),
+    [
+        ("exit-code", 3, "sys.exit(3): exit status 3"),
+        ("exit-message", 1, "loss is nan at step 7, aborting (sys.exit with this message): exit status 1"),
+    ],
+)
+def test_a_failing_sys_exit_is_a_fatal_error_with_its_step_phase_and_line_not_a_clean_exit(
+    tmp_path: Path, how: str, code: int, message: str
+) -> None:
+    proc, records = _run_uncaught(tmp_path, how)
+    assert proc.returncode == code, proc.stderr
+    (err,) = [r for r in records if r["kind"] == "rank_error"]
+    validate_record(err)
+    assert (err["step"], err["phase"], err["error_type"], err["fatal"]) == (7, "backward", "SystemExit", True)
+    assert err["message"] == message
+    assert "uncaught_job.py" in err["stack"] and "in train" in err["stack"]
+    (exit_,) = [r for r in records if r["kind"] == "rank_exit"]
+    assert exit_["reason"] == "error"
+
+
+@pytest.mark.slow
+def test_a_sys_exit_caught_by_the_script_is_not_reported(tmp_path: Path) -> None:
+    proc, records = _run_uncaught(tmp_path, "exit-caught")
+    assert proc.returncode == 0, proc.stderr
+    assert [r for r in records if r["kind"] == "rank_error"] == []
+    assert [r["reason"] for r in records if r["kind"] == "rank_exit"] == ["finished"]
 
 
 @pytest.mark.slow
