@@ -29,6 +29,7 @@ class Progress:
         "last_coll_seq",
         "inflight",
         "pending_buckets",
+        "settled",
     )
 
     def __init__(self) -> None:
@@ -48,6 +49,10 @@ class Progress:
         one the recorder's compact entry (read them through ``CollectiveRecorder.inflight()``)."""
         self.pending_buckets: Callable[[], list[dict[str, Any]]] = list
         """Set by the engine: returns the buckets still pending (wire shape PENDING_BUCKET)."""
+        self.settled: Callable[[], set[tuple[str, int]]] = set
+        """Set by the engine: (pg, coll_seq) of its asynchronous collectives that have completed but
+        that it has not looked at yet (it ends them at its next hook or in its finalizer). A rank
+        stuck in its own backward code is not inside those, whatever the recorder still holds."""
 
     def enter(self, phase: str, step: int | None = None) -> None:
         self.phase = phase

@@ -97,6 +97,7 @@ class Reducer:
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
         ]
         PROGRESS.pending_buckets = self.pending_wire
+        PROGRESS.settled = self.settled
 
     # -- layout ----------------------------------------------------------------------------------
 
@@ -403,6 +404,22 @@ class Reducer:
         )
 
     # -- watchdog view ---------------------------------------------------------------------------
+
+    def settled(self) -> set[tuple[str, int]]:
+        """The bucket all-reduces (and the used-parameters all-reduce) that completed and were not
+        ended yet (read from the watchdog thread)."""
+        if not self.active:
+            return set()
+        works, seqs, pg = self.works, self.seqs, self.pg
+        out = {
+            (pg, seqs[k])
+            for k in range(self.next_done, self.next_launch)
+            if works[k] is not None and works[k].is_completed()
+        }
+        used = self.used_work
+        if used is not None and used.is_completed():
+            out.add((pg, self.used_seq))
+        return out
 
     def pending_wire(self) -> list[dict[str, Any]]:
         """Buckets not reduced yet, in the PENDING_BUCKET wire shape (read from the watchdog thread)."""

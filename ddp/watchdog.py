@@ -194,7 +194,10 @@ def hang_message(
             "dead, or issued a different collective at that sequence number."
         )
     elif missing:
-        text += " Those parameters took no part in this step's forward on this rank."
+        text += (
+            " Either the backward pass is still computing or blocked before them (see the main thread's "
+            "stack) or those parameters took no part in this step's forward on this rank."
+        )
     else:
         text += (
             " No collective is in flight: this rank itself is stuck; see the main thread's stack."
@@ -406,6 +409,13 @@ class Watchdog:
             logger.warning("ddpscope: pending_buckets() failed", exc_info=True)
             pending = []
         inflight = self._recorder.inflight()
+        try:
+            settled = progress.settled()
+        except Exception:
+            logger.warning("ddpscope: settled() failed", exc_info=True)
+            settled = set()
+        if settled:
+            inflight = [c for c in inflight if (c["pg"], c["coll_seq"]) not in settled]
         phase, step = progress.phase, progress.step
         main_frame = sys._current_frames().get(threading.main_thread().ident or -1)
         main_site = None

@@ -139,6 +139,29 @@ def test_a_rank_stuck_outside_collectives_names_its_last_collective(
     assert "this rank itself is stuck" in hang["message"]
 
 
+def test_a_rank_stuck_in_its_backward_code_is_not_said_to_be_in_an_all_reduce_that_already_completed(
+    records: Records, parts: tuple[Progress, CollectiveRecorder, ManualClock]
+) -> None:
+    # The engine launched bucket 0's all-reduce and it completed, but the engine only ends it at its
+    # next hook; the backward is stuck in user code before bucket 1 is ready.
+    progress, recorder, clock = parts
+    dog = make(parts, timeout_s=1.0)
+    progress.enter("backward", step=5)
+    seq = recorder.begin(
+        "default", "all_reduce", [torch.ones(4)], source="engine", call_site="ddp/reducer.py:1"
+    )
+    progress.pending_buckets = lambda: [{"index": 1, "missing": ["l0.weight"], "launched": False}]
+    progress.settled = lambda: {("default", seq)}
+    dog.check()
+    clock.now += 1.5
+    dog.check()
+    (hang,) = records("hang")
+    assert hang["inflight"] == []
+    message = hang["message"]
+    assert "waiting for gradients of bucket 1 (step 5)" in message and "in flight" not in message
+    assert "still computing or blocked" in message
+
+
 def test_a_failing_pending_buckets_callback_does_not_cost_the_report(
     records: Records, parts: tuple[Progress, CollectiveRecorder, ManualClock]
 ) -> None:
