@@ -228,6 +228,81 @@ def mismatch_incidents(
     return out
 
 
+def sync_schedule_incidents(colls: CollectiveIndex, blame: dict[int, str]) -> list[Incident]:
+    """Ranks that reduce gradients after different numbers of steps (``no_sync`` accumulation counts
+    that differ per rank): every engine all-reduce still pairs op for op, so nothing else sees it,
+    but each averages a different number of micro-batches per rank (silently wrong gradients), and
+    the ranks run out of steps at different times (a hang at the end).
+
+    Seen in the engine's own collectives, which carry the step that issued them: between two of them,
+    each rank's step moves on by as many steps as it ran in between. A constant offset between ranks
+    (one rank counted an extra forward once) is harmless and not flagged; a change of offset is."""
+    out = []
+    for pg, ranks in sorted(colls.by_pg.items()):
+        engine = {
+            r: {
+                s: c["step"]
+                for s, c in q.items()
+                if c.get("source") == "engine" and isinstance(c.get("step"), int)
+            }
+            for r, q in ranks.items()
+        }
+        common = sorted(set.intersection(*(set(q) for q in engine.values()))) if len(engine) > 1 else []
+        for before, seq in zip(common, common[1:], strict=False):
+            moved = {r: q[seq] - q[before] for r, q in engine.items()}
+            if len(set(moved.values())) < 2:
+                continue
+            every = {r: _sync_period(q) for r, q in engine.items()}
+            groups: dict[int | None, list[int]] = {}
+            for r in sorted(every):
+                groups.setdefault(every[r], []).append(r)
+            ref = max(groups.values(), key=lambda g: (len(g), -g[0]))
+            culprits = sorted(r for r in engine if r not in ref)
+            steps_at = ", ".join(f"rank {r} of its step {engine[r][seq]}" for r in sorted(engine))
+            periods = "; ".join(
+                f"{ranks_phrase(g)} {'syncs' if len(g) == 1 else 'sync'} every {p} steps"
+                if p is not None
+                else f"{ranks_phrase(g)} at no regular interval"
+                for p, g in sorted(groups.items(), key=lambda kv: kv[1][0])
+            )
+            recs = {r: ranks[r][seq] for r in engine}
+            out.append(
+                Incident(
+                    kind="mismatch",
+                    message=(
+                        f"The ranks synchronize gradients after different numbers of steps: collective #{seq} "
+                        f"of group {pg}, the DDP engine's gradient all-reduce, reduces the gradients of "
+                        f"{steps_at} ({periods}). Every such all-reduce averages a different number of "
+                        "micro-batches per rank, so the gradients are silently wrong; and where the ranks "
+                        "end up with different numbers of syncs, the first to finish leaves the others "
+                        "hanging. Use the same gradient "
+                        "accumulation on every rank: no_sync() for the same micro-steps, the same batch "
+                        "count per rank."
+                    ),
+                    rank=culprits[0] if culprits else None,
+                    step=recs[culprits[0] if culprits else ref[0]].get("step"),
+                    seq=seq,
+                    pg=pg,
+                    culprit_ranks=culprits,
+                    time_s=min(c["start_ns"] for c in recs.values()) / 1e9,
+                )
+            )
+            for r in culprits:
+                blame.setdefault(r, "synchronizes gradients after a different number of steps")
+            break
+    return out
+
+
+def _sync_period(steps_by_seq: Mapping[int, int]) -> int | None:
+    """The most common number of steps between consecutive synced steps of one rank, or None."""
+    synced = sorted(set(steps_by_seq.values()))
+    gaps = [b - a for a, b in zip(synced, synced[1:], strict=False)]
+    if not gaps:
+        return None
+    counts = {g: gaps.count(g) for g in set(gaps)}
+    return max(counts, key=lambda g: (counts[g], -g))
+
+
 def _mismatch(
     pg: str,
     seq: int,

@@ -49,6 +49,7 @@ from ddpscope.server.analysis.collective_diagnosis import (
     CollectiveIndex,
     mismatch_incidents,
     missing_incidents,
+    sync_schedule_incidents,
 )
 from ddpscope.server.analysis.hang_diagnosis import hang_incidents
 from ddpscope.server.analysis.incident_model import (
@@ -129,6 +130,7 @@ def diagnose(
     out = _silent_incidents(snapshot, live, blame)
     out += _early_exit_incidents(snapshot, live, blame)
     out += mismatch_incidents(colls, snapshot, blame)
+    out += sync_schedule_incidents(colls, blame)
     missing = missing_incidents(colls, live, snapshot, blame)
     out += missing
     out += _error_incidents(live, snapshot, colls, blame)

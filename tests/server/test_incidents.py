@@ -733,3 +733,49 @@ def test_an_error_between_steps_before_a_restart_is_placed_after_its_step_not_in
     before = only(diagnose(job.snapshot(), end2 + 0.5), "rank_error")
     assert "Rank 1 died after step 4 (between steps" in before.message
     assert "before its first step" not in before.message
+
+
+def _accumulate(job: JobRecords, every: dict[int, int], syncs: int, t: float = T0 + 1) -> float:
+    """Each rank syncs gradients after ``every[rank]`` steps (no_sync for the others), ``syncs`` times:
+    one engine all-reduce per sync, numbered in order on every rank."""
+    for k in range(syncs):
+        for r, n in every.items():
+            step = (k + 1) * n - 1
+            job.coll(r, t, k + 1, shapes=[[1024]], site="ddp/reducer.py:88", step=step, source="engine")
+            job.step(r, t, step, seqs=[k + 1])
+        t += 0.1
+    return t
+
+
+def test_ranks_that_accumulate_a_different_number_of_steps_per_sync_are_flagged_though_every_op_pairs() -> (
+    None
+):
+    job = started(2)
+    end = _accumulate(job, {0: 2, 1: 3}, syncs=6)
+    incidents = diagnose(job.snapshot(), end + 0.1)
+    m = only(incidents, "mismatch")
+    assert m.message.startswith("The ranks synchronize gradients after different numbers of steps")
+    assert "rank 0 of its step 3, rank 1 of its step 5" in m.message
+    assert "rank 0 syncs every 2 steps; rank 1 syncs every 3 steps" in m.message
+    assert "silently wrong" in m.message and "no_sync()" in m.message
+    assert m.seq == 2 and m.culprit_ranks == [1]
+
+
+def test_a_constant_step_offset_between_ranks_is_not_a_sync_mismatch() -> None:
+    # Rank 1 counted one extra forward before training (an evaluation pass with grad on): its steps are
+    # one ahead, but both sync every 2 steps.
+    job = started(2)
+    t = T0 + 1
+    for k in range(6):
+        for r in (0, 1):
+            step = 2 * k + 1 + r
+            job.coll(r, t, k + 1, shapes=[[1024]], site="ddp/reducer.py:88", step=step, source="engine")
+            job.step(r, t, step, seqs=[k + 1])
+        t += 0.1
+    assert kinds(diagnose(job.snapshot(), t + 0.1)) == []
+
+
+def test_healthy_training_has_no_sync_mismatch() -> None:
+    job = started(4)
+    end = _accumulate(job, {0: 4, 1: 4, 2: 4, 3: 4}, syncs=5)
+    assert kinds(diagnose(job.snapshot(), end + 0.1)) == []
