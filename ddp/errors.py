@@ -69,7 +69,8 @@ def report_error(
             if fatal:
                 # The agent's own last-resort excepthook skips exceptions marked this way.
                 setattr(exc, _AGENT_MARK, True)
-        step, phase = PROGRESS.step, PROGRESS.phase
+        step: int | None = PROGRESS.step
+        phase = PROGRESS.phase
         if where is None:
             stack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         else:

@@ -184,16 +184,21 @@ def _torn(old: bytes, start: int, new: bytes, zeroed: int, written: int) -> byte
     return bytes(torn)
 
 
-def test_a_slot_torn_at_any_byte_reads_back_as_the_old_record_or_nothing(tmp_path: Path) -> None:
-    # A SIGKILL can land anywhere inside put_templated's pack_into, which zeroes its span (prefix and
-    # integers) and then writes the fields in order: replay that write cut at every byte, over an older
-    # record in the slot.
+def _one_record_ring(tmp_path: Path) -> tuple[ring.TemplateFrame, Path]:
+    """A one-slot ring holding record seq 1 through the template table; its frame and file."""
     w = ring.WriteAheadRing(str(tmp_path), "p", slots=1)
     f = frame()
     assert w.put_templated(f, 1, 10, (1, 10, 0))
     w.close()
     assert f.ref is not None
-    path = Path(ring.ring_path(str(tmp_path), "p"))
+    return f, Path(ring.ring_path(str(tmp_path), "p"))
+
+
+def test_a_slot_torn_at_any_byte_reads_back_as_the_old_record_or_nothing(tmp_path: Path) -> None:
+    # A SIGKILL can land anywhere inside put_templated's pack_into, which zeroes its span (prefix and
+    # integers) and then writes the fields in order: replay that write cut at every byte, over an older
+    # record in the slot.
+    f, path = _one_record_ring(tmp_path)
     old = path.read_bytes()
     new = f.ref[1].pack(ring.REF_MAGIC, f.ref[2], f.crc, 3, 2, 20, 2, 20, 0, ~2 ^ f.crc)
     seen = set()
@@ -206,12 +211,7 @@ def test_a_slot_torn_at_any_byte_reads_back_as_the_old_record_or_nothing(tmp_pat
 
 
 def test_a_slot_naming_a_torn_or_different_table_entry_is_skipped(tmp_path: Path) -> None:
-    w = ring.WriteAheadRing(str(tmp_path), "p", slots=1)
-    f = frame()
-    assert w.put_templated(f, 1, 10, (1, 10, 0))
-    w.close()
-    assert f.ref is not None
-    path = Path(ring.ring_path(str(tmp_path), "p"))
+    f, path = _one_record_ring(tmp_path)
     good = path.read_bytes()
     entry = f.ref[2] * ring.SLOT_BYTES
     data = bytearray(good)
