@@ -152,11 +152,10 @@ def _sys_exit(status: object = None) -> NoReturn:
             _exit_call[:] = [status, PROGRESS.step, PROGRESS.phase, stack, PROGRESS.counter]
         except Exception:
             logger.debug("ddpscope could not note sys.exit(%r)", status, exc_info=True)
-    exit_ = _previous.get("exit") or sys.__dict__.get("exit")
-    if exit_ is None or exit_ is _sys_exit:
-        raise SystemExit(status)
-    exit_(status)
-    raise SystemExit(status)  # not reached: sys.exit raises
+    exit_ = _previous.get("exit")  # None once uninstalled: a caller kept this wrapper
+    if exit_ is not None:
+        exit_(status)
+    raise SystemExit(status)  # what sys.exit does (after exit_ it is not reached: that raises)
 
 
 def _report_failed_exit() -> None:

@@ -11,6 +11,7 @@ member that never issued a collective on it is still a member that the others wa
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 from functools import partial
 from operator import itemgetter
@@ -232,7 +233,7 @@ def sync_schedule_incidents(colls: CollectiveIndex, blame: dict[int, str]) -> li
     """Ranks that reduce gradients after different numbers of steps (``no_sync`` accumulation counts
     that differ per rank): every engine all-reduce still pairs op for op, so nothing else sees it,
     but each averages a different number of micro-batches per rank (silently wrong gradients), and
-    the ranks run out of steps at different times (a hang at the end).
+    ranks that end with different numbers of syncs leave the others hanging.
 
     Seen in the engine's own collectives, which carry the step that issued them: between two of them,
     each rank's step moves on by as many steps as it ran in between. A constant offset between ranks
@@ -265,7 +266,7 @@ def sync_schedule_incidents(colls: CollectiveIndex, blame: dict[int, str]) -> li
                 else f"{ranks_phrase(g)} at no regular interval"
                 for p, g in sorted(groups.items(), key=lambda kv: kv[1][0])
             )
-            recs = {r: ranks[r][seq] for r in engine}
+            first = culprits[0] if culprits else ref[0]
             out.append(
                 Incident(
                     kind="mismatch",
@@ -275,16 +276,15 @@ def sync_schedule_incidents(colls: CollectiveIndex, blame: dict[int, str]) -> li
                         f"{steps_at} ({periods}). Every such all-reduce averages a different number of "
                         "micro-batches per rank, so the gradients are silently wrong; and where the ranks "
                         "end up with different numbers of syncs, the first to finish leaves the others "
-                        "hanging. Use the same gradient "
-                        "accumulation on every rank: no_sync() for the same micro-steps, the same batch "
-                        "count per rank."
+                        "hanging. Use the same gradient accumulation on every rank: no_sync() for the same "
+                        "micro-steps, the same batch count per rank."
                     ),
                     rank=culprits[0] if culprits else None,
-                    step=recs[culprits[0] if culprits else ref[0]].get("step"),
+                    step=engine[first][seq],
                     seq=seq,
                     pg=pg,
                     culprit_ranks=culprits,
-                    time_s=min(c["start_ns"] for c in recs.values()) / 1e9,
+                    time_s=min(ranks[r][seq]["start_ns"] for r in engine) / 1e9,
                 )
             )
             for r in culprits:
@@ -299,7 +299,7 @@ def _sync_period(steps_by_seq: Mapping[int, int]) -> int | None:
     gaps = [b - a for a, b in zip(synced, synced[1:], strict=False)]
     if not gaps:
         return None
-    counts = {g: gaps.count(g) for g in set(gaps)}
+    counts = Counter(gaps)
     return max(counts, key=lambda g: (counts[g], -g))
 
 
