@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from functools import partial
 from operator import itemgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddpscope.server.analysis.incident_model import (
     ROOTED_OPS,
@@ -30,6 +30,9 @@ from ddpscope.server.analysis.incident_model import (
 from ddpscope.server.analysis.snapshot import JobSnapshot, RankSteps
 from ddpscope.server.analysis.status import Liveness
 from ddpscope.server.analysis.stuck import stuck_outside
+
+if TYPE_CHECKING:
+    from ddpscope.server.analysis.wait_graph import WaitGraph
 
 
 class CollectiveIndex:
@@ -98,6 +101,17 @@ class CollectiveIndex:
     def last(self, rank: int, pg: str) -> Record | None:
         seqs = self.by_pg.get(pg, {}).get(rank, {})
         return seqs[max(seqs)] if seqs else None
+
+    def issued_like(self, rank: int, c: Record) -> bool:
+        """True when ``rank`` issued, at any sequence number of ``c``'s group, the same collective as
+        ``c`` (op, reduce op, shapes, dtypes; and call site where both records have one): a call it
+        makes too, so a wait for it there is routine."""
+        want, site = _signature(c, root=False), c.get("call_site")
+        return any(
+            _signature(x, root=False) == want
+            and (not site or not x.get("call_site") or x["call_site"] == site)
+            for x in self.by_pg.get(c["pg"], {}).get(rank, {}).values()
+        )
 
 
 P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
@@ -468,7 +482,7 @@ def _shift(culprit: Mapping[int, Record], ref: Mapping[int, Record], seq: int) -
 
 
 def missing_incidents(
-    colls: CollectiveIndex, live: Liveness, snapshot: JobSnapshot, blame: dict[int, str]
+    colls: CollectiveIndex, live: Liveness, snapshot: JobSnapshot, blame: dict[int, str], graph: WaitGraph
 ) -> list[Incident]:
     out = []
     for pg, waiting in sorted(colls.waits.items()):
@@ -478,7 +492,9 @@ def missing_incidents(
             waiters = sorted(r for r, seqs in waiting.items() if seq in seqs)
             if not missing or not waiters:
                 continue
-            out.append(_missing(pg, seq, waiters, missing, waiting, colls, live, snapshot, blame))
+            if all(graph.cycle_of(r) for r in waiters):
+                continue  # a deadlock's own wait: its incident tells the whole cycle
+            out.append(_missing(pg, seq, waiters, missing, waiting, colls, live, snapshot, blame, graph))
             break
     return out
 
@@ -493,6 +509,7 @@ def _missing(
     live: Liveness,
     snapshot: JobSnapshot,
     blame: dict[int, str],
+    graph: WaitGraph,
 ) -> Incident:
     wait = waiting[waiters[0]][seq]
     end_s = max(live.seen_until_s(r) for r in waiters)
@@ -514,6 +531,8 @@ def _missing(
             if r in live.silent
             else "every rank fell quiet since"
             if live.lost
+            else graph.state(r) or stuck[r].phrase()
+            if r in graph.blocked
             else stuck[r].phrase()
             if r in stuck
             else "it is alive, doing something else"
@@ -523,12 +542,21 @@ def _missing(
         if done > (last["coll_seq"] if last else 0):
             lst += f" (its peers completed #{done} with it; its own newer records never arrived)"
         details.append(f"rank {r}: {lst}; {state}{where(snapshot, r)}")
-        blame.setdefault(r, f"never issued collective #{seq} of group {pg}")
-    msg += (
-        " ("
-        + "; ".join(details)
-        + "). Find why those ranks skip this call (a rank-dependent branch, an early exit, a stuck data loader)."
-    )
+    # A missing rank blocked in another collective is a victim: what holds the waiters up is what
+    # holds it up, at the end of its chain of waits.
+    culprits = graph.resolve(missing)
+    for r in culprits:
+        if r not in graph.waits:
+            blame.setdefault(r, f"never issued collective #{seq} of group {pg}")
+    msg += " (" + "; ".join(details) + ")"
+    if culprits != sorted(missing):
+        holds = "holds" if len(culprits) == 1 else "hold"
+        msg += f". {capitalized(ranks_phrase(culprits))} {holds} them all up (see {'its' if len(culprits) == 1 else 'their'} incidents)"
+    elif any(graph.cycle_of(r) for r in missing):
+        msg += ". The ranks are deadlocked across process groups (see the mismatch incident)"
+    else:
+        msg += ". Find why those ranks skip this call (a rank-dependent branch, an early exit, a stuck data loader)"
+    msg += "."
     last_culprit = colls.last(missing[0], pg)
     sites = [s for s in (wait.get("call_site"), last_culprit.get("call_site") if last_culprit else None) if s]
     return Incident(
@@ -538,7 +566,7 @@ def _missing(
         step=wait.get("step"),
         seq=seq,
         pg=pg,
-        culprit_ranks=missing,
+        culprit_ranks=culprits,
         call_site=", ".join(dict.fromkeys(sites)) or None,
         time_s=wait["start_ns"] / 1e9,
     )

@@ -43,6 +43,7 @@ from ddpscope.server.analysis.stuck import (
     stuck_outside,
     waiters,
 )
+from ddpscope.server.analysis.wait_graph import WaitGraph
 
 LATE_AFTER_S = 1.0
 """A peer whose record of the awaited collective starts this much after the wait began (and at least
@@ -58,6 +59,7 @@ def hang_incidents(
     colls: CollectiveIndex,
     missing: Sequence[Incident],
     blame: Mapping[int, str],
+    graph: WaitGraph,
 ) -> list[Incident]:
     """One incident per (rank, step, phase) hang, the newest report of each."""
     stuck = stuck_outside(snapshot)
@@ -71,7 +73,7 @@ def hang_incidents(
             # A stall in its own code no peer waited for (every rank evaluating): not a hang.
             continue
         seen.add(key)
-        out.append(_HangReading(h, snapshot, live, colls, stuck).incident(missing, blame, waiting))
+        out.append(_HangReading(h, snapshot, live, colls, stuck).incident(missing, blame, waiting, graph))
     return out
 
 
@@ -147,7 +149,7 @@ class _HangReading:
         return why
 
     def incident(
-        self, missing: Sequence[Incident], blame: Mapping[int, str], waiting: Sequence[int]
+        self, missing: Sequence[Incident], blame: Mapping[int, str], waiting: Sequence[int], graph: WaitGraph
     ) -> Incident:
         h, rank, wait = self.h, self.rank, self.wait
         pending = h.get("pending_buckets") or []
@@ -171,6 +173,10 @@ class _HangReading:
         for r, reason in blame.items():
             if r != rank:
                 why.setdefault(r, reason)
+        why = _through_waits(why, blame, graph)
+        own = why.pop(rank, None)
+        if why and own is not None:  # a deadlock that names this rank among others
+            why[rank] = own
         culprits = sorted(why)
         others = [r for r in waiting if r != rank]
         if in_own_code(h):
@@ -222,6 +228,25 @@ class _HangReading:
             time_s=hang_start_s(h),
             active=state not in ("resolved", "exited"),
         )
+
+
+def _through_waits(why: Mapping[int, str], blame: Mapping[int, str], graph: WaitGraph) -> dict[int, str]:
+    """``why`` with each peer that is itself blocked in a collective replaced by the ranks at the end of
+    its chain of waits: a victim is never the culprit. (The chain may end at the hanging rank itself.)"""
+    out: dict[int, str] = {}
+    for r, reason in why.items():
+        held = graph.waits.get(r)
+        if held is None:
+            out.setdefault(r, reason)
+            continue
+        for root, edge in graph.roots(r).items():
+            if root == r or graph.cycle_of(root):  # a deadlock's rank: its reason says it all
+                out.setdefault(root, blame.get(root, edge))
+            else:
+                out.setdefault(
+                    root, f"{blame.get(root, edge)}; rank {r} waits on it, blocked in {held.where}"
+                )
+    return out
 
 
 def _stacks(stacks: Sequence[Record]) -> str | None:

@@ -24,10 +24,13 @@
   engine runs in lockstep). A send pairs with a recv; two sends (or recvs) at one number deadlock.
   Culprits are the minority; on a tie, the side whose call the others never make anywhere, else every
   rank but rank 0's side (the message says so). An extra or skipped collective is recognised by the
-  shift it leaves in the sequence.
+  shift it leaves in the sequence. A cycle of waits across process groups (each rank blocked in a
+  collective of one group, waiting for a rank blocked in another) is a deadlock, one ``mismatch``
+  naming the cycle (``wait_graph``).
 - ``hang``: a hang report (active, or ``active=False`` once resolved) with phase, step, pending buckets,
   the parameters whose gradients never arrived, the in-flight collective and every thread's stack; its
-  ``culprit_ranks`` come from the evidence above.
+  ``culprit_ranks`` come from the evidence above, read through the chain of waits: a peer that is
+  itself blocked in another collective is replaced by the ranks it waits for.
 - ``unused_parameters``: parameters that got no gradient on some ranks but not all, or named by the
   engine's "did not receive grad" error; grouped by ranks and bucket.
 
@@ -69,6 +72,7 @@ from ddpscope.server.analysis.incident_model import (
 from ddpscope.server.analysis.snapshot import JobSnapshot, UnusedParameter, split_restart
 from ddpscope.server.analysis.status import DEFAULT_SILENT_AFTER_S, Liveness, is_secondary, liveness
 from ddpscope.server.analysis.stuck import stuck_outside
+from ddpscope.server.analysis.wait_graph import WaitGraph, deadlock_incidents
 
 __all__ = ["Incident", "diagnose"]
 
@@ -129,12 +133,15 @@ def diagnose(
     blame: dict[int, str] = {}
     out = _silent_incidents(snapshot, live, blame)
     out += _early_exit_incidents(snapshot, live, blame)
-    out += mismatch_incidents(colls, snapshot, blame)
+    mismatches = mismatch_incidents(colls, snapshot, blame)
+    out += mismatches
     out += sync_schedule_incidents(colls, blame)
-    missing = missing_incidents(colls, live, snapshot, blame)
+    graph = WaitGraph(colls, live, {(i.pg, i.seq): i.culprit_ranks for i in mismatches if i.pg and i.seq})
+    out += deadlock_incidents(graph, blame)
+    missing = missing_incidents(colls, live, snapshot, blame, graph)
     out += missing
     out += _error_incidents(live, snapshot, colls, blame)
-    out += hang_incidents(snapshot, live, colls, missing, blame)
+    out += hang_incidents(snapshot, live, colls, missing, blame, graph)
     out += _unused_incidents(snapshot, live)
     out += _before_restart_incidents(previous, restart_s, silent_after_s)
     out.sort(key=lambda i: (i.time_s if i.time_s is not None else now_s, i.kind, i.rank or 0))

@@ -159,17 +159,32 @@ def subgroup_hang(*, with_members: bool) -> tuple[JobRecords, float]:
     return job, end + 6
 
 
-def test_a_group_member_that_never_issued_on_the_group_is_the_missing_rank() -> None:
+def test_a_subgroup_call_one_member_never_makes_while_it_waits_in_the_default_group_is_a_deadlock_on_the_caller() -> (
+    None
+):
     job, now = subgroup_hang(with_members=True)
     incidents = diagnose(job.snapshot(), now)
+    (deadlock,) = [i for i in incidents if i.kind == "mismatch"]
+    assert deadlock.culprit_ranks == [0] and (deadlock.pg, deadlock.seq) == ("pg:1", 1)
+    assert deadlock.call_site == "train.py:80" and deadlock.message.startswith(
+        "Deadlock across process groups"
+    )
+    assert (
+        "rank 0 waits in all_reduce(SUM) [8] float32 at train.py:80, collective #1 of group pg:1 for rank 1"
+        in (deadlock.message)
+    )
+    assert (
+        "rank 1 waits in" in deadlock.message
+        and "collective #7 of group default for rank 0" in deadlock.message
+    )
+    assert "Rank 1 has never issued any collective on group pg:1" in deadlock.message
+    # The two waits are one story: no missing collective on pg:1 blaming rank 1, the victim.
     missing = {i.pg: i for i in incidents if i.kind == "missing_collective"}
-    sub = missing["pg:1"]
-    assert sub.culprit_ranks == [1] and sub.seq == 1 and sub.rank == 0
-    assert "collective #1 of group pg:1; rank 1 never issued it" in sub.message
-    assert "rank 1: no collective recorded" in sub.message
-    assert missing["default"].culprit_ranks == [0]  # the consequence on the default group
-    (hang0,) = [i for i in incidents if i.kind == "hang" and i.rank == 0]
-    assert hang0.culprit_ranks == [1] and "never issued collective #1 of group pg:1" in hang0.message
+    assert list(missing) == ["default"] and missing["default"].culprit_ranks == [0]
+    assert "it is blocked itself, in all_reduce(SUM) [8] float32 at train.py:80" in missing["default"].message
+    hangs = {i.rank: i for i in incidents if i.kind == "hang"}
+    assert all(h.culprit_ranks == [0] for h in hangs.values()), [h.message for h in hangs.values()]
+    assert "this rank is at fault" in hangs[0].message and "a deadlock" in hangs[0].message
 
 
 def test_a_rank_outside_the_group_is_never_blamed_for_its_collectives() -> None:
@@ -197,3 +212,110 @@ def test_a_member_that_completed_a_collective_with_its_peers_is_not_missing_from
     missing = only(diagnose(job.snapshot(), end + 6), "missing_collective")
     assert missing.pg == "pg:1" and missing.seq == 2 and missing.culprit_ranks == [1]
     assert "its peers completed #1 with it" in missing.message
+
+
+# ------------------------------------------------------------------------------------- chains of waits
+
+
+def test_a_rank_blocked_in_a_mismatched_broadcast_is_a_victim_and_the_odd_root_is_the_culprit_down_the_chain() -> (
+    None
+):
+    # Roots 0, 0, 2: ranks 0 and 1 pair up and rank 1 goes on to the next all-reduce; rank 0 stays in the
+    # broadcast waiting for rank 2, which thinks it is the root.
+    job = started(3)
+    end = job.train(3)  # default seqs 1..6
+    for r in range(3):
+        coll(job, r, end, 7, root=2 if r == 2 else 0, done=r == 1)
+    job.coll(1, end + 0.1, 8, shapes=[[10]], site="ddp/reducer.py:88", step=3, done=False, source="engine")
+    job.hang(1, end + 5, step=3, inflight=[inflight(8, end + 0.1, "ddp/reducer.py:88")])
+    for r in (0, 2):
+        job.hang(r, end + 5, step=3, phase="idle", inflight=[inflight(7, end, "train.py:64")])
+    for r in range(3):
+        job.heartbeat(r, end + 5.5, step=3, phase="idle", last=8 if r == 1 else 7)
+    incidents = diagnose(job.snapshot(), end + 6)
+    assert only(incidents, "mismatch").culprit_ranks == [2]
+    missing = only(incidents, "missing_collective")
+    assert missing.seq == 8 and missing.culprit_ranks == [2], missing.message
+    assert "rank 0: last collective #7" in missing.message and "it is blocked itself" in missing.message
+    assert "where the ranks disagree (see the mismatch)" in missing.message
+    hangs = {i.rank: i for i in incidents if i.kind == "hang"}
+    assert {r: h.culprit_ranks for r, h in hangs.items()} == {0: [2], 1: [2], 2: [2]}
+    assert "this rank is at fault" in hangs[2].message
+    assert "rank 0 waits on it, blocked in broadcast(src=0)" in hangs[1].message
+
+
+def test_ranks_that_each_wait_in_a_collective_the_other_also_makes_deadlock_in_a_different_order() -> None:
+    # Both ranks use both groups every step; this time rank 0 went to pg:1 first, rank 1 to the default
+    # group: neither call is odd, so both ranks are named.
+    job = started(2)
+    end = job.train(2)  # default seqs 1..4
+    for s, t in enumerate((end - 0.2, end - 0.1), start=1):
+        for r in (0, 1):
+            coll(
+                job,
+                r,
+                t,
+                s,
+                pg="pg:1",
+                op="all_reduce",
+                reduce_op="SUM",
+                call_site="train.py:80",
+                group_ranks=[0, 1],
+            )
+    coll(
+        job,
+        0,
+        end,
+        3,
+        pg="pg:1",
+        op="all_reduce",
+        reduce_op="SUM",
+        call_site="train.py:80",
+        group_ranks=[0, 1],
+        done=False,
+    )
+    job.hang(0, end + 5, step=2, phase="idle", inflight=[inflight(3, end, "train.py:80", pg="pg:1")])
+    job.coll(1, end, 5, shapes=[[10]], site="ddp/reducer.py:88", step=2, done=False, source="engine")
+    job.hang(1, end + 5, step=2, inflight=[inflight(5, end, "ddp/reducer.py:88")])
+    for r in (0, 1):
+        job.heartbeat(r, end + 5.5, step=2, phase="idle" if r == 0 else "allreduce", last=4 if r == 0 else 5)
+    incidents = diagnose(job.snapshot(), end + 6)
+    deadlock = only(incidents, "mismatch")
+    assert deadlock.culprit_ranks == [0, 1]
+    assert "The ranks issue collectives on groups default, pg:1 in a different order" in deadlock.message
+    assert "missing_collective" not in kinds(incidents)
+    assert all(
+        i.culprit_ranks == [0, 1] or i.culprit_ranks == [i.rank] for i in incidents if i.kind == "hang"
+    )
+
+
+def test_a_wait_on_a_rank_blocked_in_another_group_blames_the_rank_at_the_end_of_the_chain() -> None:
+    # Rank 0 waits in the default group for rank 1; rank 1 waits in pg:1 for rank 2, which went on
+    # doing something else: rank 2 holds both up.
+    job = started(3)
+    end = job.train(2)  # default seqs 1..4
+    job.coll(0, end, 5, shapes=[[10]], site="ddp/reducer.py:88", step=2, done=False, source="engine")
+    job.hang(0, end + 5, step=2, inflight=[inflight(5, end, "ddp/reducer.py:88")])
+    coll(
+        job,
+        1,
+        end,
+        1,
+        pg="pg:2",
+        op="all_reduce",
+        reduce_op="SUM",
+        call_site="train.py:90",
+        group_ranks=[1, 2],
+        done=False,
+    )
+    job.hang(1, end + 5, step=2, phase="idle", inflight=[inflight(1, end, "train.py:90", pg="pg:2")])
+    for r in range(3):
+        job.heartbeat(r, end + 5.5, step=2, phase="forward" if r == 2 else "idle", last=5 if r == 0 else 4)
+    incidents = diagnose(job.snapshot(), end + 6)
+    assert "mismatch" not in kinds(incidents)
+    missing = {i.pg: i for i in incidents if i.kind == "missing_collective"}
+    assert missing["default"].culprit_ranks == [2] and missing["pg:2"].culprit_ranks == [2]
+    assert "Rank 2 holds them all up" in missing["default"].message
+    hangs = {i.rank: i for i in incidents if i.kind == "hang"}
+    assert hangs[0].culprit_ranks == [2] and hangs[1].culprit_ranks == [2]
+    assert "rank 1 waits on it, blocked in all_reduce(SUM) [8] float32 at train.py:90" in hangs[0].message
