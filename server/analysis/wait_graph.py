@@ -52,17 +52,19 @@ class WaitGraph:
         """Per rank, the oldest collective it is blocked in, whether or not it waits for anyone there."""
         for pg, ranks in colls.waits.items():
             members = colls.members(pg, live)
+            # seq -> the members that never issued it: one pass over the members per number (a
+            # thousand ranks waiting in one collective share it).
+            behind: dict[int, list[int]] = {}
             for rank, seqs in ranks.items():
                 if rank in live.silent:
                     continue  # stopped or cut off: what it last waited in is stale, and it holds others up
                 for seq, record in seqs.items():
                     if rank not in self.blocked or record["start_ns"] < self.blocked[rank]["start_ns"]:
                         self.blocked[rank] = record
-                    on = {
-                        m: f"never issued collective #{seq} of group {pg}"
-                        for m in members
-                        if m != rank and colls.max_seq.get((m, pg), 0) < seq
-                    }
+                    if seq not in behind:
+                        behind[seq] = [m for m in members if colls.max_seq.get((m, pg), 0) < seq]
+                    never = f"never issued collective #{seq} of group {pg}"
+                    on = {m: never for m in behind[seq] if m != rank}
                     odd = mismatched.get((pg, seq), ())
                     if rank not in odd:
                         for m in odd:
