@@ -190,8 +190,11 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Traceback
     global _exit_reason
     try:
         agent = _current()
-        if not issubclass(exc_type, KeyboardInterrupt):
-            _exit_reason = "error"  # also when the engine reported it: rank_exit must not say 'finished'
+        # A KeyboardInterrupt is a stop from outside (Ctrl-C, a forwarded SIGINT), like SIGTERM: not a
+        # training error, and not a loop that ran out of batches either. Any other exception is an
+        # error, also when the engine reported it: rank_exit must not say 'finished'.
+        interrupted = issubclass(exc_type, KeyboardInterrupt)
+        _exit_reason = (_exit_reason or "sigint") if interrupted else "error"
         if (
             agent is not None
             and agent.live

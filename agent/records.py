@@ -230,7 +230,7 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
     # Clean end of a rank: the job is 'finished' once every rank has one.
     "rank_exit": (
         Field("step", INT, nullable=True),
-        Field("reason", STR, doc="'finished', 'sigterm' or 'error'"),
+        Field("reason", STR, doc="'finished', 'sigterm', 'sigint' (KeyboardInterrupt) or 'error'"),
     ),
     # The agent's own accounting, cumulative since the stream started (the latest one wins).
     "agent_stats": (

@@ -80,7 +80,7 @@ def _gauges() -> dict[str, GaugeMetricFamily]:
         ),
         "finished": GaugeMetricFamily(
             "ddpscope_rank_finished",
-            "1 once the rank exited without an error (rank_exit 'finished' or 'sigterm' after its latest "
+            "1 once the rank exited without an error (rank_exit 'finished', 'sigterm' or 'sigint' after its latest "
             "start)",
             labels=JR,
         ),
@@ -176,7 +176,7 @@ class StorageCollector(Collector):
             g["hang"].add_metric(labels, float(rank in live.active_hangs))
             g["straggler"].add_metric(labels, float(flagged.get(rank, False)))
             g["seen"].add_metric(labels, live.last_alive_s.get(rank, 0.0))
-            # 'sigterm' counts: a cancelled or preempted job is 'finished' for the API too, not a failure.
+            # 'sigterm' and 'sigint' count: a cancelled or preempted job is 'finished' for the API too, not a failure.
             g["finished"].add_metric(labels, float(exit_ is not None and exit_.get("reason") != "error"))
             ms = metrics_by_rank.get(rank)
             if ms:

@@ -26,6 +26,7 @@ from typing import Any
 
 from ddpscope.server.analysis.collective_diagnosis import CollectiveIndex
 from ddpscope.server.analysis.incident_model import (
+    STOP_SIGNALS,
     Incident,
     Record,
     describe,
@@ -98,8 +99,8 @@ class _HangReading:
             self.wait = {**c, **colls.by_pg.get(c["pg"], {}).get(self.rank, {}).get(c["coll_seq"], {})}
 
     def _end(self) -> tuple[str, float | None]:
-        """('active' | 'resolved' | 'stopped' | 'died' | 'exited' | 'lost', when it ended; 'lost': the
-        whole job fell quiet and is dead)."""
+        """('active' | 'resolved' | 'sigterm' | 'sigint' | 'died' | 'exited' | 'lost', when it ended;
+        'sigterm'/'sigint': stopped by that signal; 'lost': the whole job fell quiet and is dead)."""
         r, t = self.rank, record_s(self.h)
         resolved = [x for x in self.snapshot.hang_resolved if x["rank"] == r and record_s(x) >= t]
         if resolved:
@@ -111,7 +112,7 @@ class _HangReading:
         exit_ = self.live.exits.get(r)
         if exit_ is not None and record_s(exit_) >= t:
             reason = exit_.get("reason")
-            state = "stopped" if reason == "sigterm" else "exited" if reason == "finished" else "died"
+            state = reason if reason in STOP_SIGNALS else "exited" if reason == "finished" else "died"
             return state, record_s(exit_)
         fatal = self.live.fatal.get(r)
         if fatal is not None and record_s(fatal) >= t:
@@ -208,7 +209,7 @@ class _HangReading:
             msg += "; no collective is in flight: this rank is stuck in its own code (see the main thread's stack)"
         prefix = {
             "resolved": "(resolved) ",
-            "stopped": "(ended when the rank was stopped by SIGTERM) ",
+            **{r: f"(ended when the rank was stopped by {name}) " for r, name in STOP_SIGNALS.items()},
             "died": "(ended when the rank died) ",
             "exited": "(ended when the rank exited) ",
             "lost": "(ended when the whole job fell silent) ",

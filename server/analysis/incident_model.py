@@ -62,6 +62,10 @@ UNEVEN_DATA_ADVICE = (
 """What to do about a rank that left its training loop before its peers."""
 
 
+STOP_SIGNALS = {"sigterm": "SIGTERM", "sigint": "SIGINT (Ctrl-C: KeyboardInterrupt)"}
+"""``rank_exit`` reasons of a rank stopped by a signal from outside, and how messages name the signal."""
+
+
 ROOTED_OPS = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
 """Ops with a root rank, and the name of their root argument (a collective record's ``root``)."""
 

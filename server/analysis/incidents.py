@@ -56,6 +56,7 @@ from ddpscope.server.analysis.collective_diagnosis import (
 )
 from ddpscope.server.analysis.hang_diagnosis import hang_incidents
 from ddpscope.server.analysis.incident_model import (
+    STOP_SIGNALS,
     UNEVEN_DATA_ADVICE,
     Incident,
     Record,
@@ -223,7 +224,8 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
     other_cause = bool(live.crashed) or any(not is_secondary(e) for e in live.errors)
     for r, exit_ in sorted(live.exits.items()):
         reason = exit_.get("reason")
-        if reason not in ("finished", "sigterm") or (reason == "sigterm" and other_cause):
+        stopped = reason in STOP_SIGNALS
+        if not (stopped or reason == "finished") or (stopped and other_cause):
             continue
         left_s = record_s(exit_)
         mine = snapshot.steps.get(r)
@@ -233,12 +235,17 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
         if not stranded_ranks:
             continue
         how = (
-            "was stopped by SIGTERM" if reason == "sigterm" else "left its training loop and exited normally"
+            f"was stopped by {STOP_SIGNALS[reason]}"
+            if stopped
+            else "left its training loop and exited normally"
         )
         advice = (
             "Something outside the job stopped this rank alone (a preemption, a time or memory limit, "
             "torchrun's agent, a manual kill): check the scheduler's and the launcher's logs for it."
             if reason == "sigterm"
+            else "Something interrupted this rank alone: Ctrl-C in its terminal, or a launcher or script "
+            "sending it SIGINT; check who did (a KeyboardInterrupt ends training, it is not an error in it)."
+            if reason == "sigint"
             else UNEVEN_DATA_ADVICE
         )
         caught = [e for e in live.errors if e["rank"] == r and not e.get("fatal") and not is_secondary(e)]

@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddpscope.server.analysis.incident_model import STOP_SIGNALS
 from ddpscope.server.analysis.snapshot import JobSnapshot, split_restart
 from ddpscope.server.analysis.stuck import is_hang
 
@@ -215,7 +216,7 @@ def _stopped_hangs(snapshot: JobSnapshot, live: Liveness, counts: Any) -> dict[i
     operator killing a hung job."""
     out: dict[int, Record] = {}
     for r, exit_ in live.exits.items():
-        if exit_.get("reason") != "sigterm":
+        if exit_.get("reason") not in STOP_SIGNALS:
             continue
         resolved_s = max((_s(x) for x in snapshot.hang_resolved if x["rank"] == r), default=float("-inf"))
         hangs = [

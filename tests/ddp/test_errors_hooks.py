@@ -154,6 +154,14 @@ def test_a_sys_exit_caught_by_the_script_is_not_reported(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
+def test_a_keyboard_interrupt_is_a_stop_from_outside_not_an_error_nor_a_normal_finish(tmp_path: Path) -> None:
+    proc, records = _run_uncaught(tmp_path, "interrupt")
+    assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr
+    assert [r for r in records if r["kind"] == "rank_error"] == []
+    assert [r["reason"] for r in records if r["kind"] == "rank_exit"] == ["sigint"]
+
+
+@pytest.mark.slow
 def test_an_uncaught_exception_reaches_the_records_before_the_process_exits(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(JOBS / "uncaught_job.py"), str(tmp_path)],

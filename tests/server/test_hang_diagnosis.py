@@ -197,6 +197,30 @@ def test_a_rank_stopped_by_sigterm_alone_is_told_apart_from_uneven_inputs() -> N
     assert "Join" not in early.message and "while rank 0 was still training" in early.message
 
 
+def test_a_rank_interrupted_alone_by_ctrl_c_is_said_to_be_stopped_not_to_have_run_out_of_data() -> None:
+    job = started(2)
+    end = job.train(3)
+    job.exit(1, end, reason="sigint", step=2)
+    job.train(1, t=end + 0.1, ranks=[0], first=3)
+    job.error(0, end + 0.5, "Connection closed by peer", step=4)
+    early = only(diagnose(job.snapshot(), end + 1), "rank_exited_early")
+    assert early.message.startswith("Rank 1 was stopped by SIGINT (Ctrl-C: KeyboardInterrupt) after step 2")
+    assert "Something interrupted this rank alone" in early.message and "Join" not in early.message
+    assert early.culprit_ranks == [1]
+
+
+def test_a_hung_job_interrupted_by_ctrl_c_keeps_its_hang_ended_by_that_signal() -> None:
+    job = started(2)
+    end = job.train(3)
+    waiting_in(job, 0, end + 5, 7, step=3)
+    job.heartbeat(1, end + 5, step=2, phase="idle", last=6)
+    for r in range(2):  # torchrun forwards Ctrl-C to every worker
+        job.exit(r, end + 30, reason="sigint", step=3)
+    hang = only(diagnose(job.snapshot(), end + 40), "hang")
+    assert hang.active and hang.message.startswith("(ended when the rank was stopped by SIGINT")
+    assert hang.culprit_ranks == [1]
+
+
 def test_different_ops_at_one_number_are_said_to_wait_not_to_give_wrong_results() -> None:
     job = started(2)
     end = job.train(1)

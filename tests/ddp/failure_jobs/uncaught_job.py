@@ -1,9 +1,10 @@
 """One process, no process group: an exception escapes the training loop at step 7, in backward.
 
-    python uncaught_job.py OUT_DIR [raise | exit-code | exit-message | exit-caught]
+    python uncaught_job.py OUT_DIR [raise | exit-code | exit-message | exit-caught | interrupt]
 
 ``exit-code`` / ``exit-message`` leave with ``sys.exit(3)`` / ``sys.exit("loss is nan ...")`` at that
-point instead; ``exit-caught`` calls ``sys.exit(3)`` at step 7, catches the ``SystemExit`` and trains on.
+point instead; ``exit-caught`` calls ``sys.exit(3)`` at step 7, catches the ``SystemExit`` and trains on;
+``interrupt`` sends itself SIGINT there (Ctrl-C: a ``KeyboardInterrupt``).
 
 The error hooks must turn it into a fatal ``rank_error`` that reaches OUT_DIR/rank<R>.jsonl before the
 process exits, and the usual traceback must still be printed by the previous hook.
@@ -12,6 +13,8 @@ process exits, and the usual traceback must still be printed by the previous hoo
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import sys
 
 import _capture
@@ -33,6 +36,8 @@ def train(how: str) -> None:
             sys.exit(3)  # SITE:exit
         if how == "exit-message":
             sys.exit("loss is nan at step 7, aborting")
+        if how == "interrupt":
+            os.kill(os.getpid(), signal.SIGINT)
         with contextlib.suppress(SystemExit):  # a caught exit: training goes on
             sys.exit(3)
 
