@@ -50,6 +50,7 @@ OPS: dict[str, OpSpec] = {
     "gather": OpSpec("tensor", root="dst"),
     "scatter": OpSpec("tensor", root="src"),
     "barrier": OpSpec(None),
+    "monitored_barrier": OpSpec(None),  # gloo only; a rank that skips it is named in rank 0's error
     "all_to_all": OpSpec("input_tensor_list"),
     "all_to_all_single": OpSpec("input"),
     "send": OpSpec("tensor", peer="dst"),

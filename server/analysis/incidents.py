@@ -71,7 +71,13 @@ from ddpscope.server.analysis.incident_model import (
     where,
 )
 from ddpscope.server.analysis.snapshot import JobSnapshot, UnusedParameter, split_restart
-from ddpscope.server.analysis.status import DEFAULT_SILENT_AFTER_S, Liveness, is_secondary, liveness
+from ddpscope.server.analysis.status import (
+    DEFAULT_SILENT_AFTER_S,
+    MONITORED_BARRIER,
+    Liveness,
+    is_secondary,
+    liveness,
+)
 from ddpscope.server.analysis.stuck import stuck_outside
 from ddpscope.server.analysis.wait_graph import WaitGraph, deadlock_incidents
 
@@ -102,13 +108,17 @@ class _Named:
 
 def _named(error: Record) -> _Named | None:
     """Parse the errors that name the ranks at fault: the engines' unused-parameter errors (torch's and
-    ddpscope's) and the engine's different-model check; None for other errors."""
+    ddpscope's), the engine's different-model check and torch's monitored_barrier timeout; None for
+    other errors."""
     message = str(error.get("message", ""))
     m = _ENGINE_UNUSED.search(message)
     if m:
         buckets = [int(b) for b in re.findall(r"\d+", m.group(2))]
         ranks = tuple(int(r) for r in re.findall(r"\d+", m.group(3)))
         return _Named(ranks, tuple(re.findall(r"'([^']*)'", m.group(1))), buckets[0] if buckets else None)
+    m = MONITORED_BARRIER.search(message)
+    if m:
+        return _Named(tuple(int(r) for r in re.findall(r"\d+", m.group(1))), ())
     m = _LAYOUT_DIFFERS.search(message)
     if m:
         return _Named(tuple(int(r) for r in re.findall(r"\d+", m.group(1))), ())

@@ -56,9 +56,15 @@ Matched on the message, e.g. gloo's "Connection reset by peer" ~20-60 ms after a
 Record = dict[str, Any]
 
 
+MONITORED_BARRIER = re.compile(r"\bRanks? ([\d, ]+) failed to pass monitoredBarrier")
+"""torch's ``monitored_barrier`` error on rank 0: it names the ranks that never reached the barrier
+(its own timeout follows in the message, but the error is a diagnosis, not a victim's)."""
+
+
 def is_secondary(error: Mapping[str, Any]) -> bool:
     """True for an error caused by a peer (lost connection, timeout), not by this rank itself."""
-    return bool(SECONDARY_ERROR.search(f"{error.get('error_type', '')}: {error.get('message', '')}"))
+    text = f"{error.get('error_type', '')}: {error.get('message', '')}"
+    return bool(SECONDARY_ERROR.search(text)) and not MONITORED_BARRIER.search(text)
 
 
 @dataclass(slots=True)

@@ -6,6 +6,8 @@ Scenarios:
   bcast_src  2 ranks: a broadcast where each rank names itself as src (both wait until the timeout).
   subgroup   3 ranks, group [0, 1]: rank 0 all-reduces on the group, which rank 1 never does (it
              goes on to the default group's next all-reduce, where it waits for rank 0 with rank 2).
+  monitored  3 ranks: ranks 0 and 1 enter a monitored_barrier (4 s timeout) that rank 2 skips (it goes
+             on to the next all-reduce); rank 0's barrier raises, naming rank 2.
 
 The process group's timeout is ``JOB_PG_TIMEOUT_S``: the hung collectives then raise and the ranks
 exit with an error. Lines marked ``# SITE:<name>`` are the call sites the tests look for.
@@ -35,6 +37,10 @@ def main() -> None:
         dist.all_reduce(torch.ones(4))  # SITE:warmup
     if scenario == "bcast_src":
         dist.broadcast(torch.full((8,), float(rank)), src=rank)  # SITE:bcast
+    elif scenario == "monitored":
+        if rank != 2:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=4))  # SITE:monitored
+        dist.all_reduce(torch.ones(4))  # SITE:after_barrier
     elif scenario == "subgroup":
         if rank == 0:
             dist.all_reduce(torch.ones(8), group=sub)  # SITE:sub

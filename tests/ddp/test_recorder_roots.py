@@ -169,6 +169,25 @@ def test_a_real_broadcast_where_each_rank_names_itself_src_is_a_mismatch_naming_
 
 
 @pytest.mark.slow
+def test_a_real_monitored_barrier_one_rank_skips_blames_that_rank_from_the_barrier_and_from_torchs_error(
+    collector: tuple[str, Path],
+) -> None:
+    url = collector[0]
+    with job(collector, "monitored", 3) as (job_id, procs):
+
+        def named(inc: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [i for i in inc if i["kind"] == "rank_error" and "monitoredBarrier" in i["message"]]
+
+        (err,) = wait_for(url, job_id, procs, named)
+        found = incidents(url, job_id)
+    assert err["culprit_ranks"] == [2] and err["rank"] == 0, err
+    assert "The cause is on rank 2" in err["message"], err
+    (m,) = [i for i in found if i["kind"] == "mismatch"]
+    assert m["culprit_ranks"] == [2] and m["seq"] == 4, m
+    assert "ranks 0, 1 issued monitored_barrier at" in m["message"] and site("monitored") in m["message"], m
+
+
+@pytest.mark.slow
 def test_a_real_subgroup_collective_one_member_never_issues_is_a_deadlock_blamed_on_its_caller(
     collector: tuple[str, Path],
 ) -> None:
