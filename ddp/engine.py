@@ -145,7 +145,12 @@ class DistributedDataParallel(nn.Module):
         buffers = list(module.named_buffers()) if broadcast_buffers else []
         # A module without buffers skips the per-forward walk of its tree (torch decides once too).
         self._has_buffers = any(b is not None for b in module.buffers())
-        check_same_layout(describe(named, buffers), process_group, self._pg)
+        settings = {
+            "bucket_cap_mb": bucket_cap_mb,
+            "find_unused_parameters": find_unused_parameters,
+            "broadcast_buffers": broadcast_buffers,
+        }
+        check_same_layout(describe(named, buffers, settings), process_group, self._pg)
         broadcast_coalesced([p for _, p in named] + [b for _, b in buffers], group=process_group, pg=self._pg)
 
         self._timer = StepTimer(self._global_rank)

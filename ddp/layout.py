@@ -2,7 +2,9 @@
 
 Broadcasting parameters of different sizes would abort gloo (``EnforceNotMet``, SIGABRT) and different
 bucket layouts would silently reduce unrelated gradients together, so every rank first compares a digest
-of its parameter list (names, shapes, dtypes, requires_grad, order; buffers too when they are broadcast).
+of its parameter list (names, shapes, dtypes, requires_grad, order; buffers too when they are broadcast)
+and of the constructor arguments that decide its collectives (``bucket_cap_mb``: the bucket sizes;
+``find_unused_parameters``: an extra bitmap all-reduce; ``broadcast_buffers``: a broadcast per forward).
 Only when digests differ are the full lists exchanged, so that the ``ValueError`` raised on *every* rank
 names the first differing entry and the ranks that differ.
 """
@@ -10,7 +12,7 @@ names the first differing entry and the ranks that differ.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,10 +22,12 @@ from ddpscope.ddp.collectives import RECORDER
 
 
 def describe(
-    named_params: Iterable[tuple[str, torch.Tensor]], named_buffers: Iterable[tuple[str, Any]] = ()
+    named_params: Iterable[tuple[str, torch.Tensor]],
+    named_buffers: Iterable[tuple[str, Any]] = (),
+    settings: Mapping[str, Any] | None = None,
 ) -> list[str]:
-    """One line per parameter (and buffer): what must be identical on every rank."""
-    lines = []
+    """One line per setting, then per parameter (and buffer): what must be identical on every rank."""
+    lines = [f"{_SETTING}{key}={value!r}" for key, value in (settings or {}).items()]
     for name, p in named_params:
         frozen = "" if p.requires_grad else " (frozen)"
         lines.append(f"parameter {name} {str(p.dtype).removeprefix('torch.')}{list(p.shape)}{frozen}")
@@ -56,11 +60,23 @@ def first_difference(per_rank: Sequence[Sequence[str]]) -> tuple[int, dict[int, 
     raise ValueError("the lists are identical")
 
 
+_SETTING = "setting "
+
+
 def mismatch_message(per_rank: Sequence[Sequence[str]]) -> str:
     pos, entries = first_difference(per_rank)
     reference = entries[0]
     differing = [r for r, e in entries.items() if e != reference]
     shown = "; ".join(f"rank {r} has {entries[r]}" for r in [0, *differing][:8])
+    if reference.startswith(_SETTING):
+        key = reference.removeprefix(_SETTING).split("=")[0]
+        shown = "; ".join(f"rank {r} has {entries[r].removeprefix(_SETTING)}" for r in [0, *differing][:8])
+        return (
+            f"DistributedDataParallel: the ranks wrap the model with different arguments. Ranks {differing} "
+            f"differ from rank 0 in {key}: {shown}. Pass the same {key} on every rank: it decides the "
+            "collectives each rank issues (bucket sizes, the unused-parameter bitmap, buffer broadcasts), and "
+            "ranks that issue different ones abort in gloo or reduce unrelated gradients together."
+        )
     return (
         f"DistributedDataParallel: the ranks do not wrap the same model. Ranks {differing} differ from "
         f"rank 0 at position {pos} of the parameter list: {shown}. Every rank must build the same model "

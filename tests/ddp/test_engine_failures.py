@@ -18,6 +18,17 @@ def test_a_different_parameter_on_one_rank_raises_value_error_on_every_rank_nami
         assert "rank 1 has parameter 1.weight float32[16, 8]" in rank["message"]
 
 
+def test_a_different_bucket_cap_on_one_rank_raises_value_error_on_every_rank_before_any_bucket_is_reduced(
+    tmp_path,
+) -> None:
+    # Different caps give different buckets: gloo would abort on the first all-reduce of different sizes.
+    ranks = run_job("failures.py", 2, ["bucket_cap"], tmp_path, timeout_s=90)
+    for rank in ranks:
+        assert rank["error"] == "ValueError"
+        assert "Ranks [1] differ from rank 0 in bucket_cap_mb" in rank["message"]
+        assert "rank 0 has bucket_cap_mb=1; rank 1 has bucket_cap_mb=25" in rank["message"]
+
+
 def test_a_parameter_without_gradient_on_one_rank_fails_that_backward_on_every_rank(tmp_path) -> None:
     ranks = run_job("failures.py", 2, ["missing_grad"], tmp_path, timeout_s=90)
     for rank in ranks:

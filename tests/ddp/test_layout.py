@@ -38,6 +38,15 @@ def test_the_mismatch_message_names_the_parameter_and_the_differing_ranks() -> N
     assert "rank 0 has parameter w float32[2]" in message
 
 
+def test_a_constructor_argument_that_differs_is_named_before_any_parameter() -> None:
+    model = nn.Linear(2, 2)
+    lines = [describe(model.named_parameters(), settings={"bucket_cap_mb": cap}) for cap in (None, None, 4.0)]
+    assert lines[0][0] == "setting bucket_cap_mb=None"
+    message = mismatch_message(lines)
+    assert "Ranks [2] differ from rank 0 in bucket_cap_mb" in message
+    assert "rank 0 has bucket_cap_mb=None; rank 2 has bucket_cap_mb=4.0" in message
+
+
 def test_identical_lists_have_no_difference() -> None:
     with pytest.raises(ValueError):
         first_difference([["a"], ["a"]])

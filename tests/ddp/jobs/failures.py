@@ -2,6 +2,7 @@
 
 Usage: failures.py SCENARIO OUTDIR
 - ``mismatch``: rank 1 builds a model whose second layer is wider; the constructor must raise.
+- ``bucket_cap``: the same model, but rank 1 passes another ``bucket_cap_mb``; the constructor must raise.
 - ``missing_grad``: rank 1 skips a branch while find_unused_parameters=False; backward must raise on
   every rank, and the job must then go on (the collectives stayed aligned) with a step that is fine.
 - ``disabled``: with ddpscope switched off the wrapper is torch's own DDP, and trains.
@@ -44,6 +45,15 @@ def mismatch(rank: int) -> dict[str, Any]:
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, width), nn.Linear(width, 2))
     try:
         DistributedDataParallel(model)
+    except ValueError as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None}
+
+
+def bucket_cap(rank: int) -> dict[str, Any]:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    try:
+        DistributedDataParallel(model, bucket_cap_mb=25 if rank == 1 else 1)
     except ValueError as e:
         return {"error": type(e).__name__, "message": str(e)}
     return {"error": None}
@@ -107,7 +117,7 @@ def main() -> None:
     rank = dist.get_rank()
     exporter = agent.InMemoryExporter()
     agent.configure(exporter=exporter, job=f"failures-{SCENARIO}", rank=rank)
-    result = {"mismatch": mismatch, "missing_grad": missing_grad, "progress": progress, "disabled": disabled}[
+    result = {"mismatch": mismatch, "bucket_cap": bucket_cap, "missing_grad": missing_grad, "progress": progress, "disabled": disabled}[
         SCENARIO
     ](rank)
     agent.get_agent().force_flush(5.0)
