@@ -114,6 +114,9 @@ class CollectiveIndex:
         )
 
 
+SIZE_ABORT = "gloo aborts on the size mismatch"
+"""What a mismatch of shapes or dtypes says; a rank that then dies of SIGABRT died of it."""
+
 P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 """Point-to-point ops: a send on one rank pairs with a recv on its peer at the same sequence number."""
 
@@ -237,7 +240,14 @@ def mismatch_incidents(
         if found is not None:
             out.append(
                 _mismatch(
-                    pg, *found, later=later, ranks=ranks, keys=keys(), blame=blame, steps=snapshot.steps
+                    pg,
+                    *found,
+                    later=later,
+                    ranks=ranks,
+                    keys=keys(),
+                    blame=blame,
+                    steps=snapshot.steps,
+                    starts=snapshot.ranks,
                 )
             )
     return out
@@ -329,6 +339,7 @@ def _mismatch(
     keys: Mapping[int, set[tuple[Any, ...]]],
     blame: dict[int, str],
     steps: Mapping[int, RankSteps],
+    starts: Mapping[int, Record],
 ) -> Incident:
     if reason == "source":
         # The engine's side is right by construction: it runs the same schedule on every rank.
@@ -366,7 +377,8 @@ def _mismatch(
             "process group's timeout (or fails on a size check) on gloo and NCCL alike"
         )
     elif "shapes" in reason or "dtypes" in reason:
-        msg += f". The {reason} differ: gloo aborts on the size mismatch (NCCL may hang or corrupt memory)"
+        msg += f". The {reason} differ: {SIZE_ABORT} (NCCL may hang or corrupt memory)"
+        msg += _bucket_settings(recs, starts)
     elif "roots" in reason:
         arg = ROOTED_OPS.get(crec.get("op") or "", "root")
         msg += (
@@ -399,6 +411,27 @@ def _mismatch(
         culprit_ranks=culprits,
         call_site=", ".join(sites) or None,
         time_s=min(recs[r]["start_ns"] for r in recs) / 1e9,
+    )
+
+
+def _bucket_settings(recs: Mapping[int, Record], starts: Mapping[int, Record]) -> str:
+    """When both sides are the DDP engine's own bucket all-reduces, the buckets differ between ranks:
+    say which construction arguments of theirs differ (from their ``rank_start``), or '' if none."""
+    if not all(c.get("source") == "engine" for c in recs.values()):
+        return ""
+    differ = []
+    for key in ("bucket_cap_mb", "find_unused_parameters"):
+        values = {r: starts.get(r, {}).get(key) for r in recs}
+        if len(set(values.values())) > 1:
+            differ.append(f"{key} is " + ", ".join(f"{v} on rank {r}" for r, v in sorted(values.items())))
+    what = (
+        f": {'; '.join(differ)}"
+        if differ
+        else " (the same model wrapped the same way gives the same buckets)"
+    )
+    return (
+        f". Both are the DDP engine's bucket all-reduces, so the ranks built different buckets{what}; "
+        "wrap the same model with the same DistributedDataParallel arguments on every rank"
     )
 
 

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpscope.server.analysis.collective_diagnosis import (
+    SIZE_ABORT,
     CollectiveIndex,
     mismatch_incidents,
     missing_incidents,
@@ -151,7 +152,7 @@ def diagnose(
     out += deadlock_incidents(graph, blame)
     missing = missing_incidents(colls, live, snapshot, blame, graph)
     out += missing
-    out += _error_incidents(live, snapshot, colls, blame)
+    out += _error_incidents(live, snapshot, colls, blame, mismatches)
     out += hang_incidents(snapshot, live, colls, missing, blame, graph)
     out += _unused_incidents(snapshot, live)
     out += _before_restart_incidents(previous, restart_s, silent_after_s)
@@ -315,7 +316,11 @@ def _stranded(snapshot: JobSnapshot, live: Liveness, o: int, last: int | None, l
 
 
 def _error_incidents(
-    live: Liveness, snapshot: JobSnapshot, colls: CollectiveIndex, blame: dict[int, str]
+    live: Liveness,
+    snapshot: JobSnapshot,
+    colls: CollectiveIndex,
+    blame: dict[int, str],
+    mismatches: Sequence[Incident] = (),
 ) -> list[Incident]:
     primaries = [e for e in live.errors if not is_secondary(e)]
     victims = [e for e in live.errors if is_secondary(e)]
@@ -360,13 +365,33 @@ def _error_incidents(
         lost = [v for v in related if v not in others]
         if lost:
             msg += f"; {ranks_phrase(v['rank'] for v in lost)} then failed because of it (lost connection)"
-        if named and p["rank"] not in culprits:
+        aborted_on = (
+            next(
+                (
+                    m
+                    for m in mismatches
+                    if SIZE_ABORT in m.message and (m.time_s or 0.0) <= record_s(p) + CLOCK_SLACK_S
+                ),
+                None,
+            )
+            if crash
+            else None
+        )
+        if aborted_on is not None:
+            # gloo kills the rank that receives an unexpected size, whichever side issued the wrong one.
+            culprits = list(aborted_on.culprit_ranks)
+            msg += (
+                f". It aborted on the size mismatch at collective #{aborted_on.seq} of group {aborted_on.pg} "
+                "(see the mismatch incident): gloo kills the rank that receives data of an unexpected size, "
+                f"whichever side issued the wrong collective; the cause is on {ranks_phrase(culprits)}"
+            )
+        elif named and p["rank"] not in culprits:
             msg += f". The cause is on {ranks_phrase(culprits)}"
         elif others and not named:
             msg += ". Every rank listed raised it itself: the cause is in code they all run; start from the stack"
         else:
             msg += ". This rank is the origin: start from its stack"
-        if crash and "distributed_c10d" in (p.get("stack") or ""):
+        if aborted_on is None and crash and "distributed_c10d" in (p.get("stack") or ""):
             site = user_frame(p.get("stack"))
             msg += (
                 f"; it died inside a torch.distributed call{f' at {site}' if site else ''}: gloo aborts when "

@@ -672,6 +672,22 @@ def test_a_crash_names_the_users_line_it_died_in() -> None:
     assert "died inside a torch.distributed call at /home/me/proj/train.py:82" in crash.message
 
 
+def test_a_rank_aborted_by_gloo_on_a_size_mismatch_points_at_the_rank_that_issued_the_wrong_size() -> None:
+    # Rank 1 issued the wrong size; gloo killed rank 0, the one that received it.
+    job = started(2)
+    end = job.train(2)
+    for r in (0, 1):
+        job.coll(r, end, 5, shapes=[[4]] if r == 0 else [[5]], site="train.py:82", done=False)
+    job.add("rank_error", 0, end + 0.01, step=None, phase="unknown", error_type="SIGABRT",
+            message="Fatal Python error: Aborted", stack=FAULTHANDLER_DUMP, fatal=True)  # fmt: skip
+    job.error(1, end + 0.03, "Connection reset by peer")
+    incidents = diagnose(job.snapshot(), end + 1)
+    crash = only(incidents, "rank_crashed")
+    assert crash.rank == 0 and crash.culprit_ranks == only(incidents, "mismatch").culprit_ranks
+    assert "aborted on the size mismatch at collective #5 of group default" in crash.message
+    assert "origin" not in crash.message
+
+
 def test_an_exception_names_the_innermost_line_of_user_code() -> None:
     job = started(2)
     end = job.train(2)
