@@ -62,6 +62,7 @@ from ddpscope.server.analysis.incident_model import (
     Incident,
     Record,
     capitalized,
+    describe,
     error_brief,
     first_line,
     position,
@@ -448,6 +449,18 @@ def _error_incidents(
                 blame.setdefault(r, f"was {stuck[r].phrase()}")
         elif culprits:
             cause = f"the cause is on {ranks_phrase(culprits)} (see the other incidents)"
+        elif awaited := _awaited_before(left, snapshot, live, colls):
+            # What the failed ranks were waiting in when they gave up: a timeout's cause.
+            culprits = sorted({r for _, _, missing in awaited for r in missing})
+            cause = "; ".join(
+                f"rank {v} was waiting in {describe(c)}, collective #{c['coll_seq']} of group {c['pg']}, which "
+                f"{ranks_phrase(missing)} never issued"
+                for v, c, missing in awaited
+            )
+            cause = f"the cause is on {ranks_phrase(culprits)}: {cause}"
+            for _, c, missing in awaited:
+                for r in missing:
+                    blame.setdefault(r, f"never issued collective #{c['coll_seq']} of group {c['pg']}")
         else:
             cause = "no rank reported a cause: look for a rank killed by the OS or a network failure"
         msg = (
@@ -455,6 +468,33 @@ def _error_incidents(
             f"{first_line(first.get('message', ''))}); {cause}."
         )
         out.append(_error_incident("rank_error", first, msg, left[1:], culprits=culprits))
+    return out
+
+
+def _awaited_before(
+    failed: Sequence[Record], snapshot: JobSnapshot, live: Liveness, colls: CollectiveIndex
+) -> list[tuple[int, Record, list[int]]]:
+    """For each failed rank whose last hang report before its error shows it waiting in a collective:
+    (rank, that collective, the members that never issued it). Empty when none did."""
+    out = []
+    for v in failed:
+        rank = v["rank"]
+        reports = [
+            h
+            for h in snapshot.hangs
+            if h["rank"] == rank and record_s(h) <= record_s(v) and h.get("inflight")
+        ]
+        if not reports:
+            continue
+        c = min(max(reports, key=record_s)["inflight"], key=lambda x: x["start_ns"])
+        c = {**c, **colls.by_pg.get(c["pg"], {}).get(rank, {}).get(c["coll_seq"], {})}
+        missing = [
+            m
+            for m in colls.members(c["pg"], live)
+            if m != rank and colls.max_seq.get((m, c["pg"]), 0) < c["coll_seq"]
+        ]
+        if missing:
+            out.append((rank, c, missing))
     return out
 
 

@@ -45,13 +45,16 @@ DEFAULT_DEAD_AFTER_S = 120.0
 dead (failed): 60 missed heartbeats, twice the time DDPRankSilent waits, and longer than the shipper's
 retry backoff, so a collector restart or a short network cut does not end a live job."""
 
-SECONDARY_ERROR = re.compile(
+LOST_PEER_ERROR = re.compile(
     r"connection (?:reset|closed|refused|aborted)|(?:reset|closed) by peer|broken pipe|"
-    r"timed out|timeout|socket closed|end of file|communicator (?:was )?aborted|peer .*(?:died|exited)",
+    r"socket closed|end of file|communicator (?:was )?aborted|peer .*(?:died|exited)",
     re.IGNORECASE,
 )
+"""Errors a rank gets when a peer's process went away, e.g. gloo's "Connection reset by peer" ~20-60 ms
+after a peer is killed."""
+SECONDARY_ERROR = re.compile(f"{LOST_PEER_ERROR.pattern}|timed out|timeout", re.IGNORECASE)
 """Errors a rank gets *because of* another rank (its peer died or never answered): the victims' side.
-Matched on the message, e.g. gloo's "Connection reset by peer" ~20-60 ms after a peer is killed."""
+A timeout says only that a peer did not answer: it may be stopped or stuck, not dead."""
 
 Record = dict[str, Any]
 
@@ -243,7 +246,11 @@ def _crashed(live: Liveness) -> list[int]:
     the one that died. (A healthy rank that has not yet noticed can match for a moment; its next record
     moves it out of the set, so the answer settles within a heartbeat.)
     """
-    victims = [e for e in live.errors if is_secondary(e)]
+    # Only a lost connection says a peer's process is gone: a timeout also follows a rank that is
+    # stopped (SIGSTOP) or stuck, which is silent, not crashed.
+    victims = [
+        e for e in live.errors if is_secondary(e) and LOST_PEER_ERROR.search(str(e.get("message", "")))
+    ]
     if not victims:
         return []
     first_victim_s = min(_s(e) for e in victims)

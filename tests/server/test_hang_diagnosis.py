@@ -221,6 +221,27 @@ def test_a_hung_job_interrupted_by_ctrl_c_keeps_its_hang_ended_by_that_signal() 
     assert hang.culprit_ranks == [1]
 
 
+def test_a_timeout_on_a_rank_waiting_for_a_stopped_peer_blames_that_peer_and_does_not_call_it_crashed() -> (
+    None
+):
+    # Rank 1 was SIGSTOPped after step 2; rank 0 waited in #7 and its 10 s process-group timeout fired.
+    job = started(2)
+    end = job.train(3)
+    waiting_in(job, 0, end + 5, 7, step=3)
+    job.error(
+        0, end + 10, "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv", step=3
+    )
+    job.exit(0, end + 10.1, reason="error", step=3)
+    incidents = diagnose(job.snapshot(), end + 11)
+    assert "rank_crashed" not in kinds(incidents), [i.message for i in incidents]
+    err = only(incidents, "rank_error")
+    assert err.culprit_ranks == [1]
+    assert (
+        "rank 0 was waiting in all_reduce(SUM) [4] float32 at train.py:57, collective #7 of group default, which rank 1 never issued"
+        in (err.message)
+    )
+
+
 def test_different_ops_at_one_number_are_said_to_wait_not_to_give_wrong_results() -> None:
     job = started(2)
     end = job.train(1)
