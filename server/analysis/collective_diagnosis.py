@@ -40,6 +40,8 @@ class CollectiveIndex:
 
     def __init__(self, snapshot: JobSnapshot, live: Liveness) -> None:
         self.by_pg: dict[str, dict[int, dict[int, Record]]] = {}
+        self._behind: dict[tuple[str, int], list[int]] = {}
+        self._entered: dict[tuple[str, int], list[tuple[int, int]]] = {}
         self.max_seq: dict[tuple[int, str], int] = {}
         """(rank, pg) -> highest seq it issued; 0 for a member of a group that issued none on it."""
         self.group_ranks: dict[str, list[int]] = {}
@@ -84,6 +86,27 @@ class CollectiveIndex:
         for c in snapshot.collectives:
             if c.get("end_ns") is None and c["start_ns"] < stuck_before_ns and c["rank"] not in dead:
                 self.waits.setdefault(c["pg"], {}).setdefault(c["rank"], {})[c["coll_seq"]] = c
+
+    def behind(self, pg: str, seq: int, live: Liveness) -> list[int]:
+        """The members of ``pg`` that never issued #``seq``; kept per number, since a thousand ranks
+        waiting in one collective all ask."""
+        key = (pg, seq)
+        found = self._behind.get(key)
+        if found is None:
+            found = [m for m in self.members(pg, live) if self.max_seq.get((m, pg), 0) < seq]
+            self._behind[key] = found
+        return found
+
+    def entered(self, pg: str, seq: int) -> list[tuple[int, int]]:
+        """(start_ns, rank) of every rank's record of #``seq`` of ``pg``, latest first (kept)."""
+        key = (pg, seq)
+        found = self._entered.get(key)
+        if found is None:
+            found = sorted(
+                ((q[seq]["start_ns"], r) for r, q in self.by_pg.get(pg, {}).items() if seq in q), reverse=True
+            )
+            self._entered[key] = found
+        return found
 
     def _saw(self, rank: int, pg: str, seq: int) -> None:
         self.max_seq[(rank, pg)] = max(self.max_seq.get((rank, pg), 0), seq)
@@ -169,7 +192,8 @@ def _disagreement(
             for n, i in (("ops", 0), ("reduce ops", 1), ("shapes", 2), ("dtypes", 3), ("roots", 4))
             if len({k[i] for k in groups}) > 1
         ]
-        return " and ".join(differs), groups
+        # Different ops differ in everything else too: saying so adds nothing.
+        return "ops" if "ops" in differs else " and ".join(differs), groups
     sources = {c.get("source") for c in recs.values()}
     if len(sources) > 1 and None not in sources:
         # The engine issues its all-reduces in lockstep on every rank; a user call paired with one of
@@ -519,10 +543,13 @@ def missing_incidents(
 ) -> list[Incident]:
     out = []
     for pg, waiting in sorted(colls.waits.items()):
-        members = colls.members(pg, live)
         for seq in sorted({s for seqs in waiting.values() for s in seqs}):
-            missing = [r for r in members if colls.max_seq.get((r, pg), 0) < seq]
-            waiters = sorted(r for r, seqs in waiting.items() if seq in seqs)
+            missing = colls.behind(pg, seq, live)
+            # A rank waits in #seq only if nothing older blocks it: a later async all-reduce in flight
+            # behind its blocking collective says nothing of its own.
+            waiters = sorted(
+                r for r, seqs in waiting.items() if seq in seqs and _blocking(graph.blocked.get(r), pg, seq)
+            )
             if not missing or not waiters:
                 continue
             if all(graph.cycle_of(r) for r in waiters):
@@ -530,6 +557,10 @@ def missing_incidents(
             out.append(_missing(pg, seq, waiters, missing, waiting, colls, live, snapshot, blame, graph))
             break
     return out
+
+
+def _blocking(blocked: Record | None, pg: str, seq: int) -> bool:
+    return blocked is None or (blocked["pg"], blocked["coll_seq"]) == (pg, seq)
 
 
 def _missing(

@@ -137,17 +137,21 @@ class _HangReading:
         pg, seq = wait["pg"], wait["coll_seq"]
         why: dict[int, str] = {}
         late_after = max(LATE_AFTER_S, 0.5 * float(self.h.get("stalled_s", 0.0)))
-        for r in self.colls.members(pg, self.live):
-            if r == self.rank:
-                continue
-            stuck = self.stuck.get(r)
-            meanwhile = f"; {stuck.phrase()}" if stuck else ""
-            rec = self.colls.by_pg.get(pg, {}).get(r, {}).get(seq)
-            if self.colls.max_seq.get((r, pg), 0) < seq:
-                why[r] = f"never issued collective #{seq} of group {pg}{meanwhile}"
-            elif rec is not None and (late := (rec["start_ns"] - wait["start_ns"]) / 1e9) >= late_after:
-                why[r] = f"entered collective #{seq} {late:.0f} s late{meanwhile}"
-        return why
+        # Read from the index's per-number lists: every hanging rank of a large job asks the same.
+        for r in self.colls.behind(pg, seq, self.live):
+            if r != self.rank:
+                why[r] = f"never issued collective #{seq} of group {pg}{self._meanwhile(r)}"
+        for start_ns, r in self.colls.entered(pg, seq):
+            late = (start_ns - wait["start_ns"]) / 1e9
+            if late < late_after:
+                break  # latest first: the rest came in time
+            if r != self.rank and r not in why:
+                why[r] = f"entered collective #{seq} {late:.0f} s late{self._meanwhile(r)}"
+        return dict(sorted(why.items()))
+
+    def _meanwhile(self, rank: int) -> str:
+        stuck = self.stuck.get(rank)
+        return f"; {stuck.phrase()}" if stuck else ""
 
     def incident(
         self, missing: Sequence[Incident], blame: Mapping[int, str], waiting: Sequence[int], graph: WaitGraph

@@ -50,38 +50,38 @@ class WaitGraph:
         self.waits: dict[int, Wait] = {}
         self.blocked: dict[int, Record] = {}
         """Per rank, the oldest collective it is blocked in, whether or not it waits for anyone there."""
-        for pg, ranks in colls.waits.items():
-            members = colls.members(pg, live)
-            # seq -> the members that never issued it: one pass over the members per number (a
-            # thousand ranks waiting in one collective share it).
-            behind: dict[int, list[int]] = {}
+        for ranks in colls.waits.values():
             for rank, seqs in ranks.items():
                 if rank in live.silent:
                     continue  # stopped or cut off: what it last waited in is stale, and it holds others up
-                for seq, record in seqs.items():
-                    if rank not in self.blocked or record["start_ns"] < self.blocked[rank]["start_ns"]:
+                for record in seqs.values():
+                    held = self.blocked.get(rank)
+                    if held is None or record["start_ns"] < held["start_ns"]:
                         self.blocked[rank] = record
-                    if seq not in behind:
-                        behind[seq] = [m for m in members if colls.max_seq.get((m, pg), 0) < seq]
-                    never = f"never issued collective #{seq} of group {pg}"
-                    on = {m: never for m in behind[seq] if m != rank}
-                    odd = mismatched.get((pg, seq), ())
-                    if rank not in odd:
-                        for m in odd:
-                            on.setdefault(m, f"issued a different collective at #{seq} of group {pg}")
-                    # A rank can have several collectives in flight (async ops); the oldest one that
-                    # waits for somebody is the one it is blocked in.
-                    held = self.waits.get(rank)
-                    if on and (held is None or record["start_ns"] < held.record["start_ns"]):
-                        self.waits[rank] = Wait(rank, record, on)
+        # A rank with several collectives in flight (the engine's async bucket all-reduces) is blocked
+        # in the oldest: the later ones wait behind it, whoever else they lack.
+        for rank, record in self.blocked.items():
+            pg, seq = record["pg"], record["coll_seq"]
+            never = f"never issued collective #{seq} of group {pg}"
+            on = {m: never for m in colls.behind(pg, seq, live) if m != rank}
+            odd = mismatched.get((pg, seq), ())
+            if rank not in odd:
+                for m in odd:
+                    on.setdefault(m, f"issued a different collective at #{seq} of group {pg}")
+            if on:
+                self.waits[rank] = Wait(rank, record, on)
         self._reach = {r: self._reachable(r) for r in self.waits}
         self.cycles: list[list[int]] = []
         """Closed cycles: each rank in one waits, through the others, only for ranks in it."""
         for r, reach in self._reach.items():
-            if r in reach and all(self._reach.get(t) == reach for t in reach):
+            # Sequence numbers only grow within a group: a cycle must cross groups to be a deadlock.
+            if r in reach and all(self._reach.get(t) == reach for t in reach) and self._groups(reach) > 1:
                 cycle = sorted(reach)
                 if cycle not in self.cycles:
                     self.cycles.append(cycle)
+
+    def _groups(self, ranks: Iterable[int]) -> int:
+        return len({self.waits[r].record["pg"] for r in ranks})
 
     def _reachable(self, rank: int) -> frozenset[int]:
         seen: set[int] = set()

@@ -319,3 +319,30 @@ def test_a_wait_on_a_rank_blocked_in_another_group_blames_the_rank_at_the_end_of
     hangs = {i.rank: i for i in incidents if i.kind == "hang"}
     assert hangs[0].culprit_ranks == [2] and hangs[1].culprit_ranks == [2]
     assert "rank 1 waits on it, blocked in all_reduce(SUM) [8] float32 at train.py:90" in hangs[0].message
+
+
+def test_a_later_async_all_reduce_behind_a_mismatched_collective_is_not_a_deadlock_nor_a_missing_collective() -> (
+    None
+):
+    # Ranks 0 and 1 wait in a monitored_barrier rank 2 skipped; rank 2 is in its bucket all-reduce #7 and
+    # has #8 in flight behind it: #8 lacks ranks 0 and 1, but rank 2 is blocked in #7, not in #8.
+    job = started(3)
+    end = job.train(3)  # default seqs 1..6
+    for r in (0, 1):
+        coll(job, r, end, 7, op="monitored_barrier", shapes=[], call_site="train.py:70", done=False)
+        job.hang(r, end + 5, step=3, phase="idle", inflight=[inflight(7, end, "train.py:70")])
+    for seq, t in ((7, end), (8, end + 0.01)):
+        job.coll(2, t, seq, shapes=[[10]], site="ddp/reducer.py:88", step=3, done=False, source="engine")
+    job.hang(
+        2,
+        end + 5,
+        step=3,
+        inflight=[inflight(7, end, "ddp/reducer.py:88"), inflight(8, end + 0.01, "ddp/reducer.py:88")],
+    )
+    for r in range(3):
+        job.heartbeat(r, end + 5.5, step=3, phase="idle" if r < 2 else "allreduce", last=8 if r == 2 else 7)
+    incidents = diagnose(job.snapshot(), end + 6)
+    (m,) = [i for i in incidents if i.kind == "mismatch"]
+    assert m.culprit_ranks == [2] and m.seq == 7 and "The ops differ:" in m.message, m.message
+    assert "missing_collective" not in kinds(incidents), [i.message for i in incidents]
+    assert all(i.culprit_ranks == [2] for i in incidents if i.kind == "hang")

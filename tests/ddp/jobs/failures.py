@@ -117,9 +117,13 @@ def main() -> None:
     rank = dist.get_rank()
     exporter = agent.InMemoryExporter()
     agent.configure(exporter=exporter, job=f"failures-{SCENARIO}", rank=rank)
-    result = {"mismatch": mismatch, "bucket_cap": bucket_cap, "missing_grad": missing_grad, "progress": progress, "disabled": disabled}[
-        SCENARIO
-    ](rank)
+    result = {
+        "mismatch": mismatch,
+        "bucket_cap": bucket_cap,
+        "missing_grad": missing_grad,
+        "progress": progress,
+        "disabled": disabled,
+    }[SCENARIO](rank)
     agent.get_agent().force_flush(5.0)
     result["records"] = exporter.records
     with open(os.path.join(OUTDIR, f"rank{rank}.json"), "w") as f:
