@@ -154,6 +154,19 @@ def job(
         yield job_id, procs
 
 
+def diagnosed(
+    collector: tuple[str, Path],
+    scenario: str,
+    world: int,
+    pick: Callable[[list[dict[str, Any]]], list[dict[str, Any]]],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run ``scenario`` until ``pick`` finds exactly one incident: that one, and every incident then."""
+    url = collector[0]
+    with job(collector, scenario, world) as (job_id, procs):
+        (found,) = wait_for(url, job_id, procs, pick)
+        return found, incidents(url, job_id)
+
+
 @pytest.mark.slow
 def test_a_real_broadcast_where_each_rank_names_itself_src_is_a_mismatch_naming_both_srcs(
     collector: tuple[str, Path],
@@ -172,14 +185,10 @@ def test_a_real_broadcast_where_each_rank_names_itself_src_is_a_mismatch_naming_
 def test_a_real_monitored_barrier_one_rank_skips_blames_that_rank_from_the_barrier_and_from_torchs_error(
     collector: tuple[str, Path],
 ) -> None:
-    url = collector[0]
-    with job(collector, "monitored", 3) as (job_id, procs):
+    def named(inc: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [i for i in inc if i["kind"] == "rank_error" and "monitoredBarrier" in i["message"]]
 
-        def named(inc: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            return [i for i in inc if i["kind"] == "rank_error" and "monitoredBarrier" in i["message"]]
-
-        (err,) = wait_for(url, job_id, procs, named)
-        found = incidents(url, job_id)
+    err, found = diagnosed(collector, "monitored", 3, named)
     assert err["culprit_ranks"] == [2] and err["rank"] == 0, err
     assert "The cause is on rank 2" in err["message"], err
     (m,) = [i for i in found if i["kind"] == "mismatch"]
@@ -193,15 +202,8 @@ def test_a_real_subgroup_collective_one_member_never_issues_is_a_deadlock_blamed
 ) -> None:
     # Rank 0 waits in the subgroup's all-reduce for rank 1; rank 1 waits in the default group's next
     # all-reduce for rank 0 (with rank 2): one cycle, not two missing collectives blaming each other.
-    url = collector[0]
-    with job(collector, "subgroup", 3) as (job_id, procs):
-
-        def deadlock(inc: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            return [i for i in inc if i["kind"] == "mismatch"]
-
-        (m,) = wait_for(url, job_id, procs, deadlock)
-        # Once the cycle is known, nothing blames rank 1, the victim.
-        found = incidents(url, job_id)
+    m, found = diagnosed(collector, "subgroup", 3, lambda inc: [i for i in inc if i["kind"] == "mismatch"])
+    # Once the cycle is known, nothing blames rank 1, the victim.
     assert m["culprit_ranks"] == [0] and (m["pg"], m["seq"]) == ("pg:1", 1), m
     assert m["message"].startswith("Deadlock across process groups") and m["call_site"].endswith(
         site("sub")

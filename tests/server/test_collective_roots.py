@@ -152,8 +152,7 @@ def subgroup_hang(*, with_members: bool) -> tuple[JobRecords, float]:
     )
     job.hang(0, end + 5, step=3, phase="idle", inflight=[inflight(1, end, "train.py:80", pg="pg:1")])
     for r in (1, 2):
-        job.coll(r, end, 7, shapes=[[10]], site="ddp/reducer.py:88", step=3, done=False, source="engine")
-        job.hang(r, end + 5, step=3, inflight=[inflight(7, end, "ddp/reducer.py:88")])
+        stuck_in_bucket_all_reduce(job, r, end, 7, step=3)
     for r in range(3):
         job.heartbeat(r, end + 5.5, step=3, phase="idle" if r == 0 else "allreduce", last=6 if r == 0 else 7)
     return job, end + 6
@@ -217,6 +216,38 @@ def test_a_member_that_completed_a_collective_with_its_peers_is_not_missing_from
 # ------------------------------------------------------------------------------------- chains of waits
 
 
+def group_all_reduce(
+    job: JobRecords,
+    rank: int,
+    t: float,
+    seq: int,
+    *,
+    pg: str,
+    members: list[int],
+    site: str,
+    done: bool = True,
+) -> None:
+    """A user all_reduce(SUM) [8] float32 on a subgroup (the record carries its members)."""
+    coll(
+        job,
+        rank,
+        t,
+        seq,
+        pg=pg,
+        op="all_reduce",
+        reduce_op="SUM",
+        call_site=site,
+        group_ranks=members,
+        done=done,
+    )
+
+
+def stuck_in_bucket_all_reduce(job: JobRecords, rank: int, t: float, seq: int, *, step: int) -> None:
+    """The engine's bucket all-reduce #seq on the default group, started at ``t``, with the hang report."""
+    job.coll(rank, t, seq, shapes=[[10]], site="ddp/reducer.py:88", step=step, done=False, source="engine")
+    job.hang(rank, t + 5, step=step, inflight=[inflight(seq, t, "ddp/reducer.py:88")])
+
+
 def test_a_rank_blocked_in_a_mismatched_broadcast_is_a_victim_and_the_odd_root_is_the_culprit_down_the_chain() -> (
     None
 ):
@@ -226,8 +257,7 @@ def test_a_rank_blocked_in_a_mismatched_broadcast_is_a_victim_and_the_odd_root_i
     end = job.train(3)  # default seqs 1..6
     for r in range(3):
         coll(job, r, end, 7, root=2 if r == 2 else 0, done=r == 1)
-    job.coll(1, end + 0.1, 8, shapes=[[10]], site="ddp/reducer.py:88", step=3, done=False, source="engine")
-    job.hang(1, end + 5, step=3, inflight=[inflight(8, end + 0.1, "ddp/reducer.py:88")])
+    stuck_in_bucket_all_reduce(job, 1, end + 0.1, 8, step=3)
     for r in (0, 2):
         job.hang(r, end + 5, step=3, phase="idle", inflight=[inflight(7, end, "train.py:64")])
     for r in range(3):
@@ -251,32 +281,10 @@ def test_ranks_that_each_wait_in_a_collective_the_other_also_makes_deadlock_in_a
     end = job.train(2)  # default seqs 1..4
     for s, t in enumerate((end - 0.2, end - 0.1), start=1):
         for r in (0, 1):
-            coll(
-                job,
-                r,
-                t,
-                s,
-                pg="pg:1",
-                op="all_reduce",
-                reduce_op="SUM",
-                call_site="train.py:80",
-                group_ranks=[0, 1],
-            )
-    coll(
-        job,
-        0,
-        end,
-        3,
-        pg="pg:1",
-        op="all_reduce",
-        reduce_op="SUM",
-        call_site="train.py:80",
-        group_ranks=[0, 1],
-        done=False,
-    )
+            group_all_reduce(job, r, t, s, pg="pg:1", members=[0, 1], site="train.py:80")
+    group_all_reduce(job, 0, end, 3, pg="pg:1", members=[0, 1], site="train.py:80", done=False)
     job.hang(0, end + 5, step=2, phase="idle", inflight=[inflight(3, end, "train.py:80", pg="pg:1")])
-    job.coll(1, end, 5, shapes=[[10]], site="ddp/reducer.py:88", step=2, done=False, source="engine")
-    job.hang(1, end + 5, step=2, inflight=[inflight(5, end, "ddp/reducer.py:88")])
+    stuck_in_bucket_all_reduce(job, 1, end, 5, step=2)
     for r in (0, 1):
         job.heartbeat(r, end + 5.5, step=2, phase="idle" if r == 0 else "allreduce", last=4 if r == 0 else 5)
     incidents = diagnose(job.snapshot(), end + 6)
@@ -294,20 +302,8 @@ def test_a_wait_on_a_rank_blocked_in_another_group_blames_the_rank_at_the_end_of
     # doing something else: rank 2 holds both up.
     job = started(3)
     end = job.train(2)  # default seqs 1..4
-    job.coll(0, end, 5, shapes=[[10]], site="ddp/reducer.py:88", step=2, done=False, source="engine")
-    job.hang(0, end + 5, step=2, inflight=[inflight(5, end, "ddp/reducer.py:88")])
-    coll(
-        job,
-        1,
-        end,
-        1,
-        pg="pg:2",
-        op="all_reduce",
-        reduce_op="SUM",
-        call_site="train.py:90",
-        group_ranks=[1, 2],
-        done=False,
-    )
+    stuck_in_bucket_all_reduce(job, 0, end, 5, step=2)
+    group_all_reduce(job, 1, end, 1, pg="pg:2", members=[1, 2], site="train.py:90", done=False)
     job.hang(1, end + 5, step=2, phase="idle", inflight=[inflight(1, end, "train.py:90", pg="pg:2")])
     for r in range(3):
         job.heartbeat(r, end + 5.5, step=2, phase="forward" if r == 2 else "idle", last=5 if r == 0 else 4)

@@ -4,6 +4,8 @@ a hung job killed by its time limit, a stopped rank whose heartbeat lags its ste
 
 from __future__ import annotations
 
+import pytest
+
 from ddpscope.server.analysis.incidents import diagnose
 from ddpscope.server.analysis.status import job_status, liveness
 from tests.server.test_incidents import T0, JobRecords, inflight, kinds, only, started
@@ -186,27 +188,24 @@ def test_the_engines_different_model_error_is_one_incident_blamed_on_the_odd_ran
     )  # not cut mid-sentence
 
 
-def test_a_rank_stopped_by_sigterm_alone_is_told_apart_from_uneven_inputs() -> None:
+@pytest.mark.parametrize(
+    ("reason", "said"),
+    [
+        ("sigterm", "Rank 1 was stopped by SIGTERM after step 2"),
+        ("sigint", "Rank 1 was stopped by SIGINT (Ctrl-C: KeyboardInterrupt) after step 2"),
+    ],
+)
+def test_a_rank_stopped_by_a_signal_alone_is_told_apart_from_uneven_inputs(reason: str, said: str) -> None:
     job = started(2)
     end = job.train(3)
-    job.exit(1, end, reason="sigterm", step=2)
+    job.exit(1, end, reason=reason, step=2)
     job.train(1, t=end + 0.1, ranks=[0], first=3)
     job.error(0, end + 0.5, "Connection closed by peer", step=4)
     early = only(diagnose(job.snapshot(), end + 1), "rank_exited_early")
-    assert "check the scheduler's and the launcher's logs" in early.message
+    assert early.message.startswith(said) and early.culprit_ranks == [1]
     assert "Join" not in early.message and "while rank 0 was still training" in early.message
-
-
-def test_a_rank_interrupted_alone_by_ctrl_c_is_said_to_be_stopped_not_to_have_run_out_of_data() -> None:
-    job = started(2)
-    end = job.train(3)
-    job.exit(1, end, reason="sigint", step=2)
-    job.train(1, t=end + 0.1, ranks=[0], first=3)
-    job.error(0, end + 0.5, "Connection closed by peer", step=4)
-    early = only(diagnose(job.snapshot(), end + 1), "rank_exited_early")
-    assert early.message.startswith("Rank 1 was stopped by SIGINT (Ctrl-C: KeyboardInterrupt) after step 2")
-    assert "Something interrupted this rank alone" in early.message and "Join" not in early.message
-    assert early.culprit_ranks == [1]
+    assert ("check the scheduler's and the launcher's logs" in early.message) == (reason == "sigterm")
+    assert ("Something interrupted this rank alone" in early.message) == (reason == "sigint")
 
 
 def test_a_hung_job_interrupted_by_ctrl_c_keeps_its_hang_ended_by_that_signal() -> None:
