@@ -247,7 +247,7 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
         if not stranded_ranks:
             continue
         how = (
-            f"was stopped by {STOP_SIGNALS[reason]}"
+            f"was stopped by {STOP_SIGNALS[str(reason)]}"
             if stopped
             else "left its training loop and exited normally"
         )
@@ -476,7 +476,7 @@ def _awaited_before(
 ) -> list[tuple[int, Record, list[int]]]:
     """For each failed rank whose last hang report before its error shows it waiting in a collective:
     (rank, that collective, the members that never issued it). Empty when none did."""
-    out = []
+    out: list[tuple[int, Record, list[int]]] = []
     for v in failed:
         rank = v["rank"]
         reports = [
@@ -486,13 +486,11 @@ def _awaited_before(
         ]
         if not reports:
             continue
-        c = min(max(reports, key=record_s)["inflight"], key=lambda x: x["start_ns"])
-        c = {**c, **colls.by_pg.get(c["pg"], {}).get(rank, {}).get(c["coll_seq"], {})}
-        missing = [
-            m
-            for m in colls.members(c["pg"], live)
-            if m != rank and colls.max_seq.get((m, c["pg"]), 0) < c["coll_seq"]
-        ]
+        inflight = min(max(reports, key=record_s)["inflight"], key=lambda x: x["start_ns"])
+        pg, seq = inflight["pg"], inflight["coll_seq"]
+        # The collective record has what the compact in-flight entry may lack (call site, step).
+        c: Record = {**inflight, **colls.by_pg.get(pg, {}).get(rank, {}).get(seq, {})}
+        missing = [m for m in colls.behind(pg, seq, live) if m != rank]
         if missing:
             out.append((rank, c, missing))
     return out
