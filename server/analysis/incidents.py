@@ -407,8 +407,16 @@ def _error_incidents(
             incident.bucket = named.bucket
         out.append(incident)
         if any(e.get("fatal") for e in same):
+            raised = {e["rank"] for e in same}
             for r in culprits:
-                blame.setdefault(r, "died of an error")
+                # A rank the error names (an unused parameter, a skipped monitored_barrier) need not
+                # have raised anything itself.
+                blame.setdefault(
+                    r,
+                    "died of an error"
+                    if r in raised
+                    else f"is named as the cause by rank {p['rank']}'s error",
+                )
     for r in live.crashed:
         last = colls.last(r, "default")
         step = position(snapshot, r)[0]
