@@ -125,6 +125,10 @@ class CollectiveIndex:
         seqs = self.by_pg.get(pg, {}).get(rank, {})
         return seqs[max(seqs)] if seqs else None
 
+    def issued_on(self, rank: int, pg: str) -> bool:
+        """True when ``rank`` has a record of any collective on ``pg``."""
+        return bool(self.by_pg.get(pg, {}).get(rank))
+
     def issued_like(self, rank: int, c: Record) -> bool:
         """True when ``rank`` issued, at any sequence number of ``c``'s group, the same collective as
         ``c`` (op, reduce op, shapes, dtypes; and call site where both records have one): a call it
@@ -595,7 +599,7 @@ def _missing(
             if r in live.silent
             else "every rank fell quiet since"
             if live.lost
-            else graph.state(r) or stuck[r].phrase()
+            else graph.state(r)
             if r in graph.blocked
             else stuck[r].phrase()
             if r in stuck

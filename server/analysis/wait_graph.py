@@ -70,15 +70,17 @@ class WaitGraph:
                     on.setdefault(m, f"issued a different collective at #{seq} of group {pg}")
             if on:
                 self.waits[rank] = Wait(rank, record, on)
-        self._reach = {r: self._reachable(r) for r in self.waits}
+        reach = {r: self._reachable(r) for r in self.waits}
         self.cycles: list[list[int]] = []
         """Closed cycles: each rank in one waits, through the others, only for ranks in it."""
-        for r, reach in self._reach.items():
+        for r, reached in reach.items():
             # Sequence numbers only grow within a group: a cycle must cross groups to be a deadlock.
-            if r in reach and all(self._reach.get(t) == reach for t in reach) and self._groups(reach) > 1:
-                cycle = sorted(reach)
+            if r in reached and all(reach.get(t) == reached for t in reached) and self._groups(reached) > 1:
+                cycle = sorted(reached)
                 if cycle not in self.cycles:
                     self.cycles.append(cycle)
+        # Each hang and missing collective that runs into a cycle asks who is at fault in it.
+        self._at_fault = [self._odd_ones(c) for c in self.cycles]
 
     def _groups(self, ranks: Iterable[int]) -> int:
         return len({self.waits[r].record["pg"] for r in ranks})
@@ -113,6 +115,10 @@ class WaitGraph:
         return next((c for c in self.cycles if rank in c), None)
 
     def at_fault(self, cycle: Sequence[int]) -> list[int]:
+        """The ranks of a deadlock (one of ``cycles``) at fault: see ``_odd_ones``."""
+        return self._at_fault[self.cycles.index(list(cycle))]
+
+    def _odd_ones(self, cycle: Sequence[int]) -> list[int]:
         """The ranks of a deadlock blocked in the call least like anything their peers of the cycle
         make: on a group a peer has never issued anything on, else a collective a peer has never issued
         on that group; every rank of the cycle when that singles out nobody."""
@@ -124,7 +130,7 @@ class WaitGraph:
     def _oddity(self, rank: int, peers: Sequence[int]) -> int:
         """2: a peer never issued anything on the group ``rank`` waits in; 1: never this collective there."""
         c = self.waits[rank].record
-        if any(not self.colls.by_pg.get(c["pg"], {}).get(p) for p in peers):
+        if any(not self.colls.issued_on(p, c["pg"]) for p in peers):
             return 2
         return 1 if any(not self.colls.issued_like(p, c) for p in peers) else 0
 
@@ -153,8 +159,8 @@ class WaitGraph:
                 out.setdefault(r, why)
             else:
                 todo.extend(waits.on.items())
-        if not out:  # rank is on a cycle itself
-            cycle = self.cycle_of(rank) or []
+        cycle = self.cycle_of(rank)
+        if not out and cycle is not None:  # every wait led back to rank: it is on the cycle itself
             out = {c: f"deadlocked in {self.waits[c].where}" for c in self.at_fault(cycle)}
         return out
 
@@ -182,7 +188,7 @@ def deadlock_incidents(graph: WaitGraph, blame: dict[int, str]) -> list[Incident
             for c in culprits:
                 w = graph.waits[c]
                 peers = [p for p in w.on if p in cycle and not graph.colls.issued_like(p, w.record)]
-                never = not any(graph.colls.by_pg.get(w.record["pg"], {}).get(p) for p in peers)
+                never = not any(graph.colls.issued_on(p, w.record["pg"]) for p in peers)
                 such = "any collective" if never else "such a collective"
                 site = f" at {w.record['call_site']}" if w.record.get("call_site") else ""
                 its, it = ("its", "it") if len(peers) == 1 else ("their", "they")
