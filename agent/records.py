@@ -136,6 +136,16 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("forward_end_ns", INT),
         Field("backward_start_ns", INT),
         Field("backward_end_ns", INT, doc="backward() returned: all-reduces waited, grads written"),
+        Field(
+            "blocked_between_ns",
+            INT,
+            required=False,
+            doc="time the training thread spent blocked in collectives other than the gradient all-reduces "
+            "(a user's calls, buffer broadcasts) from the previous step's backward end to this forward start; "
+            "absent means 0",
+        ),
+        Field("blocked_forward_ns", INT, required=False, doc="the same, within this forward"),
+        Field("blocked_backward_ns", INT, required=False, doc="the same, from forward end to backward end"),
         Field("bucket_ready_ns", INTS, required=False, doc="last gradient of the bucket accumulated"),
         Field(
             "allreduce_start_ns",
@@ -262,6 +272,9 @@ STEP_ARRAYS = (
     "collective_seqs",
 )
 """The step fields packed into ``arrays``, in blob order."""
+
+BLOCKED_FIELDS = ("blocked_between_ns", "blocked_forward_ns", "blocked_backward_ns")
+"""The step's time blocked in other collectives, by phase (optional on the wire; 0 when absent)."""
 
 PACK_VERSION = 1
 _PACK_HEADER = struct.Struct("<B" + "IBq" * len(STEP_ARRAYS))  # version; per array: length, width, base

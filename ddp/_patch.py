@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ddpscope.agent.clock import now_ns
 from ddpscope.ddp.collectives import RECORDER, CollectiveRecorder, disabled
 
 logger = logging.getLogger(__name__)
@@ -181,6 +182,7 @@ def _make_wrapper(
         if pg is None or not seq:
             return fn(*args, **kwargs)
         local.in_user_call = True
+        called_ns = now_ns()
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:
@@ -190,7 +192,9 @@ def _make_wrapper(
             local.in_user_call = False
         if result is not None and (always_async or (a_pos >= 0 and arg(args, kwargs, a_pos, "async_op"))):
             rec.track(pg, seq, result)
-        elif plan is not None:
+            return result
+        rec.blocked_time().ns += now_ns() - called_ns
+        if plan is not None:
             rec.end_planned(plan, seq)
         else:
             rec.end(pg, seq)
@@ -258,16 +262,19 @@ def _patch_work_wait(rec: CollectiveRecorder, work_type: Any) -> None:
     """
     original = work_type.wait
     pending = rec._pending
+    pending_ids = rec._pending_ids
 
     @functools.wraps(original)
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not pending:
+        if not pending or id(self) not in pending_ids:
             return original(self, *args, **kwargs)
+        called_ns = now_ns()
         try:
             result = original(self, *args, **kwargs)
         except BaseException as exc:
             rec.waited(self, exc)
             raise
+        rec.blocked_time().ns += now_ns() - called_ns  # the wait on a user's async collective blocks
         rec.waited(self)
         return result
 

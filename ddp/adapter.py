@@ -26,7 +26,8 @@ Reducer no longer scales while copying into the bucket (one more pass over the g
 the GIL for the hook, for the ``then`` callback (gloo thread) and to read its result; bench/adapter.py
 measures it next to this adapter. An all-reduce end is when its ``then`` callback got the GIL.
 Collectives torch issues from C++ (buffer broadcasts before forward, the rebuild's index broadcast,
-the unused-parameter bitmap) bypass the collective recorder, so they have no sequence numbers here.
+the unused-parameter bitmap) bypass the collective recorder, so they have no sequence numbers here;
+the buffer broadcast's duration is still counted as time blocked in forward (``BlockedTime``).
 Records name a rank and a step, not a model, so one model per process and job is measured; a second
 one is refused (see ``instrument``).
 """
@@ -246,6 +247,7 @@ class Instrumentation:
         self._handles.append(ddp.register_forward_pre_hook(self._before_forward))
         self._handles.append(ddp.register_forward_hook(self._after_forward))
         self._handles.append(ddp.register_forward_hook(self._after_forward_or_error, always_call=True))
+        self._time_buffer_broadcasts(ddp)
         self._forward_ok = True
         # torch's own register_comm_hook: it also names the hook in _get_ddp_logging_data().
         ddp.register_comm_hook(None, self._comm_hook)
@@ -546,12 +548,31 @@ class Instrumentation:
             out.append({"index": k, "missing": missing, "launched": launched})
         return out
 
+    @staticmethod
+    def _time_buffer_broadcasts(ddp: DistributedDataParallel) -> None:
+        """Count torch's buffer broadcast before each forward as time blocked in a collective (see
+        ``collectives.BlockedTime``): it runs in C++, out of the recorder's sight, and a rank that
+        waits in it for a slow peer would otherwise show that peer's slowness as its own forward.
+        An instance attribute over torch's method, which ``remove_hooks`` deletes again."""
+        original = ddp._distributed_broadcast_coalesced
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            called_ns = now_ns()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                RECORDER.blocked_time().ns += now_ns() - called_ns
+
+        ddp._distributed_broadcast_coalesced = timed  # type: ignore[method-assign]
+
     def remove_hooks(self) -> None:
         """Detach the parameter and forward hooks (torch cannot unregister a comm hook; it keeps
         reducing exactly as the default one does)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.ddp.__dict__.pop("_distributed_broadcast_coalesced", None)
         self._active = False
         self._learning = False
         self.detached = True

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ddpscope.agent.clock import now_ns
 from ddpscope.ddp.collectives import RECORDER
 
 CHUNK_BYTES = 250 * 1024 * 1024
@@ -53,11 +54,14 @@ def broadcast_coalesced(
         with RECORDER.engine_call():
             seq = RECORDER.begin(pg, "broadcast", [flat], source="engine", step=step)
             ok = False
+            called_ns = now_ns()
             try:
                 dist.broadcast(flat, src=src, group=group)
                 ok = True
             finally:
                 RECORDER.end(pg, seq, ok=ok)
+            # Time the ranks that got here first spend waiting for the last one (StepTimer's phases).
+            RECORDER.blocked_time().ns += now_ns() - called_ns
         if not single and not is_src:
             for t, synced in zip(chunk, _unflatten_dense_tensors(flat, chunk), strict=True):
                 t.copy_(synced)

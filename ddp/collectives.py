@@ -108,6 +108,23 @@ class PlannedCollective:
         return {**self.fixed, "coll_seq": seq, "start_ns": start_ns, "step": step}
 
 
+class BlockedTime:
+    """Nanoseconds one thread has spent blocked in collectives that are not a step's gradient
+    all-reduces: a user's synchronous calls and the ``wait()`` on their async ones, the engine's buffer
+    broadcasts. The step timer reads it at each phase boundary, because a rank that waits there for a
+    slow peer has that peer's slowness in its own phase times (a slow data loader on one rank of a
+    model with BatchNorm shows on every *other* rank as a long forward, in the buffer broadcast).
+
+    One object per thread (``CollectiveRecorder.blocked_time``), so that a collective issued by another
+    thread, which does not hold up training, is not counted; the timer keeps the training thread's
+    object and may read it from the thread that runs the end of backward."""
+
+    __slots__ = ("ns",)
+
+    def __init__(self) -> None:
+        self.ns = 0
+
+
 class CollectiveRecorder:
     """Numbers, records and tracks the collectives of one process (one instance: ``RECORDER``)."""
 
@@ -156,6 +173,14 @@ class CollectiveRecorder:
 
     def in_engine_call(self) -> bool:
         return getattr(self._local, "engine_depth", 0) > 0
+
+    def blocked_time(self) -> BlockedTime:
+        """The calling thread's ``BlockedTime`` (made on first use)."""
+        local = self._local
+        blocked: BlockedTime | None = getattr(local, "blocked", None)
+        if blocked is None:
+            blocked = local.blocked = BlockedTime()
+        return blocked
 
     def begin(
         self,

@@ -12,6 +12,10 @@ Independent of any engine: ddpscope's own engine and the adapter for stock torch
     ...
     timer.emit(unused_parameters=[])          # the record, crash-durable (or finish() for the dict)
 
+The timer also reads, at each phase boundary, how long the training thread has been blocked in other
+collectives (``collectives.BlockedTime``: a user's loss all-reduce, a buffer broadcast): the
+``blocked_*_ns`` fields, which let the collector tell a rank's own work from its waiting for a peer.
+
 Every time is ``ddpscope.agent.clock.now_ns()`` (the job's aligned clock) unless the caller passes one
 (the CUDA path converts event times itself). A time of 0 means "did not happen in this step" (a bucket
 that was never reduced because its step failed, or every bucket of an unsynchronised step).
@@ -32,11 +36,21 @@ from typing import Any
 from ddpscope import agent
 from ddpscope.agent.clock import now_ns
 from ddpscope.agent.template import RecordTemplate
+from ddpscope.ddp.collectives import RECORDER, BlockedTime
 
 MAX_TEMPLATES = 8
 """Step templates kept per timer: one per (ready-order length, unused parameters) seen since the last
 layout. A job whose unused set changes every step makes a new one each time; the cap bounds memory."""
-_HEAD = ("step", "forward_start_ns", "forward_end_ns", "backward_start_ns", "backward_end_ns")
+_HEAD = (
+    "step",
+    "forward_start_ns",
+    "forward_end_ns",
+    "backward_start_ns",
+    "backward_end_ns",
+    "blocked_between_ns",
+    "blocked_forward_ns",
+    "blocked_backward_ns",
+)
 """The scalar variables of every step template, in value order."""
 _BUCKET_TIMES = ("bucket_ready_ns", "allreduce_start_ns", "allreduce_end_ns")
 
@@ -58,6 +72,11 @@ class StepTimer:
         "_seqs",
         "_order",
         "_templates",
+        "_blocked",
+        "_blocked_at_end",
+        "_blocked_between",
+        "_blocked_at_start",
+        "_blocked_at_forward_end",
     )
 
     def __init__(self, rank: int, bucket_bytes: Sequence[int] = ()) -> None:
@@ -66,6 +85,11 @@ class StepTimer:
         self.synced = True
         self.set_buckets(bucket_bytes)
         self._fwd_start = self._fwd_end = self._bwd_start = 0
+        self._blocked: BlockedTime | None = None
+        """The training thread's blocked time (the one that calls ``forward_start``)."""
+        self._blocked_at_end: int | None = None
+        """Its value when the previous step's record was made: the start of the between-steps span."""
+        self._blocked_between = self._blocked_at_start = self._blocked_at_forward_end = 0
 
     def set_buckets(self, bucket_bytes: Sequence[int]) -> None:
         """Call after every (re)layout; takes effect from the next ``forward_start``."""
@@ -87,9 +111,17 @@ class StepTimer:
         self._reset_buckets()
         self._fwd_start = now_ns() if t_ns is None else t_ns
         self._fwd_end = self._bwd_start = 0
+        blocked = RECORDER.blocked_time()
+        at = blocked.ns
+        since = self._blocked_at_end
+        self._blocked_between = at - since if since is not None and blocked is self._blocked else 0
+        self._blocked = blocked
+        self._blocked_at_start = self._blocked_at_forward_end = at
 
     def forward_end(self, t_ns: int | None = None) -> None:
         self._fwd_end = now_ns() if t_ns is None else t_ns
+        if self._blocked is not None:
+            self._blocked_at_forward_end = self._blocked.ns
 
     def backward_start(self, t_ns: int | None = None) -> None:
         """First call in a step wins: the engine calls it from whichever hook fires first."""
@@ -127,7 +159,9 @@ class StepTimer:
             key = (len(order) if synced else -1, tuple(unused_parameters))
             templates = self._templates
             template = templates[key] if key in templates else self._template(key)
-            values: tuple[int, ...] = (self.step, self._fwd_start, self._fwd_end, self._bwd_start or end, end)
+            values: tuple[int, ...] = (
+                self.step, self._fwd_start, self._fwd_end, self._bwd_start or end, end, *self._blocked_spans()
+            )  # fmt: skip
             if template is not None:
                 if synced:
                     values = (*values, *self._ready, *self._launch, *self._done, *order, *self._seqs)
@@ -137,6 +171,17 @@ class StepTimer:
         except Exception:  # the record below is the same one; only its durability is at stake
             pass
         agent.emit(self.finish(unused_parameters, end))
+
+    def _blocked_spans(self) -> tuple[int, int, int]:
+        """Time blocked in other collectives (between steps, in forward, in backward) in this step;
+        marks the start of the next between-steps span."""
+        blocked = self._blocked
+        if blocked is None:  # no forward_start yet
+            return 0, 0, 0
+        now = blocked.ns
+        self._blocked_at_end = now
+        forward_end = self._blocked_at_forward_end
+        return self._blocked_between, forward_end - self._blocked_at_start, now - forward_end
 
     def _template(self, key: tuple[int, tuple[str, ...]]) -> RecordTemplate | None:
         """The template for steps of this shape (None when its fixed fields do not make a valid record,
@@ -174,6 +219,7 @@ class StepTimer:
         """The ``step`` record for this iteration as a dict (``emit`` sends the same record)."""
         end = now_ns() if backward_end_ns is None else backward_end_ns
         synced = self.synced
+        between, forward, backward = self._blocked_spans()
         return {
             "kind": "step",
             "rank": self.rank,
@@ -184,6 +230,9 @@ class StepTimer:
             # No hook fired (e.g. a backward that reached no parameter): backward is the finalizer alone.
             "backward_start_ns": self._bwd_start or end,
             "backward_end_ns": end,
+            "blocked_between_ns": between,
+            "blocked_forward_ns": forward,
+            "blocked_backward_ns": backward,
             "bucket_ready_ns": list(self._ready) if synced else [],
             "allreduce_start_ns": list(self._launch) if synced else [],
             "allreduce_end_ns": list(self._done) if synced else [],

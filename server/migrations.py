@@ -7,8 +7,9 @@ lock (``pg_advisory_xact_lock`` on PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite), g
 
 Rules for adding a migration: append ``(version, description, function)``; never edit one that has
 shipped; a function receives the open connection and uses SQLAlchemy Core / DDL. Migration 1 creates
-the tables as ``schema.py`` defines them at version 1; once a later migration alters a table,
-migration 1 must keep creating the version-1 shape (freeze a copy of the old ``Table``).
+the tables as ``schema.py`` defines them today, so a migration that adds columns adds only those a
+table lacks (a fresh database already has them); one that changes a table in any other way must
+freeze a copy of the old ``Table`` for migration 1 instead.
 """
 
 from __future__ import annotations
@@ -63,9 +64,32 @@ def _repack_step_arrays(conn: Connection) -> None:
         last = tuple(rows[-1][:4])
 
 
+def _add_missing_columns(table_name: str) -> Callable[[Connection], None]:
+    """A migration that adds the columns ``schema.py`` gives ``table_name`` and the table lacks; each
+    must be nullable or have a server default (existing rows take it)."""
+
+    def apply(conn: Connection) -> None:
+        table = schema.metadata.tables[table_name]
+        have = {c["name"] for c in inspect(conn).get_columns(table_name)}
+        for column in table.columns:
+            if column.name in have:
+                continue
+            ddl = f"ALTER TABLE {table_name} ADD COLUMN {column.name} {column.type.compile(conn.dialect)}"
+            if column.server_default is not None:
+                ddl += f" NOT NULL DEFAULT {column.server_default.arg}"  # type: ignore[attr-defined]
+            conn.execute(text(ddl))
+
+    return apply
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "initial schema: jobs, ranks, steps, collectives, heartbeats, events, counters", _initial),
     (2, "steps.arrays: msgpack lists -> the wire format's packed int64 blob", _repack_step_arrays),
+    (
+        3,
+        "steps: time blocked in other collectives, by phase (0 for older rows)",
+        _add_missing_columns("steps"),
+    ),
 ]
 
 LATEST = MIGRATIONS[-1][0]

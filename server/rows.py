@@ -33,6 +33,7 @@ STEP_COLUMNS = (
     "backward_start_ns",
     "backward_end_ns",
     "arrays",
+    *wire.BLOCKED_FIELDS,
 )
 """Column order of a step row tuple."""
 
@@ -67,6 +68,9 @@ def step_row(job_id: int, r: Any) -> tuple[Any, ...]:
                 r.collective_seqs,
             )
         ),
+        0 if r.blocked_between_ns is _UNSET else r.blocked_between_ns,  # an older agent: nothing measured
+        0 if r.blocked_forward_ns is _UNSET else r.blocked_forward_ns,
+        0 if r.blocked_backward_ns is _UNSET else r.blocked_backward_ns,
     )
 
 
@@ -103,6 +107,9 @@ class StepRow:
     stream: str = ""
     seq: int = 0
     unused_parameters: list[str] = field(default_factory=list)
+    blocked_between_ns: int = 0
+    blocked_forward_ns: int = 0
+    blocked_backward_ns: int = 0
 
     @classmethod
     def from_db(cls, row: Any) -> StepRow:
@@ -125,6 +132,9 @@ class StepRow:
             time_ns=row.time_ns,
             stream=row.stream,
             seq=row.seq,
+            blocked_between_ns=row.blocked_between_ns,
+            blocked_forward_ns=row.blocked_forward_ns,
+            blocked_backward_ns=row.blocked_backward_ns,
         )
 
     @classmethod
@@ -152,6 +162,9 @@ class StepRow:
             stream=r["stream"],
             seq=r["seq"],
             unused_parameters=list(r.get("unused_parameters", [])),
+            blocked_between_ns=r.get("blocked_between_ns", 0),
+            blocked_forward_ns=r.get("blocked_forward_ns", 0),
+            blocked_backward_ns=r.get("blocked_backward_ns", 0),
         )
 
     def to_wire(self, job: str) -> dict[str, Any]:
@@ -168,6 +181,9 @@ class StepRow:
             "forward_end_ns": self.forward_end_ns,
             "backward_start_ns": self.backward_start_ns,
             "backward_end_ns": self.backward_end_ns,
+            "blocked_between_ns": self.blocked_between_ns,
+            "blocked_forward_ns": self.blocked_forward_ns,
+            "blocked_backward_ns": self.blocked_backward_ns,
         }
         for name in STEP_ARRAYS:
             out[name] = getattr(self, name)
@@ -193,6 +209,9 @@ class StepTimes:
     starts_shift: int
     ends: Sequence[int]
     ends_shift: int
+    blocked_between_ns: int = 0
+    blocked_forward_ns: int = 0
+    blocked_backward_ns: int = 0
 
     @classmethod
     def from_db(cls, row: Any) -> StepTimes:
@@ -203,7 +222,7 @@ class StepTimes:
         return cls(
             row.rank, row.step, bool(row.synced), row.forward_start_ns, row.forward_end_ns,
             row.backward_start_ns, row.backward_end_ns, ready, ready_shift, starts, starts_shift,
-            ends, ends_shift,
+            ends, ends_shift, row.blocked_between_ns, row.blocked_forward_ns, row.blocked_backward_ns,
         )  # fmt: skip
 
     @classmethod
@@ -211,6 +230,7 @@ class StepTimes:
         return cls(
             r.rank, r.step, r.synced, r.forward_start_ns, r.forward_end_ns, r.backward_start_ns,
             r.backward_end_ns, r.bucket_ready_ns, 0, r.allreduce_start_ns, 0, r.allreduce_end_ns, 0,
+            r.blocked_between_ns, r.blocked_forward_ns, r.blocked_backward_ns,
         )  # fmt: skip
 
 

@@ -89,6 +89,10 @@ steps = Table(
     Column("backward_start_ns", BigInteger, nullable=False),
     Column("backward_end_ns", BigInteger, nullable=False),
     Column("arrays", LargeBinary, nullable=False),
+    # Time blocked in collectives other than the gradient all-reduces, by phase (migration 3).
+    Column("blocked_between_ns", BigInteger, nullable=False, server_default="0"),
+    Column("blocked_forward_ns", BigInteger, nullable=False, server_default="0"),
+    Column("blocked_backward_ns", BigInteger, nullable=False, server_default="0"),
     _key("steps"),
     Index("ix_steps_job_step_rank", "job_id", "step", "rank"),
 )

@@ -9,6 +9,13 @@ what is compared is the time a rank spends *before* it can join the all-reduce:
   slow host work starts its forward late; its compute looks normal and the *other* ranks show the
   time as all-reduce wait.
 
+Time a rank spent blocked in *other* collectives (``blocked_*_ns``: a user's loss all-reduce, the
+buffer broadcast before forward, SyncBatchNorm) is left out of every phase: a fast rank waits there
+for the slow one, and counting that wait as its own work would make every rank look as slow as the
+straggler (a slow data loader on one rank of a model with BatchNorm shows on every other rank as a
+long forward, spent in the buffer broadcast) or flag the fast members of a subgroup that all-reduces
+a metric as slow between steps.
+
 In each of the recent steps, a rank's ratio is its ``busy`` time (between steps + compute) over the
 **median of the other ranks'**, and so is its compute ratio; the step counts against it when either
 exceeds ``1 + threshold`` (and by at least ``min_excess_s``, so sub-millisecond jitter never counts).
@@ -68,12 +75,18 @@ PHASES = ("forward", "backward", "between_steps")
 
 
 def _phases(r: StepRow | StepTimes, previous_end_ns: int | None) -> tuple[float, ...]:
-    """(busy, compute, forward, backward, between steps, wait) of one rank's step, in seconds."""
+    """(busy, compute, forward, backward, between steps, wait) of one rank's step, in seconds, each
+    less the time blocked in other collectives within it."""
     ready = last_ready_ns(r)
-    compute = (ready - r.forward_start_ns) / NS
-    forward = (r.forward_end_ns - r.forward_start_ns) / NS
-    backward = (ready - r.backward_start_ns) / NS
-    between = 0.0 if previous_end_ns is None else max(0, r.forward_start_ns - previous_end_ns) / NS
+    in_forward, in_backward = r.blocked_forward_ns, r.blocked_backward_ns
+    compute = max(0, ready - r.forward_start_ns - in_forward - in_backward) / NS
+    forward = max(0, r.forward_end_ns - r.forward_start_ns - in_forward) / NS
+    backward = max(0, ready - r.backward_start_ns - in_backward) / NS
+    between = (
+        0.0
+        if previous_end_ns is None
+        else max(0, r.forward_start_ns - previous_end_ns - r.blocked_between_ns) / NS
+    )
     wait = max(0, r.backward_end_ns - ready) / NS
     return between + compute, compute, forward, backward, between, wait
 

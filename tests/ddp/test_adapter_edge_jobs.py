@@ -4,6 +4,7 @@ gradient accumulation with ``no_sync()``, a second model in the process, a peer 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -139,3 +140,28 @@ def test_a_hang_that_ends_because_the_peer_died_is_not_reported_resolved(tmp_pat
     assert failed and {r["coll_seq"] for r in failed} <= {c["coll_seq"] for c in hang["inflight"]}
     assert job.of(0, "hang_resolved") == []
     assert any("Connection" in r["message"] for r in job.of(0, "rank_error"))
+
+
+# -- waiting for a slow peer outside the gradient all-reduces --------------------------------------
+
+
+def test_waiting_for_a_slow_peer_in_torchs_buffer_broadcast_and_a_loss_all_reduce_is_recorded_by_phase(
+    tmp_path: Path,
+) -> None:
+    job = run("waits", tmp_path)
+    assert all(exited_cleanly(r) for r in job.results), job.output()
+
+    def medians(rank: int) -> tuple[float, float]:
+        steps = job.of(rank, "step")[1:]  # step 0 has no previous step to wait after
+        assert len(steps) == 5
+        return (
+            statistics.median(s["blocked_forward_ns"] for s in steps) / 1e9,
+            statistics.median(s["blocked_between_ns"] for s in steps) / 1e9,
+        )
+
+    # Rank 0 waits for rank 1's 50 ms in the broadcast torch runs before forward (C++, not a recorded
+    # collective) and for its 30 ms in the loss all-reduce; rank 1, the slow one, hardly waits at all.
+    forward, between = medians(0)
+    assert 0.035 < forward < 0.2 and 0.02 < between < 0.2, (forward, between)
+    slow_forward, slow_between = medians(1)
+    assert slow_forward < 0.015 and slow_between < 0.015, (slow_forward, slow_between)

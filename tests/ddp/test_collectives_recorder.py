@@ -114,6 +114,18 @@ def test_an_async_collective_ends_when_its_wait_returns(records: Records) -> Non
     assert ended["end_ns"] >= begun["start_ns"]
 
 
+def test_time_inside_a_users_collectives_counts_as_blocked_but_not_the_engines_own(records: Records) -> None:
+    blocked = RECORDER.blocked_time()
+    before = blocked.ns
+    dist.all_reduce(torch.ones(4))
+    after_sync = blocked.ns
+    dist.all_reduce(torch.ones(4), async_op=True).wait()
+    after_wait = blocked.ns
+    with RECORDER.engine_call():  # a bucket all-reduce: the step record has its own times
+        dist.all_reduce(torch.ones(4))
+    assert before < after_sync < after_wait == blocked.ns
+
+
 def test_an_async_collective_nobody_waits_for_ends_at_the_next_poll(records: Records) -> None:
     work = dist.broadcast(torch.ones(2), src=0, async_op=True)
     deadline = time.monotonic() + 30

@@ -146,3 +146,38 @@ def test_a_step_record_the_wire_format_refuses_as_a_template_still_goes_out_as_a
         assert agent.get_agent().stats()["dropped"] == {"invalid:step": 1}
     finally:
         agent.shutdown(2.0)
+
+
+def test_time_blocked_in_other_collectives_is_split_by_phase_from_the_previous_records_end() -> None:
+    from ddpscope.ddp.collectives import RECORDER
+
+    blocked = RECORDER.blocked_time()  # this thread's: what the recorder adds a user's collective to
+    timer = StepTimer(rank=0, bucket_bytes=[4])
+    blocked.ns += 1_000  # before any step: nobody's between-steps time
+    timer.forward_start(step=0)
+    blocked.ns += 20  # a buffer broadcast in forward
+    timer.forward_end()
+    blocked.ns += 3  # a SyncBatchNorm all-reduce in backward
+    first = timer.finish()
+    blocked.ns += 400  # the loss all-reduced for logging after the optimizer step
+    timer.forward_start(step=1)
+    timer.forward_end()
+    second = timer.finish()
+    assert validate_record(stamp(first)) == validate_record(stamp(second)) == "step"
+    spans = [tuple(r[f"blocked_{p}_ns"] for p in ("between", "forward", "backward")) for r in (first, second)]
+    assert spans == [(0, 20, 3), (400, 0, 0)]
+
+
+def test_collectives_blocked_in_by_another_thread_do_not_count_for_the_training_thread() -> None:
+    import threading
+
+    from ddpscope.ddp.collectives import RECORDER
+
+    timer = StepTimer(rank=0, bucket_bytes=[4])
+    timer.forward_start(step=0)
+    other = threading.Thread(target=lambda: setattr(RECORDER.blocked_time(), "ns", 10**9))
+    other.start()
+    other.join()
+    timer.forward_end()
+    record = timer.finish()
+    assert (record["blocked_forward_ns"], record["blocked_backward_ns"]) == (0, 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from array import array
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -152,15 +153,24 @@ def test_straggler_phase_names_forward_when_only_forward_is_slow():
     assert (top.rank, top.phase) == (2, "forward")
 
 
-def _slow_loader_rows(slow_rank: int, loader_ms: int, world_size: int = 4, steps: int = 20) -> list[StepRow]:
+def _slow_loader_rows(
+    slow_rank: int,
+    loader_ms: int,
+    world_size: int = 4,
+    steps: int = 20,
+    blocked_ms: Callable[[int, int], int] = lambda rank, step: 0,
+) -> list[StepRow]:
     """Ranks in lockstep (they all leave the step when the last bucket's all-reduce ends); between
     steps each loads its next batch for 2-4 ms, ``slow_rank`` for ``loader_ms`` more, so its forward
-    starts late while its compute is as fast as anyone's."""
+    starts late while its compute is as fast as anyone's; and each is blocked in some other collective
+    for ``blocked_ms(rank, step)`` ms before it starts (its ``blocked_between_ns``)."""
     rng = random.Random(5)
     rows, end = [], 0
     for step in range(steps):
+        blocked = {r: blocked_ms(r, step) if step else 0 for r in range(world_size)}
         starts = {
-            r: end + rng.randint(2, 4) + (loader_ms if r == slow_rank else 0) for r in range(world_size)
+            r: end + rng.randint(2, 4) + (loader_ms if r == slow_rank else 0) + blocked[r]
+            for r in range(world_size)
         }
         last_ready = max(starts.values()) + 30
         comm_end = last_ready + 8
@@ -168,6 +178,7 @@ def _slow_loader_rows(slow_rank: int, loader_ms: int, world_size: int = 4, steps
             ready = (fs + 20, fs + 30)
             ends = (max(ready[0], last_ready - 10) + 8, comm_end)
             rows.append(_row(r, step, fs, fs + 10, fs + 10, comm_end + 1, ready, ready, ends))
+            rows[-1].blocked_between_ns = blocked[r] * MS
         end = comm_end + 1
     return rows
 
@@ -179,6 +190,40 @@ def test_a_rank_with_a_slow_data_loader_is_flagged_alone_in_the_time_between_ste
     (slow,) = [s for s in result if s.flagged]
     assert slow.phase == "between_steps" and slow.forward_slowdown == pytest.approx(1.0)
     assert all(o.wait_s > slow.wait_s for o in result if o.rank != 1)  # the others wait for it
+
+
+def test_a_slow_data_loader_is_still_flagged_when_the_others_wait_for_it_in_a_buffer_broadcast():
+    # A model with BatchNorm: every forward begins with a broadcast of the buffers, so the fast ranks
+    # wait for the slow one inside their own forward, and all start computing together.
+    rows = _slow_loader_rows(slow_rank=1, loader_ms=20)
+    for step in {r.step for r in rows}:
+        of_step = [r for r in rows if r.step == step]
+        last_start = max(r.forward_start_ns for r in of_step)
+        for r in of_step:
+            wait = last_start - r.forward_start_ns
+            r.forward_end_ns += wait
+            r.backward_start_ns += wait
+            r.bucket_ready_ns = [t + wait for t in r.bucket_ready_ns]
+            r.blocked_forward_ns = wait
+    result = stragglers(rows)
+    assert [s.rank for s in result if s.flagged] == [1], result
+    assert next(s for s in result if s.flagged).phase == "between_steps"
+    for r in rows:
+        r.blocked_forward_ns = 0  # what an agent that does not measure the wait would send
+    assert [s.rank for s in stragglers(rows) if s.flagged] == []
+
+
+def test_ranks_waiting_for_each_other_in_a_subgroup_between_steps_are_not_flagged():
+    # Ranks 0 and 1 all-reduce a metric on their own group after each step; whichever is first waits
+    # for the other, a long time on an oversubscribed machine, and none of it is its own work.
+    def waits(rank: int, step: int) -> int:
+        return (12 if (rank + step) % 2 else 9) if rank in (0, 1) else 0
+
+    assert [s.rank for s in stragglers(_slow_loader_rows(-1, 0, blocked_ms=waits)) if s.flagged] == []
+    unmeasured = _slow_loader_rows(-1, 0, blocked_ms=waits)
+    for r in unmeasured:
+        r.blocked_between_ns = 0  # what an agent that does not measure the wait would send
+    assert sorted(s.rank for s in stragglers(unmeasured) if s.flagged) == [0, 1]
 
 
 def test_the_same_loader_on_every_rank_flags_nobody():
@@ -231,7 +276,8 @@ def _row_from_blob(row: StepRow) -> object:
 
     blob = wire.pack_step_arrays([getattr(row, n) for n in wire.STEP_ARRAYS])
     return SimpleNamespace(**{k: getattr(row, k) for k in ("rank", "step", "synced", "forward_start_ns",
-        "forward_end_ns", "backward_start_ns", "backward_end_ns", "time_ns", "stream", "seq")}, arrays=blob)  # fmt: skip
+        "forward_end_ns", "backward_start_ns", "backward_end_ns", "time_ns", "stream", "seq", *wire.BLOCKED_FIELDS)},
+        arrays=blob)  # fmt: skip
 
 
 def test_metrics_read_from_packed_step_times_equal_those_of_fully_unpacked_rows():

@@ -80,11 +80,14 @@ def test_real_jobs_healthy_flags_nobody_and_a_slow_rank_is_flagged_alone(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_real_rank_with_a_slow_data_loader_is_flagged_alone_between_steps(tmp_path):
+@pytest.mark.parametrize("syncs", ["", "buffers,loss"], ids=["plain", "batchnorm-and-loss-all-reduce"])
+def test_a_real_rank_with_a_slow_data_loader_is_flagged_alone_between_steps(tmp_path, syncs):
     # Rank 1 sleeps before each forward, outside the model: its compute is as fast as anyone's, and
-    # the other ranks show the time as all-reduce wait.
+    # the other ranks show the time as all-reduce wait. With BatchNorm they wait in the buffer
+    # broadcast before forward instead, inside their own forward, and a loss all-reduce after each
+    # step syncs them again: that waiting must not count as their own work.
     with live_collector(f"sqlite:///{tmp_path / 'c.db'}") as url:
-        ids = _run_jobs(url, tmp_path, {"loader": ["1", "loader"]})
+        ids = _run_jobs(url, tmp_path, {"loader": ["1", "loader", syncs] if syncs else ["1", "loader"]})
         slow = httpx.get(f"{url}/api/v1/jobs/{ids['loader']}/stragglers", timeout=30).json()["items"]
     assert [s["rank"] for s in slow if s["flagged"]] == [1], slow
     assert next(s for s in slow if s["rank"] == 1)["phase"] == "between_steps"

@@ -6,7 +6,7 @@ import threading
 
 import msgspec
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from ddpscope.agent import records as wire
 from ddpscope.server import migrations, schema
@@ -147,6 +147,32 @@ def test_a_version_1_database_with_msgpack_step_arrays_is_repacked_on_open_and_r
         key = lambda r: (r["rank"], r["seq"])  # noqa: E731
         expected = [r for r in records if r["kind"] == "step"]
         assert sorted(again.fetch_records("synth", ["step"]), key=key) == sorted(expected, key=key)
+    finally:
+        again.close()
+
+
+def test_a_version_2_database_gets_the_blocked_time_columns_on_open_and_its_steps_read_as_zero(
+    storage, db_url
+):
+    records = synth_job(2, 3, 2)
+    storage.write_batch(decoded(records))
+    with storage.engines.writer.begin() as conn:  # what a version-2 collector created
+        for name in wire.BLOCKED_FIELDS:
+            conn.execute(text(f"ALTER TABLE steps DROP COLUMN {name}"))
+        conn.execute(schema.schema_version.update().values(version=2))
+    again = Storage.open(db_url)
+    try:
+        assert migrations.migrate(again.engines.writer) == migrations.LATEST
+        key = lambda r: (r["rank"], r["seq"])  # noqa: E731
+        expected = [r for r in records if r["kind"] == "step"]
+        assert sorted(again.fetch_records("synth", ["step"]), key=key) == sorted(expected, key=key)
+        newer = synth_job(2, 4, 2)[-12:]  # and the next steps store their blocked times again
+        again.write_batch(
+            decoded([{**r, "blocked_between_ns": 5} if r["kind"] == "step" else r for r in newer])
+        )
+        assert {
+            r["blocked_between_ns"] for r in again.fetch_records("synth", ["step"]) if r["step"] == 3
+        } == {5}
     finally:
         again.close()
 

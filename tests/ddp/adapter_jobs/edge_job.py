@@ -11,6 +11,9 @@ Scenarios:
               refused in the same job, instrument() again on the first returns it, and, once the
               agent is configured with another job (records to OUT_DIR/second<R>.jsonl), accepted.
   peer_dies   rank 1 dies (os._exit) while rank 0 waits in a bucket all-reduce past the hang timeout.
+  waits       a model with BatchNorm; rank 1 is slow before each forward (rank 0 waits for it in
+              torch's buffer broadcast) and before the loss all-reduce after each step (rank 0 waits
+              in that): the step records' blocked_* fields must hold rank 0's waits.
 """
 
 from __future__ import annotations
@@ -103,12 +106,30 @@ def peer_dies(rank: int, out_dir: str) -> dict[str, Any]:
     return {}
 
 
+WAIT_FORWARD_S = 0.05
+WAIT_BETWEEN_S = 0.03
+
+
+def waits(rank: int, out_dir: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = instrument(DDP(nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 4))))
+    for step in range(6):
+        if rank == 1:
+            time.sleep(WAIT_FORWARD_S)
+        loss = model(batch(rank, step)).square().mean()
+        loss.backward()
+        if rank == 1:
+            time.sleep(WAIT_BETWEEN_S)
+        dist.all_reduce(loss.detach())
+    return {}
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     _capture.capture(out_dir)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    result = {"accumulate": accumulate, "peer_dies": peer_dies}[scenario](rank, out_dir)
+    result = {"accumulate": accumulate, "peer_dies": peer_dies, "waits": waits}[scenario](rank, out_dir)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     _capture.flush()
     dist.destroy_process_group()

@@ -1,10 +1,15 @@
 """A rank of a small real DDP job streaming to a collector (DDPSCOPE_URL, DDPSCOPE_JOB from the env).
 
-    python train.py STEPS [SLOW_RANK [forward|loader]]
+    python train.py STEPS [SLOW_RANK [forward|loader [SYNC,...]]]
 
 Every rank sleeps BASE_SLEEP_S in its forward (data loading, say) so the step time is dominated by
 something the oversubscribed CPU cannot distort; SLOW_RANK sleeps EXTRA_SLEEP_S more: a straggler about
 50 % slower, in its forward (default) or, with ``loader``, before it (a slow data loader between steps).
+
+SYNC adds what real loops do that makes the fast ranks wait for the slow one somewhere other than the
+gradient all-reduce: ``loss`` all-reduces the loss after the optimizer step (for logging), ``subgroup``
+does that on a group of ranks 0 and 1 only, ``buffers`` gives the model a BatchNorm whose buffers the
+engine broadcasts from rank 0 before every forward.
 """
 
 from __future__ import annotations
@@ -28,11 +33,16 @@ def main() -> None:
     steps = int(sys.argv[1])
     slow_rank = int(sys.argv[2]) if len(sys.argv) > 2 else -1
     slow_loader = len(sys.argv) > 3 and sys.argv[3] == "loader"
+    syncs = set(sys.argv[4].split(",")) if len(sys.argv) > 4 else set()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    pair = dist.new_group([0, 1]) if "subgroup" in syncs else None
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 8))
+    norm = [nn.BatchNorm1d(128)] if "buffers" in syncs else []
+    net = nn.Sequential(
+        nn.Linear(32, 128), *norm, nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 8)
+    )
     extra = EXTRA_SLEEP_S if rank == slow_rank else 0.0
     pause = BASE_SLEEP_S + (0.0 if slow_loader else extra)
     loader_pause = extra if slow_loader else 0.0
@@ -43,8 +53,13 @@ def main() -> None:
         opt.zero_grad()
         if loader_pause:
             time.sleep(loader_pause)  # the next batch, slow on this rank only
-        model(torch.randn(16, 32)).sum().backward()
+        loss = model(torch.randn(16, 32)).sum()
+        loss.backward()
         opt.step()
+        if "loss" in syncs:
+            dist.all_reduce(loss.detach())
+        if pair is not None and rank in (0, 1):
+            dist.all_reduce(loss.detach(), group=pair)
     agent.emit({"kind": "rank_exit", "step": steps - 1, "reason": "finished"})
     agent.get_agent().force_flush(10.0)
     dist.destroy_process_group()
