@@ -94,6 +94,8 @@ class Storage:
 
     def __init__(self, engines: Engines) -> None:
         self.engines = engines
+        self.opened_s = time.time()
+        """This collector's start: liveness gives ranks last heard before it time to catch up."""
         self.dialect = engines.dialect
         self._writer = BatchWriter(engines.dialect)
         self._job_ids: dict[str, int] = {}
@@ -366,6 +368,7 @@ class Storage:
             unused=aggregate_unused(self.unused_rows(row.id)),
             agent_stats=latest(by_kind.get("agent_stats", [])),
             rank_last_seen_s={r.rank: r.last_seen_ns / 1e9 for r in row.ranks},
+            listening_since_s=self.opened_s,
         )
         snap.world_size = max(row.world_size, infer_world_size(snap.ranks, snap.rank_last_seen_s))
         return snap

@@ -93,6 +93,8 @@ class JobSnapshot:
     unused: list[UnusedParameter] = field(default_factory=list)
     agent_stats: dict[int, Record] = field(default_factory=dict)
     rank_last_seen_s: dict[int, float] = field(default_factory=dict)
+    listening_since_s: float | None = None
+    """When the collector that loaded this started (``Storage.opened_s``); None in pure analysis."""
 
     @property
     def last_seen_s(self) -> float:

@@ -102,6 +102,8 @@ class Liveness:
     """``lost`` for ``dead_after_s``: the job is gone (killed with all its ranks, its node lost)."""
     hangs_at_death: dict[int, Record] = field(default_factory=dict)
     """The hangs that were still active when a dead job fell quiet: they ended with it."""
+    listening_since_s: float | None = None
+    """When the collector reading this started (``JobSnapshot.listening_since_s``)."""
 
     @property
     def finished(self) -> bool:
@@ -140,8 +142,16 @@ class Liveness:
         return last if self.lost and last is not None else self.now_s
 
     def age_s(self, rank: int) -> float | None:
+        """How long the rank has been quiet. A rank last heard before the collector started is given
+        ``silent_after_s`` of listening first: after a collector restart the spooled records of a live
+        job take a few seconds to arrive, and until then its ranks only *look* quiet."""
         seen = self.last_alive_s.get(rank)
-        return None if seen is None else self.now_s - seen
+        if seen is None:
+            return None
+        since = self.listening_since_s
+        if since is not None and seen < since and 0.0 <= self.now_s - since < self.silent_after_s:
+            return self.now_s - since
+        return self.now_s - seen
 
 
 def _s(record: Mapping[str, Any]) -> float:
@@ -160,7 +170,13 @@ def liveness(
     snapshot = split_restart(snapshot)[0]
     seen_ranks = set(snapshot.rank_last_seen_s) | set(snapshot.heartbeats) | set(snapshot.ranks)
     ranks = sorted(set(range(snapshot.world_size)) | seen_ranks)
-    live = Liveness(now_s=now_s, silent_after_s=silent_after_s, ranks=ranks, dead_after_s=dead_after_s)
+    live = Liveness(
+        now_s=now_s,
+        silent_after_s=silent_after_s,
+        ranks=ranks,
+        dead_after_s=dead_after_s,
+        listening_since_s=snapshot.listening_since_s,
+    )
     started = {r: _s(rec) for r, rec in snapshot.ranks.items()}
 
     def counts(rec: Mapping[str, Any]) -> bool:

@@ -75,3 +75,39 @@ def test_ten_collector_sigkills_lose_and_duplicate_no_step_record(
     assert {r: len(s) for r, s in synth.per_rank.items()} == {0: PER_RANK, 1: PER_RANK}
     assert (real.rows, real.duplicates) == (2 * GLOO_STEPS, 0)
     assert real.per_rank == {0: set(range(GLOO_STEPS)), 1: set(range(GLOO_STEPS))}
+
+
+def test_a_live_job_is_not_called_silent_while_its_backlog_arrives_after_a_long_collector_outage(
+    tmp_path: Path, collector: CollectorProc, started: Started
+) -> None:
+    import httpx
+
+    url = collector.start()
+    job = "outage-live"
+    # The agent's default retry backoff (up to 5 s): the backlog arrives seconds after the restart.
+    env = {"DDPSCOPE_RETRY_MAX_S": "5"}
+    for r in (0, 1):
+        started.emitter(agent_env(url, tmp_path / "spool", job, rank=r, **env), 900, 20.0)  # 45 s of steps
+
+    def steps_stored() -> int:
+        r = httpx.get(f"{url}/api/v1/jobs/{job}/steps", params={"limit": 5000}, timeout=10)
+        return len(r.json()["items"]) if r.status_code == 200 else 0
+
+    deadline = time.monotonic() + 30
+    while steps_stored() < 20 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    collector.kill()
+    time.sleep(12)  # longer than the 10 s a rank may stay quiet before it counts as silent
+    collector.start()
+    before = steps_stored()
+    seen: set[tuple[str, str]] = set()
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        status = httpx.get(f"{url}/api/v1/jobs/{job}", timeout=10).json()["status"]
+        kinds = [
+            i["kind"] for i in httpx.get(f"{url}/api/v1/jobs/{job}/incidents", timeout=10).json()["items"]
+        ]
+        seen |= {("status", status)} | {("incident", k) for k in kinds}
+        time.sleep(0.3)
+    assert steps_stored() > before + 100  # the backlog did arrive meanwhile
+    assert seen == {("status", "running")}, seen

@@ -95,6 +95,26 @@ def test_a_job_that_stopped_reporting_altogether_is_hung_for_a_while_then_failed
     assert job_status(job.snapshot(), end + 3600) == "failed"
 
 
+def test_after_a_collector_restart_ranks_last_heard_before_it_get_time_for_their_backlog() -> None:
+    from dataclasses import replace
+
+    job = started(2)
+    end = job.train(3)
+    # The collector was down from `end` and came back 8 s later: the ranks' spooled records are still
+    # on their way, so for a while they only look quiet.
+    snap = replace(job.snapshot(), listening_since_s=end + 8)
+    for now in (end + 9, end + 17):
+        live = liveness(snap, now)
+        assert (live.status, live.silent, live.lost) == ("running", [], False), now
+        assert [i.kind for i in diagnose(snap, now)] == []
+    # Nothing came after all: the job stopped reporting, as it would have been judged without a restart.
+    assert job_status(snap, end + 8 + 11) == "hung"
+    assert job_status(replace(snap, listening_since_s=end + 3600), end + 3600 + 11) == "failed"
+    # A rank heard since the restart is judged as usual.
+    job.heartbeat(0, end + 20, step=3)
+    assert liveness(replace(job.snapshot(), listening_since_s=end + 8), end + 21).silent == [1]
+
+
 def test_a_hung_job_killed_whole_stops_hanging_once_it_is_dead_and_its_hangs_end_with_it() -> None:
     job = started(2)
     end = job.train(3)
