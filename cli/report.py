@@ -150,7 +150,8 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
         if inc.get("call_site"):
             out.append(f"  call site: {safe(inc['call_site'])}")
         if inc.get("stack"):
-            out.extend("  | " + line for line in _stack_tail(safe(inc["stack"], multiline=True)))
+            stack = _stack_tail(safe(inc["stack"], multiline=True), call_site=inc.get("call_site"))
+            out.extend("  | " + line for line in stack)
     if not incidents:
         out.append("none")
 
@@ -193,17 +194,42 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
     return "\n".join(out) + "\n", problems
 
 
-def _stack_tail(stack: str, lines: int = 8) -> list[str]:
+def _stack_tail(stack: str, lines: int = 8, call_site: str | None = None) -> list[str]:
     """The innermost frames of the first thread (the main thread, in a hang report's dump of every
-    thread), and how many other threads the API and the dashboard show in full."""
+    thread), and how many other threads the API and the dashboard show in full. When those frames are
+    all inside libraries (a DataLoader waiting on its worker queue is eight frames of multiprocessing),
+    the frame of the incident's ``call_site`` (the innermost line of user code) comes first."""
     blocks = [b for b in stack.strip().split("\n\n") if b.strip()]
     threads = [b for b in blocks if b.startswith("Thread ")]
     if len(threads) < 2:
-        return stack.rstrip().splitlines()[-lines:]
+        return _with_call_site(stack.rstrip().splitlines(), lines, call_site)
     head, *frames = threads[0].splitlines()
     more = len(threads) - 1
     return [
         f"{head.rstrip(':')} (innermost frames)",
-        *frames[-lines:],
+        *_with_call_site(frames, lines, call_site),
         f"... {more} other thread{'s' if more > 1 else ''}: see the incidents API or the dashboard",
+    ]
+
+
+def _with_call_site(frames: list[str], lines: int, call_site: str | None) -> list[str]:
+    """The last ``lines`` of ``frames``, led by the frame of ``call_site`` ("path:line") and a count of
+    the frames left out when that frame is not among them."""
+    tail = frames[-lines:]
+    path, _, line = (call_site or "").rpartition(":")
+    marker = f'File "{path}", line {line},'
+    at = next((i for i, f in enumerate(frames) if marker in f), None) if path else None
+    if at is None or at >= len(frames) - lines:
+        return tail
+    site = (
+        frames[at : at + 2] if at + 1 < len(frames) and "File " not in frames[at + 1] else frames[at : at + 1]
+    )
+    start = len(frames) - max(2, lines - len(site) - 1)
+    while start > at + len(site) and "File " not in frames[start]:
+        start -= 1  # begin at a frame's first line, not with the source line of a frame left out
+    skipped = sum("File " in f for f in frames[at + len(site) : start])
+    return [
+        *site,
+        f"  ... {skipped} frame{'s' if skipped != 1 else ''} inside libraries ...",
+        *frames[start:],
     ]

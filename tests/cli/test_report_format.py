@@ -21,3 +21,20 @@ def test_a_traceback_shows_its_last_lines() -> None:
         + "\nValueError: x"
     )
     assert _stack_tail(tb) == tb.splitlines()[-8:]
+
+
+def test_a_stack_whose_innermost_frames_are_all_library_code_is_led_by_the_users_call_site() -> None:
+    user = '  File "/proj/train.py", line 42, in main\n    batch = next(it)'
+    library = "\n".join(
+        f'  File "/usr/lib/python3.11/multiprocessing/queues.py", line {n}, in get\n    res = self._recv()'
+        for n in range(100, 110)
+    )
+    stack = f'Thread MainThread:\n{user}\n{library}\n\nThread loader:\n  File "/proj/data.py", line 3, in run'
+    shown = _stack_tail(stack, call_site="/proj/train.py:42")
+    assert shown[1:3] == user.splitlines()
+    assert shown[3] == "  ... 7 frames inside libraries ..."
+    assert shown[4:-1] == library.splitlines()[-6:] and len(shown) == 11
+    # A call site already among the innermost frames changes nothing.
+    assert _stack_tail(stack, call_site="/usr/lib/python3.11/multiprocessing/queues.py:109") == _stack_tail(
+        stack
+    )
