@@ -7,7 +7,8 @@ smallest round trip wins (queueing only ever adds delay), and half its round tri
 TORCH-FACTS measured this within 4-11 us across hosts; trusting a barrier was 10-100x worse.
 
 Every send and recv goes through the collective recorder under a per-pair group name
-(``"<pg>:p2p:0-<peer>"``), so both ends of a pair number their messages identically.
+(``"<pg>:p2p:<a>-<b>"``, the pair's global ranks, lower first, as for a user's send and recv), so both
+ends of a pair number their messages identically and the collector knows who the pair is.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def estimate_offset(group: Any = None, rounds: int = DEFAULT_ROUNDS) -> ClockEst
     buf = torch.zeros(2, dtype=torch.int64)
     if rank == 0:
         # Peers are served one after the other; each waits in its first recv until its turn.
+        me = dist.get_rank()
         for peer_rank in range(1, world):
             peer = dist.get_global_rank(group, peer_rank) if group is not None else peer_rank
-            pair = f"{base}:p2p:0-{peer_rank}"
+            pair = f"{base}:p2p:{min(me, peer)}-{max(me, peer)}"
             for _ in range(rounds):
                 _p2p("recv", buf, peer, pair)
                 t1 = time.time_ns()
@@ -71,7 +73,8 @@ def estimate_offset(group: Any = None, rounds: int = DEFAULT_ROUNDS) -> ClockEst
                 _p2p("send", buf, peer, pair)
         return ClockEstimate(0, 0, 0)
     root = dist.get_global_rank(group, 0) if group is not None else 0
-    pair = f"{base}:p2p:0-{rank}"
+    me = dist.get_rank()
+    pair = f"{base}:p2p:{min(me, root)}-{max(me, root)}"
     best: ClockEstimate | None = None
     for _ in range(rounds):
         t0 = time.time_ns()

@@ -18,6 +18,7 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from ddpscope.server.analysis.incident_model import (
+    P2P_OPS,
     ROOTED_OPS,
     UNEVEN_DATA_ADVICE,
     Incident,
@@ -27,7 +28,7 @@ from ddpscope.server.analysis.incident_model import (
     ranks_phrase,
     where,
 )
-from ddpscope.server.analysis.snapshot import JobSnapshot, RankSteps
+from ddpscope.server.analysis.snapshot import JobSnapshot, RankSteps, p2p_pair
 from ddpscope.server.analysis.status import Liveness
 from ddpscope.server.analysis.stuck import stuck_outside
 
@@ -112,10 +113,14 @@ class CollectiveIndex:
         self.max_seq[(rank, pg)] = max(self.max_seq.get((rank, pg), 0), seq)
 
     def members(self, pg: str, live: Liveness) -> list[int]:
-        """The ranks of ``pg``: every rank for the default group; else its recorded members, or, from
-        agents that do not send them, the ranks seen issuing on it."""
+        """The ranks of ``pg``: every rank for the default group; the pair a point-to-point channel is
+        named after; else its recorded members, or, from agents that do not send them, the ranks seen
+        issuing on it."""
         if pg == "default":
             return list(live.ranks)
+        pair = p2p_pair(pg)
+        if pair is not None:
+            return list(pair)
         known = self.group_ranks.get(pg)
         if known is not None:
             return known
@@ -144,7 +149,6 @@ class CollectiveIndex:
 SIZE_ABORT = "gloo aborts on the size mismatch"
 """What a mismatch of shapes or dtypes says; a rank that then dies of SIGABRT died of it."""
 
-P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 """Point-to-point ops: a send on one rank pairs with a recv on its peer at the same sequence number."""
 
 

@@ -63,7 +63,7 @@ def hang_incidents(
     graph: WaitGraph,
 ) -> list[Incident]:
     """One incident per (rank, step, phase) hang, the newest report of each."""
-    stuck = stuck_outside(snapshot)
+    anyone_in_own_code = any(in_own_code(h) for h in snapshot.hangs)
     waiting = sorted(r for r, h in live.active_hangs.items() if h.get("inflight"))
     waiting += sorted(r for seqs in colls.waits.values() for r in seqs if r not in waiting)
     out = []
@@ -74,6 +74,9 @@ def hang_incidents(
             # A stall in its own code no peer waited for (every rank evaluating): not a hang.
             continue
         seen.add(key)
+        # Where each peer was stuck *while this rank waited*: a later stall of the same peer (another
+        # evaluation, after the last step) is not why this one waited.
+        stuck = stuck_outside(snapshot, at_s=record_s(h)) if anyone_in_own_code else {}
         out.append(_HangReading(h, snapshot, live, colls, stuck).incident(missing, blame, waiting, graph))
     return out
 
@@ -151,7 +154,13 @@ class _HangReading:
 
     def _meanwhile(self, rank: int) -> str:
         stuck = self.stuck.get(rank)
-        return f"; {stuck.phrase()}" if stuck else ""
+        if stuck:
+            return f"; {stuck.phrase()}"
+        if rank not in self.live.last_alive_s:
+            # Known only from its peers' point-to-point or group records: stuck or slow before anything
+            # ddpscope measures (its set-up, a process group it creates), or never started.
+            return "; it has never reported: it is stuck or slow before its first measured collective, or not running"
+        return ""
 
     def incident(
         self, missing: Sequence[Incident], blame: Mapping[int, str], waiting: Sequence[int], graph: WaitGraph
@@ -179,6 +188,7 @@ class _HangReading:
             if r != rank:
                 why.setdefault(r, reason)
         why = _through_waits(why, blame, graph)
+        why = through_past_waits(why, self.snapshot, self.live, self.colls, record_s(h), keep={rank, *blame})
         own = why.pop(rank, None)
         if why and own is not None:  # a deadlock that names this rank among others
             why[rank] = own
@@ -233,6 +243,54 @@ class _HangReading:
             time_s=hang_start_s(h),
             active=state not in ("resolved", "exited"),
         )
+
+
+def through_past_waits(
+    why: Mapping[int, str],
+    snapshot: JobSnapshot,
+    live: Liveness,
+    colls: CollectiveIndex,
+    at_s: float,
+    *,
+    keep: set[int],
+    depth: int = 8,
+) -> dict[int, str]:
+    """``why`` with each peer whose own hang report shows it blocked in a collective at ``at_s`` replaced
+    by the peers *it* waited for there, and so on: the wait graph of a moment that is over (the live
+    ``WaitGraph`` sees only hangs still active). A rank that entered its peers' collective late, or never,
+    because it waited elsewhere itself (a slow set-up on one rank holds rank 0 in the clock sync, and
+    rank 0 holds everyone else) is a victim. ``keep``: ranks never replaced (the asking rank, ranks an
+    error names)."""
+    out: dict[int, str] = {}
+    for r, reason in why.items():
+        report = None if r in keep or depth == 0 else _blocked_report(snapshot, r, at_s)
+        theirs = None if report is None else _HangReading(report, snapshot, live, colls, {})
+        held = {} if theirs is None else {q: w for q, w in theirs._peers_at_wait().items() if q != r}
+        if theirs is None or theirs.wait is None or not held:
+            out.setdefault(r, reason)
+            continue
+        where = f"{describe(theirs.wait)}, collective #{theirs.wait['coll_seq']} of group {theirs.wait['pg']}"
+        deeper = through_past_waits(held, snapshot, live, colls, at_s, keep=keep | {r}, depth=depth - 1)
+        for q, w in deeper.items():
+            out.setdefault(q, f"{w}, holding up rank {r} in {where}, so that rank {r} {reason}")
+    return out
+
+
+def _blocked_report(snapshot: JobSnapshot, rank: int, at_s: float) -> Record | None:
+    """``rank``'s latest hang report that shows it blocked in a collective at ``at_s``: its stall had
+    begun by then and was not resolved before."""
+    best: Record | None = None
+    for h in snapshot.hangs:
+        if h["rank"] != rank or not h.get("inflight") or hang_start_s(h) > at_s:
+            continue
+        later = [
+            record_s(x) for x in snapshot.hang_resolved if x["rank"] == rank and record_s(x) >= record_s(h)
+        ]
+        if min(later, default=float("inf")) < at_s:
+            continue
+        if best is None or record_s(h) > record_s(best):
+            best = h
+    return best
 
 
 def _through_waits(why: Mapping[int, str], blame: Mapping[int, str], graph: WaitGraph) -> dict[int, str]:

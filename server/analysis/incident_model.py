@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ddpscope.server.analysis.snapshot import JobSnapshot
@@ -70,6 +71,10 @@ ROOTED_OPS = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "
 """Ops with a root rank, and the name of their root argument (a collective record's ``root``)."""
 
 
+P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
+"""Point-to-point ops, by direction."""
+
+
 def describe(c: Record) -> str:
     """``all_reduce(SUM) [4] float32 at train.py:57``; ``broadcast(src=1) [8] float32``,
     ``reduce(SUM, dst=0) [4] float32`` for rooted ops whose record has a root."""
@@ -80,7 +85,11 @@ def describe(c: Record) -> str:
     shape_txt = " " + ", ".join("[" + ",".join(map(str, s)) + "]" for s in shapes) if shapes else ""
     dtypes = sorted(set(c.get("dtypes") or []))
     site = f" at {c['call_site']}" if c.get("call_site") else ""
-    return f"{op}{shape_txt}{' ' + ','.join(dtypes) if dtypes else ''}{site}"
+    what = f"{op}{shape_txt}{' ' + ','.join(dtypes) if dtypes else ''}"
+    if c.get("source") == "engine" and c.get("op") in P2P_OPS:
+        # The only point-to-point calls ddpscope makes: a user never wrote them, so say what they are.
+        what = f"ddpscope's start-up clock sync ({what}) inside DistributedDataParallel(...)"
+    return f"{what}{site}"
 
 
 def record_s(record: Record) -> float:
@@ -88,9 +97,20 @@ def record_s(record: Record) -> float:
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
-_LIBRARY = re.compile(r"site-packages|dist-packages|/lib/python\d|/(?:agent|ddp)/_?[a-z_]+\.py$|<frozen")
+
+
+def _own_modules() -> str:
+    """``agent/clock.py|ddp/engine.py|...``: ddpscope's training-side files, listed from this install
+    (not imported: the server never imports torch)."""
+    root = Path(__file__).resolve().parents[2]
+    names = sorted(f"{d}/{p.name}" for d in ("agent", "ddp") for p in (root / d).glob("*.py"))
+    return "|".join(re.escape(n) for n in names) or "(?!)"
+
+
+_LIBRARY = re.compile(rf"site-packages|dist-packages|/lib/python\d|<frozen|/(?:{_own_modules()})$")
 """Frames that are not the user's: installed packages, the standard library, ddpscope's agent and engine
-(an editable install keeps them in the repository's agent/ and ddp/ folders)."""
+(an editable install keeps them in the repository's agent/ and ddp/ folders; a user's own folder
+named ddp/ is still the user's)."""
 
 
 def user_frame(stack: str | None) -> str | None:

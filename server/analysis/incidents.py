@@ -44,7 +44,7 @@ Pure functions of a ``JobSnapshot``; no database, no HTTP.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +55,7 @@ from ddpscope.server.analysis.collective_diagnosis import (
     missing_incidents,
     sync_schedule_incidents,
 )
-from ddpscope.server.analysis.hang_diagnosis import hang_incidents
+from ddpscope.server.analysis.hang_diagnosis import hang_incidents, through_past_waits
 from ddpscope.server.analysis.incident_model import (
     STOP_SIGNALS,
     UNEVEN_DATA_ADVICE,
@@ -459,16 +459,12 @@ def _error_incidents(
             cause = f"the cause is on {ranks_phrase(culprits)} (see the other incidents)"
         elif awaited := _awaited_before(left, snapshot, live, colls):
             # What the failed ranks were waiting in when they gave up: a timeout's cause.
-            culprits = sorted({r for _, _, missing in awaited for r in missing})
-            cause = "; ".join(
-                f"rank {v} was waiting in {describe(c)}, collective #{c['coll_seq']} of group {c['pg']}, which "
-                f"{ranks_phrase(missing)} never issued"
-                for v, c, missing in awaited
-            )
+            culprits = sorted({r for _, _, held in awaited for r in held})
+            cause = "; ".join(_awaited_phrase(v, c, held) for v, c, held in awaited)
             cause = f"the cause is on {ranks_phrase(culprits)}: {cause}"
-            for _, c, missing in awaited:
-                for r in missing:
-                    blame.setdefault(r, f"never issued collective #{c['coll_seq']} of group {c['pg']}")
+            for *_, held in awaited:
+                for r, why in held.items():
+                    blame.setdefault(r, why)
         else:
             cause = "no rank reported a cause: look for a rank killed by the OS or a network failure"
         msg = (
@@ -481,10 +477,12 @@ def _error_incidents(
 
 def _awaited_before(
     failed: Sequence[Record], snapshot: JobSnapshot, live: Liveness, colls: CollectiveIndex
-) -> list[tuple[int, Record, list[int]]]:
+) -> list[tuple[int, Record, dict[int, str]]]:
     """For each failed rank whose last hang report before its error shows it waiting in a collective:
-    (rank, that collective, the members that never issued it). Empty when none did."""
-    out: list[tuple[int, Record, list[int]]] = []
+    (rank, that collective, the ranks that held it up there, with why): the members that never issued
+    it or, when such a member was itself blocked waiting for another rank then, that rank (see
+    ``through_past_waits``). Empty when none did."""
+    out: list[tuple[int, Record, dict[int, str]]] = []
     for v in failed:
         rank = v["rank"]
         reports = [
@@ -498,10 +496,30 @@ def _awaited_before(
         pg, seq = inflight["pg"], inflight["coll_seq"]
         # The collective record has what the compact in-flight entry may lack (call site, step).
         c: Record = {**inflight, **colls.by_pg.get(pg, {}).get(rank, {}).get(seq, {})}
-        missing = [m for m in colls.behind(pg, seq, live) if m != rank]
+        never = _never_issued(c)
+        missing = {m: never for m in colls.behind(pg, seq, live) if m != rank}
         if missing:
-            out.append((rank, c, missing))
+            out.append(
+                (rank, c, through_past_waits(missing, snapshot, live, colls, record_s(v), keep={rank}))
+            )
     return out
+
+
+def _awaited_phrase(rank: int, c: Record, held: Mapping[int, str]) -> str:
+    """ "rank 2 was waiting in X, which rank 0 never issued", or, for a rank held up through another's
+    wait, "..., held up by rank 1, which entered ... late, holding up rank 0 ..."."""
+    never = _never_issued(c)
+    direct = [r for r, why in held.items() if why == never]
+    parts = [f"which {ranks_phrase(direct)} never issued"] if direct else []
+    parts += [f"held up by rank {r}, which {why}" for r, why in held.items() if r not in direct]
+    return (
+        f"rank {rank} was waiting in {describe(c)}, collective #{c['coll_seq']} of group {c['pg']}, "
+        + "; ".join(parts)
+    )
+
+
+def _never_issued(c: Record) -> str:
+    return f"never issued collective #{c['coll_seq']} of group {c['pg']}"
 
 
 def _error_incident(
@@ -592,9 +610,9 @@ def _unused_incidents(snapshot: JobSnapshot, live: Liveness) -> list[Incident]:
         used_on = [r for r in stepping if r not in ranks]
         first = min((u.first_step for u in items if u.first_step is not None), default=None)
         last = max((u.last_step for u in items if u.last_step is not None), default=None)
-        per_rank = max(u.steps for u in items) / len(ranks)
+        steps = max(u.steps for u in items)
         when = (
-            f", in {per_rank:.0f} step{'s' if per_rank >= 1.5 else ''} from step {first} to step {last}"
+            f", in {steps} step{'s' if steps > 1 else ''} from step {first} to step {last}"
             if first is not None and last != first
             else f", in step {first}"
             if first is not None

@@ -35,6 +35,7 @@ Every record inside is a **wire-shaped dict**: exactly the fields of ``ddpscope.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -69,7 +70,7 @@ class UnusedParameter:
     ranks: list[int]
     """Ranks on which it was unused at least once, ascending."""
     steps: int
-    """Number of (rank, step) pairs in which it was unused."""
+    """Number of steps in which it was unused on at least one rank."""
     first_step: int | None = None
     """The first and last step in which it was unused (on any rank)."""
     last_step: int | None = None
@@ -104,6 +105,29 @@ class JobSnapshot:
     def find_unused_parameters(self) -> bool:
         """True when any rank's engine runs with ``find_unused_parameters=True``."""
         return any(bool(r.get("find_unused_parameters")) for r in self.ranks.values())
+
+
+_P2P_PAIR = re.compile(r":p2p:(\d+)-(\d+)$")
+
+
+def p2p_pair(pg: str) -> tuple[int, int] | None:
+    """The two global ranks of a point-to-point channel ``<group>:p2p:<a>-<b>`` (a user's send/recv,
+    ddpscope's clock sync), None for any other group (or a recv from any source)."""
+    m = _P2P_PAIR.search(pg)
+    return None if m is None else (int(m.group(1)), int(m.group(2)))
+
+
+def named_ranks(collectives: Iterable[Mapping[str, Any]]) -> set[int]:
+    """Every rank the collectives name as a member of a group or a point-to-point pair: a rank that
+    never reported anything is still known to exist (its peers wait for it)."""
+    out: set[int] = set()
+    for pg in {c["pg"] for c in collectives}:
+        pair = p2p_pair(pg)
+        if pair is not None:
+            out.update(pair)
+    for members in {tuple(c["group_ranks"]) for c in collectives if c.get("group_ranks")}:
+        out.update(members)
+    return out
 
 
 def merge_collectives(

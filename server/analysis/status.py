@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpscope.server.analysis.incident_model import STOP_SIGNALS
-from ddpscope.server.analysis.snapshot import JobSnapshot, split_restart
+from ddpscope.server.analysis.snapshot import JobSnapshot, named_ranks, split_restart
 from ddpscope.server.analysis.stuck import is_hang
 
 DEFAULT_SILENT_AFTER_S = 10.0
@@ -169,6 +169,7 @@ def liveness(
     process: what a restarted rank's earlier process left is set aside)."""
     snapshot = split_restart(snapshot)[0]
     seen_ranks = set(snapshot.rank_last_seen_s) | set(snapshot.heartbeats) | set(snapshot.ranks)
+    seen_ranks |= named_ranks(snapshot.collectives)
     ranks = sorted(set(range(snapshot.world_size)) | seen_ranks)
     live = Liveness(
         now_s=now_s,

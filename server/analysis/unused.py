@@ -16,17 +16,14 @@ from ddpscope.server.analysis.snapshot import UnusedParameter
 def aggregate_unused(rows: Iterable[tuple[int, int, Sequence[str]]]) -> list[UnusedParameter]:
     """``rows`` are (rank, step, unused names) per step record; most frequently unused first."""
     ranks: dict[str, set[int]] = {}
-    counts: dict[str, int] = {}
-    first: dict[str, int] = {}
-    last: dict[str, int] = {}
+    steps: dict[str, set[int]] = {}
     for rank, step, names in rows:
         for name in names:
             ranks.setdefault(name, set()).add(rank)
-            counts[name] = counts.get(name, 0) + 1
-            first[name] = min(first.get(name, step), step)
-            last[name] = max(last.get(name, step), step)
+            steps.setdefault(name, set()).add(step)
     items = [
-        UnusedParameter(name, sorted(ranks[name]), counts[name], first[name], last[name]) for name in counts
+        UnusedParameter(name, sorted(ranks[name]), len(steps[name]), min(steps[name]), max(steps[name]))
+        for name in steps
     ]
     items.sort(key=lambda u: (-u.steps, u.name))
     return items

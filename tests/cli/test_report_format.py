@@ -38,3 +38,14 @@ def test_a_stack_whose_innermost_frames_are_all_library_code_is_led_by_the_users
     assert _stack_tail(stack, call_site="/usr/lib/python3.11/multiprocessing/queues.py:109") == _stack_tail(
         stack
     )
+
+
+def test_the_overlap_table_reads_step_times_of_synchronised_steps_only() -> None:
+    from ddpscope.cli.report import _overlap_section
+
+    synced = {"rank": 0, "synced": True, "step_s": 0.040, "comm_s": 0.025, "exposed_comm_s": 0.010}
+    accumulating = {"rank": 0, "synced": False, "step_s": 0.014, "comm_s": 0.0, "exposed_comm_s": 0.0}
+    steps = [{**synced, "overlap_ratio": 0.6}, *[{**accumulating, "overlap_ratio": None}] * 3]
+    header, row, *rest = _overlap_section(steps)
+    assert row.split()[:3] == ["0", "4", "40.0"]  # 4 steps, the median of the synced one: 40 ms
+    assert rest[0] == "3 no_sync() step(s) (no all-reduce) are left out of the medians."

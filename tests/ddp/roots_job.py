@@ -8,6 +8,9 @@ Scenarios:
              goes on to the default group's next all-reduce, where it waits for rank 0 with rank 2).
   monitored  3 ranks: ranks 0 and 1 enter a monitored_barrier (4 s timeout) that rank 2 skips (it goes
              on to the next all-reduce); rank 0's barrier raises, naming rank 2.
+  slow_setup 3 ranks build ddpscope's engine; rank 1 first spends JOB_SETUP_S (default 6 s) loading
+             (a checkpoint, say): rank 0 waits for it in the engine's start-up clock sync, and rank 2
+             for rank 0. Then two steps, and a clean finish.
 
 The process group's timeout is ``JOB_PG_TIMEOUT_S``: the hung collectives then raise and the ranks
 exit with an error. Lines marked ``# SITE:<name>`` are the call sites the tests look for.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -45,6 +49,14 @@ def main() -> None:
         if rank == 0:
             dist.all_reduce(torch.ones(8), group=sub)  # SITE:sub
         dist.all_reduce(torch.ones(4))  # SITE:after
+    elif scenario == "slow_setup":
+        from ddpscope.ddp import DistributedDataParallel
+
+        if rank == 1:
+            time.sleep(float(os.environ.get("JOB_SETUP_S", "6")))
+        model = DistributedDataParallel(torch.nn.Linear(4, 2))  # SITE:engine
+        for _ in range(2):
+            model(torch.ones(3, 4)).sum().backward()
     get_agent().force_flush(5.0)
     dist.destroy_process_group()
 

@@ -210,3 +210,23 @@ def test_a_real_subgroup_collective_one_member_never_issues_is_a_deadlock_blamed
     ), m
     assert "Rank 1 has never issued any collective on group pg:1" in m["message"], m
     assert all(1 not in i["culprit_ranks"] for i in found), found
+
+
+@pytest.mark.slow
+def test_a_real_rank_slow_before_the_engine_is_built_is_blamed_by_the_ranks_waiting_for_it_through_rank_0(
+    collector: tuple[str, Path],
+) -> None:
+    # Rank 2 waits in the clock sync for rank 0, which serves the ranks in turn and waits for rank 1
+    # first: rank 0 "entered late" from rank 2's side, but it was held up itself.
+    def of_rank_2(inc: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [
+            i for i in inc if i["kind"] == "hang" and i["rank"] == 2 and i["message"].startswith("(resolved)")
+        ]
+
+    hang, found = diagnosed(collector, "slow_setup", 3, of_rank_2)
+    assert hang["culprit_ranks"] == [1], hang
+    assert "ddpscope's start-up clock sync" in hang["message"] and "holding up rank 0" in hang["message"], (
+        hang
+    )
+    assert hang["call_site"].endswith(site("engine")), hang
+    assert all(i["culprit_ranks"] == [1] for i in found if i["kind"] == "hang"), found

@@ -233,7 +233,8 @@ def test_the_same_loader_on_every_rank_flags_nobody():
 
 def test_unused_parameters_are_aggregated_by_name_across_ranks_and_steps():
     found = aggregate_unused([(0, 1, ["a"]), (1, 1, ["a", "b"]), (1, 2, ["a"])])
-    assert [(u.name, u.ranks, u.steps) for u in found] == [("a", [0, 1], 3), ("b", [1], 1)]
+    # Steps, not (rank, step) pairs: "a" was unused in steps 1 and 2.
+    assert [(u.name, u.ranks, u.steps) for u in found] == [("a", [0, 1], 2), ("b", [1], 1)]
 
 
 def test_find_unused_parameters_without_any_unused_parameter_is_called_out():

@@ -343,3 +343,76 @@ def test_a_checkpoint_on_one_rank_that_held_up_its_peer_stays_its_culprit_after_
         "it was stuck in its own code, outside any collective, while rank 1 waited for it" in hangs[0].message
     )
     assert hangs[0].call_site == "/proj/data.py:12"
+
+
+def _clock_sync(job: JobRecords, rank: int, t: float, op: str, pair: str, *, done: bool) -> None:
+    job.coll(rank, t, 1, op=op, reduce_op=None, shapes=[[2]], dtypes=["int64"], pg=pair, site="train.py:30",
+             done=done, source="engine")  # fmt: skip
+
+
+def test_a_peer_that_entered_late_because_it_waited_for_another_rank_itself_passes_the_blame_on() -> None:
+    # No rank_start yet: all three wait in the engine's start-up clock sync. Rank 0 serves rank 1 first,
+    # which spent 12 s loading; rank 2 waits for rank 0 meanwhile. Everything resolves afterwards.
+    job = JobRecords(3)
+    _clock_sync(job, 2, T0, "send", "default:p2p:0-2", done=False)
+    _clock_sync(job, 0, T0, "recv", "default:p2p:0-1", done=False)
+    job.hang(0, T0 + 3, step=0, phase="idle", inflight=[inflight(1, T0, pg="default:p2p:0-1")])
+    job.hang(2, T0 + 3, step=0, phase="idle", inflight=[inflight(1, T0, pg="default:p2p:0-2")])
+    _clock_sync(job, 1, T0 + 12, "send", "default:p2p:0-1", done=True)
+    _clock_sync(job, 0, T0 + 12.1, "recv", "default:p2p:0-2", done=True)
+    for r in (0, 2):
+        job.add("hang_resolved", r, T0 + 12.2, step=0, hang_s=12.2)
+    hangs = {i.rank: i for i in diagnose(job.snapshot(), T0 + 13) if i.kind == "hang"}
+    assert hangs[0].culprit_ranks == [1] and "entered collective #1 12 s late" in hangs[0].message
+    assert hangs[2].culprit_ranks == [1], hangs[2].message
+    assert "holding up rank 0 in ddpscope's start-up clock sync (recv [2] int64)" in hangs[2].message
+    assert "so that rank 0 entered collective #1 12 s late" in hangs[2].message
+
+
+def test_a_rank_that_never_reported_is_named_from_the_pair_its_peer_waits_in() -> None:
+    # Rank 0 is stuck before anything is measured (creating process groups in another order than its
+    # peers): the collector knows it only from the name of the pair rank 2 sends to.
+    job = JobRecords(3)
+    _clock_sync(job, 2, T0, "send", "default:p2p:0-2", done=False)
+    job.hang(2, T0 + 3, step=0, phase="idle", inflight=[inflight(1, T0, pg="default:p2p:0-2")])
+    for r in (1, 2):
+        job.heartbeat(r, T0 + 4, phase="idle")  # rank 1 is alive elsewhere
+    incidents = diagnose(job.snapshot(), T0 + 5)
+    hang = only(incidents, "hang")
+    assert hang.culprit_ranks == [0], hang.message
+    assert "never issued collective #1 of group default:p2p:0-2; it has never reported" in hang.message
+    assert "inside the backend" not in hang.message
+
+
+def test_a_peer_stuck_in_its_own_code_is_quoted_from_the_stall_that_held_this_rank_up_not_a_later_one() -> (
+    None
+):
+    # Rank 1 evaluates alone after step 2 while rank 0 waits for it; it evaluates again after its last
+    # step, when nobody waits.
+    job = started(2)
+    end = job.train(3)
+    waiting_in(job, 0, end + 5, 7, step=3)
+    stuck_hang(job, 1, end + 4, step=2, phase="idle", line=12)
+    job.add("hang_resolved", 1, end + 8, step=2, hang_s=8.0)
+    job.add("hang_resolved", 0, end + 8, step=3, hang_s=8.0)
+    job.coll(1, end + 8, 7, site="train.py:57", step=3)
+    later = job.train(2, t=end + 9, first=4)
+    stuck_hang(job, 1, later + 4, step=5, phase="idle", line=99)
+    hang = next(i for i in diagnose(job.snapshot(), later + 5) if i.kind == "hang" and i.rank == 0)
+    assert "stuck between steps after step 2 at /proj/data.py:12" in hang.message, hang.message
+    assert "data.py:99" not in hang.message
+
+
+def test_the_users_own_folder_named_ddp_is_user_code_and_ddpscopes_engine_is_not() -> None:
+    from ddpscope.server.analysis.incident_model import user_frame
+
+    def tb(*paths: str) -> str:
+        return "Traceback (most recent call last):\n" + "".join(
+            f'  File "{p}", line 7, in f\n' for p in paths
+        )
+
+    engine = "/repo/ddpscope/ddp/engine.py"  # an editable install keeps the engine in ddp/
+    assert user_frame(tb("/proj/ddp/train.py", engine)) == "/proj/ddp/train.py:7"
+    assert (
+        user_frame(tb("/proj/agent/loop.py", "/usr/lib/python3.11/threading.py")) == "/proj/agent/loop.py:7"
+    )
