@@ -75,6 +75,7 @@ from ddpscope.server.analysis.incident_model import (
 from ddpscope.server.analysis.snapshot import JobSnapshot, UnusedParameter, split_restart
 from ddpscope.server.analysis.status import (
     DEFAULT_SILENT_AFTER_S,
+    LOST_PEER_ERROR,
     MONITORED_BARRIER,
     Liveness,
     is_secondary,
@@ -243,7 +244,12 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
         mine = snapshot.steps.get(r)
         last = mine.last_step if mine else None
 
-        stranded_ranks = [o for o in live.ranks if o != r and _stranded(snapshot, live, o, last, left_s)]
+        # A rank whose loop ended may linger (post-processing, a checkpoint) while its peers time out
+        # waiting for the next step's all-reduce: its loop ended when its last step did.
+        loop_end_s = mine.last_step_end_ns / 1e9 if mine and reason == "finished" else left_s
+        stranded_ranks = [
+            o for o in live.ranks if o != r and _stranded(snapshot, live, o, last, left_s, loop_end_s)
+        ]
         if not stranded_ranks:
             continue
         how = (
@@ -275,13 +281,19 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
             )
         after = f" after step {last}" if last is not None else ""
         hung = [o for o in stranded_ranks if o in live.active_hangs]
-        failed = [o for o in stranded_ranks if o not in hung]
+        timed_out = [
+            o
+            for o in stranded_ranks
+            if o not in hung and not LOST_PEER_ERROR.search(str(live.fatal.get(o, {}).get("message", "")))
+        ]
+        failed = [o for o in stranded_ranks if o not in hung and o not in timed_out]
         fate = " and ".join(
             part
             for part in (
                 f"{ranks_phrase(failed)} then lost {'its connection' if len(failed) == 1 else 'their connections'} to it"
                 if failed
                 else "",
+                f"{ranks_phrase(timed_out)} timed out waiting for it" if timed_out else "",
                 f"{ranks_phrase(hung)} now hang waiting for it" if hung else "",
             )
             if part
@@ -301,9 +313,12 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
     return out
 
 
-def _stranded(snapshot: JobSnapshot, live: Liveness, o: int, last: int | None, left_s: float) -> bool:
-    """Rank ``o`` had got as far as a rank that left after step ``last`` at ``left_s``, was still in
-    the job, and then lost its connection to a peer or hung."""
+def _stranded(
+    snapshot: JobSnapshot, live: Liveness, o: int, last: int | None, left_s: float, loop_end_s: float
+) -> bool:
+    """Rank ``o`` had got as far as a rank that left after step ``last`` at ``left_s`` (its loop ended at
+    ``loop_end_s``), was still in the job, and then lost its connection to a peer, timed out waiting in
+    a step the other never began, or hung."""
     theirs = snapshot.steps.get(o)
     if last is not None and (theirs is None or theirs.last_step < last):
         return False  # it had not got as far: the other rank leaving is not what stopped it
@@ -312,8 +327,15 @@ def _stranded(snapshot: JobSnapshot, live: Liveness, o: int, last: int | None, l
         return False
     fatal = live.fatal.get(o)
     # A peer's lost connection after the exit; its own bug would be a primary error.
-    failed_after = fatal is not None and is_secondary(fatal) and record_s(fatal) >= left_s - CLOCK_SLACK_S
-    return failed_after or o in live.active_hangs
+    if fatal is None or not is_secondary(fatal):
+        return o in live.active_hangs
+    if record_s(fatal) >= left_s - CLOCK_SLACK_S:
+        return True
+    # A timeout in a later step than the leaving rank's last, after that step: the leaving rank was out
+    # of its loop (lingering before its exit) while this one waited for it.
+    step = fatal.get("step")
+    later_step = last is not None and step is not None and step > last
+    return (later_step and record_s(fatal) >= loop_end_s - CLOCK_SLACK_S) or o in live.active_hangs
 
 
 def _error_incidents(

@@ -416,3 +416,19 @@ def test_the_users_own_folder_named_ddp_is_user_code_and_ddpscopes_engine_is_not
     assert (
         user_frame(tb("/proj/agent/loop.py", "/usr/lib/python3.11/threading.py")) == "/proj/agent/loop.py:7"
     )
+
+
+def test_a_rank_whose_loop_ended_early_and_lingered_past_its_peers_timeout_is_still_an_early_exit() -> None:
+    # Rank 1 has fewer batches: after step 2 it leaves its loop and post-processes for 28 s, while
+    # ranks 0 and 2 wait in step 3's all-reduce until their 20 s timeout; then it exits cleanly.
+    job = started(3)
+    end = job.train(3)  # steps 0..2
+    for r in (0, 2):
+        waiting_in(job, r, end + 3, 7, step=3)
+        job.error(r, end + 20, "Timed out waiting 20000ms for recv operation to complete", step=3)
+    job.exit(1, end + 28, step=2)
+    incidents = diagnose(job.snapshot(), end + 29)
+    early = only(incidents, "rank_exited_early")
+    assert early.culprit_ranks == [1], early.message
+    assert "exited normally after step 2 while ranks 0, 2 were still training" in early.message
+    assert "ranks 0, 2 timed out waiting for it" in early.message and "uneven data" in early.message
