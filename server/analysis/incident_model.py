@@ -215,4 +215,11 @@ def where(snapshot: JobSnapshot, rank: int) -> str:
     pid = (hb or {}).get("pid") or start.get("pid")
     if pid:
         parts.append(f"pid {pid}" + (f" on {start['host']}" if start.get("host") else ""))
+    if not parts and not start:
+        # No rank_start: the engine (or instrument()) never finished setting up on this rank.
+        parts.append(
+            "during set-up, before DistributedDataParallel(...) returned"
+            if rank in snapshot.rank_last_seen_s
+            else "it never reported anything"
+        )
     return f" ({'; '.join(parts)})" if parts else ""
