@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -123,6 +125,20 @@ def test_the_schema_is_versioned_and_reopening_does_not_migrate_again(storage, d
         again.close()
 
 
+@contextlib.contextmanager
+def reopened(db_url: str, records: list[dict]) -> Iterator[Storage]:
+    """The database opened again, migrated to the latest schema; its step records read as written."""
+    again = Storage.open(db_url)
+    try:
+        assert migrations.migrate(again.engines.writer) == migrations.LATEST
+        key = lambda r: (r["rank"], r["seq"])  # noqa: E731
+        expected = [r for r in records if r["kind"] == "step"]
+        assert sorted(again.fetch_records("synth", ["step"]), key=key) == sorted(expected, key=key)
+        yield again
+    finally:
+        again.close()
+
+
 def test_a_version_1_database_with_msgpack_step_arrays_is_repacked_on_open_and_reads_the_same(
     storage, db_url
 ):
@@ -141,14 +157,8 @@ def test_a_version_1_database_with_msgpack_step_arrays_is_repacked_on_open_and_r
             )
             conn.execute(t.update().where(key).values(arrays=old))
         conn.execute(schema.schema_version.update().values(version=1))
-    again = Storage.open(db_url)
-    try:
-        assert migrations.migrate(again.engines.writer) == migrations.LATEST
-        key = lambda r: (r["rank"], r["seq"])  # noqa: E731
-        expected = [r for r in records if r["kind"] == "step"]
-        assert sorted(again.fetch_records("synth", ["step"]), key=key) == sorted(expected, key=key)
-    finally:
-        again.close()
+    with reopened(db_url, records):
+        pass  # reopening checks it
 
 
 def test_a_version_2_database_gets_the_blocked_time_columns_on_open_and_its_steps_read_as_zero(
@@ -160,21 +170,13 @@ def test_a_version_2_database_gets_the_blocked_time_columns_on_open_and_its_step
         for name in wire.BLOCKED_FIELDS:
             conn.execute(text(f"ALTER TABLE steps DROP COLUMN {name}"))
         conn.execute(schema.schema_version.update().values(version=2))
-    again = Storage.open(db_url)
-    try:
-        assert migrations.migrate(again.engines.writer) == migrations.LATEST
-        key = lambda r: (r["rank"], r["seq"])  # noqa: E731
-        expected = [r for r in records if r["kind"] == "step"]
-        assert sorted(again.fetch_records("synth", ["step"]), key=key) == sorted(expected, key=key)
+    with reopened(db_url, records) as again:
         newer = synth_job(2, 4, 2)[-12:]  # and the next steps store their blocked times again
         again.write_batch(
             decoded([{**r, "blocked_between_ns": 5} if r["kind"] == "step" else r for r in newer])
         )
-        assert {
-            r["blocked_between_ns"] for r in again.fetch_records("synth", ["step"]) if r["step"] == 3
-        } == {5}
-    finally:
-        again.close()
+        stored = again.fetch_records("synth", ["step"])
+        assert {r["blocked_between_ns"] for r in stored if r["step"] == 3} == {5}
 
 
 def test_a_database_from_a_newer_collector_is_refused(storage, db_url):
