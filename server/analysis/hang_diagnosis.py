@@ -41,6 +41,7 @@ from ddpscope.server.analysis.stuck import (
     in_own_code,
     is_hang,
     main_site,
+    own_code_hangs,
     stuck_outside,
     waiters,
 )
@@ -63,7 +64,7 @@ def hang_incidents(
     graph: WaitGraph,
 ) -> list[Incident]:
     """One incident per (rank, step, phase) hang, the newest report of each."""
-    anyone_in_own_code = any(in_own_code(h) for h in snapshot.hangs)
+    own_code = own_code_hangs(snapshot)
     waiting = sorted(r for r, h in live.active_hangs.items() if h.get("inflight"))
     waiting += sorted(r for seqs in colls.waits.values() for r in seqs if r not in waiting)
     out = []
@@ -76,7 +77,7 @@ def hang_incidents(
         seen.add(key)
         # Where each peer was stuck *while this rank waited*: a later stall of the same peer (another
         # evaluation, after the last step) is not why this one waited.
-        stuck = stuck_outside(snapshot, at_s=record_s(h)) if anyone_in_own_code else {}
+        stuck = stuck_outside(snapshot, at_s=record_s(h), own_code=own_code) if own_code else {}
         out.append(_HangReading(h, snapshot, live, colls, stuck).incident(missing, blame, waiting, graph))
     return out
 

@@ -13,6 +13,7 @@ stretch. The watchdog cannot see progress in user code, so the collector decides
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ddpscope.server.analysis.incident_model import Record, record_s, user_frame
@@ -83,15 +84,23 @@ def is_hang(snapshot: JobSnapshot, hang: Record) -> bool:
     return not in_own_code(hang) or bool(waiters(snapshot, hang))
 
 
-def stuck_outside(snapshot: JobSnapshot, at_s: float | None = None) -> dict[int, Stuck]:
+def own_code_hangs(snapshot: JobSnapshot) -> list[Record]:
+    """The hang reports with nothing in flight and nothing pending, oldest first."""
+    return [h for h in sorted(snapshot.hangs, key=record_s) if in_own_code(h)]
+
+
+def stuck_outside(
+    snapshot: JobSnapshot, at_s: float | None = None, own_code: Sequence[Record] | None = None
+) -> dict[int, Stuck]:
     """Per rank, its first hang report with nothing in flight and nothing pending: the rank is stuck in
     its own code (a data loader, a forward that never returns). Without ``at_s``, only hangs not since
     resolved; with it, hangs that covered that moment, resolved later or not (a rank asleep in forward
-    for 25 s while its peers hit a 10 s timeout moves on afterwards, but it was the cause)."""
+    for 25 s while its peers hit a 10 s timeout moves on afterwards, but it was the cause).
+    ``own_code``: ``own_code_hangs(snapshot)``, for a caller that asks about many moments."""
     out: dict[int, Stuck] = {}
-    for h in sorted(snapshot.hangs, key=record_s):
+    for h in own_code_hangs(snapshot) if own_code is None else own_code:
         r = h["rank"]
-        if not in_own_code(h) or r in out:
+        if r in out:
             continue
         start = hang_start_s(h)
         resolved = [
