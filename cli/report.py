@@ -68,7 +68,7 @@ def _overlap_section(steps: list[dict[str, Any]]) -> list[str]:
         comm_rows = [r for r in rows if r.get("comm_s")]
         overlap = statistics.median(r["overlap_ratio"] for r in comm_rows) if comm_rows else None
         lines.append(
-            f"{rank:>4}  {len(rows):>5}  {_fmt_s(statistics.median(step_values) if step_values else None):>13}  "
+            f"{rank:>4}  {len(step_values):>5}  {_fmt_s(statistics.median(step_values) if step_values else None):>13}  "
             f"{_fmt_s(statistics.median(r['comm_s'] for r in comm_rows) if comm_rows else None):>9}  "
             f"{_fmt_s(statistics.median(r['exposed_comm_s'] for r in comm_rows) if comm_rows else None):>9}  "
             f"{'-' if overlap is None else f'{overlap:.0%}':>7}"

@@ -442,8 +442,13 @@ def _error_incidents(
     for r in live.crashed:
         last = colls.last(r, "default")
         step = position(snapshot, r)[0]
+        head = (
+            f"Rank {r} stopped reporting with no error and no clean exit{where(snapshot, r)}"
+            if r in live.last_alive_s
+            else f"Rank {r} never reported anything (it died during its set-up, before ddpscope measured it)"
+        )
         msg = (
-            f"Rank {r} stopped reporting with no error and no clean exit{where(snapshot, r)}, and "
+            f"{head}, and "
             f"{ranks_phrase(v['rank'] for v in victims)} then lost "
             f"{'its connection' if len({v['rank'] for v in victims}) == 1 else 'their connections'} to it: it was killed "
             "(SIGKILL, the OOM killer), crashed in native code or left through os._exit() (which runs no exit "

@@ -47,5 +47,5 @@ def test_the_overlap_table_reads_step_times_of_synchronised_steps_only() -> None
     accumulating = {"rank": 0, "synced": False, "step_s": 0.014, "comm_s": 0.0, "exposed_comm_s": 0.0}
     steps = [{**synced, "overlap_ratio": 0.6}, *[{**accumulating, "overlap_ratio": None}] * 3]
     header, row, *rest = _overlap_section(steps)
-    assert row.split()[:3] == ["0", "4", "40.0"]  # 4 steps, the median of the synced one: 40 ms
+    assert row.split()[:3] == ["0", "1", "40.0"]  # the one synced step, 40 ms
     assert rest[0] == "3 no_sync() step(s) (no all-reduce) are left out of the medians."
