@@ -25,6 +25,7 @@ from ddpscope.server.analysis.incident_model import (
     Record,
     capitalized,
     describe,
+    never_issued,
     ranks_phrase,
     where,
 )
@@ -619,7 +620,7 @@ def _missing(
     culprits = graph.resolve(missing)
     for r in culprits:
         if r not in graph.waits:
-            blame.setdefault(r, f"never issued collective #{seq} of group {pg}")
+            blame.setdefault(r, never_issued(pg, seq))
     msg += " (" + "; ".join(details) + ")"
     if culprits != sorted(missing):
         holds = "holds" if len(culprits) == 1 else "hold"

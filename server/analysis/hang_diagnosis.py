@@ -30,6 +30,7 @@ from ddpscope.server.analysis.incident_model import (
     Incident,
     Record,
     describe,
+    never_issued,
     ranks_phrase,
     record_s,
 )
@@ -42,6 +43,7 @@ from ddpscope.server.analysis.stuck import (
     is_hang,
     main_site,
     own_code_hangs,
+    span_s,
     stuck_outside,
     waiters,
 )
@@ -144,7 +146,7 @@ class _HangReading:
         # Read from the index's per-number lists: every hanging rank of a large job asks the same.
         for r in self.colls.behind(pg, seq, self.live):
             if r != self.rank:
-                why[r] = f"never issued collective #{seq} of group {pg}{self._meanwhile(r)}"
+                why[r] = f"{never_issued(pg, seq)}{self._meanwhile(r)}"
         for start_ns, r in self.colls.entered(pg, seq):
             late = (start_ns - wait["start_ns"]) / 1e9
             if late < late_after:
@@ -282,12 +284,10 @@ def _blocked_report(snapshot: JobSnapshot, rank: int, at_s: float) -> Record | N
     begun by then and was not resolved before."""
     best: Record | None = None
     for h in snapshot.hangs:
-        if h["rank"] != rank or not h.get("inflight") or hang_start_s(h) > at_s:
+        if h["rank"] != rank or not h.get("inflight"):
             continue
-        later = [
-            record_s(x) for x in snapshot.hang_resolved if x["rank"] == rank and record_s(x) >= record_s(h)
-        ]
-        if min(later, default=float("inf")) < at_s:
+        start, resolved_s = span_s(snapshot, h)
+        if not start <= at_s <= resolved_s:
             continue
         if best is None or record_s(h) > record_s(best):
             best = h

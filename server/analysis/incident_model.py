@@ -92,6 +92,12 @@ def describe(c: Record) -> str:
     return f"{what}{site}"
 
 
+def never_issued(pg: str, seq: int) -> str:
+    """Why a member holds up a collective: the reason every diagnosis gives in the same words (the
+    timeout error tells a direct culprit from one found through other waits by it)."""
+    return f"never issued collective #{seq} of group {pg}"
+
+
 def record_s(record: Record) -> float:
     return float(record["time_ns"]) / 1e9
 

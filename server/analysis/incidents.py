@@ -65,6 +65,7 @@ from ddpscope.server.analysis.incident_model import (
     describe,
     error_brief,
     first_line,
+    never_issued,
     position,
     ranks_phrase,
     record_s,
@@ -523,7 +524,7 @@ def _awaited_before(
         pg, seq = inflight["pg"], inflight["coll_seq"]
         # The collective record has what the compact in-flight entry may lack (call site, step).
         c: Record = {**inflight, **colls.by_pg.get(pg, {}).get(rank, {}).get(seq, {})}
-        never = _never_issued(c)
+        never = never_issued(pg, seq)
         missing = {m: never for m in colls.behind(pg, seq, live) if m != rank}
         if missing:
             out.append(
@@ -535,7 +536,7 @@ def _awaited_before(
 def _awaited_phrase(rank: int, c: Record, held: Mapping[int, str]) -> str:
     """ "rank 2 was waiting in X, which rank 0 never issued", or, for a rank held up through another's
     wait, "..., held up by rank 1, which entered ... late, holding up rank 0 ..."."""
-    never = _never_issued(c)
+    never = never_issued(c["pg"], c["coll_seq"])
     direct = [r for r, why in held.items() if why == never]
     parts = [f"which {ranks_phrase(direct)} never issued"] if direct else []
     parts += [f"held up by rank {r}, which {why}" for r, why in held.items() if r not in direct]
@@ -543,10 +544,6 @@ def _awaited_phrase(rank: int, c: Record, held: Mapping[int, str]) -> str:
         f"rank {rank} was waiting in {describe(c)}, collective #{c['coll_seq']} of group {c['pg']}, "
         + "; ".join(parts)
     )
-
-
-def _never_issued(c: Record) -> str:
-    return f"never issued collective #{c['coll_seq']} of group {c['pg']}"
 
 
 def _error_incident(

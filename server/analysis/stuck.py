@@ -54,7 +54,7 @@ def in_own_code(hang: Record) -> bool:
     return not hang.get("inflight") and not hang.get("pending_buckets")
 
 
-def _span_s(snapshot: JobSnapshot, hang: Record) -> tuple[float, float]:
+def span_s(snapshot: JobSnapshot, hang: Record) -> tuple[float, float]:
     """From the stall's start to the rank's first ``hang_resolved`` after the report (open-ended: a
     hang that ended in a death or an exit is treated as lasting, which only widens the overlap)."""
     resolved = [
@@ -68,12 +68,12 @@ def _span_s(snapshot: JobSnapshot, hang: Record) -> tuple[float, float]:
 def waiters(snapshot: JobSnapshot, hang: Record) -> list[int]:
     """The other ranks that reported a wait in a collective (or for gradients) while this rank's stall
     lasted: the stall held them up."""
-    start, end = _span_s(snapshot, hang)
+    start, end = span_s(snapshot, hang)
     out = set()
     for peer in snapshot.hangs:
         if peer["rank"] == hang["rank"] or in_own_code(peer):
             continue
-        peer_start, peer_end = _span_s(snapshot, peer)
+        peer_start, peer_end = span_s(snapshot, peer)
         if peer_start < end and start < peer_end:
             out.add(peer["rank"])
     return sorted(out)
@@ -102,13 +102,10 @@ def stuck_outside(
         r = h["rank"]
         if r in out:
             continue
-        start = hang_start_s(h)
-        resolved = [
-            record_s(x) for x in snapshot.hang_resolved if x["rank"] == r and record_s(x) >= record_s(h)
-        ]
-        if at_s is None and resolved:
+        start, resolved_s = span_s(snapshot, h)
+        if at_s is None and resolved_s != float("inf"):
             continue
-        if at_s is not None and not (start <= at_s <= min(resolved, default=float("inf"))):
+        if at_s is not None and not (start <= at_s <= resolved_s):
             continue
         out[r] = Stuck(r, str(h.get("phase")), h.get("step"), main_site(h), start)
     return out

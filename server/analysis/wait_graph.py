@@ -20,7 +20,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ddpscope.server.analysis.collective_diagnosis import CollectiveIndex
-from ddpscope.server.analysis.incident_model import Incident, Record, capitalized, describe, ranks_phrase
+from ddpscope.server.analysis.incident_model import (
+    Incident,
+    Record,
+    capitalized,
+    describe,
+    never_issued,
+    ranks_phrase,
+)
 from ddpscope.server.analysis.status import Liveness
 
 
@@ -62,7 +69,7 @@ class WaitGraph:
         # in the oldest: the later ones wait behind it, whoever else they lack.
         for rank, record in self.blocked.items():
             pg, seq = record["pg"], record["coll_seq"]
-            never = f"never issued collective #{seq} of group {pg}"
+            never = never_issued(pg, seq)
             on = {m: never for m in colls.behind(pg, seq, live) if m != rank}
             odd = mismatched.get((pg, seq), ())
             if rank not in odd:
