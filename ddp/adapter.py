@@ -9,25 +9,31 @@ Usage (every rank, right after wrapping; a collective call like DDP's constructo
 
 What it attaches (torch's engine keeps doing all the work; gradients are bit-identical):
 
-- a **comm hook** that runs each bucket's all-reduce exactly as torch's default one does (scale by
-  1/world size, SUM all-reduce) or calls the user's hook, and records its launch, its completion
-  (the ``then`` callback, on a gloo thread) and a ``collective`` record;
-- a **post-accumulate-grad hook** per parameter: its ready time (it fires just before the Reducer's);
+- an **observed process group** (``adapter_group``) given to torch's Reducer in place of its own: each
+  bucket all-reduce the Reducer launches is recorded (launch time, a ``collective`` record) and runs on
+  the real group. No comm hook, so torch keeps scaling while it copies gradients into the bucket;
+- a **post-accumulate-grad hook** per parameter: its ready time (it fires just before the Reducer's), and
+  the end of any bucket all-reduce that completed meanwhile;
 - **forward pre/post hooks** on the DDP module, and a hook on the forward's outputs: backward start;
 - two **queued autograd callbacks**: the first one, queued at backward start, runs before the Reducer's
-  finalizer (queued later, once every bucket is launched) and queues the second, which therefore runs
-  after the finalizer waited for every all-reduce: that is backward end, and the ``step`` record.
+  finalizer (queued later, once every bucket is launched); it gives each bucket still reducing a
+  completion callback that stamps its end, and queues the second, which therefore runs after the
+  finalizer waited for every all-reduce: that is backward end, and the ``step`` record.
+
+With a user's comm hook (passed through ``instrument``) a comm hook wraps it and its future's ``then``
+callback dates the end, as no observed group can see the hook's own collectives as this bucket's.
 
 The bucket layout is torch's own (``adapter_layout``). Unused parameters of a synchronised step are
 those whose post-accumulate hook never fired. ``no_sync()`` steps are recorded with ``synced=False``.
 
-Cost and limits. Any Python comm hook costs what torch's own Python ``allreduce_hook`` costs: the C++
-Reducer no longer scales while copying into the bucket (one more pass over the gradients) and takes
-the GIL for the hook, for the ``then`` callback (gloo thread) and to read its result; bench/adapter.py
-measures it next to this adapter. An all-reduce end is when its ``then`` callback got the GIL.
-Collectives torch issues from C++ (buffer broadcasts before forward, the rebuild's index broadcast,
-the unused-parameter bitmap) bypass the collective recorder, so they have no sequence numbers here;
-the buffer broadcast's duration is still counted as time blocked in forward (``BlockedTime``).
+Cost and limits. Per bucket: one Python call from the Reducer and, for the buckets still reducing when
+the gradients are done, one callback on a gloo thread; per parameter one hook. (A comm hook would cost
+more: torch then copies gradients into the bucket unscaled, so the hook scales it in one more pass, and
+takes the GIL for the hook, its ``then`` callback and its result; bench/adapter.py measures both.) An
+all-reduce end is when the training thread noticed it or when its callback ran. The unused-parameter
+bitmap all-reduce is recorded as an engine collective; torch's buffer broadcasts before forward and the
+rebuild's index broadcast bypass the recorder, so they have no sequence numbers here; the buffer
+broadcast's duration is still counted as time blocked in forward (``BlockedTime``).
 Records name a rank and a step, not a model, so one model per process and job is measured; a second
 one is refused (see ``instrument``).
 """
@@ -47,11 +53,13 @@ from ddpscope import agent
 from ddpscope.agent import clock as agent_clock
 from ddpscope.agent.clock import now_ns
 from ddpscope.ddp import monitor
+from ddpscope.ddp.adapter_group import ObservedGroup
 from ddpscope.ddp.adapter_layout import (
     Layout,
     LayoutLearner,
     empty_layout,
     predict_initial,
+    read_layout,
     reducer_parameters,
 )
 from ddpscope.ddp.clock import estimate_offset
@@ -78,11 +86,12 @@ def instrument(
     """Measure a torch ``DistributedDataParallel`` model; returns the same object.
 
     Call it on every rank before the first forward: it exchanges clock samples with rank 0. A model
-    that already has a communication hook is refused (torch allows only one, and ddpscope needs
-    its own): register nothing yourself and pass ``comm_hook``/``comm_state`` here instead.
-    Instrumenting twice returns the model unchanged. One model per process and job is measured: a
-    second, different model is refused with ``ValueError`` unless the agent was configured with
-    another job since (``ddpscope.agent.configure(job=...)``), which detaches the previous model.
+    that already has a communication hook is refused (a hook's collectives do not show which bucket
+    they reduce, so ddpscope times a hook by wrapping it): register nothing yourself and pass
+    ``comm_hook``/``comm_state`` here instead. Instrumenting twice returns the model unchanged. One
+    model per process and job is measured: a second, different model is refused with ``ValueError``
+    unless the agent was configured with another job since (``ddpscope.agent.configure(job=...)``),
+    which detaches the previous model (measured again if instrumented again, unless it has a hook).
     With ``DDPSCOPE_DISABLED=1`` nothing is attached (the user's ``comm_hook``, if given, is
     registered as torch would).
     """
@@ -94,7 +103,7 @@ def instrument(
     global _current
     config = agent.get_agent().config
     existing: Instrumentation | None = getattr(ddp, _ATTR, None)
-    if existing is not None:
+    if existing is not None and not existing.reattachable:
         if comm_hook is not None:
             raise ValueError(
                 "instrument(): this model is already instrumented; pass comm_hook the first time."
@@ -102,8 +111,8 @@ def instrument(
         if existing.detached:
             raise ValueError(
                 "instrument(): this model's measurement was detached when another model was instrumented "
-                "under a new job, and torch cannot take a second comm hook: ddpscope cannot measure it "
-                "again in this process."
+                "under a new job, and its comm hook (yours, passed through ddpscope) stays registered: "
+                "torch takes only one, so ddpscope cannot measure it again in this process."
             )
         return ddp
     if getattr(config, "disabled", False):
@@ -184,16 +193,11 @@ class Instrumentation:
         self.job = job
         """The agent's job when this model was instrumented."""
         self.detached = False
-        """``remove_hooks()`` ran: the comm hook only reduces (torch cannot unregister it)."""
+        """``remove_hooks()`` ran: nothing of this model is measured any more."""
         self._group = ddp.process_group
         self._pg = pg_name(self._group)
         self._rank = global_rank()
         world = self._group.size()
-        self._world = world
-        self._scale = 1.0 / world
-        # torch scales a gradient that already lives in its bucket (gradient_as_bucket_view) with
-        # div_(world) and one it copies in with mul(1/world): the same bits only for powers of two.
-        self._exact_div = bool(ddp.gradient_as_bucket_view) and world & (world - 1) != 0
         self._user_hook = comm_hook
         self._user_state = comm_state
         self._plans: dict[tuple[int, int, Any], PlannedCollective] = {}
@@ -206,14 +210,9 @@ class Instrumentation:
         self.params = params
         self._base = empty_layout(params, names)
         self._learner = LayoutLearner(params)
-        self._confirmed = False
-        """The layout in use was observed in the comm hook (not just predicted)."""
-        self._learning = False
         self._torch_rebuilt = bool(getattr(ddp, "_has_rebuilt_buckets", False))
         """torch's ``_has_rebuilt_buckets`` as last seen after a forward."""
-        self._rebuilt_at: int | None = None
-        """The step in whose forward torch rebuilt its buckets, until the comm hook has read them."""
-        self._set_layout(predict_initial(ddp, self._base))
+        self._set_layout(read_layout(ddp, self._learner, self._base) or predict_initial(ddp, self._base))
 
         self.timer = StepTimer(self._rank, self._bucket_bytes)
         self._step = 0
@@ -224,8 +223,6 @@ class Instrumentation:
         """A synchronised backward is under way: pending buckets mean something."""
         self._queued = False
         self._reset_step()
-        self._in_bucket = [False] * len(params)
-        """Per parameter (``_exact_div`` only): its gradient was already a view of its bucket."""
 
         agent.emit_durable(
             rank_start_record(
@@ -249,9 +246,21 @@ class Instrumentation:
         self._handles.append(ddp.register_forward_hook(self._after_forward_or_error, always_call=True))
         self._time_buffer_broadcasts(ddp)
         self._forward_ok = True
-        # torch's own register_comm_hook: it also names the hook in _get_ddp_logging_data().
-        ddp.register_comm_hook(None, self._comm_hook)
+        self._observed: ObservedGroup | None = None
+        """The group torch's Reducer all-reduces through (see ``adapter_group``); None with a user's hook."""
+        if comm_hook is None:
+            self._observed = ObservedGroup(self._group, self._reducer_allreduce)
+            ddp.reducer._update_process_group(self._observed)
+        else:
+            # torch's own register_comm_hook: it also names the hook in _get_ddp_logging_data().
+            ddp.register_comm_hook(None, self._comm_hook)
         PROGRESS.pending_buckets = self.pending_wire
+
+    @property
+    def reattachable(self) -> bool:
+        """Detached and without a comm hook (torch takes one per model): ``instrument()`` may measure
+        this model again."""
+        return self.detached and self._observed is not None
 
     # -- records ---------------------------------------------------------------------------------
 
@@ -288,6 +297,12 @@ class Instrumentation:
         self._launch = [0] * n
         self._done = [0] * n
         self._seqs = [0] * n
+        self._works: list[Any] = [None] * n
+        self._launch_plans: list[PlannedCollective | None] = [None] * n
+        self._next_launch = 0
+        """Buckets of this step whose all-reduce torch launched (it launches them in index order)."""
+        self._next_done = 0
+        """Buckets of this step whose all-reduce end is recorded (in index order too)."""
 
     def _before_forward(self, module: Any, args: Any) -> None:
         self._forward_ok = False
@@ -296,6 +311,8 @@ class Instrumentation:
             # evaluation longer than the timeout is working, not hung.
             PROGRESS.tick()
             return
+        if self._next_done < self._next_launch:
+            self._watch_launched()  # the last backward raised before its end
         self._synced = synced = bool(self.ddp.require_backward_grad_sync)
         self._active = False
         self._queued = False
@@ -313,16 +330,12 @@ class Instrumentation:
         rebuilt = bool(getattr(self.ddp, "_has_rebuilt_buckets", False))
         if rebuilt != self._torch_rebuilt:
             # torch rebuilds in _pre_forward, in whichever forward comes first after the synced backward
-            # that recorded the gradient order: often a no_sync() one, whose backward reduces nothing.
-            # The buckets can only be read in a comm hook, so learn them in the next synced backward.
+            # that recorded the gradient order (often a no_sync() one): read the new buckets now.
             self._torch_rebuilt = rebuilt
             if rebuilt:
-                self._rebuilt_at = self._cur
+                self._relearn_layout()
         if self._synced:
             self._active = True
-            if not self._confirmed or self._rebuilt_at is not None:
-                self._learning = True
-                self._learner.reset()
         # A hook on the outputs marks backward start even when no parameter gets a gradient here.
         for t in grad_tensors(output):
             node = t.grad_fn
@@ -331,6 +344,18 @@ class Instrumentation:
             else:
                 # Bound in C++: ~2 us a step, where Tensor.register_hook's Python wrapper costs ~5 us.
                 node.register_prehook(self._on_output_grad)
+
+    def _relearn_layout(self) -> None:
+        try:
+            layout = read_layout(self.ddp, self._learner, self._base)
+        except Exception:
+            logger.warning("ddpscope: reading torch's rebuilt buckets failed", exc_info=True)
+            return
+        if layout is None:
+            logger.warning("ddpscope: could not read torch's bucket layout at step %d", self._cur)
+        elif layout.buckets != self.layout.buckets:
+            self._set_layout(layout)
+            self._emit_layout("rebuilt", self._cur)
 
     def _after_forward_or_error(self, module: Any, args: Any, output: Any) -> None:
         """torch calls this after every forward, also one that raised (``always_call``), from inside
@@ -359,60 +384,140 @@ class Instrumentation:
         torch.autograd.Variable._execution_engine.queue_callback(self._after_gradients)
 
     def _after_gradients(self) -> None:
-        # Runs before torch's Reducer finalizer (queued later); queue the end behind it.
+        # Runs before torch's Reducer finalizer (queued later, once every bucket is launched); queue
+        # the end behind it.
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if self._observed is not None:
+            self._watch_launched()
 
     def _make_param_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        if self._exact_div:
-            in_bucket = self._in_bucket
-
-            def hook_noting_views(param: torch.Tensor) -> None:
-                if not self._queued:
-                    self._begin_backward()
-                self._times[index] = now_ns()
-                PROGRESS.counter += 1
-                # Runs before the Reducer's own hook, so this is the state torch decides on.
-                grad = param.grad
-                in_bucket[index] = grad is not None and grad._base is not None
-
-            return hook_noting_views
-
         def hook(param: torch.Tensor) -> None:
             if not self._queued:
                 self._begin_backward()
             self._times[index] = now_ns()
             PROGRESS.counter += 1
+            if self._next_done < self._next_launch:
+                self._poll()
 
         return hook
 
-    def _scale_bucket(self, bucket: Any, buf: torch.Tensor) -> None:
-        """Scale exactly as torch's C++ Reducer would have without a comm hook."""
-        if not self._exact_div:
-            buf.mul_(self._scale)
+    def _reducer_allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        """torch's Reducer all-reduces bucket k (or, with ``find_unused_parameters``, its bitmap of used
+        parameters): recorded, then run on the real group. Called from C++ through ``ObservedGroup``."""
+        group = self._group
+        k = self._next_launch
+        try:
+            bucket = (
+                self._active
+                and k < len(self.layout.buckets)
+                and len(tensors) == 1
+                and (tensors[0].is_floating_point() or tensors[0].is_complex())
+            )
+            if not bucket:
+                return self._other_allreduce(tensors, opts)
+            called = now_ns()
+            plan = self._plan(k, tensors[0])
+            seq = RECORDER.begin_planned(plan, self._cur)
+        except Exception:
+            # Bookkeeping must never stand between torch and its all-reduce.
+            logger.warning("ddpscope: recording a bucket all-reduce failed", exc_info=True)
+            return group.allreduce(tensors, opts)
+        try:
+            work = group.allreduce(tensors, opts)
+        except Exception as e:
+            RECORDER.end(self._pg, seq, ok=False, error=str(e))
+            raise
+        self._launch[k] = called
+        self._seqs[k] = seq
+        self._works[k] = work
+        self._launch_plans[k] = plan
+        self._next_launch = k + 1
+        if k + 1 == len(self.layout.buckets):
+            PROGRESS.enter("allreduce")
+        return work
+
+    def _other_allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        step = None if self.detached else self._cur
+        op = getattr(opts.reduceOp, "name", None) or str(opts.reduceOp)
+        seq = RECORDER.begin(self._pg, "all_reduce", tuple(tensors), reduce_op=op, source="engine", step=step)
+        try:
+            work = self._group.allreduce(tensors, opts)
+        except Exception as e:
+            RECORDER.end(self._pg, seq, ok=False, error=str(e))
+            raise
+        self._watch(work, seq, None)
+        return work
+
+    def _poll(self) -> None:
+        """Record the end of each bucket all-reduce that completed, in order, as of now (during
+        backward, from the parameter hooks: the training thread is there anyway)."""
+        works = self._works
+        while self._next_done < self._next_launch:
+            k = self._next_done
+            work = works[k]
+            if not work.is_completed():
+                return
+            error = _failure(work)
+            if error is None:
+                self._done[k] = now_ns()
+                plan = self._launch_plans[k]
+                assert plan is not None
+                RECORDER.end_planned(plan, self._seqs[k])
+            else:
+                RECORDER.end(self._pg, self._seqs[k], ok=False, error=error)
+            works[k] = None
+            self._next_done = k + 1
+
+    def _watch_launched(self) -> None:
+        """Every bucket all-reduce launched and not ended yet gets a completion callback that records
+        its end. Called when the gradients are done (waiting here instead would delay torch's finalizer,
+        which dates the end of backward compute as it starts), after backward, and before the next
+        forward (for a backward that raised)."""
+        try:
+            self._poll()
+            for k in range(self._next_done, self._next_launch):
+                self._watch(self._works[k], self._seqs[k], self._launch_plans[k], self._done, k)
+                self._works[k] = None
+            self._next_done = self._next_launch
+        except Exception:
+            logger.warning("ddpscope: watching the bucket all-reduces failed", exc_info=True)
+
+    def _watch(
+        self, work: Any, seq: int, plan: PlannedCollective | None, done: list[int] | None = None, k: int = 0
+    ) -> None:
+        callback = functools.partial(self._on_end, seq, plan, done, k)
+        work.get_future().add_done_callback(callback)
+
+    def _on_end(
+        self, seq: int, plan: PlannedCollective | None, done: list[int] | None, k: int, future: Any
+    ) -> None:
+        """A watched all-reduce completed (on the thread that completed it, or at once if it had).
+        ``done`` is its step's own list of end times, so a callback late for its step cannot touch the
+        next one's."""
+        at = now_ns()
+        try:
+            future.value()
+        except Exception as e:
+            # Recorded now: torch's finalizer raises this into backward(), and the process may die of it.
+            RECORDER.end(self._pg, seq, ok=False, error=str(e))
             return
-        index_of = self._learner.index_of
-        flags = [self._in_bucket[index_of.get(id(p), -1)] for p in bucket.parameters()]
-        if not any(flags):
-            buf.mul_(self._scale)
-        elif all(flags):
-            buf.div_(self._world)
-        else:
-            for view, in_place in zip(bucket.gradients(), flags, strict=True):
-                if in_place:
-                    view.div_(self._world)
-                else:
-                    view.mul_(self._scale)
+        try:
+            if done is not None:
+                done[k] = at
+            if plan is None:
+                RECORDER.end(self._pg, seq, ok=True)
+            else:
+                RECORDER.end_planned(plan, seq)
+        except Exception:
+            logger.warning("ddpscope: recording an all-reduce end failed", exc_info=True)
 
     # No annotations on purpose: torch checks them against dist.GradBucket and Future at registration,
     # and postponed annotations (``from __future__ import annotations``) are strings to it.
     def _comm_hook(self, state, bucket):
+        """The user's comm hook, timed: used only when ``instrument()`` was given one."""
         t = now_ns()
         k = bucket.index()
-        last = bucket.is_last()
-        if self._learning:
-            self._learn(bucket, last)
         buf = bucket.buffer()
-        user = self._user_hook
         step = None if self.detached else self._cur  # a detached model's steps are counted no more
         plan = None
         if step is None:
@@ -420,25 +525,19 @@ class Instrumentation:
         else:
             plan = self._plan(k, buf)
             seq = RECORDER.begin_planned(plan, step)
-        if user is None:
-            # Exactly torch's default path: scale in the bucket, then a SUM all-reduce. Called on the
-            # process group itself, as torch's C++ default does (the patched dist.all_reduce is for users).
-            self._scale_bucket(bucket, buf)
-            fut = self._group.allreduce([buf]).get_future()
-        else:
-            # The user's own collectives are this bucket's reduction, recorded once above.
-            with RECORDER.engine_call():
-                fut = user(self._user_state, bucket)
+        # The user's own collectives are this bucket's reduction, recorded once above.
+        with RECORDER.engine_call():
+            fut = self._user_hook(self._user_state, bucket)  # type: ignore[misc]  # set on this path
         self._launch[k] = t
         self._seqs[k] = seq
-        if last and not self.detached:
+        if bucket.is_last() and not self.detached:
             PROGRESS.enter("allreduce")  # nothing of a detached model's would ever return it to idle
-        return fut.then(functools.partial(self._on_reduced, k, seq, plan, user is None))
+        return fut.then(functools.partial(self._on_reduced, k, seq, plan))
 
     def _plan(self, k: int, buf: torch.Tensor) -> PlannedCollective:
         """Bucket k's all-reduce plan, made the first time a bucket of this index, size and dtype is
         reduced: torch's buckets keep their size and dtype step after step (a rebuild makes new keys),
-        so like the engine's the hook hands the recorder integers instead of reading the bucket's
+        so like the engine's the adapter hands the recorder integers instead of reading the bucket's
         shape and building a record with the caches cold from backward (~105 us a bucket)."""
         key = (k, buf.numel(), buf.dtype)
         plan = self._plans.get(key)
@@ -456,9 +555,9 @@ class Instrumentation:
         return plan
 
     def _on_reduced(
-        self, k: int, seq: int, plan: PlannedCollective | None, listed: bool, fut: torch.futures.Future[Any]
-    ) -> torch.Tensor:
-        """On a gloo thread when bucket k's communication completes; the value goes back to torch."""
+        self, k: int, seq: int, plan: PlannedCollective | None, fut: torch.futures.Future[Any]
+    ) -> Any:
+        """On a gloo thread when the user's hook for bucket k completes; the value goes back to torch."""
         try:
             value = fut.value()
         except Exception as e:
@@ -469,38 +568,21 @@ class Instrumentation:
             RECORDER.end(self._pg, seq, ok=True)
         else:
             RECORDER.end_planned(plan, seq)
-        return value[0] if listed else value
-
-    def _learn(self, bucket: Any, last: bool) -> None:
-        try:
-            self._learner.observe(bucket)
-            if not last:
-                return
-            self._learning = False
-            layout = self._learner.result(self._base)
-            if layout is None:
-                logger.warning("ddpscope: could not read torch's bucket layout at step %d", self._cur)
-                return
-            changed = layout.buckets != self.layout.buckets
-            rebuilt_at = self._rebuilt_at
-            self._confirmed = True
-            self._rebuilt_at = None
-            if changed:
-                self._set_layout(layout)
-                # A rebuilt layout applies from the forward that rebuilt it, even if that was a
-                # no_sync() step; an unconfirmed prediction is corrected from this step on.
-                if rebuilt_at is not None:
-                    self._emit_layout("rebuilt", rebuilt_at)
-                else:
-                    self._emit_layout("initial", self._cur)
-        except Exception:
-            # The all-reduce must go on whatever went wrong in the bookkeeping.
-            logger.warning("ddpscope: reading torch's buckets failed", exc_info=True)
+        return value
 
     def _end_backward(self) -> None:
         """Second queued callback: after torch's finalizer waited for every bucket."""
         end = now_ns()
         try:
+            if self._observed is not None:
+                # torch wakes from its wait before the last callbacks ran; they record the ends, the
+                # step record takes backward's end for a bucket not stamped yet (static graph's first
+                # step launches every bucket after the gradients: watched only now).
+                self._watch_launched()
+                done, launch = self._done, self._launch
+                for k in range(self._next_launch):
+                    if launch[k] and not done[k]:
+                        done[k] = end
             self.timer.emit(self._fill_timer(), backward_end_ns=end)
         except Exception:
             logger.warning("ddpscope: building the step record failed", exc_info=True)
@@ -567,14 +649,25 @@ class Instrumentation:
         ddp._distributed_broadcast_coalesced = timed  # type: ignore[method-assign]
 
     def remove_hooks(self) -> None:
-        """Detach the parameter and forward hooks (torch cannot unregister a comm hook; it keeps
-        reducing exactly as the default one does)."""
+        """Detach the hooks and give torch's Reducer its own process group back (a user's comm hook
+        stays registered, as torch cannot unregister one; it keeps reducing, unmeasured)."""
         for h in self._handles:
             h.remove()
         self._handles = []
         self.ddp.__dict__.pop("_distributed_broadcast_coalesced", None)
+        if self._observed is not None:
+            self.ddp.reducer._update_process_group(self._group)
         self._active = False
-        self._learning = False
         self.detached = True
         if PROGRESS.pending_buckets == self.pending_wire:
             PROGRESS.pending_buckets = list
+
+
+def _failure(work: Any) -> str | None:
+    """A completed Work's error message, or None if it succeeded (read from its future: torch
+    deprecates ``Work.exception()`` and ``is_success()`` with a warning)."""
+    try:
+        work.get_future().value()
+    except Exception as e:
+        return str(e)
+    return None

@@ -1,15 +1,12 @@
 """torch's own bucket layout, as the ``instrument()`` adapter sees it.
 
-torch's C++ Reducer does not expose its buckets to Python, so the adapter learns them two ways:
-
-- **Predicted** at ``instrument()`` time by calling the very functions torch's constructor used
-  (``_build_params_for_reducer``, ``compute_bucket_size_limits``, ``_compute_bucket_assignment_by_size``,
-  buckets reversed), so a hang in the first step can already name the parameters of each bucket.
-- **Observed** in the comm hook: ``GradBucket.parameters()`` of every bucket, read during the first
-  synchronised step and again after torch rebuilds its buckets (in the gradient-ready order of the
-  first synchronised backward, at the start of the next forward, which may be a ``no_sync()`` one: then
-  the buckets are read in the next synchronised step). The observation is the truth; the prediction is
-  only a head start.
+torch's C++ Reducer shows its buckets to Python only through ``_get_zeros_like_grad_buckets``
+(``GradBucket.parameters()`` of every bucket), so the adapter **reads** them there at ``instrument()``
+time and again right after the forward in which torch rebuilt them (in the gradient-ready order of the
+first synchronised backward, at the start of the next forward, which may be a ``no_sync()`` one).
+Where that call is missing, the initial layout is **predicted** with the very functions torch's
+constructor used (``_build_params_for_reducer``, ``compute_bucket_size_limits``,
+``_compute_bucket_assignment_by_size``, buckets reversed).
 
 A ``Layout`` holds, per bucket, the indices into the reducer's parameter list (torch's order: the
 module's trainable parameters, shared ones once), plus names and bytes in the wire shape.
@@ -115,12 +112,12 @@ def predict_initial(ddp: Any, base: Layout) -> Layout:
             return base.with_buckets(list(reversed(indices)))
         logger.debug("predicted buckets do not cover the %d parameters; using one bucket", count)
     except (AttributeError, TypeError, RuntimeError):
-        logger.debug("cannot recompute torch's initial buckets; the comm hook will tell", exc_info=True)
+        logger.debug("cannot recompute torch's initial buckets; using one bucket", exc_info=True)
     return base.with_buckets([list(range(count))])
 
 
 class LayoutLearner:
-    """Assembles a layout from the GradBucket objects one backward's comm hook calls see."""
+    """Assembles a layout from torch's GradBucket objects (the Reducer's, one per bucket)."""
 
     __slots__ = ("index_of", "_seen")
 
@@ -148,3 +145,22 @@ class LayoutLearner:
             logger.debug("observed buckets do not cover the parameters exactly: %s", buckets)
             return None
         return base.with_buckets(buckets)
+
+
+def read_layout(ddp: Any, learner: LayoutLearner, base: Layout) -> Layout | None:
+    """torch's current buckets, read from its Reducer; None if this torch cannot tell.
+
+    ``_get_zeros_like_grad_buckets`` is the Reducer's only view of its buckets from Python; it hands
+    each bucket over with a zeroed copy of its gradients, so the call briefly allocates the size of
+    the model's gradients (once at ``instrument()`` and once at torch's rebuild).
+    """
+    try:
+        buckets = ddp.reducer._get_zeros_like_grad_buckets()
+    except (AttributeError, RuntimeError):
+        logger.debug("cannot read torch's buckets from its Reducer", exc_info=True)
+        return None
+    learner.reset()
+    for bucket in buckets:
+        learner.observe(bucket)
+    del buckets
+    return learner.result(base)

@@ -122,8 +122,27 @@ def test_a_second_model_under_a_new_job_is_measured_alone_and_the_first_detached
             "rank_start",
             "layout",
         ]
-        # The first model kept training after the switch; none of it reached either job as a step.
+        # The first model kept training after the switch; none of it reached either job as a step,
+        # and its bucket all-reduces went to torch's own group again, unrecorded.
         assert not [r for r in second if r["kind"] == "hang"]
+        stepped = {seq for r in second if r["kind"] == "step" for seq in r["collective_seqs"]}
+        recorded = {r["coll_seq"] for r in second if r["kind"] == "collective" and r["op"] == "all_reduce"}
+        assert stepped and recorded == stepped
+
+
+def test_a_detached_model_instrumented_again_under_a_third_job_is_measured_again(
+    accumulated: tuple[JobRun, Path],
+) -> None:
+    _, out = accumulated
+    for rank in (0, 1):
+        assert result(out, rank)["reattached"]
+        third = read_jsonl(out / f"third{rank}.jsonl")
+        steps = [r for r in third if r["kind"] == "step"]
+        assert [r["step"] for r in steps] == [0, 1, 2, 3]
+        (layout,) = [r for r in third if r["kind"] == "layout"]
+        # torch rebuilt this model's buckets long ago: the layout read is the rebuilt one.
+        assert len(layout["buckets"]) > 1
+        assert all(len(r["collective_seqs"]) == len(layout["buckets"]) for r in steps if r["synced"])
 
 
 # -- a peer dies while this rank hangs -------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,24 @@ def test_find_unused_parameters_still_trains_identically(unused: AdapterRun) -> 
         assert unused.results_json[rank]["identical"], unused.results_json[rank]["max_diff"]
 
 
+@pytest.mark.parametrize("scenario", ["static", "sparse", "join"])
+def test_static_graphs_sparse_gradients_and_uneven_inputs_train_identically_and_are_recorded(
+    scenario: str, tmp_path: Path
+) -> None:
+    # Each reaches torch's process group another way (delayed launches, a sparse all-reduce, the
+    # Join hook's shadow all-reduces): all of them through ddpscope's observed group.
+    job = run(scenario, tmp_path)
+    for rank in (0, 1):
+        assert job.results_json[rank]["identical"], job.results_json[rank]["max_diff"]
+        seqs = {r["coll_seq"] for r in job.of(rank, "collective") if r["op"] == "all_reduce"}
+        ended = {r["coll_seq"] for r in job.of(rank, "collective_end") if r["ok"]}
+        assert seqs and seqs <= ended  # every recorded all-reduce ended, none failed
+        for record in steps(job, rank):
+            if record["synced"]:
+                assert record["collective_seqs"] and set(record["collective_seqs"]) <= seqs
+                assert all(end > 0 for end in record["allreduce_end_ns"])
+
+
 def test_a_users_comm_hook_passed_through_instrument_gives_the_same_parameters(userhook: AdapterRun) -> None:
     for rank in (0, 1):
         assert userhook.results_json[rank]["identical"], userhook.results_json[rank]["max_diff"]
@@ -170,7 +189,10 @@ def test_allreduce_span_and_overlap_agree_with_torchs_sampled_timings(parity: Ad
         assert statistics.median(start_diff) < 1 * ms, start_diff
         assert statistics.median(ready_diff) < 3 * ms, ready_diff
         assert statistics.median(overlap_diff) < 3 * ms, overlap_diff
-        assert min(end_lag) > -ms // 2 and statistics.median(end_lag) < 15 * ms, end_lag
+        # ddpscope stamps an end in Python, torch in C++: when another thread holds the GIL (the
+        # agent's worker), the stamp waits for it, at most one switch interval.
+        switch = int(sys.getswitchinterval() * 1e9)
+        assert min(end_lag) > -switch - ms // 2 and statistics.median(end_lag) < 15 * ms, end_lag
 
 
 def test_step_records_are_ordered_in_time_with_one_collective_per_bucket(parity: AdapterRun) -> None:

@@ -15,6 +15,10 @@ Scenarios:
   asview   gradient_as_bucket_view=True, gradients kept between steps (zero_grad(set_to_none=False)):
            torch then divides in the bucket instead of multiplying; run with 3 ranks to tell them apart.
   disabled DDPSCOPE_DISABLED=1 (set by the test): what instrument() attached, if anything.
+  static   static_graph=True (torch delays the first step's all-reduces to the end of backward).
+  sparse   an nn.Embedding with sparse gradients next to dense layers (a bucket of its own).
+  join     uneven inputs under torch's Join: rank 1 runs out of batches two steps early, and its
+           Join hook shadows the all-reduces of the steps it misses.
 """
 
 from __future__ import annotations
@@ -133,6 +137,46 @@ def asview(rank: int) -> dict[str, Any]:
     return compare(plain, inst)
 
 
+def static(rank: int) -> dict[str, Any]:
+    plain = DDP(mlp(), static_graph=True)
+    inst = instrument(DDP(mlp(), static_graph=True))
+    train_pair(plain, inst, rank, 256)
+    return compare(plain, inst)
+
+
+class Sparse(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(100, 32, sparse=True)
+        self.head = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed((x.abs() * 10).long().clamp(max=99)).mean(1))
+
+
+def sparse(rank: int) -> dict[str, Any]:
+    plain = DDP(Sparse())
+    inst = instrument(DDP(Sparse()))
+    train_pair(plain, inst, rank, 16)
+    return compare(plain, inst)
+
+
+def join(rank: int) -> dict[str, Any]:
+    from torch.distributed.algorithms.join import Join
+
+    models = (DDP(mlp()), instrument(DDP(mlp())))
+    batches = STEPS - 2 * rank  # rank 1 runs out early
+    for model in models:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        with Join([model]):
+            for step in range(batches):
+                model(batch(rank, step, 256)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+    return compare(*models)
+
+
 def userhook(rank: int) -> dict[str, Any]:
     plain = DDP(mlp())
     plain.register_comm_hook(None, fp16_compress_hook)
@@ -203,6 +247,9 @@ def main() -> None:
         "hang": hang,
         "asview": asview,
         "disabled": disabled,
+        "static": static,
+        "sparse": sparse,
+        "join": join,
     }[scenario](rank)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     _capture.flush()

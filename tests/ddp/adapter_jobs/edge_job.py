@@ -91,6 +91,12 @@ def accumulate(rank: int, out_dir: str) -> dict[str, Any]:
     train(model, rank, SYNC_EVERY)  # the first model still trains, no longer measured
     result["first_detached"] = state.detached
     agent.get_agent().force_flush(5.0)
+    # Without a comm hook of its own a detached model can be measured again.
+    third_out = os.path.join(out_dir, f"third{rank}.jsonl")
+    agent.configure(exporter=_capture.JsonLinesExporter(third_out), rank=rank, job="edge-third")
+    result["reattached"] = instrument(model) is model and instrumentation(model) is not state
+    train(model, rank, SYNC_EVERY)
+    agent.get_agent().force_flush(5.0)
     return result
 
 
