@@ -4,10 +4,11 @@ Two ranks on gloo (one thread each). Every rank holds three copies of the same m
 ``torch.nn.parallel.DistributedDataParallel``; the same with a Python comm hook doing what torch's
 own ``allreduce_hook`` does (the floor for any Python comm hook: torch's C++ reducer then copies the
 gradients unscaled, so the hook scales the bucket in one more pass, and needs the GIL per bucket);
-and one ``instrument()``-ed. The floor hook calls the process group directly: torch's
+and one ``instrument()``-ed, which registers no comm hook (torch's Reducer all-reduces through
+ddpscope's observed view of its process group), so it is not bound to that floor. The floor hook calls the process group directly: torch's
 ``allreduce_hook`` goes through ``dist.all_reduce``, which ddpscope's collective recorder patches
-process-wide once ``instrument()`` ran, so in this process it would pay ddpscope's costs too. Records take the agent's default path (the write-ahead ring and the disk
-spool in a temporary folder; the shipper finds no collector), as in a real job; ``--exporter memory``
+process-wide once ``instrument()`` ran, so in this process it would pay ddpscope's costs too.
+Records take the agent's default path (the write-ahead ring and the disk spool in a temporary folder; the shipper finds no collector), as in a real job; ``--exporter memory``
 keeps them in memory instead, where each durable collective record becomes a synchronous drain of
 the queue (no write-ahead ring), so that setting overstates the adapter's cost. Steps (forward +
 backward + SGD step) run in short blocks whose order rotates every round, so drift and noise from
@@ -15,7 +16,7 @@ other processes hit all alike. Reported: median step time of each, overhead = me
 per-round ratios of block medians, and its spread (10th-90th percentile of those ratios); the same
 for CPU time per step, of the whole process (all threads of a rank) and of the training thread
 alone, which other processes on a loaded machine disturb less than wall time; and the adapter
-against torch's Python hook (what ``instrument()`` adds on top of the Python comm-hook floor).
+against torch's Python hook (below zero when observing costs less than any comm hook would).
 Target: <= 1 % step time.
 
     .venv/bin/python -m bench.adapter --quick    # MLP of ~1 M parameters, under 2 minutes
@@ -173,12 +174,16 @@ def worker(plan: list[dict[str, Any]], out: str, exporter: str) -> None:
     from ddpscope import agent
 
     rank = int(os.environ["RANK"])
-    if exporter == "memory":
-        agent.configure(exporter=agent.InMemoryExporter(), rank=rank)
-    else:
-        agent.configure(rank=rank)  # the default path; the launcher points it at a temporary spool
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    results = [measure(**item) for item in plan]
+    results = []
+    for item in plan:
+        # One job per model measured: instrument() measures one model per process and job.
+        job = f"bench-adapter-{item['kind']}"
+        if exporter == "memory":
+            agent.configure(exporter=agent.InMemoryExporter(), rank=rank, job=job)
+        else:
+            agent.configure(rank=rank, job=job)  # the default path; the launcher sets a temporary spool
+        results.append(measure(**item))
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
     dist.barrier()

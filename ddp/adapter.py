@@ -403,9 +403,13 @@ class Instrumentation:
 
     def _reducer_allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         """torch's Reducer all-reduces bucket k (or, with ``find_unused_parameters``, its bitmap of used
-        parameters): recorded, then run on the real group. Called from C++ through ``ObservedGroup``."""
+        parameters; under ``Join``, a shadow of a peer's bucket): recorded, then run on the real group.
+        Called from C++ through ``ObservedGroup``. The all-reduce is launched exactly once whatever
+        goes wrong in the bookkeeping around it."""
         group = self._group
         k = self._next_launch
+        called = now_ns()
+        plan: PlannedCollective | None = None
         try:
             bucket = (
                 self._active
@@ -413,39 +417,36 @@ class Instrumentation:
                 and len(tensors) == 1
                 and (tensors[0].is_floating_point() or tensors[0].is_complex())
             )
-            if not bucket:
-                return self._other_allreduce(tensors, opts)
-            called = now_ns()
-            plan = self._plan(k, tensors[0])
-            seq = RECORDER.begin_planned(plan, self._cur)
+            if bucket:
+                plan = self._plan(k, tensors[0])
+                seq = RECORDER.begin_planned(plan, self._cur)
+            else:
+                step = None if self.detached else self._cur
+                op = getattr(opts.reduceOp, "name", None) or str(opts.reduceOp)
+                seq = RECORDER.begin(
+                    self._pg, "all_reduce", tuple(tensors), reduce_op=op, source="engine", step=step
+                )
         except Exception:
-            # Bookkeeping must never stand between torch and its all-reduce.
-            logger.warning("ddpscope: recording a bucket all-reduce failed", exc_info=True)
+            logger.warning("ddpscope: recording an all-reduce of torch's Reducer failed", exc_info=True)
             return group.allreduce(tensors, opts)
         try:
             work = group.allreduce(tensors, opts)
         except Exception as e:
             RECORDER.end(self._pg, seq, ok=False, error=str(e))
             raise
-        self._launch[k] = called
-        self._seqs[k] = seq
-        self._works[k] = work
-        self._launch_plans[k] = plan
-        self._next_launch = k + 1
-        if k + 1 == len(self.layout.buckets):
-            PROGRESS.enter("allreduce")
-        return work
-
-    def _other_allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        step = None if self.detached else self._cur
-        op = getattr(opts.reduceOp, "name", None) or str(opts.reduceOp)
-        seq = RECORDER.begin(self._pg, "all_reduce", tuple(tensors), reduce_op=op, source="engine", step=step)
         try:
-            work = self._group.allreduce(tensors, opts)
-        except Exception as e:
-            RECORDER.end(self._pg, seq, ok=False, error=str(e))
-            raise
-        self._watch(work, seq, None)
+            if plan is None:
+                self._watch(work, seq, None)
+            else:
+                self._launch[k] = called
+                self._seqs[k] = seq
+                self._works[k] = work
+                self._launch_plans[k] = plan
+                self._next_launch = k + 1
+                if k + 1 == len(self.layout.buckets):
+                    PROGRESS.enter("allreduce")
+        except Exception:
+            logger.warning("ddpscope: recording an all-reduce of torch's Reducer failed", exc_info=True)
         return work
 
     def _poll(self) -> None:
