@@ -507,13 +507,16 @@ class Instrumentation:
         ``done`` is its step's own list of end times, so a callback late for its step cannot touch the
         next one's."""
         at = now_ns()
+        error = None
         try:
             future.value()
         except Exception as e:
-            # Recorded now: torch's finalizer raises this into backward(), and the process may die of it.
-            RECORDER.end(self._pg, seq, ok=False, error=str(e))
-            return
+            error = str(e)
         try:
+            if error is not None:
+                # Recorded now: torch's finalizer raises it into backward(), and the process may die of it.
+                RECORDER.end(self._pg, seq, ok=False, error=error)
+                return
             if done is not None:
                 done[k] = at
             if plan is None:
