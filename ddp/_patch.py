@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpscope.agent.clock import now_ns
-from ddpscope.ddp.collectives import RECORDER, CollectiveRecorder, disabled
+from ddpscope.ddp.collectives import RECORDER, CollectiveRecorder, disabled, reduce_name
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def _make_wrapper(
                 reduce_op = None
                 if r_pos >= 0:
                     red = arg(args, kwargs, r_pos, spec.reduce)
-                    reduce_op = "SUM" if red is None else _reduce_name(red)
+                    reduce_op = "SUM" if red is None else reduce_name(red)
                 site = rec.call_site(1)
                 # Unrooted ops (all_reduce, ...): None, which the record leaves out.
                 root = (
@@ -237,21 +237,6 @@ def _root(
     except Exception:  # a bad argument: torch reports it; the record goes without a root
         logger.debug("ddpscope could not read the root of a collective", exc_info=True)
         return None
-
-
-_REDUCE_NAMES: dict[Any, str] = {}
-
-
-def _reduce_name(red: Any) -> str:
-    """'SUM', 'MAX', ...: the same on every rank (a ReduceOp object's repr holds its address)."""
-    red = getattr(red, "op", red)  # a ReduceOp object (e.g. premul-sum) wraps its RedOpType
-    try:
-        name = _REDUCE_NAMES.get(red)
-    except TypeError:
-        return str(red).rsplit(".", 1)[-1]
-    if name is None:
-        name = _REDUCE_NAMES[red] = str(red).rsplit(".", 1)[-1]
-    return name
 
 
 def _patch_work_wait(rec: CollectiveRecorder, work_type: Any) -> None:

@@ -63,7 +63,7 @@ from ddpscope.ddp.adapter_layout import (
     reducer_parameters,
 )
 from ddpscope.ddp.clock import estimate_offset
-from ddpscope.ddp.collectives import RECORDER, PlannedCollective, dtype_name
+from ddpscope.ddp.collectives import RECORDER, PlannedCollective, dtype_name, reduce_name
 from ddpscope.ddp.errors import report_error
 from ddpscope.ddp.groups import global_rank, pg_name
 from ddpscope.ddp.outputs import grad_tensors
@@ -433,7 +433,7 @@ class Instrumentation:
                 seq = RECORDER.begin_planned(plan, self._cur)
             else:
                 step = None if self.detached else self._cur
-                op = getattr(opts.reduceOp, "name", None) or str(opts.reduceOp)
+                op = reduce_name(opts.reduceOp)
                 seq = RECORDER.begin(
                     self._pg, "all_reduce", tuple(tensors), reduce_op=op, source="engine", step=step
                 )

@@ -571,6 +571,7 @@ _UNDURABLE_ENGINE_OPS = frozenset({"send", "recv"})
 ping-pong, where a spool write on one side would lengthen the round trip it measures."""
 
 _DTYPE_NAMES: dict[Any, str] = {}
+_REDUCE_NAMES: dict[Any, str] = {}
 
 
 def dtype_name(dtype: Any) -> str:
@@ -578,6 +579,18 @@ def dtype_name(dtype: Any) -> str:
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def reduce_name(red: Any) -> str:
+    """'SUM', 'MAX', ...: the same on every rank (a ReduceOp object's repr holds its address)."""
+    red = getattr(red, "op", red)  # a ReduceOp object (e.g. premul-sum) wraps its RedOpType
+    try:
+        name = _REDUCE_NAMES.get(red)
+    except TypeError:
+        return str(red).rsplit(".", 1)[-1]
+    if name is None:
+        name = _REDUCE_NAMES[red] = str(red).rsplit(".", 1)[-1]
     return name
 
 

@@ -101,13 +101,26 @@ def test_static_graphs_sparse_gradients_and_uneven_inputs_train_identically_and_
     job = run(scenario, tmp_path)
     for rank in (0, 1):
         assert job.results_json[rank]["identical"], job.results_json[rank]["max_diff"]
-        seqs = {r["coll_seq"] for r in job.of(rank, "collective") if r["op"] == "all_reduce"}
+        reductions = [r for r in job.of(rank, "collective") if r["op"] == "all_reduce"]
+        seqs = {r["coll_seq"] for r in reductions}
         ended = {r["coll_seq"] for r in job.of(rank, "collective_end") if r["ok"]}
         assert seqs and seqs <= ended  # every recorded all-reduce ended, none failed
+        # Named alike on every rank (a ReduceOp object's str holds its address), so ranks match.
+        assert all(r["reduce_op"].isalpha() and r["reduce_op"].isupper() for r in reductions)
         for record in steps(job, rank):
             if record["synced"]:
                 assert record["collective_seqs"] and set(record["collective_seqs"]) <= seqs
                 assert all(end > 0 for end in record["allreduce_end_ns"])
+    ops = [
+        {
+            (r["pg"], r["coll_seq"]): r["reduce_op"]
+            for r in job.of(rank, "collective")
+            if r["op"] == "all_reduce"
+        }
+        for rank in (0, 1)
+    ]
+    common = ops[0].keys() & ops[1].keys()
+    assert common and all(ops[0][key] == ops[1][key] for key in common)
 
 
 def test_a_users_comm_hook_passed_through_instrument_gives_the_same_parameters(userhook: AdapterRun) -> None:
