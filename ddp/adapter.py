@@ -472,11 +472,7 @@ class Instrumentation:
             error = _failure(work)
             if error is None:
                 self._done[k] = now_ns()
-                plan = self._launch_plans[k]
-                assert plan is not None
-                RECORDER.end_planned(plan, self._seqs[k])
-            else:
-                RECORDER.end(self._pg, self._seqs[k], ok=False, error=error)
+            self._record_end(self._seqs[k], self._launch_plans[k], error)
             works[k] = None
             self._next_done = k + 1
 
@@ -512,19 +508,23 @@ class Instrumentation:
             future.value()
         except Exception as e:
             error = str(e)
+        if error is None and done is not None:
+            done[k] = at
         try:
-            if error is not None:
-                # Recorded now: torch's finalizer raises it into backward(), and the process may die of it.
-                RECORDER.end(self._pg, seq, ok=False, error=error)
-                return
-            if done is not None:
-                done[k] = at
-            if plan is None:
-                RECORDER.end(self._pg, seq, ok=True)
-            else:
-                RECORDER.end_planned(plan, seq)
+            # A failure is recorded now: torch's finalizer raises it into backward(), and the process
+            # may die of it.
+            self._record_end(seq, plan, error)
         except Exception:
             logger.warning("ddpscope: recording an all-reduce end failed", exc_info=True)
+
+    def _record_end(self, seq: int, plan: PlannedCollective | None, error: str | None) -> None:
+        """The ``collective_end`` of an all-reduce recorded with ``plan`` (None: recorded in full)."""
+        if error is not None:
+            RECORDER.end(self._pg, seq, ok=False, error=error)
+        elif plan is None:
+            RECORDER.end(self._pg, seq, ok=True)
+        else:
+            RECORDER.end_planned(plan, seq)
 
     # No annotations on purpose: torch checks them against dist.GradBucket and Future at registration,
     # and postponed annotations (``from __future__ import annotations``) are strings to it.
@@ -576,13 +576,10 @@ class Instrumentation:
         try:
             value = fut.value()
         except Exception as e:
-            RECORDER.end(self._pg, seq, ok=False, error=str(e))
+            self._record_end(seq, plan, str(e))
             raise
         self._done[k] = now_ns()
-        if plan is None:
-            RECORDER.end(self._pg, seq, ok=True)
-        else:
-            RECORDER.end_planned(plan, seq)
+        self._record_end(seq, plan, None)
         return value
 
     def _end_backward(self) -> None:
