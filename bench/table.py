@@ -42,6 +42,9 @@ def _engine(d: Mapping[str, Any]) -> Iterator[Row]:
     limit = float(d.get("target_ratio", 1.0))
     for name, m in d["models"].items():
         yield _ratio_row("engine", f"ddpscope engine / torch DDP step, {name}, 2 ranks", m["ratio"], limit)
+        if "cpu_ratio" in m:
+            figure = f"ddpscope engine / torch DDP, training-thread CPU per step, {name}, 2 ranks"
+            yield _ratio_row("engine", figure, m["cpu_ratio"], None)
 
 
 def _adapter(d: Mapping[str, Any]) -> Iterator[Row]:

@@ -17,6 +17,10 @@ import torch
 MIB = 1024 * 1024
 FIRST_BUCKET_BYTES = MIB
 """torch's ``_DEFAULT_FIRST_BUCKET_BYTES``: the small bucket used when ``bucket_cap_mb`` is not given."""
+LEND_MIN_BYTES = 64 * 1024
+"""A reduced gradient is lent its bucket memory instead of copied back (``Bucket.lend``) from this size
+up, and a bucket lends only when its lendable bytes reach this much per parameter it holds: making a
+tensor costs ~2-3 us of Python, about what copying 32 KiB costs once caches are cold."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +94,9 @@ class Bucket:
         "buffer",
         "views",
         "status",
+        "lendable",
+        "_shapes",
+        "_slots",
     )
 
     def __init__(
@@ -108,16 +115,45 @@ class Bucket:
         self.device = first.device
         numel = sum(params[i].numel() for i in param_indices)
         self.nbytes = numel * first.element_size()
+        sizes = [params[i].numel() * first.element_size() for i in param_indices]
+        big = [pos for pos, n in enumerate(sizes) if n >= LEND_MIN_BYTES]
+        worth_it = sum(sizes[pos] for pos in big) >= LEND_MIN_BYTES * len(param_indices)
+        self.lendable = big if worth_it else []
+        """Positions whose reduced gradient is worth lending rather than copying back (see ``lend``):
+        renewing the buffer afterwards costs a tensor per parameter in the bucket."""
+        self._shapes = [params[i].shape for i in param_indices]
         # Status slots ride at the end of the buffer: one per rank, so a rank can tell the others in the
         # same all-reduce that its backward went wrong (see reducer.py), without an extra collective.
-        self.buffer = torch.zeros(numel + status_slots, dtype=self.dtype, device=self.device)
+        self._slots = status_slots
+        self._allocate(torch.zeros)
+
+    def _allocate(self, factory: Any) -> None:
+        self.buffer = factory(
+            sum(s.numel() for s in self._shapes) + self._slots, dtype=self.dtype, device=self.device
+        )
         self.views: list[torch.Tensor] = []
         offset = 0
-        for i in param_indices:
-            p = params[i]
-            self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        self.status = self.buffer[offset:] if status_slots else None
+        for shape in self._shapes:
+            n = shape.numel()
+            self.views.append(self.buffer[offset : offset + n].view(shape))
+            offset += n
+        self.status = self.buffer[offset:] if self._slots else None
+
+    def lend(self, pos: int) -> torch.Tensor:
+        """The reduced gradient at ``pos`` as a tensor of its own on this buffer's memory.
+
+        Not an autograd view (``_base`` is None), so ``detach_()`` and ``requires_grad_()`` work on it
+        as on any gradient. Once a position is lent, call ``renew`` before the next step: the lent
+        memory belongs to the gradient from then on and is never written again.
+        """
+        view = self.views[pos]
+        return torch.empty(0, dtype=self.dtype, device=self.device).set_(
+            self.buffer.untyped_storage(), view.storage_offset(), view.shape, view.stride()
+        )
+
+    def renew(self) -> None:
+        """A fresh buffer for the next step (uninitialised: every element is written before launch)."""
+        self._allocate(torch.empty)
 
     def to_wire(self) -> dict[str, Any]:
         """The BUCKET shape of agent/records.py."""

@@ -1,5 +1,6 @@
 """The gradient reducer: per-parameter hooks fill buckets, buckets are all-reduced in index order, and a
-finalizer at the end of backward waits, checks and writes the averaged gradients back.
+finalizer at the end of backward waits, checks and writes the averaged gradients back (or lends them
+the reduced bucket memory: ``_write_back``).
 
 Hot path (one call per parameter per backward, TORCH-FACTS: a Python hook costs ~1.5-2.4 us): a flag
 test, one scaled copy into the bucket view, a counter decrement. Timestamps are taken per bucket, never
@@ -122,6 +123,10 @@ class Reducer:
         # GPU buckets are timed with CUDA events (cuda_timing.py); None keeps the CPU path free of checks.
         on_gpu = any(b.device.type == "cuda" for b in self.buckets)
         self.cuda = CudaBucketEvents(len(self.buckets)) if on_gpu else None
+        self._lendable = (
+            [] if self.as_view else [b.param_indices[pos] for b in self.buckets for pos in b.lendable]
+        )
+        """Parameters whose reduced gradient may be lent rather than copied back (``_write_back``)."""
         self._reset_step_state()
 
     def rebuild(self, ready_order: Sequence[int]) -> None:
@@ -156,6 +161,7 @@ class Reducer:
         self.failed: list[int] = []
         self.used_work: Any = None
         self.used_tensor: torch.Tensor | None = None
+        self.fresh: set[int] = set()
 
     def prepare_forward(self, step: int, synced: bool) -> None:
         if self.active and self.queued:
@@ -197,6 +203,9 @@ class Reducer:
         self.timer.backward_start()
         PROGRESS.enter("backward")
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        if self.active and self._lendable:
+            # Before any gradient of this backward accumulated: whose .grad this backward will create.
+            self.fresh = {i for i in self._lendable if self.params[i].grad is None}
         if self.active and self.expected_unused:
             for i in self.expected_unused:
                 self._mark_unused(i)
@@ -367,9 +376,19 @@ class Reducer:
             logger.debug("CUDA bucket events unavailable for step %d", self.step, exc_info=True)
 
     def _write_back(self, global_used: list[int] | None) -> None:
+        """Give every used parameter its averaged gradient.
+
+        A gradient this backward created (``.grad`` was None when it began, as after torch's default
+        ``zero_grad(set_to_none=True)``) of a large parameter is *lent* the reduced memory
+        instead of having it copied back: one pass over the gradients saved, a tensor of the same shape
+        and strides, not a view. The bucket then gets a fresh buffer. A ``.grad`` that existed before the
+        backward keeps its identity and is copied into, as torch does.
+        """
         copies_to: list[torch.Tensor] = []
         copies_from: list[torch.Tensor] = []
+        fresh = self.fresh
         for bucket in self.buckets:
+            lent = False
             for pos, i in enumerate(bucket.param_indices):
                 if global_used is not None and global_used[i] == 0:
                     continue  # unused on every rank: .grad stays as it was (None stays None)
@@ -378,11 +397,16 @@ class Reducer:
                 if self.as_view:
                     if grad is None or grad.data_ptr() != view.data_ptr():
                         p.grad = view
+                elif i in fresh and (grad is None or grad.is_contiguous()):
+                    p.grad = bucket.lend(pos)
+                    lent = True
                 elif grad is None:
                     p.grad = view.clone()
                 else:
                     copies_to.append(grad)
                     copies_from.append(view)
+            if lent:
+                bucket.renew()
         if copies_to:
             torch._foreach_copy_(copies_to, copies_from)
 

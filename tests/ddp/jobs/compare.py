@@ -79,6 +79,17 @@ class TwoDtypes(nn.Module):
         return self.b(torch.relu(self.a(x)).double())
 
 
+class Wide(nn.Module):
+    """Parameters of 512 KiB: their buckets lend the reduced memory to the gradients (buckets.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(32, 4096), nn.Linear(4096, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
 MODELS = {
     "mlp": Mlp,
     "batchnorm": WithBatchNorm,
@@ -88,6 +99,9 @@ MODELS = {
     "dtypes": TwoDtypes,
     "bucket_view": Mlp,
     "small_buckets": Mlp,
+    "wide": Wide,
+    "wide_keep_grads": Wide,
+    "wide_no_sync": Wide,
 }
 
 
@@ -101,12 +115,16 @@ def options() -> dict[str, Any]:
     return {}
 
 
-def train(model: nn.Module, rank: int) -> None:
+def train(model: nn.Module, rank: int) -> dict[str, Any]:
+    """Train STEPS steps; return what the gradients looked like along the way."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(1000 + rank)
+    weight = model.module.fc1.weight if SCENARIO.startswith("wide") else None  # type: ignore[union-attr]
+    held: list[tuple[torch.Tensor, torch.Tensor]] = []  # a .grad kept across steps, and its value then
+    identities: set[int] = set()
     for _ in range(STEPS):
-        opt.zero_grad(set_to_none=SCENARIO != "bucket_view")
-        micro = 3 if SCENARIO == "no_sync" else 1
+        opt.zero_grad(set_to_none=SCENARIO not in ("bucket_view", "wide_keep_grads"))
+        micro = 3 if SCENARIO in ("no_sync", "wide_no_sync") else 1
         for m in range(micro):
             x = torch.randn(16, 32, generator=gen)
             if m < micro - 1:
@@ -114,7 +132,21 @@ def train(model: nn.Module, rank: int) -> None:
                     model(x).pow(2).mean().backward()
             else:
                 model(x).pow(2).mean().backward()
+        if weight is not None and weight.grad is not None:
+            held.append((weight.grad, weight.grad.clone()))
+            identities.add(id(weight.grad))
         opt.step()
+    if weight is None or weight.grad is None:
+        return {}
+    grad = weight.grad
+    return {
+        "held_grads_intact": all(torch.equal(g, value) for g, value in held),
+        "identities": len(identities),
+        "is_view": grad._base is not None,
+        "weights_share_storage": grad.untyped_storage().data_ptr()
+        == model.module.fc2.weight.grad.untyped_storage().data_ptr(),  # type: ignore[union-attr]
+        "detach_ok": grad.detach_() is grad,
+    }
 
 
 def run_scenario(rank: int) -> dict[str, Any]:
@@ -132,8 +164,7 @@ def run_scenario(rank: int) -> dict[str, Any]:
     theirs = nn.parallel.DistributedDataParallel(reference, **options())
     ours = DistributedDataParallel(ours_module, **options())
     # Interleaved step by step would also work; whole runs keep each engine's collectives together.
-    train(theirs, rank)
-    train(ours, rank)
+    grad_shape = {"theirs": train(theirs, rank), "ours": train(ours, rank)}
     agent.get_agent().force_flush(5.0)
     diffs = {}
     theirs_state, ours_state = theirs.state_dict(), ours.state_dict()
@@ -141,10 +172,12 @@ def run_scenario(rank: int) -> dict[str, Any]:
     for name, value in theirs_state.items():
         diffs[name] = (value.double() - ours_state[name].double()).abs().max().item()
     exact = all(torch.equal(value, ours_state[name]) for name, value in theirs_state.items())
+    theirs_params = dict(theirs.module.named_parameters())
     grads = {
         name: {
             "ours_none": p.grad is None,
-            "theirs_none": dict(theirs.module.named_parameters())[name].grad is None,
+            "theirs_none": theirs_params[name].grad is None,
+            "equal": _same(p.grad, theirs_params[name].grad),
         }
         for name, p in ours.module.named_parameters()
     }
@@ -155,7 +188,14 @@ def run_scenario(rank: int) -> dict[str, Any]:
         "grads": grads,
         "layout": ours.bucket_layout,
         "records": exporter.records,
+        "grad_shape": grad_shape,
     }
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return bool(torch.equal(a, b)) and a.stride() == b.stride()
 
 
 def main() -> None:
