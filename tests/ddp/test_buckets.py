@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 from ddpscope.ddp.buckets import (
     FIRST_BUCKET_BYTES,
+    LEND_MAX_CPU_BUFFER_BYTES,
+    LEND_MIN_BYTES,
     MIB,
     ParamSpec,
     assign_buckets,
@@ -91,3 +93,35 @@ def test_only_the_last_bucket_carries_status_slots() -> None:
         "device": "cpu",
         "parameters": ["a"],
     }
+
+
+def test_only_large_parameters_in_buckets_mostly_made_of_them_are_lent() -> None:
+    big, small = LEND_MIN_BYTES, 16  # float32 elements: a large parameter is 4 x LEND_MIN_BYTES
+    params = [torch.zeros(n) for n in (big, small, big, *(small,) * 12)]
+    names = [f"p{i}" for i in range(len(params))]
+    # Bucket 0: two large and one small parameter, lent where large. Bucket 1: small ones only, and
+    # bucket 2: one large among 12 small (renewing the buffer would cost more than the copy saved).
+    lent_big, small_only, diluted = build_buckets(
+        [[0, 1, 2], [3, 4, 5, 6, 7, 8, 9, 10], [0, *range(3, 15)]], params, names
+    )
+    assert lent_big.lendable == [0, 2]
+    assert small_only.lendable == [] and diluted.lendable == []
+
+
+def test_a_cpu_buffer_glibc_would_map_afresh_each_step_is_never_lent() -> None:
+    near = torch.zeros(LEND_MAX_CPU_BUFFER_BYTES // 4 - 1)
+    over = torch.zeros(LEND_MAX_CPU_BUFFER_BYTES // 4)
+    assert build_buckets([[0]], [near], ["w"])[0].lendable == [0]
+    assert build_buckets([[0]], [over], ["w"])[0].lendable == []
+
+
+def test_a_renewed_buffer_leaves_lent_gradients_untouched() -> None:
+    params = [torch.zeros(LEND_MIN_BYTES // 4), torch.zeros(LEND_MIN_BYTES // 4)]
+    (bucket,) = build_buckets([[0, 1]], params, ["a", "b"])
+    bucket.views[0].fill_(1.0)
+    lent = bucket.lend(0)
+    assert lent._base is None and lent.shape == params[0].shape and lent.stride() == params[0].stride()
+    bucket.renew()
+    bucket.views[0].fill_(2.0)
+    assert torch.equal(lent, torch.ones_like(lent))
+    assert lent.detach_() is lent  # a view would refuse this
