@@ -101,6 +101,7 @@ class Bucket:
         "lendable",
         "_shapes",
         "_slots",
+        "_numel",
     )
 
     def __init__(
@@ -117,29 +118,24 @@ class Bucket:
         first = params[param_indices[0]]
         self.dtype = first.dtype
         self.device = first.device
-        numel = sum(params[i].numel() for i in param_indices)
-        self.nbytes = numel * first.element_size()
-        sizes = [params[i].numel() * first.element_size() for i in param_indices]
-        big = [pos for pos, n in enumerate(sizes) if n >= LEND_MIN_BYTES]
-        worth_it = sum(sizes[pos] for pos in big) >= LEND_MIN_BYTES * len(param_indices)
-        if (
-            self.device.type == "cpu"
-            and self.nbytes + status_slots * first.element_size() >= LEND_MAX_CPU_BUFFER_BYTES
-        ):
-            worth_it = False
-        self.lendable = big if worth_it else []
-        """Positions whose reduced gradient is worth lending rather than copying back (see ``lend``):
-        renewing the buffer afterwards costs a tensor per parameter in the bucket."""
         self._shapes = [params[i].shape for i in param_indices]
         # Status slots ride at the end of the buffer: one per rank, so a rank can tell the others in the
         # same all-reduce that its backward went wrong (see reducer.py), without an extra collective.
         self._slots = status_slots
+        self._numel = sum(s.numel() for s in self._shapes) + status_slots
+        sizes = [s.numel() * first.element_size() for s in self._shapes]
+        self.nbytes = sum(sizes)
+        big = [pos for pos, n in enumerate(sizes) if n >= LEND_MIN_BYTES]
+        worth_it = sum(sizes[pos] for pos in big) >= LEND_MIN_BYTES * len(param_indices)
+        if self.device.type == "cpu" and self._numel * first.element_size() >= LEND_MAX_CPU_BUFFER_BYTES:
+            worth_it = False
+        self.lendable = big if worth_it else []
+        """Positions whose reduced gradient is worth lending rather than copying back (see ``lend``):
+        renewing the buffer afterwards costs a tensor per parameter in the bucket."""
         self._allocate(torch.zeros)
 
     def _allocate(self, factory: Any) -> None:
-        self.buffer = factory(
-            sum(s.numel() for s in self._shapes) + self._slots, dtype=self.dtype, device=self.device
-        )
+        self.buffer = factory(self._numel, dtype=self.dtype, device=self.device)
         self.views: list[torch.Tensor] = []
         offset = 0
         for shape in self._shapes:
