@@ -52,8 +52,15 @@ def test_a_ratio_without_a_target_is_published_with_no_verdict() -> None:
 
 
 def test_a_result_missing_keys_keeps_its_complete_figures_and_says_it_is_incomplete() -> None:
-    rows = rows_for("watchdog", {"target_pct": 1.0, "step_overhead_pct": 0.4, "cpu_overhead_pct": "x"})
-    assert rows[0].met is True
+    complete = {
+        "steps_per_arm": 3000, "step_overhead_pct": 0.4, "step_overhead_pct_per_rank": [0.3, 0.5],
+        "thread_cpu_added_us": 50.0, "thread_cpu_added_pct_of_step": 0.5,
+        "process_cpu_added_us": 70.0, "process_cpu_added_pct_of_step": 0.7,
+    }  # fmt: skip
+    broken = {**complete, "process_cpu_added_pct_of_step": "x"}
+    data = {"target_pct": 1.0, "engine_benchmark": complete, "with_user_all_reduce": broken}
+    rows = rows_for("watchdog", data)
+    assert [r.met for r in rows[:3]] == [True, True, True] and rows[3].met is None
     assert rows[-1].figure == "result incomplete" and rows[-1].met is False
 
 
