@@ -200,15 +200,20 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
 
 
 def _stack_tail(stack: str, lines: int = 8, call_site: str | None = None) -> list[str]:
-    """The innermost frames of the first thread (the main thread, in a hang report's dump of every
-    thread), and how many other threads the API and the dashboard show in full. When those frames are
-    all inside libraries (a DataLoader waiting on its worker queue is eight frames of multiprocessing),
-    the frame of the incident's ``call_site`` (the innermost line of user code) comes first."""
+    """The innermost frames of one thread, and how many other threads the API and the dashboard show in
+    full. The thread is the one running the incident's ``call_site`` (the innermost line of user code),
+    else faulthandler's current thread, else the first (the main thread, in a hang report's dump of every
+    thread). A crash dump from faulthandler lists the innermost frame first and, when a thread that is not
+    Python's aborted (gloo's), its newest thread first: usually a ddpscope thread, not the main one.
+    When the frames shown are all inside libraries (a DataLoader waiting on its worker queue is eight
+    frames of multiprocessing), the frame of ``call_site`` comes first."""
     blocks = [b for b in stack.strip().split("\n\n") if b.strip()]
-    threads = [b for b in blocks if b.startswith("Thread ")]
+    threads = [b for b in blocks if b.startswith(("Thread ", "Current thread "))]
     if len(threads) < 2:
-        return _with_call_site(stack.rstrip().splitlines(), lines, call_site)
-    head, *frames = threads[0].splitlines()
+        return _with_call_site(_innermost_last(stack.rstrip().splitlines()), lines, call_site)
+    chosen = next((t for t in threads if _site_index(t.splitlines(), call_site) is not None), None)
+    chosen = chosen or next((t for t in threads if t.startswith("Current thread ")), threads[0])
+    head, *frames = _innermost_last(chosen.splitlines())
     more = len(threads) - 1
     return [
         f"{head.rstrip(':')} (innermost frames)",
@@ -217,13 +222,36 @@ def _stack_tail(stack: str, lines: int = 8, call_site: str | None = None) -> lis
     ]
 
 
+def _innermost_last(stack_lines: list[str]) -> list[str]:
+    """Frames in traceback order (innermost last). faulthandler writes "(most recent call first)" and one
+    line a frame: those lines are reversed, their header saying so."""
+    if not stack_lines or "(most recent call first)" not in stack_lines[0]:
+        return stack_lines
+    head = stack_lines[0].replace("(most recent call first)", "(most recent call last)")
+    return [head, *reversed(stack_lines[1:])]
+
+
+_FRAME_AT = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+)')
+
+
+def _site_index(frames: list[str], call_site: str | None) -> int | None:
+    """Where the frame of ``call_site`` ("path:line", the path maybe relative to the job's working
+    directory) is among ``frames`` (traceback or faulthandler lines), or None."""
+    path, _, line = (call_site or "").rpartition(":")
+    if not path:
+        return None
+    for i, f in enumerate(frames):
+        m = _FRAME_AT.search(f)
+        if m and m["line"] == line and (m["path"] == path or m["path"].endswith("/" + path.lstrip("./"))):
+            return i
+    return None
+
+
 def _with_call_site(frames: list[str], lines: int, call_site: str | None) -> list[str]:
     """The last ``lines`` of ``frames``, led by the frame of ``call_site`` ("path:line") and a count of
     the frames left out when that frame is not among them."""
     tail = frames[-lines:]
-    path, _, line = (call_site or "").rpartition(":")
-    marker = f'File "{path}", line {line},'
-    at = next((i for i, f in enumerate(frames) if marker in f), None) if path else None
+    at = _site_index(frames, call_site)
     if at is None or at >= len(frames) - lines:
         return tail
     site = (

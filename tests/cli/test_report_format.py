@@ -49,3 +49,43 @@ def test_the_overlap_table_reads_step_times_of_synchronised_steps_only() -> None
     header, row, *rest = _overlap_section(steps)
     assert row.split()[:3] == ["0", "1", "40.0"]  # the one synced step, 40 ms
     assert rest[0] == "3 no_sync() step(s) (no all-reduce) are left out of the medians."
+
+
+# A real faulthandler dump of a rank gloo aborted (a size mismatch): the abort came from a gloo thread,
+# so no thread is "Current" and the newest Python thread, ddpscope's watchdog, comes first.
+ABORT_DUMP = """Fatal Python error: Aborted
+
+Thread 0x00007fa8b880f6c0 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+  File "/usr/lib/python3.11/threading.py", line 629 in wait
+  File "/site-packages/ddpscope/ddp/watchdog.py", line 352 in _run
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Thread 0x00007fa8b90106c0 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+  File "/site-packages/ddpscope/agent/worker.py", line 117 in _run
+
+Thread 0x00007fa8daa18b80 (most recent call first):
+  File "/site-packages/ddpscope/ddp/_patch.py", line 255 in wait
+  File "/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
+  File "/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper
+  File "/site-packages/ddpscope/ddp/_patch.py", line 187 in wrapper
+  File "/proj/train.py", line 20 in <module>
+
+Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)"""
+
+
+def test_a_crash_dump_shows_the_thread_running_the_call_site_innermost_frame_last() -> None:
+    shown = _stack_tail(ABORT_DUMP, call_site="/proj/train.py:20")
+    assert shown[0] == "Thread 0x00007fa8daa18b80 (most recent call last) (innermost frames)"
+    assert "train.py" in shown[1] and '_patch.py", line 255 in wait' in shown[-2]
+    assert shown[-1] == "... 2 other threads: see the incidents API or the dashboard"
+    # The call site as the collector names it, relative to the job's working directory, finds it too.
+    assert _stack_tail(ABORT_DUMP, call_site="train.py:20") == shown
+
+
+def test_a_crash_dump_without_a_call_site_shows_faulthandlers_current_thread() -> None:
+    current = ABORT_DUMP.replace("Thread 0x00007fa8b90106c0", "Current thread 0x00007fa8b90106c0")
+    shown = _stack_tail(current)
+    assert shown[0] == "Current thread 0x00007fa8b90106c0 (most recent call last) (innermost frames)"
+    assert "worker.py" in shown[-3] and 'threading.py", line 331 in wait' in shown[-2]
