@@ -67,6 +67,7 @@ from ddpscope.ddp.collectives import RECORDER, PlannedCollective, dtype_name, re
 from ddpscope.ddp.errors import report_error
 from ddpscope.ddp.groups import global_rank, pg_name
 from ddpscope.ddp.outputs import grad_tensors
+from ddpscope.ddp.outside_forward import OutsideForward
 from ddpscope.ddp.progress import PROGRESS
 from ddpscope.ddp.rank_start import rank_start_record
 from ddpscope.ddp.step_record import StepTimer
@@ -222,6 +223,9 @@ class Instrumentation:
         self._active = False
         """A synchronised backward is under way: pending buckets mean something."""
         self._queued = False
+        self._armed = False
+        """A forward through the DDP model (synced or not) awaits its backward."""
+        self._outside = OutsideForward(names, self._rank)
         self._reset_step()
 
         agent.emit_durable(
@@ -341,6 +345,7 @@ class Instrumentation:
         if not torch.is_grad_enabled():
             return
         self.timer.forward_end()
+        self._armed = True
         self._cur = self._step
         self._step += 1
         rebuilt = bool(getattr(self.ddp, "_has_rebuilt_buckets", False))
@@ -403,6 +408,9 @@ class Instrumentation:
 
     def _make_param_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
+            if not self._armed:
+                self._outside.note(index, self._cur)  # model.module(x): no step, torch ignores it too
+                return
             if not self._queued:
                 self._begin_backward()
             self._times[index] = now_ns()
@@ -601,6 +609,7 @@ class Instrumentation:
         finally:
             self._active = False
             self._queued = False
+            self._armed = False
             PROGRESS.enter("idle")
 
     def _fill_timer(self) -> list[str]:

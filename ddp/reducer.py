@@ -33,6 +33,7 @@ from ddpscope.ddp.buckets import Bucket, ParamSpec, assign_buckets, build_bucket
 from ddpscope.ddp.collectives import RECORDER, dtype_name
 from ddpscope.ddp.cuda_timing import CudaBucketEvents
 from ddpscope.ddp.outputs import grad_tensors
+from ddpscope.ddp.outside_forward import OutsideForward
 from ddpscope.ddp.progress import PROGRESS
 from ddpscope.ddp.step_record import StepTimer
 
@@ -87,6 +88,9 @@ class Reducer:
         """A synchronised backward is expected: hooks fill buckets."""
         self.queued = False
         """The finalizer is queued for the backward in progress."""
+        self.armed = False
+        """A forward through the wrapper (synced or under no_sync) awaits its backward."""
+        self.outside = OutsideForward(self.names, rank)
         self.ready_log: list[int] | None = None
         """Parameter indices in gradient-ready order, recorded in synced backwards until the rebuild."""
         self.log_complete = False
@@ -181,6 +185,7 @@ class Reducer:
     def after_forward(self, outputs: Any, synced: bool) -> None:
         """Arm the hooks for the backward to come; find the unused parameters if asked to."""
         tensors = grad_tensors(outputs)
+        self.armed = True
         if synced:
             self.active = True
             if not self.rebuilt:
@@ -215,6 +220,8 @@ class Reducer:
         def hook(param: torch.Tensor) -> None:
             if self.active:
                 self._on_grad(index, param)
+            elif not self.armed:
+                self.outside.note(index, self.step)
 
         return hook
 
@@ -328,6 +335,7 @@ class Reducer:
         finally:
             self.active = False
             self.queued = False
+            self.armed = False
             PROGRESS.enter("idle")
 
     def _finalize_synced(self) -> None:

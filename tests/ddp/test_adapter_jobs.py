@@ -316,3 +316,13 @@ def test_disabled_attaches_nothing_but_still_registers_the_users_hook(tmp_path: 
         "param_hooks": 0,
     }
     assert job.records[0] == []
+
+
+def test_a_training_step_through_model_module_is_called_out_once_and_is_no_step(tmp_path: Path) -> None:
+    job = run("bypass", tmp_path)
+    (warning,) = job.results_json[0]["warnings"]
+    assert "adapter_job.py:" in warning and "(rank 0, after step 0) gave 4 parameter(s)" in warning
+    assert "not all-reduced" in warning
+    assert job.results_json[1]["warnings"] == []
+    steps = {r: [s["step"] for s in job.records[r] if s["kind"] == "step"] for r in (0, 1)}
+    assert steps == {0: [0, 1], 1: [0, 1, 2, 3]}  # the bypassing backwards recorded no step

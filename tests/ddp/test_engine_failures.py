@@ -66,3 +66,16 @@ def test_with_ddpscope_disabled_the_wrapper_is_torchs_own_ddp(tmp_path) -> None:
     for rank in ranks:
         assert rank["type"] == "torch.nn.parallel.distributed.DistributedDataParallel"
         assert [r for r in rank["records"] if r["kind"] in ("rank_start", "step")] == []
+
+
+def test_a_training_step_through_model_module_is_called_out_once_on_that_rank_and_no_sync_is_not(
+    tmp_path,
+) -> None:
+    ranks = run_job("failures.py", 2, ["bypass"], tmp_path, timeout_s=90)
+    (warning,) = ranks[0]["warnings"]  # two such backwards, one warning
+    assert "the backward at tests/ddp/jobs/failures.py:" in warning and "(rank 0, after step 0)" in warning
+    assert (
+        "gave 6 parameter(s)" in warning and "'head.bias', 'head.weight', 'branch.bias' and 3 more" in warning
+    )
+    assert "not all-reduced" in warning and "not model.module(...)" in warning
+    assert ranks[1]["warnings"] == []

@@ -19,6 +19,8 @@ Scenarios:
   sparse   an nn.Embedding with sparse gradients next to dense layers (a bucket of its own).
   join     uneven inputs under torch's Join: rank 1 runs out of batches two steps early, and its
            Join hook shadows the all-reduces of the steps it misses.
+  bypass   rank 0 trains two steps through model.module (torch all-reduces nothing), rank 1 the same two
+           under no_sync(); the warnings each rank logged.
 """
 
 from __future__ import annotations
@@ -235,6 +237,30 @@ def disabled(rank: int) -> dict[str, Any]:
     }
 
 
+def bypass(rank: int) -> dict[str, Any]:
+    import logging
+
+    logged: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    logging.getLogger("ddpscope").addHandler(Keep(logging.WARNING))
+    torch.manual_seed(0)
+    model = instrument(DDP(mlp(2, 16)))
+    x = batch(rank, 0, 16)
+    model(x).sum().backward()
+    for _ in range(2):
+        if rank == 0:
+            model.module(x).sum().backward()  # the bug: a training step that bypasses the wrapper
+        else:
+            with model.no_sync():
+                model(x).sum().backward()
+    model(x).sum().backward()
+    return {"warnings": logged}
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     _capture.capture(out_dir)
@@ -250,6 +276,7 @@ def main() -> None:
         "static": static,
         "sparse": sparse,
         "join": join,
+        "bypass": bypass,
     }[scenario](rank)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     _capture.flush()

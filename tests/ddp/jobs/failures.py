@@ -7,6 +7,8 @@ Usage: failures.py SCENARIO OUTDIR
   every rank, and the job must then go on (the collectives stayed aligned) with a step that is fine.
 - ``disabled``: with ddpscope switched off the wrapper is torch's own DDP, and trains.
 - ``progress``: a healthy step that samples what the hang watchdog would read (PROGRESS) mid-backward.
+- ``bypass``: rank 0 trains two steps through ``model.module`` (no all-reduce), while rank 1 accumulates
+  under ``no_sync()`` (no all-reduce either, so the collectives stay aligned); the warnings each rank logged.
 """
 
 from __future__ import annotations
@@ -105,6 +107,30 @@ def progress(rank: int) -> dict[str, Any]:
     }
 
 
+def bypass(rank: int) -> dict[str, Any]:
+    import logging
+
+    logged: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    logging.getLogger("ddpscope").addHandler(Keep(logging.WARNING))
+    torch.manual_seed(0)
+    model = DistributedDataParallel(Branchy())
+    x = torch.randn(4, 8)
+    model(x).sum().backward()  # a synced step
+    for _ in range(2):
+        if rank == 0:
+            model.module(x).sum().backward()  # the bug: a training step that bypasses the wrapper
+        else:
+            with model.no_sync():  # deliberate local accumulation: nothing to say
+                model(x).sum().backward()
+    model(x).sum().backward()  # a synced step again
+    return {"warnings": logged}
+
+
 def disabled(rank: int) -> dict[str, Any]:
     agent.configure(disabled=True)
     model = DistributedDataParallel(nn.Linear(4, 2))
@@ -123,6 +149,7 @@ def main() -> None:
         "missing_grad": missing_grad,
         "progress": progress,
         "disabled": disabled,
+        "bypass": bypass,
     }[SCENARIO](rank)
     agent.get_agent().force_flush(5.0)
     result["records"] = exporter.records
