@@ -238,15 +238,7 @@ def disabled(rank: int) -> dict[str, Any]:
 
 
 def bypass(rank: int) -> dict[str, Any]:
-    import logging
-
-    logged: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            logged.append(record.getMessage())
-
-    logging.getLogger("ddpscope").addHandler(Keep(logging.WARNING))
+    logged = _capture.logged_warnings()
     torch.manual_seed(0)
     model = instrument(DDP(mlp(2, 16)))
     x = batch(rank, 0, 16)

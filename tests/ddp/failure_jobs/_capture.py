@@ -1,4 +1,5 @@
-"""Shared by the failure job scripts: send this rank's records to a JSON-lines file.
+"""Shared by the failure job scripts: send this rank's records to a JSON-lines file; keep the warnings
+ddpscope logs (``logged_warnings``).
 
 The agent is configured with an exporter that appends every exported batch to ``<out>/rank<R>.jsonl``
 and a thread flushes the agent every 50 ms, so a rank that is killed or aborts still leaves the
@@ -8,6 +9,7 @@ records it emitted up to its last moments.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from typing import Any
@@ -51,3 +53,15 @@ def capture(out_dir: str, *, flusher: bool = True) -> None:
 
 def flush() -> None:
     agent.get_agent().force_flush(5.0)
+
+
+def logged_warnings() -> list[str]:
+    """A list that fills with every warning ddpscope logs in this process from now on."""
+    logged: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    logging.getLogger("ddpscope").addHandler(Keep(logging.WARNING))
+    return logged

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +26,9 @@ from torch import nn
 
 from ddpscope import agent
 from ddpscope.ddp import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "failure_jobs"))
+import _capture  # noqa: E402  (the failure jobs' shared helpers)
 
 SCENARIO, OUTDIR = sys.argv[1], sys.argv[2]
 
@@ -108,15 +112,7 @@ def progress(rank: int) -> dict[str, Any]:
 
 
 def bypass(rank: int) -> dict[str, Any]:
-    import logging
-
-    logged: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            logged.append(record.getMessage())
-
-    logging.getLogger("ddpscope").addHandler(Keep(logging.WARNING))
+    logged = _capture.logged_warnings()
     torch.manual_seed(0)
     model = DistributedDataParallel(Branchy())
     x = torch.randn(4, 8)
