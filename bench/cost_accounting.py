@@ -190,7 +190,7 @@ def worker(plan: dict[str, list[int]], out: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from bench.engine import _models
+    from bench.engine import _models, train_step
     from ddpscope import agent
     from ddpscope.ddp import DistributedDataParallel, instrument
     from ddpscope.ddp.adapter import instrumentation
@@ -220,9 +220,7 @@ def worker(plan: dict[str, list[int]], out: str) -> None:
         def step() -> float:
             x, y = batch(gen)  # noqa: B023
             t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)  # noqa: B023
-            loss_fn(model(x).reshape(y.shape[0], -1), y).backward()  # noqa: B023
-            opt.step()  # noqa: B023
+            train_step(model, opt, loss_fn, x, y)  # noqa: B023
             return time.perf_counter() - t0
 
         for _ in range(warmup):

@@ -66,7 +66,7 @@ def worker(mode: str, plan: dict[str, list[int]], job: str, out: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from bench.engine import _models
+    from bench.engine import _models, train_step
     from ddpscope import agent
     from ddpscope.ddp import DistributedDataParallel, instrument
 
@@ -102,9 +102,7 @@ def worker(mode: str, plan: dict[str, list[int]], job: str, out: str) -> None:
             for _ in range(n):
                 x, y = batch(gen)  # noqa: B023
                 t0 = time.perf_counter()
-                opt.zero_grad(set_to_none=True)
-                loss_fn(model(x).reshape(y.shape[0], -1), y).backward()
-                opt.step()
+                train_step(model, opt, loss_fn, x, y)
                 times.append(time.perf_counter() - t0)
             return times
 

@@ -77,6 +77,16 @@ def _models() -> dict[str, Any]:
     return {"mlp": (Mlp, mlp_batch), "transformer": (Transformer, transformer_batch)}
 
 
+def train_step(model: Any, opt: Any, loss_fn: Any, x: Any, y: Any) -> Any:
+    """One training step on a batch of ``_models()``: what every benchmark of those models times (the
+    batch is drawn before the clock starts). Returns the loss."""
+    opt.zero_grad(set_to_none=True)
+    loss = loss_fn(model(x).reshape(y.shape[0], -1), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def worker(quick: bool, out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -111,9 +121,7 @@ def worker(quick: bool, out: str) -> None:
             for _ in range(steps):
                 x, y = batch(gen)  # noqa: B023
                 t0, c0 = time.perf_counter(), time.thread_time()
-                opt.zero_grad(set_to_none=True)
-                loss_fn(model(x).reshape(y.shape[0], -1), y).backward()
-                opt.step()
+                train_step(model, opt, loss_fn, x, y)
                 if keep:
                     times[engine].append(time.perf_counter() - t0)  # noqa: B023
                     cpu[engine].append(time.thread_time() - c0)  # noqa: B023

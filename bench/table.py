@@ -63,9 +63,9 @@ def _adapter(d: Mapping[str, Any]) -> Iterator[Row]:
 
 def _watchdog(d: Mapping[str, Any]) -> Iterator[Row]:
     limit = float(d.get("target_pct", 1.0))
-    for key, where, target in (
-        ("engine_benchmark", "engine benchmark's MLP", f"≤ {limit:.0f} %"),
-        ("with_user_all_reduce", "same MLP + a user all_reduce a step", "—"),
+    for key, where, judged in (
+        ("engine_benchmark", "engine benchmark's MLP", True),  # where the target is set
+        ("with_user_all_reduce", "same MLP + a user all_reduce a step", False),
     ):
         a = d.get(key)
         if not a:
@@ -79,7 +79,7 @@ def _watchdog(d: Mapping[str, Any]) -> Iterator[Row]:
             (f"process CPU added, all threads ({a['process_cpu_added_us']:.0f} µs), share of the step",
              a["process_cpu_added_pct_of_step"]),
         ):  # fmt: skip
-            met = value <= limit if target != "—" else None
+            target, met = (f"≤ {limit:.0f} %", value <= limit) if judged else ("—", None)
             yield Row("watchdog", f"recorder + watchdog, {where}: {figure}", f"{value:+.2f} %", target, met)
     if "small_all_reduce_us_on" in d:
         label = "1-element all_reduce on 2 ranks in a tight loop, per call: recorder on vs off"

@@ -105,7 +105,7 @@ def _training(name: str, user_all_reduce: bool) -> tuple[Callable[[], None], str
     import torch.distributed as dist
     from torch import nn
 
-    from bench.engine import _models
+    from bench.engine import _models, train_step
 
     factory, batch = _models()[name]
     torch.manual_seed(0)
@@ -124,10 +124,7 @@ def _training(name: str, user_all_reduce: bool) -> tuple[Callable[[], None], str
 
     def step() -> None:
         x, y = batch(gen)
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x).reshape(y.shape[0], -1), y)
-        loss.backward()
-        opt.step()
+        loss = train_step(model, opt, loss_fn, x, y)
         if user_all_reduce:
             dist.all_reduce(loss.detach())
 
@@ -142,6 +139,9 @@ def _step_bench(name: str, steps_per_arm: int, block: int, user_all_reduce: bool
     import torch.distributed as dist
 
     from ddpscope.ddp.collectives import RECORDER
+
+    def numbered() -> int:  # collectives numbered so far, every group
+        return sum(RECORDER.last_seq(pg) for pg in list(RECORDER._counters))
 
     step, engine = _training(name, user_all_reduce)
     _set_mode(True)
@@ -160,7 +160,7 @@ def _step_bench(name: str, steps_per_arm: int, block: int, user_all_reduce: bool
         block_medians: dict[bool, float] = {}
         for on in (True, False) if r % 2 == 0 else (False, True):
             _set_mode(on)
-            seq_before = sum(RECORDER.last_seq(pg) for pg in list(RECORDER._counters))
+            before = numbered()
             times = []
             p0 = time.process_time_ns()
             for _ in range(block):
@@ -172,7 +172,7 @@ def _step_bench(name: str, steps_per_arm: int, block: int, user_all_reduce: bool
             wall[on].extend(times)
             block_medians[on] = statistics.median(times)
             if on:
-                recorded += sum(RECORDER.last_seq(pg) for pg in list(RECORDER._counters)) - seq_before
+                recorded += numbered() - before
         pair_ratios.append(block_medians[True] / block_medians[False])
     _set_mode(False)
     med = {k: {on: statistics.median(v[on]) for on in (True, False)} for k, v in
