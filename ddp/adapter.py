@@ -63,7 +63,7 @@ from ddpscope.ddp.adapter_layout import (
     reducer_parameters,
 )
 from ddpscope.ddp.clock import estimate_offset
-from ddpscope.ddp.collectives import RECORDER, PlannedCollective, dtype_name, reduce_name
+from ddpscope.ddp.collectives import RECORDER, PlannedCollective, dtype_name, reduce_name, work_failure
 from ddpscope.ddp.errors import report_error
 from ddpscope.ddp.groups import global_rank, pg_name
 from ddpscope.ddp.outputs import grad_tensors
@@ -477,7 +477,7 @@ class Instrumentation:
             work = works[k]
             if not work.is_completed():
                 return
-            error = _failure(work)
+            error = work_failure(work)
             if error is None:
                 self._done[k] = now_ns()
             self._record_end(self._seqs[k], self._launch_plans[k], error)
@@ -683,13 +683,3 @@ class Instrumentation:
         self.detached = True
         if PROGRESS.pending_buckets == self.pending_wire:
             PROGRESS.pending_buckets = list
-
-
-def _failure(work: Any) -> str | None:
-    """A completed Work's error message, or None if it succeeded (read from its future: torch
-    deprecates ``Work.exception()`` and ``is_success()`` with a warning)."""
-    try:
-        work.get_future().value()
-    except Exception as e:
-        return str(e)
-    return None

@@ -449,8 +449,8 @@ class CollectiveRecorder:
                 if self._pending.pop(key, None) is None:
                     continue  # another thread (the watchdog, a wait) got it first
                 self._pending_ids.pop(id(work), None)
-                exc = work.exception()
-                self.end(key[0], key[1], ok=exc is None, error=None if exc is None else str(exc))
+                error = work_failure(work)
+                self.end(key[0], key[1], ok=error is None, error=error)
         except Exception:
             self._failed("poll")
 
@@ -572,6 +572,20 @@ ping-pong, where a spool write on one side would lengthen the round trip it meas
 
 _DTYPE_NAMES: dict[Any, str] = {}
 _REDUCE_NAMES: dict[Any, str] = {}
+
+
+def work_failure(work: Any) -> str | None:
+    """A completed Work's error message, or None if it succeeded. Read from its future: torch
+    deprecates ``Work.exception()`` and ``is_success()`` with a warning printed into the user's log."""
+    try:
+        future = work.get_future()
+    except Exception:  # a Work type without a future (torch's base Work): no error to read
+        return None
+    try:
+        future.value()
+    except Exception as e:
+        return str(e)
+    return None
 
 
 def dtype_name(dtype: Any) -> str:

@@ -12,7 +12,8 @@ Scenarios:
   extra    rank 1 issues one all-reduce more than rank 0, then waits in it until rank 0 exits.
   order    same-shape all-reduces in a different order on the two ranks (silently wrong on gloo).
   raise    rank 1 raises an uncaught exception at step 2.
-  healthy  torch DDP training of a small MLP plus a user all-reduce of the loss each step.
+  healthy  torch DDP training of a small MLP plus a user all-reduce of the loss each step, and an
+           asynchronous one whose Work nobody waits for.
   mismatch an all-reduce of different sizes on the two ranks: gloo aborts a process.
   engine   the same with ddpscope's engine (small buckets); rank 1 sleeps before the forward of
            step 2, so rank 0 waits in its bucket all-reduces.
@@ -109,6 +110,7 @@ def healthy(rank: int) -> None:
         opt.step()
         opt.zero_grad()
         dist.all_reduce(loss.detach())  # SITE:loss
+        dist.all_reduce(loss.detach().clone(), async_op=True)  # SITE:fire  (its Work never waited for)
         PROGRESS.enter("idle")
     print(f"internal_errors={collectives.RECORDER.internal_errors}")
 
