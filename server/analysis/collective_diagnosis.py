@@ -79,7 +79,10 @@ class CollectiveIndex:
         for h in snapshot.hangs:
             for c in h.get("inflight") or []:
                 self._saw(h["rank"], c["pg"], c["coll_seq"])
-        for r, h in live.active_hangs.items():
+        # A hang that ended only when its rank was stopped or the job died still shows where the rank
+        # was blocked at the end: the post-mortem reads the wait graph of that moment.
+        blocked_at_end = {**live.hangs_at_death, **live.stopped_hangs, **live.active_hangs}
+        for r, h in blocked_at_end.items():
             for c in h.get("inflight") or []:
                 full = self.by_pg.get(c["pg"], {}).get(r, {}).get(c["coll_seq"], c)
                 self.waits.setdefault(c["pg"], {}).setdefault(r, {})[c["coll_seq"]] = full
@@ -596,7 +599,9 @@ def _missing(
     for r in missing:
         last = colls.last(r, pg)
         state = (
-            f"it exited ({live.exits[r].get('reason')}) at step {live.exits[r].get('step')}"
+            graph.state(r)  # blocked elsewhere until it was stopped: where matters more than how it ended
+            if r in live.stopped_hangs and r in graph.blocked
+            else f"it exited ({live.exits[r].get('reason')}) at step {live.exits[r].get('step')}"
             if r in live.exits
             else "it died"
             if r in live.fatal or r in live.crashed

@@ -137,7 +137,10 @@ class Liveness:
 
     def seen_until_s(self, rank: int) -> float:
         """How far the rank's story runs: now, or its last sign of life once the whole job went quiet
-        (killed, stopped): a wait or a hang ended then, it does not keep growing."""
+        (killed, stopped), or its exit: a wait or a hang ended then, it does not keep growing."""
+        exit_ = self.exits.get(rank)
+        if exit_ is not None:
+            return min(self.now_s, _s(exit_))
         last = self.last_alive_s.get(rank)
         return last if self.lost and last is not None else self.now_s
 

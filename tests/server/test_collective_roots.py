@@ -297,6 +297,27 @@ def test_ranks_that_each_wait_in_a_collective_the_other_also_makes_deadlock_in_a
     )
 
 
+def test_a_deadlock_stopped_by_sigterm_keeps_its_diagnosis_in_the_post_mortem() -> None:
+    # The same subgroup deadlock, then the launcher's timeout stops every rank: read hours later, the
+    # wait graph is the one of the moment they were stopped, not "every rank issued it in time".
+    job, now = subgroup_hang(with_members=True)
+    live_kinds = kinds(diagnose(job.snapshot(), now))
+    for r in range(3):
+        job.exit(r, now + 1, reason="sigterm", step=3)
+    later = now + 3 * 3600
+    incidents = diagnose(job.snapshot(), later)
+    assert kinds(incidents) == live_kinds
+    (deadlock,) = [i for i in incidents if i.kind == "mismatch"]
+    assert deadlock.culprit_ranks == [0] and deadlock.message.startswith("Deadlock across process groups")
+    hangs = [i for i in incidents if i.kind == "hang"]
+    assert hangs and all(h.culprit_ranks == [0] for h in hangs), [h.message for h in hangs]
+    assert not any("in time" in h.message for h in hangs)
+    (missing,) = [i for i in incidents if i.kind == "missing_collective"]
+    assert "it is blocked itself, in all_reduce(SUM) [8] float32 at train.py:80" in missing.message
+    waited = float(missing.message.split(" have waited ")[1].split(" s ")[0])
+    assert waited < 60  # until the stop, not until the reading
+
+
 def test_a_wait_on_a_rank_blocked_in_another_group_blames_the_rank_at_the_end_of_the_chain() -> None:
     # Rank 0 waits in the default group for rank 1; rank 1 waits in pg:1 for rank 2, which went on
     # doing something else: rank 2 holds both up.
