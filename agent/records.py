@@ -181,7 +181,11 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("call_site", STR, nullable=True, doc="file:line of the user's call"),
         Field("start_ns", INT),
         Field("step", INT, nullable=True),
-        Field("source", STR, doc="'engine' or 'user'"),
+        Field(
+            "source",
+            STR,
+            doc="'engine', 'user' or 'join' (torch's Join machinery: a joined rank shadowing its peers)",
+        ),
         Field(
             "root",
             INT,

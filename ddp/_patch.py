@@ -168,14 +168,16 @@ def _make_wrapper(
                 if r_pos >= 0:
                     red = arg(args, kwargs, r_pos, spec.reduce)
                     reduce_op = "SUM" if red is None else reduce_name(red)
-                site = rec.call_site(1)
+                site, source = rec.call_origin(1)
                 # Unrooted ops (all_reduce, ...): None, which the record leaves out.
                 root = (
                     None
                     if root_name is None
                     else _root(args, kwargs, o_pos, root_name, go_pos, group_root_name, g_pos)
                 )
-                seq, plan = rec.begin_user(pg, op, tensors, reduce_op=reduce_op, call_site=site, root=root)
+                seq, plan = rec.begin_user(
+                    pg, op, tensors, reduce_op=reduce_op, call_site=site, root=root, source=source
+                )
         except Exception:
             rec._failed(op)
             pg = None

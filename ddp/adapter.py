@@ -441,9 +441,20 @@ class Instrumentation:
                 seq = RECORDER.begin_planned(plan, self._cur)
             else:
                 step = None if self.detached else self._cur
+                site, source = None, "engine"
+                if not self._armed:  # outside any step: a Join shadowing its peers' buckets?
+                    join_site, origin = RECORDER.call_origin(1)
+                    if origin == "join":
+                        site, source, step = join_site, "join", None
                 op = reduce_name(opts.reduceOp)
                 seq = RECORDER.begin(
-                    self._pg, "all_reduce", tuple(tensors), reduce_op=op, source="engine", step=step
+                    self._pg,
+                    "all_reduce",
+                    tuple(tensors),
+                    reduce_op=op,
+                    source=source,
+                    step=step,
+                    call_site=site,
                 )
         except Exception:
             logger.warning("ddpscope: recording an all-reduce of torch's Reducer failed", exc_info=True)
@@ -543,7 +554,12 @@ class Instrumentation:
         buf = bucket.buffer()
         step = None if self.detached else self._cur  # a detached model's steps are counted no more
         plan = None
-        if step is None:
+        site, source = RECORDER.call_origin(1) if not self._armed else (None, "engine")
+        if source == "join":  # a joined rank shadowing its peers' bucket all-reduces (torch's Join)
+            seq = RECORDER.begin(
+                self._pg, "all_reduce", (buf,), reduce_op="SUM", source="join", call_site=site
+            )
+        elif step is None:
             seq = RECORDER.begin(self._pg, "all_reduce", (buf,), reduce_op="SUM", source="engine", step=step)
         else:
             plan = self._plan(k, buf)

@@ -63,6 +63,16 @@ _UNPLANNABLE = object()
 RING_SIZE = 2000
 """Recent collectives kept in memory for the hang report (torch's Flight Recorder keeps 2000 too)."""
 
+# torch's ``Join`` (uneven inputs): a rank that ran out of data shadows its peers' collectives from
+# join.py (its ``__exit__`` loop runs every Joinable's hooks), while the peers' side of those calls comes
+# from their forward: their call sites differ by design. DDP's two join-only methods run in the peers'
+# forward, outside join.py.
+_JOIN_FILE = os.path.join("torch", "distributed", "algorithms", "join.py")
+_DDP_FILE = os.path.join("torch", "nn", "parallel", "distributed.py")
+_DDP_JOIN_METHODS = frozenset({"_check_global_requires_backward_grad_sync", "_find_common_rank"})
+_USER, _INTERNAL, _JOIN, _DDP = 0, 1, 2, 3
+"""Per-file verdicts of the call-site walk: the user's code, torch or ddpscope, join.py, DDP's module."""
+
 _DDPSCOPE_DIRS = tuple(
     os.path.dirname(os.path.abspath(p)) + os.sep
     for p in (__file__, sys.modules["ddpscope.agent"].__file__ or "")
@@ -145,7 +155,8 @@ class CollectiveRecorder:
         self._user_plans: dict[tuple[Any, ...], Any] = {}
         """A user call's (pg, op, reduce_op, call site, root, (shape, dtype) per tensor) -> its plan; None
         once seen; ``_UNPLANNABLE`` when its records cannot be a template (``begin_user``)."""
-        self._skip_files: dict[str, bool] = {}
+        self._skip_files: dict[str, int] = {}
+        """filename -> ``_USER``, ``_INTERNAL``, ``_JOIN`` or ``_DDP`` (``_walk``)."""
         self._sites: dict[tuple[str, int], str] = {}
         self._torch_dir: str | None = None
         self._cwd = os.getcwd() + os.sep
@@ -296,6 +307,7 @@ class CollectiveRecorder:
         reduce_op: str | None,
         call_site: str | None,
         root: int | None = None,
+        source: str = "user",
     ) -> tuple[int, PlannedCollective | None]:
         """``begin`` for a user's call through the patched ``torch.distributed``; returns its seq and the
         plan to end it with (``end_planned``), or None (``end``).
@@ -306,13 +318,13 @@ class CollectiveRecorder:
         ~115 us a call with the caches cold. Never raises."""
         plans = self._user_plans
         try:
-            key = (pg, op, reduce_op, call_site, root, *[(t.shape, t.dtype) for t in tensors])
+            key = (pg, op, reduce_op, call_site, root, source, *[(t.shape, t.dtype) for t in tensors])
             plan = plans.get(key, _UNSEEN)
         except Exception:  # not tensors: the ordinary path records what it can, torch raises
             key, plan = None, None
         if isinstance(plan, PlannedCollective):
             return self.begin_planned(plan, None), plan
-        seq = self.begin(pg, op, tensors, reduce_op=reduce_op, source="user", call_site=call_site, root=root)
+        seq = self.begin(pg, op, tensors, reduce_op=reduce_op, source=source, call_site=call_site, root=root)
         if key is not None and plan is not _UNPLANNABLE:
             try:
                 if len(plans) >= MAX_USER_PLANS:
@@ -321,7 +333,7 @@ class CollectiveRecorder:
                 if plan is not _UNSEEN:  # the second sighting
                     made = self.plan(
                         pg, op, shapes=[list(t.shape) for t in tensors], dtypes=[dtype_name(t.dtype) for t in tensors],
-                        reduce_op=reduce_op, source="user", call_site=call_site, root=root, stepped=False,
+                        reduce_op=reduce_op, source=source, call_site=call_site, root=root, stepped=False,
                     )  # fmt: skip
                 # A plan the wire format refuses is not made again at every call (it logs a warning).
                 plans[key] = made if made is None or made.begin is not None else _UNPLANNABLE
@@ -484,44 +496,61 @@ class CollectiveRecorder:
 
     def call_site(self, depth: int = 1) -> str | None:
         """``file:line`` of the first frame outside torch and ddpscope, ``depth`` frames up."""
+        return self.call_origin(depth + 1)[0]
+
+    def call_origin(self, depth: int = 1) -> tuple[str | None, str]:
+        """(``call_site(depth)``, ``"join"`` when the call comes from torch's ``Join`` machinery, else
+        ``"user"``): the source a user's collective is recorded with."""
         try:
             try:
                 frame: Any = sys._getframe(depth + 1)
             except ValueError:  # called near the bottom of the stack (e.g. from a module's top level)
                 frame = sys._getframe(1)
-            return self.frame_site(frame)
+            return self._walk(frame)
         except Exception:
             self._failed("call_site")
-        return None
+        return None, "user"
 
     def frame_site(self, frame: Any) -> str | None:
-        """``file:line`` of ``frame`` or of the first frame above it outside torch and ddpscope.
+        """``file:line`` of ``frame`` or of the first frame above it outside torch and ddpscope."""
+        return self._walk(frame)[0]
 
-        Walks ``f_back`` with cached per-file verdicts: a few hundred nanoseconds, where
-        ``traceback.extract_stack`` costs tens of microseconds.
-        """
+    def _walk(self, frame: Any) -> tuple[str | None, str]:
+        """The call site above ``frame`` and the source (``call_origin``), in one walk of ``f_back``
+        with cached per-file verdicts: a few hundred nanoseconds, where ``traceback.extract_stack``
+        costs tens of microseconds. The frames passed on the way tell a ``Join`` call."""
         skip = self._skip_files
+        source = "user"
         while frame is not None:
-            filename = frame.f_code.co_filename
-            skipped = skip.get(filename)
-            if skipped is None:
-                skipped = skip[filename] = self._is_internal(filename)
-            if not skipped:
+            code = frame.f_code
+            filename = code.co_filename
+            verdict = skip.get(filename)
+            if verdict is None:
+                verdict = skip[filename] = self._verdict(filename)
+            if verdict == _USER:
                 key = (filename, frame.f_lineno)
                 site = self._sites.get(key)
                 if site is None:
                     shown = filename.removeprefix(self._cwd)
                     site = self._sites[key] = f"{shown}:{frame.f_lineno}"
-                return site
+                return site, source
+            if verdict == _JOIN or (verdict == _DDP and code.co_name in _DDP_JOIN_METHODS):
+                source = "join"
             frame = frame.f_back
-        return None
+        return None, source
 
-    def _is_internal(self, filename: str) -> bool:
+    def _verdict(self, filename: str) -> int:
         if self._torch_dir is None:
             torch_mod = sys.modules.get("torch")
             self._torch_dir = os.path.dirname(getattr(torch_mod, "__file__", "") or "/nonexistent") + os.sep
         path = os.path.abspath(filename)
-        return path.startswith(self._torch_dir) or path.startswith(_DDPSCOPE_DIRS)
+        if path.startswith(_DDPSCOPE_DIRS):
+            return _INTERNAL
+        if not path.startswith(self._torch_dir):
+            return _USER
+        if path.endswith(_JOIN_FILE):
+            return _JOIN
+        return _DDP if path.endswith(_DDP_FILE) else _INTERNAL
 
     def _failed(self, where: str) -> None:
         self.internal_errors += 1

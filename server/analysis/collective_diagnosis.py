@@ -207,6 +207,10 @@ def _disagreement(
         # Different ops differ in everything else too: saying so adds nothing.
         return "ops" if "ops" in differs else " and ".join(differs), groups
     sources = {c.get("source") for c in recs.values()}
+    if "join" in sources:
+        # torch's Join: a rank out of data shadows its peers' collectives (bucket all-reduces, the join
+        # handshake) from other code by design; agreeing ops and shapes are all that can be asked.
+        return "", {}
     if len(sources) > 1 and None not in sources:
         # The engine issues its all-reduces in lockstep on every rank; a user call paired with one of
         # them means the user call was made on some ranks only, even when the shapes happen to match.

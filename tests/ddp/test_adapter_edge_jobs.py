@@ -184,3 +184,37 @@ def test_waiting_for_a_slow_peer_in_torchs_buffer_broadcast_and_a_loss_all_reduc
     assert 0.035 < forward < 0.2 and 0.02 < between < 0.2, (forward, between)
     slow_forward, slow_between = medians(1)
     assert slow_forward < 0.015 and slow_between < 0.015, (slow_forward, slow_between)
+
+
+# -- uneven inputs under torch's Join --------------------------------------------------------------
+
+
+def test_uneven_inputs_under_torchs_join_train_as_uninstrumented_and_raise_no_incident(
+    tmp_path: Path,
+) -> None:
+    from ddpscope.server.analysis.incidents import diagnose
+    from ddpscope.server.analysis.snapshot import snapshot_from_records
+
+    job = run("join", tmp_path)
+    assert all(exited_cleanly(r) for r in job.results), job.output()
+    for rank in (0, 1):
+        assert result(tmp_path, rank)["instrumented"] == result(tmp_path, rank)["plain"]
+    records = {rank: read_jsonl(tmp_path / f"joined{rank}.jsonl") for rank in (0, 1)}
+    steps = {rank: [r["step"] for r in records[rank] if r["kind"] == "step"] for rank in (0, 1)}
+    assert steps == {0: [0, 1, 2], 1: [0, 1, 2, 3, 4, 5]}  # the shadowing rank records no step
+    colls = {
+        rank: {r["coll_seq"]: r for r in records[rank] if r["kind"] == "collective" and r["pg"] == "default"}
+        for rank in (0, 1)
+    }
+    assert colls[0].keys() == colls[1].keys()
+    shadows = [c for c in colls[0].values() if c["source"] == "join" and c["shapes"] != [[1]]]
+    assert len(shadows) == 3 and all(c["step"] is None for c in shadows)  # rank 0 shadows 3 steps' buckets
+    # The join handshake is the Join's on both sides, from different lines of the script.
+    handshakes = [seq for seq, c in colls[1].items() if c["shapes"] == [[1]]]
+    assert handshakes and all(colls[r][seq]["source"] == "join" for seq in handshakes for r in (0, 1))
+    assert any(colls[0][seq]["call_site"] != colls[1][seq]["call_site"] for seq in handshakes)
+    every = [r for rank in (0, 1) for r in records[rank]]
+    incidents = diagnose(
+        snapshot_from_records("edge-join", every), max(r["time_ns"] for r in every) / 1e9 + 1
+    )
+    assert incidents == [], [i.message for i in incidents]

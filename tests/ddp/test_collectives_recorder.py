@@ -289,7 +289,7 @@ def test_a_user_call_repeated_from_one_line_is_planned_and_records_what_it_did_b
     shown = begins[0]["call_site"]
     assert shown.endswith(site)
     assert RECORDER._user_plans[
-        ("default", "all_reduce", "SUM", shown, None, (torch.Size([2, 3]), torch.float32))
+        ("default", "all_reduce", "SUM", shown, None, "user", (torch.Size([2, 3]), torch.float32))
     ]
     assert [r["coll_seq"] for r in begins] == list(range(1, 9))
     assert sorted(r["coll_seq"] for r in ends) == list(range(1, 9)) and all(r["ok"] for r in ends)
@@ -327,6 +327,8 @@ def test_a_user_call_whose_records_cannot_be_a_template_is_tried_once_not_at_eve
         RECORDER.end(pg, seq)
     assert sum("no record template" in r.message for r in caplog.records) == 1
     assert (
-        RECORDER._user_plans[(pg, "all_reduce", "SUM", "x.py:1", None, (torch.Size([2]), torch.float32))]
+        RECORDER._user_plans[
+            (pg, "all_reduce", "SUM", "x.py:1", None, "user", (torch.Size([2]), torch.float32))
+        ]
         is collectives._UNPLANNABLE
     )

@@ -14,6 +14,8 @@ Scenarios:
   waits       a model with BatchNorm; rank 1 is slow before each forward (rank 0 waits for it in
               torch's buffer broadcast) and before the loss all-reduce after each step (rank 0 waits
               in that): the step records' blocked_* fields must hold rank 0's waits.
+  join        uneven inputs under torch's Join (``model.join()``): rank 0 has 3 batches, rank 1 has 6,
+              a model with BatchNorm; the same training uninstrumented first, for the parameters.
 """
 
 from __future__ import annotations
@@ -130,12 +132,38 @@ def waits(rank: int, out_dir: str) -> dict[str, Any]:
     return {}
 
 
+JOIN_BATCHES = (3, 6)
+
+
+def _join_train(model: DDP, rank: int) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with model.join():
+        for step in range(JOIN_BATCHES[rank]):
+            opt.zero_grad()
+            model(batch(rank, step)).square().mean().backward()
+            opt.step()
+    return [float(p.detach().double().sum()) for p in model.parameters()]
+
+
+def join(rank: int, out_dir: str) -> dict[str, Any]:
+    def bn_mlp() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 4))
+
+    plain = _join_train(DDP(bn_mlp()), rank)
+    _capture.flush()
+    agent.configure(exporter=_capture.JsonLinesExporter(os.path.join(out_dir, f"joined{rank}.jsonl")), rank=rank,
+                    job="edge-join")  # fmt: skip
+    return {"plain": plain, "instrumented": _join_train(instrument(DDP(bn_mlp())), rank)}
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     _capture.capture(out_dir)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    result = {"accumulate": accumulate, "peer_dies": peer_dies, "waits": waits}[scenario](rank, out_dir)
+    scenarios = {"accumulate": accumulate, "peer_dies": peer_dies, "waits": waits, "join": join}
+    result = scenarios[scenario](rank, out_dir)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     _capture.flush()
     dist.destroy_process_group()
