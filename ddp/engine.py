@@ -4,7 +4,8 @@ Construction (a collective step, every rank of the group calls it): clock ping-p
 cross-rank layout check, the state broadcast from rank 0, the bucket layout; then a ``rank_start`` and
 a ``layout`` record. Each forward may rebuild the buckets once (after the first synchronised backward,
 in rank 0's observed gradient-ready order, as torch does), broadcasts buffers from rank 0, runs the
-module and arms the reducer; each backward ends with one ``step`` record (reducer.py).
+module and arms the reducer; each backward ends with one ``step`` record (reducer.py). Uneven inputs:
+``with model.join():`` (torch's ``Join``; the protocol is in join.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ddpscope import agent
 from ddpscope.agent import clock as agent_clock
@@ -27,6 +29,7 @@ from ddpscope.ddp.clock import estimate_offset
 from ddpscope.ddp.collectives import disabled
 from ddpscope.ddp.errors import report_error
 from ddpscope.ddp.groups import global_rank, pg_name
+from ddpscope.ddp.join import EngineJoinHook, find_common_rank, send_sync_flag
 from ddpscope.ddp.layout import check_same_layout, describe
 from ddpscope.ddp.progress import PROGRESS
 from ddpscope.ddp.rank_start import rank_start_record
@@ -87,7 +90,7 @@ def _check_unsupported(unsupported: dict[str, Any], module: nn.Module) -> None:
         )
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism with per-bucket measurements; see the module docstring.
 
     ``bucket_cap_mb=None`` means torch's default: 25 MiB buckets with a 1 MiB first bucket.
@@ -113,6 +116,7 @@ class DistributedDataParallel(nn.Module):
         **unsupported: Any,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)  # nn.Module's __init__ does not call on along the MRO
         _check_unsupported(unsupported, module)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -127,6 +131,7 @@ class DistributedDataParallel(nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.require_backward_grad_sync = True
+        self._divide_by_initial_world_size = True
         self._pg = pg_name(process_group)
         self._rank = dist.get_rank(process_group)
         self._world = dist.get_world_size(process_group)
@@ -202,18 +207,31 @@ class DistributedDataParallel(nn.Module):
     # -- forward ---------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        joining = self._join_config.enable
         if not torch.is_grad_enabled():
             # Evaluation: no gradients to reduce, but buffers are synced as torch does. Each forward is
             # progress for the hang watchdog: an evaluation longer than the timeout is working, not hung.
             PROGRESS.tick()
+            if joining:
+                Join.notify_join_context(self)
+                if self._reducer.wants_rebuild():  # a joined rank rebuilds at each iteration it shadows
+                    self._rebuild_buckets()
             self._sync_buffers()
+            if joining:
+                send_sync_flag(self, False)
             return self.module(*args, **kwargs)
         synced = self.require_backward_grad_sync
         reducer = self._reducer
-        if synced and reducer.wants_rebuild():
+        if joining:
+            self._notify_join(reducer)
+        # Under Join a rank that joined cannot know whether this forward is synced when it rebuilds
+        # (the flag comes later): rebuild in any forward then, as torch always does.
+        if (synced or joining) and reducer.wants_rebuild():
             self._rebuild_buckets()
         reducer.prepare_forward(self._step, synced)
         self._sync_buffers()
+        if joining:
+            send_sync_flag(self, synced)
         try:
             out = self.module(*args, **kwargs)
         except Exception as exc:
@@ -237,15 +255,73 @@ class DistributedDataParallel(nn.Module):
         self._emit_layout("rebuilt")
         logger.info("ddpscope: buckets rebuilt in gradient-ready order at step %d", self._step)
 
-    def _sync_buffers(self) -> None:
+    def _sync_buffers(self, *, joined: bool = False) -> None:
+        """Broadcast buffers from rank 0 or, under Join, from the highest rank still training (a rank
+        that joined has stale buffers); ``joined``: called for a rank that joined (``join.py``)."""
         if not self.broadcast_buffers or self._world == 1 or not self._has_buffers:
             return
         buffers = [b for b in self.module.buffers() if b is not None]
         if not buffers:
             return
+        src = find_common_rank(self, not joined) if self._join_config.enable else 0
         # In-place writes must not invalidate tensors autograd saved (torch does the same).
         with torch.no_grad(), _unsafe_preserve_version_counter(tuple(buffers)):
-            broadcast_coalesced(buffers, group=self.process_group, pg=self._pg, step=self._step)
+            broadcast_coalesced(
+                buffers,
+                group=self.process_group,
+                pg=self._pg,
+                src_rank=src,
+                step=None if joined else self._step,
+            )
+
+    # -- uneven inputs (torch's Join; the protocol is in join.py) ---------------------------------
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """Train on uneven inputs: ``with model.join(): for batch in my_shard: ...``. A rank that runs
+        out of batches shadows its peers' collectives until they are done too; then every rank takes
+        the model of the last rank to finish. Gradients are divided by the world size, or with
+        ``divide_by_initial_world_size=False`` by the number of ranks still training. Same meaning
+        and arguments as torch's ``DistributedDataParallel.join``."""
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return EngineJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._reducer.params[0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def _notify_join(self, reducer: Reducer) -> None:
+        """Tell ranks that joined that this one still trains; with ``divide_by_initial_world_size=False``
+        learn how many still do, the divisor of this step's gradients."""
+        work = Join.notify_join_context(self)
+        if work is not None and not self._divide_by_initial_world_size:
+            work.wait()
+            reducer.scale = 1.0 / float(work.result()[0].item())
+        else:
+            reducer.scale = 1.0 / self._world
+
+    def _broadcast_state(self, src_rank: int) -> None:
+        """Every parameter (and buffer, with ``broadcast_buffers``) from ``src_rank``: the end of Join."""
+        tensors: list[torch.Tensor] = list(self.module.parameters())
+        if self.broadcast_buffers:
+            tensors += [b for b in self.module.buffers() if b is not None]
+        with torch.no_grad():
+            broadcast_coalesced(tensors, group=self.process_group, pg=self._pg, src_rank=src_rank)
 
     # -- gradient accumulation -------------------------------------------------------------------
 

@@ -143,6 +143,16 @@ class Reducer:
         # the rebuild, and its broadcast, at the same forward.
         return not self.rebuilt and self.log_complete
 
+    def shadowed_synced_step(self) -> None:
+        """A rank that joined (``ddp/join.py``) shadowed a synced step of its peers. That step succeeded
+        on every rank, which is what makes the peers rebuild at their next forward: this rank must too,
+        from its own log or, if it never ran a synced step, from the current bucket order (only rank
+        0's order is used, and a joined rank 0 must have one to send)."""
+        if not self.rebuilt and not self.log_complete:
+            if self.ready_log is None or len(self.ready_log) != len(self.params):
+                self.ready_log = [i for b in self.buckets for i in b.param_indices]
+            self.log_complete = True
+
     def layout_wire(self) -> list[dict[str, Any]]:
         return [b.to_wire() for b in self.buckets]
 

@@ -13,9 +13,9 @@ pytestmark = pytest.mark.slow
 
 SCENARIOS = [
     "mlp", "batchnorm", "unused", "no_sync", "frozen", "dtypes", "bucket_view", "small_buckets",
-    "wide", "wide_keep_grads", "wide_no_sync",
+    "wide", "wide_keep_grads", "wide_no_sync", "join", "join_divide", "join_early", "join_unused", "join_no_sync",
 ]  # fmt: skip
-FOUR_RANK_SCENARIOS = ["mlp", "batchnorm", "unused", "no_sync", "dtypes"]
+FOUR_RANK_SCENARIOS = ["mlp", "batchnorm", "unused", "no_sync", "dtypes", "join", "join_divide"]
 STEPS = "4"
 
 
@@ -100,3 +100,22 @@ def test_each_dtype_gets_its_own_bucket(two_ranks: list[dict[str, Any]]) -> None
     for b in layout:
         prefix = "b." if b["dtype"] == "float64" else "a."
         assert all(name.startswith(prefix) for name in b["parameters"])
+
+
+@pytest.mark.parametrize("scenario", ["join", "join_early", "join_unused", "join_no_sync"])
+def test_uneven_inputs_under_join_leave_the_collector_nothing_to_report(
+    two_ranks: list[dict[str, Any]], scenario: str
+) -> None:
+    from ddpscope.server.analysis.incidents import diagnose
+    from ddpscope.server.analysis.snapshot import snapshot_from_records
+
+    records = [r for rank in two_ranks for r in rank[scenario]["records"]]
+    # The rank that joined shadowed its peer's steps: the same sequence numbers, from other lines.
+    joined = [r for r in records if r["kind"] == "collective" and r["source"] == "join"]
+    assert {r["rank"] for r in joined} == {0, 1} and any(r["op"] == "all_reduce" for r in joined)
+    incidents = diagnose(
+        snapshot_from_records("compare", records), max(r["time_ns"] for r in records) / 1e9 + 1
+    )
+    # Branchy's branch is used on rank 0 only, by design: that incident is true, and the only one.
+    wrong = [i for i in incidents if not (scenario == "join_unused" and i.kind == "unused_parameters")]
+    assert wrong == [], [i.message for i in wrong]

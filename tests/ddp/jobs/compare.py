@@ -102,29 +102,58 @@ MODELS = {
     "wide": Wide,
     "wide_keep_grads": Wide,
     "wide_no_sync": Wide,
+    # Uneven inputs under Join (``batches``): rank 0 joins first, the last rank first, the first after
+    # one step (before the bucket rebuild it must then take part in), with unused parameters, with
+    # accumulation, and with gradients divided by the ranks still training.
+    "join": WithBatchNorm,
+    "join_divide": Mlp,
+    "join_early": Mlp,
+    "join_unused": Branchy,
+    "join_no_sync": Mlp,
 }
 
 
 def options() -> dict[str, Any]:
-    if SCENARIO == "unused":
+    if SCENARIO in ("unused", "join_unused"):
         return {"find_unused_parameters": True}
     if SCENARIO == "bucket_view":
         return {"gradient_as_bucket_view": True}
-    if SCENARIO == "small_buckets":
+    if SCENARIO in ("small_buckets", "join_early"):
         return {"bucket_cap_mb": 0.01}
     return {}
 
 
+def batches(rank: int) -> int:
+    """Optimizer steps this rank runs: STEPS, or under Join a number that differs per rank."""
+    world = dist.get_world_size()
+    if SCENARIO in ("join", "join_no_sync"):
+        return STEPS + 2 * rank
+    if SCENARIO == "join_divide":
+        return STEPS + 2 * (world - 1 - rank)
+    if SCENARIO == "join_early":
+        return 1 if rank == 0 else STEPS + 1
+    if SCENARIO == "join_unused":
+        return STEPS + rank
+    return STEPS
+
+
 def train(model: nn.Module, rank: int) -> dict[str, Any]:
-    """Train STEPS steps; return what the gradients looked like along the way."""
+    """Train; return what the gradients looked like along the way."""
+    if SCENARIO.startswith("join"):
+        with model.join(divide_by_initial_world_size=SCENARIO != "join_divide"):  # type: ignore[operator]
+            return _train(model, rank)
+    return _train(model, rank)
+
+
+def _train(model: nn.Module, rank: int) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(1000 + rank)
     weight = model.module.fc1.weight if SCENARIO.startswith("wide") else None  # type: ignore[union-attr]
     held: list[tuple[torch.Tensor, torch.Tensor]] = []  # a .grad kept across steps, and its value then
     identities: set[int] = set()
-    for _ in range(STEPS):
+    for _ in range(batches(rank)):
         opt.zero_grad(set_to_none=SCENARIO not in ("bucket_view", "wide_keep_grads"))
-        micro = 3 if SCENARIO in ("no_sync", "wide_no_sync") else 1
+        micro = 3 if SCENARIO in ("no_sync", "wide_no_sync", "join_no_sync") else 1
         for m in range(micro):
             x = torch.randn(16, 32, generator=gen)
             if m < micro - 1:
