@@ -37,6 +37,7 @@ from ddpscope.server.analysis.incident_model import (
 from ddpscope.server.analysis.snapshot import JobSnapshot
 from ddpscope.server.analysis.status import Liveness
 from ddpscope.server.analysis.stuck import (
+    FROM_HANG_REPORT,
     Stuck,
     hang_start_s,
     in_own_code,
@@ -209,7 +210,11 @@ class _HangReading:
                 f"while {ranks_phrase(others)} "
                 + (("waits" if len(others) == 1 else "wait") if state == "active" else "waited")
                 + " for it"
-                + (f" (it {blame[rank]})" if rank in blame else "")
+                + (
+                    f" (it {blame[rank]})"
+                    if rank in blame and not blame[rank].endswith(FROM_HANG_REPORT)
+                    else ""
+                )
             )
         elif rank in blame:
             culprits = [rank]

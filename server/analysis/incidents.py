@@ -242,6 +242,10 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
         if not (stopped or reason == "finished") or (stopped and other_cause):
             continue
         left_s = record_s(exit_)
+        if stopped and _peer_failed_before(live, r, left_s):
+            # The launcher's teardown: a peer died (even of a timeout waiting for this rank) and torchrun
+            # stopped the rest. Why the peer waited is the hang's story, not an early exit.
+            continue
         mine = snapshot.steps.get(r)
         last = mine.last_step if mine else None
 
@@ -312,6 +316,25 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
         )
         blame.setdefault(r, "exited early")
     return out
+
+
+TEARDOWN_AFTER_S = 0.05
+"""A launcher stops the other ranks at least this long after one died (torchrun polls its workers)."""
+
+
+def _peer_failed_before(live: Liveness, rank: int, stopped_s: float) -> bool:
+    """Another rank died (a fatal error, or an exit with an error) before ``rank`` was stopped."""
+    for o in live.ranks:
+        if o == rank:
+            continue
+        fatal = live.fatal.get(o)
+        exit_ = live.exits.get(o)
+        died_s = [
+            record_s(x) for x in (fatal, exit_ if exit_ and exit_.get("reason") == "error" else None) if x
+        ]
+        if died_s and min(died_s) < stopped_s - TEARDOWN_AFTER_S:
+            return True
+    return False
 
 
 def _stranded(

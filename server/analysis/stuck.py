@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from ddpscope.server.analysis.incident_model import Record, record_s, user_frame
 from ddpscope.server.analysis.snapshot import JobSnapshot
 
+FROM_HANG_REPORT = " (its hang report)"
+"""Ends what ``Stuck.phrase`` says: the rank's own hang report, which its hang incident tells already."""
+
 
 @dataclass(frozen=True, slots=True)
 class Stuck:
@@ -34,8 +37,8 @@ class Stuck:
     def phrase(self) -> str:
         at = f" at {self.site}" if self.site else ""
         if self.phase == "idle":
-            return f"stuck between steps after step {self.step}{at} (its hang report)"
-        return f"stuck in {self.phase} at step {self.step}{at} (its hang report)"
+            return f"stuck between steps after step {self.step}{at}{FROM_HANG_REPORT}"
+        return f"stuck in {self.phase} at step {self.step}{at}{FROM_HANG_REPORT}"
 
 
 def main_site(hang: Record) -> str | None:

@@ -208,6 +208,25 @@ def test_a_rank_stopped_by_a_signal_alone_is_told_apart_from_uneven_inputs(reaso
     assert ("Something interrupted this rank alone" in early.message) == (reason == "sigint")
 
 
+def test_a_rank_stopped_by_the_launcher_after_its_peer_timed_out_waiting_for_it_is_no_early_exit() -> None:
+    # Rank 1 is stuck between steps; rank 0's process-group timeout kills it, and torchrun then stops
+    # rank 1 with SIGTERM a second later: the stuck rank is the culprit, its SIGTERM is the teardown.
+    job = started(2)
+    end = job.train(3)
+    job.coll(0, end, 7, site="train.py:57", step=3, done=False)
+    job.hang(0, end + 5, step=3, inflight=[inflight(7, end)])
+    stuck_hang(job, 1, end + 5, step=2, phase="idle", line=19)
+    job.error(0, end + 8, "[gloo] Timed out waiting 8000ms for recv operation to complete", step=3)
+    job.exit(0, end + 8.01, reason="error", step=3)
+    job.exit(1, end + 9, reason="sigterm", step=2)
+    incidents = diagnose(job.snapshot(), end + 10)
+    assert "rank_exited_early" not in kinds(incidents), [i.message for i in incidents]
+    assert only(incidents, "rank_error").culprit_ranks == [1]
+    hangs = {i.rank: i for i in incidents if i.kind == "hang"}
+    assert hangs[0].culprit_ranks == [1] and hangs[1].culprit_ranks == [1]
+    assert "stuck in its own code" in hangs[1].message and "(its hang report)" not in hangs[1].message
+
+
 def test_a_hung_job_interrupted_by_ctrl_c_keeps_its_hang_ended_by_that_signal() -> None:
     job = started(2)
     end = job.train(3)
