@@ -608,8 +608,9 @@ def work_failure(work: Any) -> str | None:
     deprecates ``Work.exception()`` and ``is_success()`` with a warning printed into the user's log."""
     try:
         future = work.get_future()
-    except Exception:  # a Work type without a future (torch's base Work): no error to read
-        return None
+    except Exception:  # a Work type without a future (torch's base Work): ask it the old way
+        exc = work.exception() if hasattr(work, "exception") else None
+        return None if exc is None else str(exc)
     try:
         future.value()
     except Exception as e:

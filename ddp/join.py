@@ -39,30 +39,41 @@ if TYPE_CHECKING:
     from ddpscope.ddp.engine import DistributedDataParallel
 
 
-def join_all_reduce(
-    tensor: torch.Tensor, ddp: DistributedDataParallel, *, op: Any = dist.ReduceOp.SUM, wait: bool = True
-) -> None:
-    """All-reduce ``tensor`` in place over ``ddp``'s group as a recorded ``join`` collective."""
-    pg = ddp._pg
+def _launch(
+    tensor: torch.Tensor, ddp: DistributedDataParallel, op: Any = dist.ReduceOp.SUM
+) -> tuple[int, Any]:
+    """Start an in-place all-reduce of ``tensor`` over ``ddp``'s group, recorded as a ``join``
+    collective; return its sequence number and Work."""
     with RECORDER.engine_call():
         seq = RECORDER.begin(
-            pg,
+            ddp._pg,
             "all_reduce",
             [tensor],
             reduce_op=reduce_name(op),
             source="join",
             call_site=RECORDER.call_site(1),
         )
-        work = dist.all_reduce(tensor, op=op, group=ddp.process_group, async_op=True)
-    if not wait:
-        RECORDER.track(pg, seq, work)  # ended when the recorder sees it completed
-        return
+        return seq, dist.all_reduce(tensor, op=op, group=ddp.process_group, async_op=True)
+
+
+def _finish(ddp: DistributedDataParallel, seq: int, work: Any) -> None:
     try:
         work.wait()
     except Exception as e:
-        RECORDER.end(pg, seq, ok=False, error=str(e))
+        RECORDER.end(ddp._pg, seq, ok=False, error=str(e))
         raise
-    RECORDER.end(pg, seq, ok=True)
+    RECORDER.end(ddp._pg, seq, ok=True)
+
+
+def join_all_reduce(
+    tensor: torch.Tensor, ddp: DistributedDataParallel, *, op: Any = dist.ReduceOp.SUM, wait: bool = True
+) -> None:
+    """All-reduce ``tensor`` in place over ``ddp``'s group as a recorded ``join`` collective."""
+    seq, work = _launch(tensor, ddp, op)
+    if wait:
+        _finish(ddp, seq, work)
+    else:
+        RECORDER.track(ddp._pg, seq, work)  # ended when the recorder sees it completed
 
 
 def find_common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
@@ -104,26 +115,9 @@ class EngineJoinHook(JoinHook):
             # torch sends the used-parameter map of this rank's last backward, not zeros: a parameter
             # it used then counts as used by the peers' step (its gradient becomes their average).
             shadows.append(torch.frombuffer(bytearray(reducer.used), dtype=torch.uint8).to(torch.int32))
-        pg = ddp._pg
-        launched = []
-        for tensor in shadows:  # launched in bucket order, then waited, as the peers' backward does
-            with RECORDER.engine_call():
-                seq = RECORDER.begin(
-                    pg,
-                    "all_reduce",
-                    [tensor],
-                    reduce_op="SUM",
-                    source="join",
-                    call_site=RECORDER.call_site(1),
-                )
-                launched.append((seq, dist.all_reduce(tensor, group=ddp.process_group, async_op=True)))
-        for seq, work in launched:
-            try:
-                work.wait()
-            except Exception as e:
-                RECORDER.end(pg, seq, ok=False, error=str(e))
-                raise
-            RECORDER.end(pg, seq, ok=True)
+        # Launched in bucket order, then waited, as the peers' backward does.
+        for seq, work in [_launch(tensor, ddp) for tensor in shadows]:
+            _finish(ddp, seq, work)
         reducer.shadowed_synced_step()
 
     def post_hook(self, is_last_joiner: bool) -> None:

@@ -27,8 +27,11 @@ class PeerDeathWork:
     def is_completed(self) -> bool:
         return self.done
 
-    def exception(self) -> BaseException:
-        return RuntimeError("Connection closed by peer [127.0.0.1]:29500")
+    def get_future(self) -> PeerDeathWork:
+        return self  # its value() raises, as a real Work's future does
+
+    def value(self) -> None:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:29500")
 
 
 @pytest.fixture
