@@ -226,6 +226,9 @@ class Instrumentation:
         self._armed = False
         """A forward through the DDP model (synced or not) awaits its backward."""
         self._outside = OutsideForward(names, self._rank)
+        self._watched: dict[int, tuple[Any, PlannedCollective | None]] = {}
+        """seq -> (Work, plan) of each all-reduce whose end a completion callback is to record; the
+        callback or the end of backward, whichever pops it first (atomic under the GIL), records it."""
         self._reset_step()
 
         agent.emit_durable(
@@ -512,6 +515,7 @@ class Instrumentation:
     def _watch(
         self, work: Any, seq: int, plan: PlannedCollective | None, done: list[int] | None = None, k: int = 0
     ) -> None:
+        self._watched[seq] = (work, plan)
         callback = functools.partial(self._on_end, seq, plan, done, k)
         work.get_future().add_done_callback(callback)
 
@@ -522,6 +526,8 @@ class Instrumentation:
         ``done`` is its step's own list of end times, so a callback late for its step cannot touch the
         next one's."""
         at = now_ns()
+        if self._watched.pop(seq, None) is None:
+            return  # the end of backward recorded it already
         error = None
         try:
             future.value()
@@ -611,14 +617,15 @@ class Instrumentation:
         end = now_ns()
         try:
             if self._observed is not None:
-                # torch wakes from its wait before the last callbacks ran; they record the ends, the
-                # step record takes backward's end for a bucket not stamped yet (static graph's first
+                # torch wakes from its wait before the last callbacks ran; they (or _end_completed) record
+                # the ends, the step record takes backward's end for a bucket not stamped yet (static graph's first
                 # step launches every bucket after the gradients: watched only now).
                 self._watch_launched()
                 done, launch = self._done, self._launch
                 for k in range(self._next_launch):
                     if launch[k] and not done[k]:
                         done[k] = end
+            self._end_completed()
             self.timer.emit(self._fill_timer(), backward_end_ns=end)
         except Exception:
             logger.warning("ddpscope: building the step record failed", exc_info=True)
@@ -627,6 +634,17 @@ class Instrumentation:
             self._queued = False
             self._armed = False
             PROGRESS.enter("idle")
+
+    def _end_completed(self) -> None:
+        """Record the end of every watched all-reduce that has completed: torch's finalizer waited for
+        them, but their callbacks wait for the GIL on a gloo thread, and a process that exits right
+        after its last backward would lose the last bucket's end with them."""
+        for seq in list(self._watched):
+            entry = self._watched.get(seq)
+            if entry is None or not entry[0].is_completed():
+                continue
+            if self._watched.pop(seq, None) is not None:
+                self._record_end(seq, entry[1], work_failure(entry[0]))
 
     def _fill_timer(self) -> list[str]:
         """Hand this step's bucket times to the timer; returns the unused parameters' names."""

@@ -62,3 +62,22 @@ def test_a_forward_called_while_the_script_handles_another_exception_reports_not
         model(torch.randn(3, 4)).sum().backward()
     assert records("rank_error") == []
     model.__dict__["_ddpscope_instrumentation"].remove_hooks()
+
+
+def test_every_bucket_all_reduce_has_its_end_recorded_by_the_time_backward_returns(
+    records: Records, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = instrument(DistributedDataParallel(Flaky()))
+    state = model.__dict__["_ddpscope_instrumentation"]
+    # As if every completion callback still waited for the GIL on a gloo thread when the process exits
+    # right after its last backward: the end of backward records the ends itself.
+    monkeypatch.setattr(state, "_on_end", lambda *args: None)
+    monkeypatch.setattr(type(state), "_poll", lambda self: None)
+    for _ in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+    begun = {
+        r["coll_seq"] for r in records("collective") if r["source"] == "engine" and r["op"] == "all_reduce"
+    }
+    ended = {r["coll_seq"]: r for r in records("collective_end")}
+    assert begun and all(ended[seq]["ok"] for seq in begun), (begun, ended)
+    state.remove_hooks()
