@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,6 +67,35 @@ _REMEDIES: dict[str, str] = {
     "mixed_precision": "cast the module yourself (module.to(dtype)); each dtype gets its own buckets",
     "bucket_cap_mb_list": "use bucket_cap_mb",
 }
+
+
+class _Interleaving:
+    """Notices two engine models training in turn in one process (a GAN's generator and discriminator):
+    their step records share the rank's stream. Models trained one after the other (a sweep) do not
+    mix, so only a model that trains again after another one did is told about, once per process."""
+
+    def __init__(self) -> None:
+        self.last: weakref.ref[DistributedDataParallel] | None = None
+        self.warned = False
+
+    def forward(self, model: DistributedDataParallel) -> None:
+        last = self.last
+        if last is not None and last() is model:
+            return
+        self.last = weakref.ref(model)
+        if last is None or last() is None or model._step == 0 or self.warned:
+            return
+        self.warned = True
+        logger.warning(
+            "ddpscope: rank %d trains two models wrapped in ddpscope's DistributedDataParallel in turn. Both "
+            "models' step records go to the rank's one stream, each numbered by its model: the collector's "
+            "per-step views (steps, timeline, stragglers) mix them. Collectives, hangs and incidents stay "
+            "exact. To measure one model's steps only, wrap the other in torch's DistributedDataParallel.",
+            model._global_rank,
+        )
+
+
+_INTERLEAVING = _Interleaving()
 
 
 def _check_unsupported(unsupported: dict[str, Any], module: nn.Module) -> None:
@@ -222,6 +252,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             return self.module(*args, **kwargs)
         synced = self.require_backward_grad_sync
         reducer = self._reducer
+        _INTERLEAVING.forward(self)
         if joining:
             self._notify_join(reducer)
         # Under Join a rank that joined cannot know whether this forward is synced when it rebuilds

@@ -53,3 +53,28 @@ def test_an_exception_leaving_the_forward_is_reported_at_once_and_still_raised(r
     # The loop caught it and goes on: the next batch trains normally.
     module.fail = False
     model(torch.randn(3, 4)).sum().backward()
+
+
+def test_two_engine_models_trained_in_turn_are_warned_about_once_and_one_after_the_other_not(
+    records: Records, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ddpscope.ddp import engine
+
+    monkeypatch.setattr(engine, "_INTERLEAVING", engine._Interleaving())
+    first, second = DistributedDataParallel(Flaky()), DistributedDataParallel(Flaky())
+
+    def train(model: DistributedDataParallel) -> None:
+        model(torch.randn(3, 4)).sum().backward()
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "two models" in r.getMessage()]
+
+    for model in (first, first, second, second):  # one after the other, as a sweep does
+        train(model)
+    assert warnings() == []
+    for model in (first, second, first, second):  # in turn, as a GAN does
+        train(model)
+    (said,) = warnings()
+    assert "wrap the other in torch's DistributedDataParallel" in said
+    for model in (first, second):
+        model.remove_hooks()
