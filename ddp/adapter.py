@@ -227,8 +227,9 @@ class Instrumentation:
         """A forward through the DDP model (synced or not) awaits its backward."""
         self._outside = OutsideForward(names, self._rank)
         self._watched: dict[int, tuple[Any, PlannedCollective | None]] = {}
-        """seq -> (Work, plan) of each all-reduce whose end a completion callback is to record; the
-        callback or the end of backward, whichever pops it first (atomic under the GIL), records it."""
+        """seq -> (future, plan) of each all-reduce whose end a completion callback is to record; the
+        callback or the end of backward, whichever pops it first (atomic under the GIL), records it.
+        The future, not the Work: holding no Work keeps torch's Work lifetimes as they were."""
         self._reset_step()
 
         agent.emit_durable(
@@ -515,9 +516,9 @@ class Instrumentation:
     def _watch(
         self, work: Any, seq: int, plan: PlannedCollective | None, done: list[int] | None = None, k: int = 0
     ) -> None:
-        self._watched[seq] = (work, plan)
-        callback = functools.partial(self._on_end, seq, plan, done, k)
-        work.get_future().add_done_callback(callback)
+        future = work.get_future()
+        self._watched[seq] = (future, plan)
+        future.add_done_callback(functools.partial(self._on_end, seq, plan, done, k))
 
     def _on_end(
         self, seq: int, plan: PlannedCollective | None, done: list[int] | None, k: int, future: Any
@@ -641,10 +642,16 @@ class Instrumentation:
         after its last backward would lose the last bucket's end with them."""
         for seq in list(self._watched):
             entry = self._watched.get(seq)
-            if entry is None or not entry[0].is_completed():
+            if entry is None or not entry[0].done():
                 continue
             if self._watched.pop(seq, None) is not None:
-                self._record_end(seq, entry[1], work_failure(entry[0]))
+                future, plan = entry
+                try:
+                    future.value()
+                    error = None
+                except Exception as e:
+                    error = str(e)
+                self._record_end(seq, plan, error)
 
     def _fill_timer(self) -> list[str]:
         """Hand this step's bucket times to the timer; returns the unused parameters' names."""
