@@ -63,7 +63,14 @@ from ddpscope.ddp.adapter_layout import (
     reducer_parameters,
 )
 from ddpscope.ddp.clock import estimate_offset
-from ddpscope.ddp.collectives import RECORDER, PlannedCollective, dtype_name, reduce_name, work_failure
+from ddpscope.ddp.collectives import (
+    RECORDER,
+    PlannedCollective,
+    dtype_name,
+    future_failure,
+    reduce_name,
+    work_failure,
+)
 from ddpscope.ddp.errors import report_error
 from ddpscope.ddp.groups import global_rank, pg_name
 from ddpscope.ddp.outputs import grad_tensors
@@ -529,11 +536,7 @@ class Instrumentation:
         at = now_ns()
         if self._watched.pop(seq, None) is None:
             return  # the end of backward recorded it already
-        error = None
-        try:
-            future.value()
-        except Exception as e:
-            error = str(e)
+        error = future_failure(future)
         if error is None and done is not None:
             done[k] = at
         try:
@@ -645,13 +648,7 @@ class Instrumentation:
             if entry is None or not entry[0].done():
                 continue
             if self._watched.pop(seq, None) is not None:
-                future, plan = entry
-                try:
-                    future.value()
-                    error = None
-                except Exception as e:
-                    error = str(e)
-                self._record_end(seq, plan, error)
+                self._record_end(seq, entry[1], future_failure(entry[0]))
 
     def _fill_timer(self) -> list[str]:
         """Hand this step's bucket times to the timer; returns the unused parameters' names."""

@@ -611,6 +611,11 @@ def work_failure(work: Any) -> str | None:
     except Exception:  # a Work type without a future (torch's base Work): ask it the old way
         exc = work.exception() if hasattr(work, "exception") else None
         return None if exc is None else str(exc)
+    return future_failure(future)
+
+
+def future_failure(future: Any) -> str | None:
+    """A completed future's error message, or None if it succeeded."""
     try:
         future.value()
     except Exception as e:
