@@ -498,9 +498,17 @@ class NullAgent:
         return {"emitted": 0, "dropped": {}, "spool_bytes": 0}
 
 
+_last_printed: list[str] = [""]
+"""The last line ``_print_urgent`` wrote: an error reported when raised and again as it ends the process
+is one line on stderr (both records still go to the collector)."""
+
+
 def _print_urgent(record: dict[str, Any]) -> None:
     text = str(record.get("message") or record.get("error_type") or "").splitlines()
     line = f"ddpscope: {record['kind']} rank={record.get('rank')} step={record.get('step')}"
+    if f"{line}: {text[:1]}" == _last_printed[0]:
+        return
+    _last_printed[0] = f"{line}: {text[:1]}"
     try:
         sys.stderr.write(f"{line}: {text[0][:300]}\n" if text else f"{line}\n")
         sys.stderr.flush()

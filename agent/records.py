@@ -241,6 +241,20 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("stack", STR),
         Field("fatal", BOOL, doc="the process died of it (uncaught, abort, fatal signal)"),
     ),
+    # Something that does not stop training but makes its result wrong: said once per cause and model.
+    "warning": (
+        Field("step", INT, nullable=True, doc="the step it was noticed in, or the last one before it"),
+        Field(
+            "code",
+            STR,
+            max_length=64,
+            doc="what is wrong, for the incident's kind: 'unsynced_gradients' (gradients DDP did not "
+            "all-reduce, so this rank's parameters drift from its peers')",
+        ),
+        Field("message", STR, doc="what happened and what to do, without the rank (the collector adds it)"),
+        Field("parameters", STRS, required=False, doc="the parameters concerned, by name"),
+        Field("call_site", STR, nullable=True, required=False, doc="file:line of the user's call at fault"),
+    ),
     # Clean end of a rank: the job is 'finished' once every rank has one.
     "rank_exit": (
         Field("step", INT, nullable=True),

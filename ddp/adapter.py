@@ -41,6 +41,7 @@ one is refused (see ``instrument``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
@@ -71,6 +72,7 @@ from ddpscope.ddp.collectives import (
     reduce_name,
     work_failure,
 )
+from ddpscope.ddp.drift import FROZEN_AFTER_WRAP, UNFINISHED_REDUCTION, FrozenAtWrap
 from ddpscope.ddp.errors import report_error
 from ddpscope.ddp.groups import global_rank, pg_name
 from ddpscope.ddp.outputs import grad_tensors
@@ -216,6 +218,7 @@ class Instrumentation:
 
         params, names = reducer_parameters(ddp)
         self.params = params
+        self._frozen = FrozenAtWrap(ddp.module, self._rank, getattr(ddp, "parameters_to_ignore", ()) or ())
         self._base = empty_layout(params, names)
         self._learner = LayoutLearner(params)
         self._torch_rebuilt = bool(getattr(ddp, "_has_rebuilt_buckets", False))
@@ -349,6 +352,7 @@ class Instrumentation:
         self._active = False
         self._queued = False
         self._reset_step()
+        self._frozen.check(self._step)
         self.timer.forward_start(self._step, synced)
         PROGRESS.enter("forward", self._step)
 
@@ -389,11 +393,16 @@ class Instrumentation:
             self._set_layout(layout)
             self._emit_layout("rebuilt", self._cur)
 
-    @staticmethod
-    def _forward_failed(exc: Exception) -> None:
+    def _forward_failed(self, exc: Exception) -> None:
         """torch's forward raised (the exception goes on to the caller). It is said now, not only if it
         kills the process: a loop that catches it and goes on leaves this rank one synced step behind
-        its peers, and this record says why."""
+        its peers, and this record says why. When torch's unfinished-reduction error comes from
+        parameters frozen after wrapping, a note on the exception (shown in the user's traceback and
+        shipped with the record) says so: torch's advice there is find_unused_parameters."""
+        frozen = [n for p, n in zip(self.params, self._base.names, strict=True) if not p.requires_grad]
+        if frozen and UNFINISHED_REDUCTION in str(exc):
+            with contextlib.suppress(Exception):
+                exc.add_note(f"ddpscope: parameters {FROZEN_AFTER_WRAP.format(names=frozen)}")
         report_error(exc, fatal=False)
 
     # -- backward --------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from ddpscope.ddp import monitor
 from ddpscope.ddp.broadcast import broadcast_coalesced
 from ddpscope.ddp.clock import estimate_offset
 from ddpscope.ddp.collectives import disabled
+from ddpscope.ddp.drift import FrozenAtWrap
 from ddpscope.ddp.errors import report_error
 from ddpscope.ddp.groups import global_rank, pg_name
 from ddpscope.ddp.join import EngineJoinHook, find_common_rank, send_sync_flag
@@ -175,6 +176,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "DistributedDataParallel is not needed when a module has no parameter that requires a gradient."
             )
 
+        self._frozen = FrozenAtWrap(module, self._global_rank)
         estimate = estimate_offset(process_group)
         agent_clock.set_offset(estimate.offset_ns, estimate.error_ns)
         buffers = list(module.named_buffers()) if broadcast_buffers else []
@@ -253,6 +255,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         synced = self.require_backward_grad_sync
         reducer = self._reducer
         _INTERLEAVING.forward(self)
+        self._frozen.check(self._step)
         if joining:
             self._notify_join(reducer)
         # Under Join a rank that joined cannot know whether this forward is synced when it rebuilds

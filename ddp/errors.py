@@ -44,6 +44,7 @@ FLUSH_TIMEOUT_S = 2.0
 MAX_STACK_CHARS = 20_000
 _MARK = "__ddpscope_reported__"
 _AGENT_MARK = "_ddpscope_reported"
+_WHERE_MARK = "__ddpscope_where__"
 
 
 def report_error(
@@ -69,8 +70,11 @@ def report_error(
             if fatal:
                 # The agent's own last-resort excepthook skips exceptions marked this way.
                 setattr(exc, _AGENT_MARK, True)
-        step: int | None = PROGRESS.step
-        phase = PROGRESS.phase
+        # Where an exception was first reported is where it happened: reported again as it ends the
+        # process, the rank has since left that phase (an engine error raised at the end of backward).
+        step, phase = getattr(exc, _WHERE_MARK, (PROGRESS.step, PROGRESS.phase))
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(exc, _WHERE_MARK, (step, phase))
         if where is None:
             stack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         else:

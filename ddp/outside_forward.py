@@ -7,7 +7,10 @@ parameters drift from its peers' for the rest of the run. Silent on gloo and NCC
 ``instrument()`` both see it from their per-parameter hooks: a gradient arriving while no forward through
 the wrapper awaits its backward. ``no_sync()`` is not this (its forward goes through the wrapper).
 
-Said once per model, at the end of that backward, naming every parameter it hit and the user's line.
+The same happens to a second ``backward()`` of one forward's output: only the first backward after a
+forward through the wrapper is all-reduced, and the hooks cannot tell the two apart, so the warning
+names both causes. Said once per model, at the end of that backward, naming every parameter it hit and
+the user's line (``drift.warn_unsynced``: logged and sent to the collector).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from ddpscope.ddp.collectives import RECORDER
+from ddpscope.ddp.drift import shown, warn_unsynced
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +53,19 @@ class OutsideForward:
             names = [self.names[i] for i in self._hit]
             self._hit = []
             self.warned = True
-            shown = ", ".join(repr(n) for n in names[:3]) + (
-                f" and {len(names) - 3} more" if len(names) > 3 else ""
+            warn_unsynced(
+                self.rank,
+                step,
+                f"the backward(){f' at {site}' if site else ''} gave {len(names)} parameter(s) of a "
+                f"DistributedDataParallel model a gradient that no forward through the model had prepared "
+                f"({shown(names)}): those gradients were not all-reduced, and an optimizer step on them makes "
+                "the ranks' copies of the model drift apart. Either the forward bypassed the wrapper "
+                "(model.module(x) or a method of the inner module: call the DDP model itself), or this is a "
+                "second backward() of one forward's output (retain_graph=True, or two losses backpropagated "
+                "one after the other: add the losses and call backward() once). For deliberate local "
+                "accumulation use no_sync().",
+                names,
+                site,
             )
-            logger.warning(
-                "ddpscope: the backward%s (rank %d, after step %d) gave %d parameter(s) of this "
-                "DistributedDataParallel model a gradient without a forward through the model (%s): those "
-                "gradients were not all-reduced. If an optimizer steps on them, this rank's parameters drift "
-                "from the other ranks' from now on. Call the DDP model itself, not model.module(...) or a "
-                "method of the inner module; for deliberate local accumulation use no_sync(). (Said once.)",
-                f" at {site}" if site else "", self.rank, step, len(names), shown,
-            )  # fmt: skip
         except Exception:
             logger.debug("ddpscope: the warning about gradients outside a DDP forward failed", exc_info=True)

@@ -32,6 +32,7 @@ from ddpscope.ddp import errors
 from ddpscope.ddp.buckets import Bucket, ParamSpec, assign_buckets, build_buckets, size_limits
 from ddpscope.ddp.collectives import RECORDER, dtype_name
 from ddpscope.ddp.cuda_timing import CudaBucketEvents
+from ddpscope.ddp.drift import FROZEN_AFTER_WRAP
 from ddpscope.ddp.outputs import grad_tensors
 from ddpscope.ddp.outside_forward import OutsideForward
 from ddpscope.ddp.progress import PROGRESS
@@ -440,6 +441,9 @@ class Reducer:
         )
         if mine:
             head += f" On this rank the missing parameters are {mine}."
+        frozen = [self.names[i] for i in self.failed if not self.params[i].requires_grad]
+        if frozen:
+            head += f" Of them, {FROZEN_AFTER_WRAP.format(names=frozen)}"
         return (
             f"{head} Every rank still joined the gradient all-reduces (zeros for what {who} missed), and no "
             f"rank wrote gradients from this step. {REMEDY}"

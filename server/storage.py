@@ -63,6 +63,7 @@ ALL_KINDS = (
     "hang_resolved",
     "rank_error",
     "rank_exit",
+    "warning",
     "agent_stats",
 )
 
@@ -363,6 +364,7 @@ class Storage:
             hang_resolved=by_kind.get("hang_resolved", []),
             rank_errors=by_kind.get("rank_error", []),
             rank_exits=by_kind.get("rank_exit", []),
+            warnings=by_kind.get("warning", []),
             collectives=merge_collectives(colls, ends),
             steps=steps,
             unused=aggregate_unused(self.unused_rows(row.id)),

@@ -33,6 +33,8 @@
   itself blocked in another collective is replaced by the ranks it waits for.
 - ``unused_parameters``: parameters that got no gradient on some ranks but not all, or named by the
   engine's "did not receive grad" error; grouped by ranks and bucket.
+- a ``warning`` record's code, e.g. ``unsynced_gradients``: gradients a rank's DDP never all-reduced
+  (``warning_incidents``); the same warning from several ranks is one incident.
 
 After a restart under the same job id (torchrun ``--max-restarts``), the previous processes' incidents
 are kept with ``active=False``, their message starting "Before the ranks restarted"; the job's status
@@ -84,6 +86,7 @@ from ddpscope.server.analysis.status import (
 )
 from ddpscope.server.analysis.stuck import stuck_outside
 from ddpscope.server.analysis.wait_graph import WaitGraph, deadlock_incidents
+from ddpscope.server.analysis.warning_incidents import warning_incidents
 
 __all__ = ["Incident", "diagnose"]
 
@@ -96,6 +99,9 @@ _TORCH_UNUSED = re.compile(
 )
 _LAYOUT_DIFFERS = re.compile(r"Ranks \[([\d, ]+)\] differ from rank \d+")
 """The engine's construction-time check: every rank raises it, naming the ranks whose model differs."""
+FROZEN_AFTER_WRAP = "frozen (requires_grad=False) after"
+"""What the engines' missing-gradient errors (and ddpscope's note on torch's) say of parameters frozen after
+wrapping (``ddp/drift.py``)."""
 _ENGINE_UNUSED = re.compile(
     r"parameters \[([^\]]*)\] in bucket\(s\) \[([^\]]*)\] received no gradient on rank\(s\) \[([^\]]*)\]"
 )
@@ -158,6 +164,7 @@ def diagnose(
     out += _error_incidents(live, snapshot, colls, blame, mismatches)
     out += hang_incidents(snapshot, live, colls, missing, blame, graph)
     out += _unused_incidents(snapshot, live)
+    out += warning_incidents(snapshot)
     out += _before_restart_incidents(previous, restart_s, silent_after_s)
     out.sort(key=lambda i: (i.time_s if i.time_s is not None else now_s, i.kind, i.rank or 0))
     return out
@@ -381,14 +388,19 @@ def _error_incidents(
     for p in primaries:
         named = _named(p)
         key = (
-            (p.get("error_type"), p.get("step"), named.ranks)
+            # torch's Reducer error names only the rank raising it: the same parameters missing on
+            # several ranks is one diagnosis, blamed on them all.
+            (p.get("error_type"), p.get("step"), tuple(sorted(named.parameters)) or named.ranks)
             if named
             else (p.get("error_type"), first_line(p.get("message", "")), p.get("fatal"))
         )
         groups.setdefault(key, []).append(p)
     for same in groups.values():
         named = _named(same[0])
-        culprits = sorted(set(named.ranks)) if named else sorted({e["rank"] for e in same})
+        if named:
+            culprits = sorted({r for e in same for r in (_named(e) or named).ranks})
+        else:
+            culprits = sorted({e["rank"] for e in same})
         p = next((e for e in same if e["rank"] in culprits), same[0])
         others = [e for e in same if e is not p]
         related = others + [
@@ -684,39 +696,51 @@ def _unused_incidents(snapshot: JobSnapshot, live: Liveness) -> list[Incident]:
             )
         )
     reported = {frozenset(i.parameters) for i in out}
+    # The errors that name parameters without a gradient, one incident per set of parameters: torch's
+    # Reducer raises on every rank, each naming only itself.
+    named_errors: dict[frozenset[str], list[tuple[Record, _Named, list[str]]]] = {}
     for e in live.errors:
         named = _named(e)
         if named is None or not named.parameters:
             continue
         names = _resolved_names(named, snapshot)
-        if frozenset(names) in reported:
-            continue
-        reported.add(frozenset(names))
-        bucket_of = _bucket_of(snapshot, named.ranks[0])
+        if frozenset(names) not in reported:
+            named_errors.setdefault(frozenset(names), []).append((e, named, names))
+    for same in named_errors.values():
+        err, named, names = same[0]
+        culprits = sorted({r for _, n, _ in same for r in n.ranks})
+        bucket_of = _bucket_of(snapshot, culprits[0])
         buckets = (
             [named.bucket]
             if named.bucket is not None
             else sorted({bucket_of[n] for n in names if n in bucket_of})
         )
-        step = e.get("step")
+        step = err.get("step")
         when = f" in step {step}" if step is not None else ""
-        if step is not None and "prior iteration" in str(e.get("message", "")):
+        if step is not None and "prior iteration" in str(err.get("message", "")):
             # torch notices at the next forward that the previous backward never finished its reduction.
             step -= 1
             when = f" in step {step} (torch noticed at the start of step {step + 1})"
+        frozen = any(FROZEN_AFTER_WRAP in f"{x.get('message', '')} {x.get('stack', '')}" for x, _, _ in same)
+        advice = (
+            "they were frozen (requires_grad=False) after DistributedDataParallel was built: build it again "
+            "after freezing, or pass find_unused_parameters=True."
+            if frozen
+            else "use them on every rank or pass find_unused_parameters=True."
+        )
         out.append(
             Incident(
                 kind="unused_parameters",
                 message=f"Parameters {', '.join(names[:10])} received no gradient on "
-                f"{ranks_phrase(named.ranks)}{when}{_buckets_phrase(buckets)}, so the gradient reduction could not "
-                "finish; use them on every rank or pass find_unused_parameters=True.",
-                rank=named.ranks[0],
+                f"{ranks_phrase(culprits)}{when}{_buckets_phrase(buckets)}, so the gradient reduction could not "
+                f"finish; {advice}",
+                rank=culprits[0],
                 step=step,
                 bucket=buckets[0] if buckets else None,
                 parameters=names,
-                culprit_ranks=sorted(set(named.ranks)),
-                stack=e.get("stack"),
-                time_s=record_s(e),
+                culprit_ranks=culprits,
+                stack=err.get("stack"),
+                time_s=record_s(err),
             )
         )
     return out

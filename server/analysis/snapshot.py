@@ -13,8 +13,8 @@ Every record inside is a **wire-shaped dict**: exactly the fields of ``ddpscope.
 - ``layouts``: every ``layout`` record, oldest first (rank 0's first, then others; all ranks send one).
 - ``heartbeats``: ``{rank: heartbeat}``, the latest heartbeat of each rank (``phase``, ``step``,
   ``last_coll_seq``, ``pid``, ``time_ns``).
-- ``hangs``, ``hang_resolved``, ``rank_errors``, ``rank_exits``: every record of that kind, ordered by
-  ``time_ns``.
+- ``hangs``, ``hang_resolved``, ``rank_errors``, ``rank_exits``, ``warnings``: every record of that kind,
+  ordered by ``time_ns``.
 - ``collectives``: ``collective`` records with their ``collective_end`` merged in as three extra keys,
   ``end_ns`` (int or None while in flight), ``ok`` (bool or None), ``error`` (str or None). Only a recent
   window is loaded: per process group, the collectives whose ``coll_seq`` is within
@@ -89,6 +89,7 @@ class JobSnapshot:
     hang_resolved: list[Record] = field(default_factory=list)
     rank_errors: list[Record] = field(default_factory=list)
     rank_exits: list[Record] = field(default_factory=list)
+    warnings: list[Record] = field(default_factory=list)
     collectives: list[Record] = field(default_factory=list)
     steps: dict[int, RankSteps] = field(default_factory=dict)
     unused: list[UnusedParameter] = field(default_factory=list)
@@ -148,7 +149,7 @@ def merge_collectives(
     return merged
 
 
-_PER_PROCESS = ("layouts", "hangs", "hang_resolved", "rank_errors", "rank_exits", "collectives")
+_PER_PROCESS = ("layouts", "hangs", "hang_resolved", "rank_errors", "rank_exits", "warnings", "collectives")
 """The record lists of a snapshot that belong to one process of a rank (``split_restart`` divides them)."""
 
 
@@ -231,6 +232,7 @@ def snapshot_from_records(job: str, records: Iterable[Mapping[str, Any]]) -> Job
         hang_resolved=by_kind.get("hang_resolved", []),
         rank_errors=by_kind.get("rank_error", []),
         rank_exits=by_kind.get("rank_exit", []),
+        warnings=by_kind.get("warning", []),
         collectives=window_collectives(merged),
         steps=steps,
         unused=aggregate_unused(

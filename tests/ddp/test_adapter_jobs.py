@@ -321,8 +321,41 @@ def test_disabled_attaches_nothing_but_still_registers_the_users_hook(tmp_path: 
 def test_a_training_step_through_model_module_is_called_out_once_and_is_no_step(tmp_path: Path) -> None:
     job = run("bypass", tmp_path)
     (warning,) = job.results_json[0]["warnings"]
-    assert "adapter_job.py:" in warning and "(rank 0, after step 0) gave 4 parameter(s)" in warning
-    assert "not all-reduced" in warning
+    assert warning.startswith("ddpscope: rank 0: the backward() at ") and "adapter_job.py:" in warning
+    assert "gave 4 parameter(s)" in warning and "not all-reduced" in warning
     assert job.results_json[1]["warnings"] == []
+    (record,) = [r for r in job.records[0] if r["kind"] == "warning"]
+    assert (record["code"], record["step"], len(record["parameters"])) == ("unsynced_gradients", 0, 4)
+    assert not [r for r in job.records[1] if r["kind"] == "warning"]
     steps = {r: [s["step"] for s in job.records[r] if s["kind"] == "step"] for r in (0, 1)}
     assert steps == {0: [0, 1], 1: [0, 1, 2, 3]}  # the bypassing backwards recorded no step
+
+
+def test_a_layer_unfrozen_after_wrapping_is_called_out_once_on_every_rank_as_torch_lets_it_drift(
+    tmp_path: Path,
+) -> None:
+    job = run("thawed", tmp_path)
+    for rank in (0, 1):
+        assert not job.results_json[rank]["first_equal"]
+        (warning,) = job.results_json[rank]["warnings"]
+        assert (
+            "2 parameter(s) that were frozen (requires_grad=False)" in warning
+            and "'0.weight', '0.bias'" in warning
+        )
+        (record,) = [r for r in job.records[rank] if r["kind"] == "warning"]
+        assert (record["code"], record["step"], record["parameters"]) == (
+            "unsynced_gradients", 2, ["0.weight", "0.bias"],
+        )  # fmt: skip
+
+
+def test_torchs_error_for_a_layer_frozen_after_wrapping_carries_a_note_naming_the_cause(
+    tmp_path: Path,
+) -> None:
+    job = run("frozen_late", tmp_path)
+    for rank in (0, 1):
+        (note,) = job.results_json[rank]["notes"]
+        assert note.startswith(
+            "ddpscope: parameters ['0.weight', '0.bias'] were frozen (requires_grad=False)"
+        )
+        (error,) = [r for r in job.records[rank] if r["kind"] == "rank_error"]
+        assert note in error["stack"]  # shipped: the collector's advice reads it

@@ -47,6 +47,17 @@ def test_a_parameter_without_gradient_on_one_rank_fails_that_backward_on_every_r
     assert failed["step"] == 0 and failed["unused_parameters"] == ["branch.weight", "branch.bias"]
 
 
+def test_a_layer_frozen_after_wrapping_is_named_as_the_cause_of_its_missing_gradients(tmp_path) -> None:
+    ranks = run_job("failures.py", 2, ["frozen_late"], tmp_path, timeout_s=90)
+    for rank in ranks:
+        assert (
+            "Of them, ['branch.weight', 'branch.bias'] were frozen (requires_grad=False) after "
+            "DistributedDataParallel was built" in rank["message"]
+        )
+        (error,) = [r for r in rank["records"] if r["kind"] == "rank_error"]
+        assert error["phase"] == "allreduce"  # where it was raised: the end of backward
+
+
 def test_the_watchdog_sees_the_phase_and_the_parameters_each_pending_bucket_still_waits_for(tmp_path) -> None:
     ranks = run_job("failures.py", 2, ["progress"], tmp_path, timeout_s=90)
     for rank in ranks:
@@ -73,9 +84,34 @@ def test_a_training_step_through_model_module_is_called_out_once_on_that_rank_an
 ) -> None:
     ranks = run_job("failures.py", 2, ["bypass"], tmp_path, timeout_s=90)
     (warning,) = ranks[0]["warnings"]  # two such backwards, one warning
-    assert "the backward at tests/ddp/jobs/failures.py:" in warning and "(rank 0, after step 0)" in warning
+    assert warning.startswith("ddpscope: rank 0: the backward() at tests/ddp/jobs/failures.py:")
     assert (
         "gave 6 parameter(s)" in warning and "'head.bias', 'head.weight', 'branch.bias' and 3 more" in warning
     )
-    assert "not all-reduced" in warning and "not model.module(...)" in warning
+    assert "not all-reduced" in warning and "model.module(x)" in warning and "second backward()" in warning
     assert ranks[1]["warnings"] == []
+    # The same, for the collector: one record naming the step, every parameter and the user's line.
+    (record,) = [r for r in ranks[0]["records"] if r["kind"] == "warning"]
+    assert record["code"] == "unsynced_gradients" and record["step"] == 0  # the last step before it
+    assert sorted(record["parameters"]) == sorted(
+        ["trunk.weight", "trunk.bias", "branch.weight", "branch.bias", "head.weight", "head.bias"]
+    )
+    assert record["call_site"].startswith("tests/ddp/jobs/failures.py:")
+    assert not [r for r in ranks[1]["records"] if r["kind"] == "warning"]
+
+
+def test_a_layer_unfrozen_after_wrapping_is_called_out_once_on_every_rank_as_its_copies_drift(
+    tmp_path,
+) -> None:
+    ranks = run_job("failures.py", 2, ["thawed"], tmp_path, timeout_s=90)
+    for rank in ranks:
+        assert not rank["trunk_equal"]  # what torch's DDP does too: the thawed layer is never all-reduced
+        (warning,) = rank["warnings"]
+        assert "2 parameter(s) that were frozen (requires_grad=False) when the model was wrapped" in warning
+        assert (
+            "'trunk.weight', 'trunk.bias'" in warning
+            and "Build the DistributedDataParallel model again" in warning
+        )
+        (record,) = [r for r in rank["records"] if r["kind"] == "warning"]
+        assert record["code"] == "unsynced_gradients" and record["step"] == 2
+        assert record["parameters"] == ["trunk.weight", "trunk.bias"]

@@ -364,6 +364,24 @@ def test_a_caught_error_is_reported_without_failing_anything_else() -> None:
     assert "kept running" in err.message and err.culprit_ranks == [0]
 
 
+def test_the_same_warning_from_several_ranks_is_one_incident_naming_them_and_failing_nothing() -> None:
+    job = started(3)
+    end = job.train(4)
+    thawed_text = "2 parameter(s) that were frozen when the model was wrapped now require a gradient."
+    for rank, step in ((2, 3), (0, 2)):
+        job.add("warning", rank, end + rank / 10, step=step, code="unsynced_gradients", message=thawed_text,
+                parameters=["enc.weight", "enc.bias"])  # fmt: skip
+    job.add("warning", 1, end, step=3, code="unsynced_gradients", message="the backward() at train.py:9 ...",
+            parameters=["head.bias"], call_site="train.py:9")  # fmt: skip
+    found = sorted((i for i in diagnose(job.snapshot(), end + 1) if i.kind == "unsynced_gradients"), key=str)
+    thawed, bypass = sorted(found, key=lambda i: i.rank or 0)
+    assert thawed.message == f"Ranks 0, 2 (step 2): {thawed_text}"
+    assert (thawed.culprit_ranks, thawed.step, thawed.parameters) == ([0, 2], 2, ["enc.weight", "enc.bias"])
+    assert bypass.message.startswith("Rank 1 (step 3): the backward() at train.py:9")
+    assert (bypass.culprit_ranks, bypass.call_site) == ([1], "train.py:9")
+    assert job_status(job.snapshot(), end + 1) == "running"
+
+
 # -------------------------------------------------------------------------------- missing collectives
 
 

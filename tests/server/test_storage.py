@@ -32,6 +32,12 @@ def _latest(records, kind):
 
 def test_records_come_back_wire_shaped_exactly_as_they_were_sent(storage):
     records = synth_job(3, 4, 3, unused={2: ["layers.0.bias"]}, find_unused=True)
+    rank1 = [r for r in records if r["rank"] == 1]
+    records.append(
+        {**{k: rank1[0][k] for k in ("job", "rank", "stream")}, "kind": "warning", "seq": rank1[-1]["seq"] + 1,
+         "time_ns": records[-1]["time_ns"], "step": 2, "code": "unsynced_gradients", "message": "drift",
+         "parameters": ["layers.0.weight"], "call_site": None}
+    )  # fmt: skip
     storage.write_batch(decoded(records))
     for kind in ALL_KINDS:
         got = storage.fetch_records("synth", [kind])

@@ -56,6 +56,28 @@ def test_torchs_late_error_alone_is_dated_to_the_previous_step() -> None:
     assert unused.parameters == ["head.weight", "head.bias"] and "buckets 0, 1" in unused.message
 
 
+def test_torchs_error_for_parameters_frozen_after_wrapping_on_every_rank_is_one_diagnosis_naming_the_cause() -> (
+    None
+):
+    job = started(2)
+    with_parameter_order(job)
+    end = job.train(3)
+    note = "ddpscope: parameters ['head.weight', 'head.bias'] were frozen (requires_grad=False) after DDP..."
+    for rank in (0, 1):  # torch raises on every rank, each naming only itself
+        job.add("rank_error", rank, end + rank / 100, step=3, phase="forward", error_type="RuntimeError",
+                message=TORCH_ERROR.replace("for rank 1", f"for rank {rank}"), stack=f"Traceback\n{note}",
+                fatal=True)  # fmt: skip
+    incidents = diagnose(job.snapshot(), end + 1)
+    err = only(incidents, "rank_error")
+    assert err.culprit_ranks == [0, 1] and "rank 1 reported the same error" in err.message
+    unused = only(incidents, "unused_parameters")
+    assert unused.culprit_ranks == [0, 1] and "on ranks 0, 1 in step 2" in unused.message
+    assert (
+        "frozen (requires_grad=False) after DistributedDataParallel was built: build it again"
+        in unused.message
+    )
+
+
 def test_one_skipped_module_spread_over_two_buckets_is_one_incident_with_its_steps() -> None:
     job = started(2)
     t = T0 + 1

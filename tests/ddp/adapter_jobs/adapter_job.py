@@ -21,6 +21,9 @@ Scenarios:
            Join hook shadows the all-reduces of the steps it misses.
   bypass   rank 0 trains two steps through model.module (torch all-reduces nothing), rank 1 the same two
            under no_sync(); the warnings each rank logged.
+  frozen_late  the first layer frozen after instrumenting: the note ddpscope adds to torch's error.
+  thawed   the first layer frozen when wrapped and unfrozen after two steps; the warnings, and whether
+           the ranks' copies of that layer still agree.
 """
 
 from __future__ import annotations
@@ -253,6 +256,38 @@ def bypass(rank: int) -> dict[str, Any]:
     return {"warnings": logged}
 
 
+def thawed(rank: int) -> dict[str, Any]:
+    """The first layer frozen when wrapped, unfrozen after two steps: torch never all-reduces it."""
+    logged = _capture.logged_warnings()
+    inner = mlp(2, 16)
+    inner[0].requires_grad_(False)
+    model = instrument(DDP(inner))
+    opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+    for step in range(5):
+        if step == 2:
+            inner[0].requires_grad_(True)
+        opt.zero_grad()
+        model(batch(rank, step, 16)).sum().backward()
+        opt.step()
+    first = inner[0].weight.detach().clone()
+    gathered = [torch.zeros_like(first) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, first)
+    return {"warnings": logged, "first_equal": all(torch.equal(gathered[0], t) for t in gathered)}
+
+
+def frozen_late(rank: int) -> dict[str, Any]:
+    """The first layer frozen on every rank after instrumenting: torch's Reducer fails the next step."""
+    inner = mlp(2, 16)
+    model = instrument(DDP(inner))
+    inner[0].requires_grad_(False)
+    try:
+        for step in range(2):
+            model(batch(rank, step, 16)).sum().backward()
+        return {"notes": None}
+    except RuntimeError as e:
+        return {"notes": getattr(e, "__notes__", [])}
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     _capture.capture(out_dir)
@@ -269,6 +304,8 @@ def main() -> None:
         "sparse": sparse,
         "join": join,
         "bypass": bypass,
+        "thawed": thawed,
+        "frozen_late": frozen_late,
     }[scenario](rank)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     _capture.flush()

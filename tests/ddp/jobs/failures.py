@@ -9,6 +9,9 @@ Usage: failures.py SCENARIO OUTDIR
 - ``progress``: a healthy step that samples what the hang watchdog would read (PROGRESS) mid-backward.
 - ``bypass``: rank 0 trains two steps through ``model.module`` (no all-reduce), while rank 1 accumulates
   under ``no_sync()`` (no all-reduce either, so the collectives stay aligned); the warnings each rank logged.
+- ``frozen_late``: a layer frozen on every rank after wrapping; the engine's error.
+- ``thawed``: a layer frozen when wrapped is unfrozen after two steps; the warnings, and whether the
+  ranks' copies of that layer still agree.
 """
 
 from __future__ import annotations
@@ -87,6 +90,19 @@ def missing_grad(rank: int) -> dict[str, Any]:
     return out
 
 
+def frozen_late(rank: int) -> dict[str, Any]:
+    """The branch frozen on every rank after wrapping: DDP still waits for its gradients."""
+    torch.manual_seed(0)
+    module = Branchy()
+    model = DistributedDataParallel(module)
+    module.branch.requires_grad_(False)
+    try:
+        model(torch.randn(4, 8)).sum().backward()
+        return {"message": None}
+    except RuntimeError as e:
+        return {"message": str(e)}
+
+
 def progress(rank: int) -> dict[str, Any]:
     from ddpscope.ddp.progress import PROGRESS
 
@@ -127,6 +143,28 @@ def bypass(rank: int) -> dict[str, Any]:
     return {"warnings": logged}
 
 
+def thawed(rank: int) -> dict[str, Any]:
+    """A layer frozen when the model is wrapped and unfrozen after two steps (a fine-tuning schedule):
+    its gradients stay local, so the ranks' copies of it drift apart."""
+    logged = _capture.logged_warnings()
+    torch.manual_seed(0)
+    inner = Branchy()
+    inner.trunk.requires_grad_(False)
+    model = DistributedDataParallel(inner)
+    opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+    for step in range(5):
+        if step == 2:
+            inner.trunk.requires_grad_(True)
+        torch.manual_seed(100 + 10 * rank + step)  # each rank its own data
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    trunk = inner.trunk.weight.detach().clone()
+    gathered = [torch.zeros_like(trunk) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, trunk)
+    return {"warnings": logged, "trunk_equal": all(torch.equal(gathered[0], t) for t in gathered)}
+
+
 def disabled(rank: int) -> dict[str, Any]:
     agent.configure(disabled=True)
     model = DistributedDataParallel(nn.Linear(4, 2))
@@ -146,6 +184,8 @@ def main() -> None:
         "progress": progress,
         "disabled": disabled,
         "bypass": bypass,
+        "thawed": thawed,
+        "frozen_late": frozen_late,
     }[SCENARIO](rank)
     agent.get_agent().force_flush(5.0)
     result["records"] = exporter.records

@@ -1,0 +1,41 @@
+"""Warnings from training (``warning`` records) as incidents: problems that stop nothing but make the
+result wrong, such as gradients a rank's DDP never all-reduced (its parameters drift from its peers').
+
+The training side says each once per cause and model, in words without the rank; the same warning from
+several ranks is one incident naming them all. The incident's kind is the warning's ``code``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddpscope.server.analysis.incident_model import Incident, capitalized, ranks_phrase, record_s
+from ddpscope.server.analysis.snapshot import JobSnapshot
+
+
+def warning_incidents(snapshot: JobSnapshot) -> list[Incident]:
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for w in snapshot.warnings:
+        groups.setdefault((str(w["code"]), str(w["message"])), []).append(dict(w))
+    out = []
+    for (code, message), same in groups.items():
+        first = min(same, key=lambda w: (w["time_ns"], w["rank"]))
+        ranks = sorted({w["rank"] for w in same})
+        steps = [w["step"] for w in same if w.get("step") is not None]
+        when = f" (step {min(steps)})" if steps else ""
+        parameters: list[str] = []
+        for w in same:
+            parameters += [p for p in w.get("parameters") or () if p not in parameters]
+        out.append(
+            Incident(
+                kind=code,
+                message=f"{capitalized(ranks_phrase(ranks))}{when}: {message}",
+                rank=first["rank"],
+                step=min(steps) if steps else None,
+                parameters=parameters,
+                culprit_ranks=ranks,
+                call_site=first.get("call_site"),
+                time_s=record_s(first),
+            )
+        )
+    return out
