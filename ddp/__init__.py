@@ -14,8 +14,11 @@ the hang watchdog where this rank is. ``StepTimer`` (step_record.py) builds step
 """
 
 from ddpscope.ddp.adapter import instrument
+from ddpscope.ddp.compile_skip import skip_ddpscope_in_compile
 from ddpscope.ddp.engine import DistributedDataParallel
 from ddpscope.ddp.groups import pg_name
 from ddpscope.ddp.step_record import StepTimer
+
+skip_ddpscope_in_compile()  # every training-side module is loaded by now (see compile_skip.py)
 
 __all__ = ["DistributedDataParallel", "StepTimer", "instrument", "pg_name"]

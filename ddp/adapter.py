@@ -72,6 +72,7 @@ from ddpscope.ddp.collectives import (
     reduce_name,
     work_failure,
 )
+from ddpscope.ddp.compile_skip import call_model, runs_model
 from ddpscope.ddp.drift import FROZEN_AFTER_WRAP, UNFINISHED_REDUCTION, FrozenAtWrap
 from ddpscope.ddp.errors import report_error
 from ddpscope.ddp.groups import global_rank, pg_name
@@ -331,13 +332,14 @@ class Instrumentation:
         def forward(*args: Any, **kwargs: Any) -> Any:
             before()
             try:
-                output = original(*args, **kwargs)
+                output = call_model(original, args, kwargs)
             except Exception as e:
                 failed(e)
                 raise
             after(output)
             return output
 
+        runs_model(forward)  # torch.compile still compiles torch's DDP forward and the model in it
         ddp.forward = forward  # type: ignore[method-assign]
 
     def _before_forward(self) -> None:

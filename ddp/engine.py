@@ -28,6 +28,7 @@ from ddpscope.ddp import monitor
 from ddpscope.ddp.broadcast import broadcast_coalesced
 from ddpscope.ddp.clock import estimate_offset
 from ddpscope.ddp.collectives import disabled
+from ddpscope.ddp.compile_skip import call_model, runs_model
 from ddpscope.ddp.drift import FrozenAtWrap
 from ddpscope.ddp.errors import report_error
 from ddpscope.ddp.groups import global_rank, pg_name
@@ -251,7 +252,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._sync_buffers()
             if joining:
                 send_sync_flag(self, False)
-            return self.module(*args, **kwargs)
+            return call_model(self.module, args, kwargs)
         synced = self.require_backward_grad_sync
         reducer = self._reducer
         _INTERLEAVING.forward(self)
@@ -267,7 +268,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if joining:
             send_sync_flag(self, synced)
         try:
-            out = self.module(*args, **kwargs)
+            out = call_model(self.module, args, kwargs)
         except Exception as exc:
             # Said now, not only if it kills the process: a training loop that catches it and goes on to
             # the next batch leaves this rank one synced step behind its peers, and this record is the
@@ -372,3 +373,6 @@ class DistributedDataParallel(nn.Module, Joinable):
     def remove_hooks(self) -> None:
         """Detach the engine from the module's parameters (the module keeps working on its own)."""
         self._reducer.remove_hooks()
+
+
+runs_model(DistributedDataParallel.forward)  # torch.compile still compiles the wrapped module
