@@ -56,7 +56,7 @@ from typing import Any
 from ddpscope.agent import emit, emit_durable, get_agent
 from ddpscope.ddp.collectives import RECORDER, CollectiveRecorder, disabled
 from ddpscope.ddp.progress import PROGRESS, Progress
-from ddpscope.ddp.stacks import thread_stacks
+from ddpscope.ddp.stacks import current_frames, thread_stacks
 
 logger = logging.getLogger(__name__)
 
@@ -417,7 +417,7 @@ class Watchdog:
         if settled:
             inflight = [c for c in inflight if (c["pg"], c["coll_seq"]) not in settled]
         phase, step = progress.phase, progress.step
-        main_frame = sys._current_frames().get(threading.main_thread().ident or -1)
+        main_frame = current_frames().get(threading.main_thread().ident or -1)
         main_site = None
         if main_frame is not None:
             main_site = _user_site(main_frame) or self._recorder.frame_site(main_frame)

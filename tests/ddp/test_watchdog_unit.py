@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -282,3 +284,28 @@ def test_pending_buckets_in_loose_types_are_coerced_so_the_report_passes_the_wir
     dog.check()
     (hang,) = records("hang")  # records() validates every record against the wire format
     assert hang["pending_buckets"] == [{"index": 2, "missing": ["fc.bias"], "launched": False}]
+
+
+GC_DURING_FRAMES = """
+import gc, sys, threading
+from ddpscope.ddp.stacks import current_frames
+class Holder:
+    pass
+gc.set_threshold(1, 1, 1)  # every allocation may start a collection, as any one can in a long run
+for _ in range(200):
+    holder = Holder()
+    holder.local = threading.local()
+    holder.me = holder  # a cycle: only the collector frees it, and with it the threading.local
+    del holder
+    current_frames()
+print("ok")
+"""
+
+
+def test_reading_every_threads_frame_survives_a_collection_that_frees_a_thread_local() -> None:
+    # On CPython < 3.11.9, sys._current_frames() itself stops for good here holding the GIL (gh-106883):
+    # this froze a whole process in this suite. A subprocess, so a regression fails instead of hanging.
+    done = subprocess.run(
+        [sys.executable, "-c", GC_DURING_FRAMES], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr
