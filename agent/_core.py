@@ -506,9 +506,10 @@ is one line on stderr (both records still go to the collector)."""
 def _print_urgent(record: dict[str, Any]) -> None:
     text = str(record.get("message") or record.get("error_type") or "").splitlines()
     line = f"ddpscope: {record['kind']} rank={record.get('rank')} step={record.get('step')}"
-    if f"{line}: {text[:1]}" == _last_printed[0]:
+    key = f"{line}: {text[:1]}"
+    if key == _last_printed[0]:
         return
-    _last_printed[0] = f"{line}: {text[:1]}"
+    _last_printed[0] = key
     try:
         sys.stderr.write(f"{line}: {text[0][:300]}\n" if text else f"{line}\n")
         sys.stderr.flush()

@@ -401,8 +401,11 @@ class Instrumentation:
         its peers, and this record says why. When torch's unfinished-reduction error comes from
         parameters frozen after wrapping, a note on the exception (shown in the user's traceback and
         shipped with the record) says so: torch's advice there is find_unused_parameters."""
-        frozen = [n for p, n in zip(self.params, self._base.names, strict=True) if not p.requires_grad]
-        if frozen and UNFINISHED_REDUCTION in str(exc):
+        if UNFINISHED_REDUCTION in str(exc):
+            frozen = [n for p, n in zip(self.params, self._base.names, strict=True) if not p.requires_grad]
+        else:
+            frozen = []
+        if frozen:
             with contextlib.suppress(Exception):
                 exc.add_note(f"ddpscope: parameters {FROZEN_AFTER_WRAP.format(names=frozen)}")
         report_error(exc, fatal=False)

@@ -65,16 +65,15 @@ def report_error(
         reported = getattr(exc, _MARK, ())
         if fatal in reported:
             return False
-        with contextlib.suppress(AttributeError, TypeError):  # some C exceptions refuse attributes
-            setattr(exc, _MARK, (*reported, fatal))
-            if fatal:
-                # The agent's own last-resort excepthook skips exceptions marked this way.
-                setattr(exc, _AGENT_MARK, True)
         # Where an exception was first reported is where it happened: reported again as it ends the
         # process, the rank has since left that phase (an engine error raised at the end of backward).
         step, phase = getattr(exc, _WHERE_MARK, (PROGRESS.step, PROGRESS.phase))
-        with contextlib.suppress(AttributeError, TypeError):
+        with contextlib.suppress(AttributeError, TypeError):  # some C exceptions refuse attributes
+            setattr(exc, _MARK, (*reported, fatal))
             setattr(exc, _WHERE_MARK, (step, phase))
+            if fatal:
+                # The agent's own last-resort excepthook skips exceptions marked this way.
+                setattr(exc, _AGENT_MARK, True)
         if where is None:
             stack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         else:

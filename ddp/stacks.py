@@ -1,7 +1,7 @@
 """Every thread's Python stack, formatted for a hang report (wire shape ``THREAD_STACK``).
 
-Built from ``sys._current_frames()`` (``current_frames``), which works while the main thread is blocked inside a
-collective: gloo releases the GIL while it waits, so the watchdog thread can read the frames.
+Built from ``sys._current_frames()`` (``current_frames``), which works while the main thread is blocked
+inside a collective: gloo releases the GIL while it waits, so the watchdog thread can read the frames.
 """
 
 from __future__ import annotations

@@ -384,9 +384,10 @@ def _error_incidents(
     # everywhere at once) is one diagnosis, blamed on the ranks its message names.
     # Unnamed errors with the same type and first line on several ranks (a bug in code every rank
     # runs, a shared bad input) are one diagnosis too, with every such rank an origin.
+    named_of = {id(p): _named(p) for p in primaries}
     groups: dict[Any, list[dict[str, Any]]] = {}
     for p in primaries:
-        named = _named(p)
+        named = named_of[id(p)]
         key = (
             # torch's Reducer error names only the rank raising it: the same parameters missing on
             # several ranks is one diagnosis, blamed on them all.
@@ -396,9 +397,9 @@ def _error_incidents(
         )
         groups.setdefault(key, []).append(p)
     for same in groups.values():
-        named = _named(same[0])
+        named = named_of[id(same[0])]
         if named:
-            culprits = sorted({r for e in same for r in (_named(e) or named).ranks})
+            culprits = sorted({r for e in same for r in (named_of[id(e)] or named).ranks})
         else:
             culprits = sorted({e["rank"] for e in same})
         p = next((e for e in same if e["rank"] in culprits), same[0])
