@@ -11,6 +11,7 @@ member that never issued a collective on it is still a member that the others wa
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -189,9 +190,13 @@ def _disagreement(
         values = [_compared(c) for c in recs.values()]
     except KeyError:  # a record without an optional field: take the slow path
         values = [tuple(c.get(f) for f in _COMPARED_FIELDS) for c in recs.values()]
-    # When all these agree, only a rooted op can still disagree: on its root (each rank its own src).
-    if values.count(values[0]) == len(values) and (
-        values[0][0] not in ROOTED_OPS or len({c.get("root") for c in recs.values()}) < 2
+    # When all these agree, only a rooted op can still disagree: on its root (each rank its own src);
+    # and a point-to-point op, whose two peers must not agree (both calling recv at one line deadlocks).
+    first_op = values[0][0]
+    if (
+        values.count(values[0]) == len(values)
+        and first_op not in P2P_OPS
+        and (first_op not in ROOTED_OPS or len({c.get("root") for c in recs.values()}) < 2)
     ):
         return "", {}
     with_root = _roots_comparable(recs)
@@ -301,9 +306,12 @@ def sync_schedule_incidents(colls: CollectiveIndex, blame: dict[int, str]) -> li
 
     Seen in the engine's own collectives, which carry the step that issued them: between two of them,
     each rank's step moves on by as many steps as it ran in between. A constant offset between ranks
-    (one rank counted an extra forward once) is harmless and not flagged; a change of offset is."""
+    (one rank counted an extra forward once) is harmless and not flagged; a change of offset is, except
+    across torch's ``Join``: a rank out of data shadows its peers' steps without counting them, so after an
+    uneven epoch it numbers its steps behind theirs, by design."""
     out = []
     for pg, ranks in sorted(colls.by_pg.items()):
+        shadowed = sorted({s for q in ranks.values() for s, c in q.items() if c.get("source") == "join"})
         engine = {
             r: {
                 s: c["step"]
@@ -315,7 +323,7 @@ def sync_schedule_incidents(colls: CollectiveIndex, blame: dict[int, str]) -> li
         common = sorted(set.intersection(*(set(q) for q in engine.values()))) if len(engine) > 1 else []
         for before, seq in zip(common, common[1:], strict=False):
             moved = {r: q[seq] - q[before] for r, q in engine.items()}
-            if len(set(moved.values())) < 2:
+            if len(set(moved.values())) < 2 or bisect.bisect(shadowed, before) < bisect.bisect(shadowed, seq):
                 continue
             every = {r: _sync_period(q) for r, q in engine.items()}
             groups: dict[int | None, list[int]] = {}
@@ -381,6 +389,8 @@ def _mismatch(
     steps: Mapping[int, RankSteps],
     starts: Mapping[int, Record],
 ) -> Incident:
+    if reason == "direction":
+        return _same_direction(pg, seq, recs, blame)
     if reason == "source":
         # The engine's side is right by construction: it runs the same schedule on every rank.
         ref, why = groups["engine"], ""
@@ -405,8 +415,6 @@ def _mismatch(
         msg += f": {ranks_phrase([c0])} {shift}"
     if reason == "source":
         msg += ". One side is the DDP engine's own all-reduce: a collective in user code was issued on some ranks only"
-    elif reason == "direction":
-        msg += ". Both peers of a point-to-point transfer issued the same direction: they wait for each other forever"
     elif reason == "order":
         msg += ". Same-shaped collectives issued in a different order: gloo pairs them silently and every rank gets a wrong result"
     elif "ops" in reason.split(" and "):
@@ -451,6 +459,41 @@ def _mismatch(
         culprit_ranks=culprits,
         call_site=", ".join(sites) or None,
         time_s=min(recs[r]["start_ns"] for r in recs) / 1e9,
+    )
+
+
+def _same_direction(pg: str, seq: int, recs: Mapping[int, Record], blame: dict[int, str]) -> Incident:
+    """Both peers of a point-to-point transfer sending, or both receiving: neither call is the odd one,
+    the pair's order is the bug, so both ranks are named."""
+    ranks = sorted(recs)
+    receiving = P2P_OPS.get(recs[ranks[0]].get("op") or "") == "recv"
+    calls = "; ".join(f"rank {r}: {describe(recs[r])}" for r in ranks)
+    msg = (
+        f"{capitalized(ranks_phrase(ranks))} both {'receive from' if receiving else 'send to'} each other "
+        f"as transfer #{seq} of group {pg} ({calls}): both peers issued the same direction, and "
+        + (
+            "a recv waits for its peer's send, so each waits for the other forever (a point-to-point deadlock)"
+            if receiving
+            else "a send waits for its peer's recv, so both block (gloo may complete small sends into its "
+            "buffers; the transfers after it then pair up wrongly)"
+        )
+        + ". Order the pair so that one side sends while the other receives (for example even ranks send "
+        "first and odd ranks receive first), or post both directions with isend/irecv "
+        "(torch.distributed.batch_isend_irecv) and wait for both."
+    )
+    for r in ranks:
+        blame.setdefault(r, f"issued the same point-to-point direction as its peer at #{seq} of group {pg}")
+    sites = sorted({recs[r]["call_site"] for r in ranks if recs[r].get("call_site")})
+    return Incident(
+        kind="mismatch",
+        message=msg,
+        rank=ranks[0],
+        step=next((recs[r]["step"] for r in ranks if recs[r].get("step") is not None), None),
+        seq=seq,
+        pg=pg,
+        culprit_ranks=ranks,
+        call_site=", ".join(sites) or None,
+        time_s=min(recs[r]["start_ns"] for r in ranks) / 1e9,
     )
 
 

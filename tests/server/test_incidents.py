@@ -603,7 +603,20 @@ def test_a_send_paired_with_a_recv_is_not_a_mismatch_but_two_sends_are() -> None
     job.coll(0, end, 3, op="send", reduce_op=None, pg="default/p2p/0-1", site="sync.py:30")
     job.coll(1, end, 3, op="send", reduce_op=None, pg="default/p2p/0-1", site="sync.py:31")
     m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
-    assert m.seq == 3 and m.culprit_ranks == [1] and "same direction" in m.message
+    assert m.seq == 3 and m.culprit_ranks == [0, 1] and "same direction" in m.message
+    assert m.message.startswith("Ranks 0, 1 both send to each other as transfer #3")
+    assert "sync.py:30" in m.message and "sync.py:31" in m.message and "batch_isend_irecv" in m.message
+
+
+def test_two_peers_receiving_at_the_same_line_are_a_mismatch_though_their_records_are_identical() -> None:
+    # `dist.recv(buf, src=1 - rank)` on both ranks of a pipeline: each waits for the other to send.
+    job = started(2)
+    end = job.train(1)
+    for r in (0, 1):
+        job.coll(r, end, 1, op="recv", reduce_op=None, pg="default:p2p:0-1", site="pipe.py:40", done=False)
+    m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
+    assert m.seq == 1 and "same direction" in m.message and m.call_site == "pipe.py:40"
+    assert m.culprit_ranks == [0, 1] and "each waits for the other forever" in m.message
 
 
 def test_a_user_collective_paired_with_the_engines_all_reduce_is_flagged_even_with_the_same_shape() -> None:
