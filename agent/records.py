@@ -255,6 +255,23 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("parameters", STRS, required=False, doc="the parameters concerned, by name"),
         Field("call_site", STR, nullable=True, required=False, doc="file:line of the user's call at fault"),
     ),
+    # A fingerprint of the rank's copy of the model (ddp/replicas.py), at the start of the training forwards
+    # of a schedule every rank shares; the collector compares the ranks' digests of one step.
+    "replica_digest": (
+        Field("step", INT, doc="the training forward it was taken at, before the forward ran"),
+        Field(
+            "model",
+            INT,
+            doc="which wrapped model of the process, 0 for the first (every rank wraps its models in one order)",
+        ),
+        Field("parameters", INT, doc="how many parameters it covers: the layout's parameter_order"),
+        Field("group", INT, doc="parameters per norm: 1, or runs of that many when a model has many"),
+        Field(
+            "norms",
+            FLOATS,
+            doc="2-norm of each parameter (or run of parameters) in parameter_order; -1 a NaN norm, -2 infinite",
+        ),
+    ),
     # Clean end of a rank: the job is 'finished' once every rank has one.
     "rank_exit": (
         Field("step", INT, nullable=True),

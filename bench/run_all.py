@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, tuple[float, float]] = {
     "adapter": (360, 1500),
     "debug_aids": (240, 1800),
     "watchdog": (180, 900),
+    "replicas": (120, 600),
     "agent": (180, 900),
     "cost_accounting": (240, 900),
     "cost_accounting_instrument": (240, 900),

@@ -231,6 +231,18 @@ def _scale(d: Mapping[str, Any]) -> Iterator[Row]:
         )
 
 
+def _replicas(d: Mapping[str, Any]) -> Iterator[Row]:
+    for name, m in d.get("models", {}).items():
+        yield Row(
+            "replicas",
+            f"replica digest / training step, {name} ({m['parameters']} parameters, {m['digest_ms']:.2f} ms "
+            f"vs {m['step_ms']:.1f} ms), spread over one digest every {d['every']} steps",
+            f"{m['digest_pct_of_step']:.2f} % ({m['amortized_pct']:.3f} %)",
+            "—",
+            None,
+        )
+
+
 ROWS: dict[str, Callable[[Mapping[str, Any]], Iterator[Row]]] = {
     "engine": _engine,
     "end_to_end": _end_to_end,
@@ -244,6 +256,7 @@ ROWS: dict[str, Callable[[Mapping[str, Any]], Iterator[Row]]] = {
     "collector": _collector,
     "scale": _scale,
     "dashboard": _dashboard,
+    "replicas": _replicas,
 }
 
 

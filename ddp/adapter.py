@@ -80,6 +80,7 @@ from ddpscope.ddp.outputs import grad_tensors
 from ddpscope.ddp.outside_forward import OutsideForward
 from ddpscope.ddp.progress import PROGRESS
 from ddpscope.ddp.rank_start import rank_start_record
+from ddpscope.ddp.replicas import ReplicaDigest
 from ddpscope.ddp.step_record import StepTimer
 
 logger = logging.getLogger(__name__)
@@ -219,7 +220,9 @@ class Instrumentation:
 
         params, names = reducer_parameters(ddp)
         self.params = params
-        self._frozen = FrozenAtWrap(ddp.module, self._rank, getattr(ddp, "parameters_to_ignore", ()) or ())
+        ignored = getattr(ddp, "parameters_to_ignore", ()) or ()
+        self._frozen = FrozenAtWrap(ddp.module, self._rank, ignored)
+        self._replicas = ReplicaDigest(ddp.module, params, self._rank, ignored)
         self._base = empty_layout(params, names)
         self._learner = LayoutLearner(params)
         self._torch_rebuilt = bool(getattr(ddp, "_has_rebuilt_buckets", False))
@@ -262,6 +265,7 @@ class Instrumentation:
         ]
         self._wrap_forward(ddp)
         self._time_buffer_broadcasts(ddp)
+        self._watch_join(ddp)
         self._observed: ObservedGroup | None = None
         """The group torch's Reducer all-reduces through (see ``adapter_group``); None with a user's hook."""
         if comm_hook is None:
@@ -355,6 +359,7 @@ class Instrumentation:
         self._queued = False
         self._reset_step()
         self._frozen.check(self._step)
+        self._replicas.take(self._step)
         self.timer.forward_start(self._step, synced)
         PROGRESS.enter("forward", self._step)
 
@@ -721,6 +726,27 @@ class Instrumentation:
 
         ddp._distributed_broadcast_coalesced = timed  # type: ignore[method-assign]
 
+    def _watch_join(self, ddp: DistributedDataParallel) -> None:
+        """Under torch's ``Join``, a rank out of data shadows its peers' steps without counting them, so its
+        later step numbers name other moments than theirs: its replica digests stop at the first shadowed
+        step. An instance attribute over torch's ``join_hook``, which ``remove_hooks`` deletes again."""
+        original = ddp.join_hook
+        stop = self._replicas.stop
+
+        @functools.wraps(original)
+        def join_hook(**kwargs: Any) -> Any:
+            hook = original(**kwargs)
+            main_hook = hook.main_hook
+
+            def shadowing() -> None:
+                stop()
+                main_hook()
+
+            hook.main_hook = shadowing
+            return hook
+
+        ddp.join_hook = join_hook  # type: ignore[method-assign]
+
     def remove_hooks(self) -> None:
         """Detach the hooks and give torch's Reducer its own process group back (a user's comm hook
         stays registered, as torch cannot unregister one; it keeps reducing, unmeasured)."""
@@ -729,6 +755,7 @@ class Instrumentation:
         self._handles = []
         self.ddp.__dict__.pop("_distributed_broadcast_coalesced", None)
         self.ddp.__dict__.pop("forward", None)
+        self.ddp.__dict__.pop("join_hook", None)
         if self._observed is not None:
             self.ddp.reducer._update_process_group(self._group)
         self._active = False

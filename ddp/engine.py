@@ -37,6 +37,7 @@ from ddpscope.ddp.layout import check_same_layout, describe
 from ddpscope.ddp.progress import PROGRESS
 from ddpscope.ddp.rank_start import rank_start_record
 from ddpscope.ddp.reducer import Reducer
+from ddpscope.ddp.replicas import ReplicaDigest
 from ddpscope.ddp.step_record import StepTimer
 
 logger = logging.getLogger(__name__)
@@ -204,6 +205,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             gradient_as_bucket_view=gradient_as_bucket_view,
             timer=self._timer,
         )
+        self._replicas = ReplicaDigest(module, [p for _, p in trainable], self._global_rank)
         first = trainable[0][1]
         agent.emit_durable(
             rank_start_record(
@@ -229,6 +231,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "step": self._step,
                 "reason": reason,
                 "buckets": self._reducer.layout_wire(),
+                "parameter_order": self._reducer.names,
             }
         )
 
@@ -257,6 +260,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         reducer = self._reducer
         _INTERLEAVING.forward(self)
         self._frozen.check(self._step)
+        self._replicas.take(self._step)
         if joining:
             self._notify_join(reducer)
         # Under Join a rank that joined cannot know whether this forward is synced when it rebuilds

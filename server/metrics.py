@@ -87,6 +87,12 @@ def _gauges() -> dict[str, GaugeMetricFamily]:
         "unused": GaugeMetricFamily(
             "ddpscope_unused_parameters", "Parameters seen without a gradient", labels=["job"]
         ),
+        "diverged": GaugeMetricFamily(
+            "ddpscope_replicas_diverged",
+            "1 while the ranks' copies of the model differ, or hold NaN or infinite parameters (the "
+            "replicas_diverged and nonfinite_parameters incidents)",
+            labels=["job"],
+        ),
     }
 
 
@@ -186,7 +192,11 @@ class StorageCollector(Collector):
                     g["overlap"].add_metric(labels, overlap)
         g["unused"].add_metric([job], float(len(snap.unused)))
         # Active only: after a restart the old processes' mismatch is history and must stop paging.
-        mism.add_metric([job], float(sum(i.kind == "mismatch" and i.active for i in diagnose(snap, now_s))))
+        active = [i.kind for i in diagnose(snap, now_s) if i.active]
+        mism.add_metric([job], float(active.count("mismatch")))
+        g["diverged"].add_metric(
+            [job], float(any(k in ("replicas_diverged", "nonfinite_parameters") for k in active))
+        )
         totals: dict[tuple[int, str, str], int] = {}
         for stats in self.storage.fetch_records(job, ["agent_stats"]):
             for key, n in stats["dropped"].items():

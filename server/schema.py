@@ -13,7 +13,7 @@ Layout choices, for ingest speed and a small database:
 - ``heartbeats`` and ``agent_stats`` keep only the latest record per rank (per stream for agent
   stats, whose counters are cumulative per stream): upserts that only move forward.
 - ``events``: the rare, read-whole kinds (rank_start, layout, hang, hang_resolved, rank_error,
-  rank_exit, warning) as the wire JSON, indexed by kind. They are a handful per rank; a table per kind would
+  rank_exit, warning, replica_digest) as the wire JSON, indexed by kind. They are a handful per rank; a table per kind would
   add schema without a query that needs it.
 - ``ranks``: per rank, the newest time seen and step progress, maintained at ingest so job lists and
   /metrics never aggregate ``steps``.
@@ -43,7 +43,16 @@ from sqlalchemy import (
 
 metadata = MetaData()
 
-EVENT_KINDS = ("rank_start", "layout", "hang", "hang_resolved", "rank_error", "rank_exit", "warning")
+EVENT_KINDS = (
+    "rank_start",
+    "layout",
+    "hang",
+    "hang_resolved",
+    "rank_error",
+    "rank_exit",
+    "warning",
+    "replica_digest",
+)
 
 
 def _key(table: str) -> UniqueConstraint:

@@ -64,6 +64,7 @@ ALL_KINDS = (
     "rank_error",
     "rank_exit",
     "warning",
+    "replica_digest",
     "agent_stats",
 )
 
@@ -365,6 +366,7 @@ class Storage:
             rank_errors=by_kind.get("rank_error", []),
             rank_exits=by_kind.get("rank_exit", []),
             warnings=by_kind.get("warning", []),
+            digests=by_kind.get("replica_digest", []),
             collectives=merge_collectives(colls, ends),
             steps=steps,
             unused=aggregate_unused(self.unused_rows(row.id)),

@@ -35,6 +35,8 @@
   engine's "did not receive grad" error; grouped by ranks and bucket.
 - a ``warning`` record's code, e.g. ``unsynced_gradients``: gradients a rank's DDP never all-reduced
   (``warning_incidents``); the same warning from several ranks is one incident.
+- ``replicas_diverged`` and ``nonfinite_parameters``: the ranks' copies of the model compared through their
+  ``replica_digest`` records (``replica_divergence``).
 
 After a restart under the same job id (torchrun ``--max-restarts``), the previous processes' incidents
 are kept with ``active=False``, their message starting "Before the ranks restarted"; the job's status
@@ -75,7 +77,8 @@ from ddpscope.server.analysis.incident_model import (
     user_frame,
     where,
 )
-from ddpscope.server.analysis.snapshot import JobSnapshot, UnusedParameter, split_restart
+from ddpscope.server.analysis.replica_divergence import replica_incidents
+from ddpscope.server.analysis.snapshot import JobSnapshot, UnusedParameter, parameter_order, split_restart
 from ddpscope.server.analysis.status import (
     DEFAULT_SILENT_AFTER_S,
     LOST_PEER_ERROR,
@@ -165,6 +168,7 @@ def diagnose(
     out += hang_incidents(snapshot, live, colls, missing, blame, graph)
     out += _unused_incidents(snapshot, live)
     out += warning_incidents(snapshot)
+    out += replica_incidents(snapshot)
     out += _before_restart_incidents(previous, restart_s, silent_after_s)
     out.sort(key=lambda i: (i.time_s if i.time_s is not None else now_s, i.kind, i.rank or 0))
     return out
@@ -631,19 +635,10 @@ def _bucket_of(snapshot: JobSnapshot, rank: int | None) -> dict[str, int]:
     return {p: b["index"] for b in layouts[-1].get("buckets") or [] for p in b.get("parameters") or []}
 
 
-def _parameter_order(snapshot: JobSnapshot, rank: int) -> list[str]:
-    """The rank's parameter names in the engine's index order (torch's "Parameter indices" refer to it),
-    from its newest layout record that carries them; [] when none does."""
-    for lay in reversed(snapshot.layouts):
-        if lay["rank"] == rank and lay.get("parameter_order"):
-            return list(lay["parameter_order"])
-    return []
-
-
 def _resolved_names(named: _Named, snapshot: JobSnapshot) -> list[str]:
     """Parameter names of an error: torch without TORCH_DISTRIBUTED_DEBUG gives indices only, which the
     layout's parameter order turns back into names."""
-    order = _parameter_order(snapshot, named.ranks[0]) if named.ranks else []
+    order = parameter_order(snapshot, named.ranks[0]) if named.ranks else []
     return [order[int(p)] if p.isdigit() and int(p) < len(order) else p for p in named.parameters]
 
 

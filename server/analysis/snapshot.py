@@ -13,8 +13,8 @@ Every record inside is a **wire-shaped dict**: exactly the fields of ``ddpscope.
 - ``layouts``: every ``layout`` record, oldest first (rank 0's first, then others; all ranks send one).
 - ``heartbeats``: ``{rank: heartbeat}``, the latest heartbeat of each rank (``phase``, ``step``,
   ``last_coll_seq``, ``pid``, ``time_ns``).
-- ``hangs``, ``hang_resolved``, ``rank_errors``, ``rank_exits``, ``warnings``: every record of that kind,
-  ordered by ``time_ns``.
+- ``hangs``, ``hang_resolved``, ``rank_errors``, ``rank_exits``, ``warnings``, ``digests``
+  (``replica_digest``): every record of that kind, ordered by ``time_ns``.
 - ``collectives``: ``collective`` records with their ``collective_end`` merged in as three extra keys,
   ``end_ns`` (int or None while in flight), ``ok`` (bool or None), ``error`` (str or None). Only a recent
   window is loaded: per process group, the collectives whose ``coll_seq`` is within
@@ -90,6 +90,7 @@ class JobSnapshot:
     rank_errors: list[Record] = field(default_factory=list)
     rank_exits: list[Record] = field(default_factory=list)
     warnings: list[Record] = field(default_factory=list)
+    digests: list[Record] = field(default_factory=list)
     collectives: list[Record] = field(default_factory=list)
     steps: dict[int, RankSteps] = field(default_factory=dict)
     unused: list[UnusedParameter] = field(default_factory=list)
@@ -149,7 +150,16 @@ def merge_collectives(
     return merged
 
 
-_PER_PROCESS = ("layouts", "hangs", "hang_resolved", "rank_errors", "rank_exits", "warnings", "collectives")
+_PER_PROCESS = (
+    "layouts",
+    "hangs",
+    "hang_resolved",
+    "rank_errors",
+    "rank_exits",
+    "warnings",
+    "digests",
+    "collectives",
+)
 """The record lists of a snapshot that belong to one process of a rank (``split_restart`` divides them)."""
 
 
@@ -233,6 +243,7 @@ def snapshot_from_records(job: str, records: Iterable[Mapping[str, Any]]) -> Job
         rank_errors=by_kind.get("rank_error", []),
         rank_exits=by_kind.get("rank_exit", []),
         warnings=by_kind.get("warning", []),
+        digests=by_kind.get("replica_digest", []),
         collectives=window_collectives(merged),
         steps=steps,
         unused=aggregate_unused(
@@ -284,3 +295,12 @@ def _latest(records: Iterable[Record]) -> dict[int, Record]:
 def load_snapshot(storage: Storage, job: str) -> JobSnapshot | None:
     """Read one job's snapshot from storage; None when the job is unknown."""
     return storage.load_snapshot(job)
+
+
+def parameter_order(snapshot: JobSnapshot, rank: int) -> list[str]:
+    """The rank's parameter names in the engine's index order (torch's "Parameter indices" and replica
+    digests refer to it), from its newest layout record that carries them; [] when none does."""
+    for lay in reversed(snapshot.layouts):
+        if lay["rank"] == rank and lay.get("parameter_order"):
+            return list(lay["parameter_order"])
+    return []

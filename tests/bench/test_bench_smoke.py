@@ -183,3 +183,10 @@ def test_accounted_costs_are_summed_per_part_and_judged_against_one_percent_of_t
     assert all(
         r.figure.startswith("instrument(), ") for r in rows_for("cost_accounting_instrument", observed)
     )
+
+
+def test_the_replica_digest_row_gives_its_share_of_a_step_and_of_the_schedule() -> None:
+    data = {"every": 64, "models": {"mlp": {"parameters": 6, "digest_ms": 0.2, "step_ms": 6.6,
+                                            "digest_pct_of_step": 3.03, "amortized_pct": 0.047}}}  # fmt: skip
+    (row,) = rows_for("replicas", data)
+    assert row.measured == "3.03 % (0.047 %)" and "every 64 steps" in row.figure and row.met is None

@@ -201,7 +201,11 @@ def test_uneven_inputs_under_torchs_join_train_as_uninstrumented_and_raise_no_in
         assert result(tmp_path, rank)["instrumented"] == result(tmp_path, rank)["plain"]
     records = {rank: read_jsonl(tmp_path / f"joined{rank}.jsonl") for rank in (0, 1)}
     steps = {rank: [r["step"] for r in records[rank] if r["kind"] == "step"] for rank in (0, 1)}
-    assert steps == {0: [0, 1, 2], 1: [0, 1, 2, 3, 4, 5]}  # the shadowing rank records no step
+    # The shadowing rank records no step, then both train an even epoch.
+    assert steps == {0: [0, 1, 2, 3, 4], 1: [0, 1, 2, 3, 4, 5, 6, 7]}
+    # Rank 0's step 4 is not rank 1's: its replica digests stopped when it began to shadow.
+    digests = {rank: [r["step"] for r in records[rank] if r["kind"] == "replica_digest"] for rank in (0, 1)}
+    assert digests == {0: [0, 1, 2], 1: [0, 1, 2, 4]}
     colls = {
         rank: {r["coll_seq"]: r for r in records[rank] if r["kind"] == "collective" and r["pg"] == "default"}
         for rank in (0, 1)

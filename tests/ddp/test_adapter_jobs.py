@@ -359,3 +359,18 @@ def test_torchs_error_for_a_layer_frozen_after_wrapping_carries_a_note_naming_th
         )
         (error,) = [r for r in job.records[rank] if r["kind"] == "rank_error"]
         assert note in error["stack"]  # shipped: the collector's advice reads it
+
+
+def test_a_rank_dependent_update_under_torchs_engine_shows_in_the_replica_digests(tmp_path: Path) -> None:
+    job = run("replicas", tmp_path)
+    digests = [{r["step"]: r for r in job.records[rank] if r["kind"] == "replica_digest"} for rank in (0, 1)]
+    assert sorted(digests[0]) == sorted(digests[1]) == [0, 1, 2, 4, 8]
+    layout = next(r for r in job.records[0] if r["kind"] == "layout")
+    assert digests[0][0]["parameters"] == len(layout["parameter_order"]) == 4
+    for step in (0, 1, 2):
+        assert digests[0][step]["norms"] == digests[1][step]["norms"]
+    for step in (4, 8):
+        assert all(a != b for a, b in zip(digests[0][step]["norms"], digests[1][step]["norms"], strict=True))
+    for rank in (0, 1):
+        (warning,) = [r for r in job.records[rank] if r["kind"] == "warning"]
+        assert warning["parameters"] == ["extra.weight", "extra.bias"] and warning["step"] == 8

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tests.ddp.engine_jobs import run_job
@@ -115,3 +117,27 @@ def test_a_layer_unfrozen_after_wrapping_is_called_out_once_on_every_rank_as_its
         (record,) = [r for r in rank["records"] if r["kind"] == "warning"]
         assert record["code"] == "unsynced_gradients" and record["step"] == 2
         assert record["parameters"] == ["trunk.weight", "trunk.bias"]
+
+
+def digests_by_step(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    return {r["step"]: r for r in records if r["kind"] == "replica_digest"}
+
+
+def test_a_rank_dependent_update_shows_in_the_replica_digests_and_a_layer_added_after_wrapping_is_called_out(
+    tmp_path,
+) -> None:
+    ranks = run_job("failures.py", 2, ["replicas"], tmp_path, timeout_s=90)
+    digests = [digests_by_step(rank["records"]) for rank in ranks]
+    # Dense at the start, then every 64th step; the same steps on every rank.
+    assert sorted(digests[0]) == sorted(digests[1]) == [0, 1, 2, 4, 8]
+    order = next(r for r in ranks[0]["records"] if r["kind"] == "layout")["parameter_order"]
+    assert order == ["trunk.weight", "trunk.bias", "branch.weight", "branch.bias", "head.weight", "head.bias"]
+    for step in (0, 1, 2):  # identical copies: identical norms, bit for bit
+        assert digests[0][step]["norms"] == digests[1][step]["norms"]
+        assert (digests[0][step]["parameters"], digests[0][step]["group"]) == (6, 1)
+    for step in (4, 8):  # rank 0's learning rate halved after step 2: every parameter differs
+        assert all(a != b for a, b in zip(digests[0][step]["norms"], digests[1][step]["norms"], strict=True))
+    for rank in ranks:
+        (warning,) = [r for r in rank["records"] if r["kind"] == "warning"]
+        assert warning["step"] == 8 and warning["parameters"] == ["extra.weight", "extra.bias"]
+        assert "added to the module after it was wrapped" in warning["message"]

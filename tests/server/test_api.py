@@ -170,6 +170,7 @@ def test_metrics_expose_the_design_names_and_ended_jobs_leave_after_their_retent
         "ddpscope_last_seen_timestamp_seconds",
         "ddpscope_collective_mismatches_total",
         "ddpscope_unused_parameters",
+        "ddpscope_replicas_diverged",
         "ddpscope_ingested_records_total",
     ):
         assert f'{name}{{job="live"' in text or (

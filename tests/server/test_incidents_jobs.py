@@ -88,6 +88,9 @@ def rank_main(scenario: str, steps: int) -> None:  # pragma: no cover - runs in 
                 net.use_aux = False
             elif scenario == "early_exit" and rank == 1:
                 sys.exit(0)  # its loop ends early (a shorter data shard, a rank-dependent break)
+            elif scenario == "diverged" and rank == 0:
+                # A checkpoint loaded on rank 0 only, after wrapping: DDP broadcast the state long ago.
+                net.load_state_dict({k: v + 0.01 for k, v in net.state_dict().items()})
         optimizer.zero_grad(set_to_none=True)
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
@@ -109,7 +112,17 @@ from tests.support.procs import free_port, kill_group, rank_env  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__)
-SCENARIOS = ("healthy", "sigstop", "sigkill", "one_rank_only", "order", "shapes", "unused", "early_exit")
+SCENARIOS = (
+    "healthy",
+    "sigstop",
+    "sigkill",
+    "one_rank_only",
+    "order",
+    "shapes",
+    "unused",
+    "early_exit",
+    "diverged",
+)
 WAIT_S = 90.0
 """Deadline for one diagnosis to show up; all the jobs run at once on a 2-core machine."""
 
@@ -290,6 +303,19 @@ def test_a_rank_that_exits_cleanly_while_its_peer_trains_on_is_the_culprit(jobs:
     incidents = j.incidents()
     assert all(i["culprit_ranks"] == [1] for i in incidents), incidents
     assert j.status() == "failed"
+
+
+def test_a_checkpoint_loaded_on_one_rank_after_wrapping_is_caught_as_diverged_replicas(
+    jobs: dict[str, Job],
+) -> None:
+    j = jobs["diverged"]
+    assert j.wait_exit() == [0, 0], j.logs()  # nothing fails: the ranks just train different models
+    (d,) = j.wait_for("diverged replicas", lambda inc: kind(inc, "replicas_diverged"))
+    assert d["step"] == FAULT_STEP + 1 and f"they were identical at step {FAULT_STEP - 1}" in d["message"]
+    assert sorted(d["parameters"]) == sorted(
+        ["body.weight", "body.bias", "head.weight", "head.bias", "aux.weight", "aux.bias"]
+    )
+    assert j.status() == "finished"
 
 
 def test_a_crashed_job_restarted_under_the_same_id_is_healthy_and_keeps_the_crash_as_history(

@@ -30,6 +30,7 @@ PER_JOB = {
     "ddpscope_last_seen_timestamp_seconds",
     "ddpscope_rank_finished",
     "ddpscope_unused_parameters",
+    "ddpscope_replicas_diverged",
     "ddpscope_collective_mismatches_total",
 }
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -216,6 +217,22 @@ def test_a_mismatch_of_the_processes_before_a_restart_stops_counting(client):
     assert [m["active"] for m in mismatches] == [False]
     samples = scrape(client, last_s(after) + 1)
     assert value(samples, "ddpscope_collective_mismatches_total", "fixed") == 0.0
+
+
+def test_replicas_diverged_is_1_while_the_ranks_copies_differ_and_0_once_they_agree_again(client):
+    records = synth_job(2, 6, 2, job="drift", finished=False)
+    t_ns = max(r["time_ns"] for r in records)
+    norms = {0: [1.5, 0.25], 1: [1.5, 0.75]}
+    for seq, step in enumerate((0, 4)):
+        for r in (0, 1):
+            records.append(extra("drift", r, "replica_digest", t_ns + seq, seq, step=step, model=0, parameters=2,
+                                 group=1, norms=norms[0] if step == 0 else norms[r]))  # fmt: skip
+    feed(client, records)
+    assert value(scrape(client, last_s(records) + 1), "ddpscope_replicas_diverged", "drift") == 1.0
+    # The ranks loaded one checkpoint again: equal at step 8, nothing to page for any more.
+    feed(client, [extra("drift", r, "replica_digest", t_ns + 5, 5, step=8, model=0, parameters=2, group=1,
+                        norms=norms[0]) for r in (0, 1)])  # fmt: skip
+    assert value(scrape(client, last_s(records) + 1), "ddpscope_replicas_diverged", "drift") == 0.0
 
 
 def test_a_running_jobs_series_never_disappear_while_its_ranks_report(client):

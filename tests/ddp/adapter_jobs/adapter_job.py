@@ -24,6 +24,8 @@ Scenarios:
   frozen_late  the first layer frozen after instrumenting: the note ddpscope adds to torch's error.
   thawed   the first layer frozen when wrapped and unfrozen after two steps; the warnings, and whether
            the ranks' copies of that layer still agree.
+  replicas rank 0 alone steps an LR scheduler after step 2, so the ranks' copies drift apart; a layer is
+           added to the module after wrapping at step 5.
 """
 
 from __future__ import annotations
@@ -275,6 +277,24 @@ def thawed(rank: int) -> dict[str, Any]:
     return {"warnings": logged, "first_equal": all(torch.equal(gathered[0], t) for t in gathered)}
 
 
+def replicas(rank: int) -> dict[str, Any]:
+    """A rank-dependent update (``if rank == 0: scheduler.step()``) and a layer added after wrapping."""
+    logged = _capture.logged_warnings()
+    inner = mlp(2, 16)
+    model = instrument(DDP(inner))
+    opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(10):
+        if step == 5:
+            inner.add_module("extra", nn.Linear(16, 16))
+        opt.zero_grad()
+        model(batch(rank, step, 16)).sum().backward()
+        opt.step()
+        if rank == 0 and step >= 2:
+            scheduler.step()
+    return {"warnings": logged}
+
+
 def frozen_late(rank: int) -> dict[str, Any]:
     """The first layer frozen on every rank after instrumenting: torch's Reducer fails the next step."""
     inner = mlp(2, 16)
@@ -306,6 +326,7 @@ def main() -> None:
         "bypass": bypass,
         "thawed": thawed,
         "frozen_late": frozen_late,
+        "replicas": replicas,
     }[scenario](rank)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     _capture.flush()

@@ -142,6 +142,11 @@ def _join_train(model: DDP, rank: int) -> list[float]:
             opt.zero_grad()
             model(batch(rank, step)).square().mean().backward()
             opt.step()
+    # An even epoch after it: rank 0, which joined early, now numbers its steps behind rank 1.
+    for step in range(2):
+        opt.zero_grad()
+        model(batch(rank, 100 + step)).square().mean().backward()
+        opt.step()
     return [float(p.detach().double().sum()) for p in model.parameters()]
 
 

@@ -141,17 +141,24 @@ def train(model: nn.Module, rank: int) -> dict[str, Any]:
     """Train; return what the gradients looked like along the way."""
     if SCENARIO.startswith("join"):
         with model.join(divide_by_initial_world_size=SCENARIO != "join_divide"):  # type: ignore[operator]
-            return _train(model, rank)
+            out = _train(model, rank)
+        # An even epoch after it: the ranks that joined early now number their steps behind the others.
+        _train(model, rank, EVEN_EPOCH)
+        return out
     return _train(model, rank)
 
 
-def _train(model: nn.Module, rank: int) -> dict[str, Any]:
+EVEN_EPOCH = 2
+"""Steps every rank trains after an uneven epoch under Join."""
+
+
+def _train(model: nn.Module, rank: int, steps: int | None = None) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(1000 + rank)
     weight = model.module.fc1.weight if SCENARIO.startswith("wide") else None  # type: ignore[union-attr]
     held: list[tuple[torch.Tensor, torch.Tensor]] = []  # a .grad kept across steps, and its value then
     identities: set[int] = set()
-    for _ in range(batches(rank)):
+    for _ in range(batches(rank) if steps is None else steps):
         opt.zero_grad(set_to_none=SCENARIO not in ("bucket_view", "wide_keep_grads"))
         micro = 3 if SCENARIO in ("no_sync", "wide_no_sync", "join_no_sync") else 1
         for m in range(micro):

@@ -12,6 +12,8 @@ Usage: failures.py SCENARIO OUTDIR
 - ``frozen_late``: a layer frozen on every rank after wrapping; the engine's error.
 - ``thawed``: a layer frozen when wrapped is unfrozen after two steps; the warnings, and whether the
   ranks' copies of that layer still agree.
+- ``replicas``: rank 0 alone steps an LR scheduler after step 2, so the ranks' copies drift apart; a layer
+  is added to the module after wrapping at step 5.
 """
 
 from __future__ import annotations
@@ -165,6 +167,26 @@ def thawed(rank: int) -> dict[str, Any]:
     return {"warnings": logged, "trunk_equal": all(torch.equal(gathered[0], t) for t in gathered)}
 
 
+def replicas(rank: int) -> dict[str, Any]:
+    """A rank-dependent update (``if rank == 0: scheduler.step()``) and a layer added after wrapping."""
+    logged = _capture.logged_warnings()
+    torch.manual_seed(0)
+    inner = Branchy()
+    model = DistributedDataParallel(inner)
+    opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(10):
+        if step == 5:
+            inner.add_module("extra", nn.Linear(8, 8))
+        torch.manual_seed(100 + 10 * rank + step)  # each rank its own data
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        if rank == 0 and step >= 2:
+            scheduler.step()
+    return {"warnings": logged}
+
+
 def disabled(rank: int) -> dict[str, Any]:
     agent.configure(disabled=True)
     model = DistributedDataParallel(nn.Linear(4, 2))
@@ -186,6 +208,7 @@ def main() -> None:
         "bypass": bypass,
         "thawed": thawed,
         "frozen_late": frozen_late,
+        "replicas": replicas,
     }[SCENARIO](rank)
     agent.get_agent().force_flush(5.0)
     result["records"] = exporter.records

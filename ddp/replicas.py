@@ -1,0 +1,148 @@
+"""Replica digests: each rank's fingerprint of its copy of the model, for the collector to compare.
+
+DDP's one promise is that every rank holds the same parameters at the start of every forward: the state is
+broadcast at construction, and from then on every rank applies the same update to the same averaged
+gradients. Nothing in torch checks it, and many ordinary bugs break it silently, on gloo and NCCL alike:
+an optimizer or LR-scheduler step, gradient clipping or a checkpoint load done under ``if rank == 0:``, a
+manual update on some ranks, gradients DDP never all-reduced. The ranks then train different models and
+nothing fails.
+
+``ReplicaDigest.take`` runs at the start of the training forwards of a schedule every rank shares (it
+depends on the step number only): steps 0, 1, 2, 4, ... 64, then every 64th. It ships a ``replica_digest``
+record with the 2-norm of each parameter DDP all-reduces, in the layout's ``parameter_order``: one
+``torch._foreach_norm`` (0.2 ms for the 1 M-parameter benchmark MLP, 4 ms for the 11 M transformer, about
+0.05 % of the step time spread over 64 steps). The collector compares the ranks' digests step by step
+(``analysis/replica_divergence.py``); a digest costs no collective, so a rank that skips a check cannot make
+its peers wait.
+
+A model with more than ``MAX_ENTRIES`` parameters sends the norm of each run of ``group`` consecutive
+parameters instead (still naming the parameters of a run that differs). A norm that is not finite travels as
+``NAN_NORM`` or ``INF_NORM`` (JSON has no NaN), so the collector can also say when the parameters went NaN.
+
+At the same checks it notices parameters added to the module after it was wrapped: DDP never all-reduces
+them, a drift the digests cannot see (the parameters are not in them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Collection, Sequence
+
+import torch
+
+from ddpscope.agent import emit
+from ddpscope.ddp.drift import shown, warn_unsynced
+
+logger = logging.getLogger(__name__)
+
+EVERY = 64
+"""Steps between digests once past the first ``EVERY`` steps (checked at every power of two before)."""
+MAX_ENTRIES = 512
+"""Norms in one record, at most: a model with more parameters sends norms of runs of parameters."""
+NAN_NORM = -1.0
+INF_NORM = -2.0
+"""Norms are never negative: these two stand for a NaN and an infinite norm on the wire."""
+
+_MODELS = itertools.count()
+"""Ordinals of the models wrapped in this process: every rank wraps its models in one order (building DDP is
+a collective call), so the n-th model of each rank is the same model."""
+
+
+def digest_due(step: int) -> bool:
+    """True at steps 0, 1, 2, 4, 8, ... ``EVERY`` and every multiple of ``EVERY``: the same steps on
+    every rank, dense at the start (where a load after wrapping or a first update goes wrong), then cheap."""
+    return step % EVERY == 0 or step & (step - 1) == 0
+
+
+def wire_norm(value: float) -> float:
+    if math.isfinite(value):
+        return value
+    return NAN_NORM if math.isnan(value) else INF_NORM
+
+
+class ReplicaDigest:
+    """The digests of one wrapped model on one rank; ``take(step)`` at the start of a training forward."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        params: Sequence[torch.Tensor],
+        rank: int,
+        ignored: Collection[str] = (),
+    ) -> None:
+        """``params``: the parameters DDP all-reduces, in the order of the layout's ``parameter_order``;
+        ``ignored``: parameters the user excluded from DDP on purpose (``_ddp_params_and_buffers_to_ignore``)."""
+        self.module = module
+        self.params = list(params)
+        self.rank = rank
+        self.model = next(_MODELS)
+        self.group = max(1, math.ceil(len(self.params) / MAX_ENTRIES))
+        self._known = {id(p) for p in module.parameters()}
+        self._ignored = set(ignored)
+        self._told_added = False
+        self.off = False
+        """No more digests: one failed (an exotic tensor type), or this rank's step numbers stopped matching
+        its peers' (``stop``)."""
+
+    def take(self, step: int) -> None:
+        """Ship this step's digest if it is due. Never raises."""
+        if self.off or not digest_due(step):
+            return
+        try:
+            emit(
+                {
+                    "kind": "replica_digest",
+                    "step": step,
+                    "model": self.model,
+                    "parameters": len(self.params),
+                    "group": self.group,
+                    "norms": self.norms(),
+                }
+            )
+            if not self._told_added:
+                self._check_added(step)
+        except Exception:
+            self.off = True
+            logger.warning(
+                "ddpscope: the replica digest failed; ranks' parameters are not compared", exc_info=True
+            )
+
+    def stop(self) -> None:
+        """This rank shadowed its peers' steps under ``Join`` (it ran out of data): it does not count those
+        steps, so its later step numbers name other moments than theirs, and its digests would differ."""
+        self.off = True
+
+    def norms(self) -> list[float]:
+        with torch.no_grad():
+            norms = torch._foreach_norm(self.params)
+            # One copy to the host, in float64 so that runs of parameters add up without rounding.
+            try:
+                values = torch.stack(norms).to(device="cpu", dtype=torch.float64)
+            except RuntimeError:  # parameters on several devices
+                values = torch.stack([n.to(device="cpu", dtype=torch.float64) for n in norms])
+        if self.group > 1:
+            pad = -len(values) % self.group
+            values = torch.nn.functional.pad(values, (0, pad)).view(-1, self.group).norm(dim=1)
+        return [wire_norm(v) for v in values.tolist()]
+
+    def _check_added(self, step: int) -> None:
+        added = [
+            n
+            for n, p in self.module.named_parameters()
+            if id(p) not in self._known and p.requires_grad and n not in self._ignored
+        ]
+        if not added:
+            return
+        self._told_added = True
+        warn_unsynced(
+            self.rank,
+            step,
+            f"{len(added)} parameter(s) were added to the module after it was wrapped in "
+            f"DistributedDataParallel ({shown(added)}). DDP fixes the parameters it all-reduces when it is "
+            "built, so their gradients stay local to each rank and an optimizer step on them makes the ranks' "
+            "copies drift apart. Create every parameter before wrapping, or build the DistributedDataParallel "
+            "model again after adding them.",
+            added,
+        )

@@ -1,0 +1,140 @@
+"""The ranks' copies of the model, compared through their replica digests: drift and NaNs are named with
+the step, the parameters and, when a majority agrees, the odd ranks."""
+
+from __future__ import annotations
+
+from ddpscope.server.analysis.incidents import diagnose
+from ddpscope.server.analysis.status import job_status
+from tests.server.test_incidents import T0, JobRecords, kinds, only, started
+
+ORDER = ["enc.weight", "head.weight", "head.bias"]
+HEALTHY = [12.5, 3.25, 0.5]
+
+
+def with_order(job: JobRecords, order: list[str] = ORDER) -> None:
+    bucket = {"index": 0, "bytes": 40, "dtype": "float32", "device": "cpu", "parameters": order}
+    for r in range(job.world):
+        job.add("layout", r, T0 + 0.5, step=0, reason="initial", buckets=[bucket], parameter_order=order)
+
+
+def digest(job: JobRecords, rank: int, step: int, norms: list[float], *, model: int = 0, group: int = 1,
+           parameters: int = 3) -> None:  # fmt: skip
+    job.add("replica_digest", rank, T0 + 1 + step / 10, step=step, model=model, parameters=parameters,
+            group=group, norms=norms)  # fmt: skip
+
+
+def digests(job: JobRecords, steps: dict[int, dict[int, list[float]]]) -> None:
+    """``{step: {rank: norms}}``; a rank missing from a step sends nothing there."""
+    for step, by_rank in steps.items():
+        for rank, norms in by_rank.items():
+            digest(job, rank, step, norms)
+
+
+def test_identical_digests_raise_nothing() -> None:
+    job = started(4)
+    with_order(job)
+    digests(job, {s: dict.fromkeys(range(4), HEALTHY) for s in (0, 1, 2, 4, 8)})
+    assert diagnose(job.snapshot(), T0 + 10) == []
+
+
+def test_differences_in_the_last_bits_are_the_same_copy() -> None:
+    # Hosts whose CPUs sum in another order: a few ulps apart, not a divergence.
+    job = started(2)
+    digests(job, {s: {0: HEALTHY, 1: [12.500000001, 3.25, 0.5000000002]} for s in (0, 1, 2)})
+    assert diagnose(job.snapshot(), T0 + 10) == []
+
+
+def test_one_rank_of_four_that_drifts_is_named_with_the_parameters_and_the_steps_around_it() -> None:
+    job = started(4)
+    with_order(job)
+    odd = [12.5, 3.3, 0.51]
+    digests(job, {s: dict.fromkeys(range(4), HEALTHY) for s in (0, 1, 2, 4)})
+    digests(job, {8: {0: HEALTHY, 1: HEALTHY, 2: [12.5, 3.26, 0.5], 3: HEALTHY}})
+    digests(job, {16: {0: HEALTHY, 1: HEALTHY, 2: odd, 3: HEALTHY}})
+    d = only(diagnose(job.snapshot(), T0 + 10), "replicas_diverged")
+    assert d.step == 8 and d.culprit_ranks == [2] and d.rank == 2
+    assert d.parameters == ["head.weight"]  # what differed first
+    assert "differ at step 8 (they were identical at step 4" in d.message
+    assert "rank 2 holds a different copy from ranks 0, 1, 3" in d.message
+    assert "At step 16, 2 of 3 parameters differ" in d.message
+    assert "if rank == 0:" in d.message and "load on all" in d.message
+    assert job_status(job.snapshot(), T0 + 10) != "failed"  # training goes on: no status change
+
+
+def test_two_ranks_that_disagree_are_both_named_without_a_culprit() -> None:
+    job = started(2)
+    with_order(job)
+    digests(job, {0: {0: HEALTHY, 1: HEALTHY}, 1: {0: HEALTHY, 1: [12.5, 3.5, 0.5]}})
+    d = only(diagnose(job.snapshot(), T0 + 10), "replicas_diverged")
+    assert d.culprit_ranks == [] and "ranks 0, 1 each hold a different copy, and no majority" in d.message
+
+
+def test_copies_that_differ_at_the_first_forward_point_at_a_load_after_wrapping() -> None:
+    job = started(2)
+    with_order(job)
+    digests(job, {0: {0: HEALTHY, 1: [13.0, 3.25, 0.5]}})
+    d = only(diagnose(job.snapshot(), T0 + 10), "replicas_diverged")
+    assert d.step == 0 and d.parameters == ["enc.weight"]
+    assert "at the first forward (step 0)" in d.message and "checkpoint loaded on some ranks" in d.message
+
+
+def test_copies_that_agree_again_are_healthy_now() -> None:
+    # The state broadcast at the end of torch's Join (or a reload on every rank) makes them one again.
+    job = started(2)
+    digests(
+        job, {0: {0: HEALTHY, 1: HEALTHY}, 4: {0: HEALTHY, 1: [1.0, 1.0, 1.0]}, 8: {0: HEALTHY, 1: HEALTHY}}
+    )
+    assert diagnose(job.snapshot(), T0 + 10) == []
+
+
+def test_a_step_only_one_rank_reported_is_not_compared() -> None:
+    job = started(2)
+    digests(job, {0: {0: HEALTHY, 1: HEALTHY}, 4: {1: [1.0, 1.0, 1.0]}})
+    assert diagnose(job.snapshot(), T0 + 10) == []
+
+
+def test_runs_of_parameters_name_every_parameter_of_the_run_that_differs() -> None:
+    job = started(2)
+    order = [f"layers.{i}.weight" for i in range(6)]
+    with_order(job, order)
+    for rank, norms in ((0, [1.0, 2.0, 3.0]), (1, [1.0, 2.5, 3.0])):
+        digest(job, rank, 0, [1.0, 2.0, 3.0], group=2, parameters=6)
+        digest(job, rank, 1, norms, group=2, parameters=6)
+    d = only(diagnose(job.snapshot(), T0 + 10), "replicas_diverged")
+    assert d.parameters == ["layers.2.weight", "layers.3.weight"]
+
+
+def test_without_a_parameter_order_entries_are_named_by_index() -> None:
+    job = started(2)  # its layouts carry no parameter_order
+    digests(job, {0: {0: HEALTHY, 1: [12.5, 3.25, 0.7]}})
+    assert only(diagnose(job.snapshot(), T0 + 10), "replicas_diverged").parameters == ["parameter #2"]
+
+
+def test_each_wrapped_model_is_compared_with_itself() -> None:
+    # A GAN: two models per rank, digested at the same steps; only the discriminator drifts.
+    job = started(2)
+    for rank in (0, 1):
+        digest(job, rank, 4, HEALTHY, model=0)
+        digest(job, rank, 4, [2.0, 1.0, 0.5] if rank == 0 else [2.0, 1.0, 0.9], model=1)
+    assert kinds(diagnose(job.snapshot(), T0 + 10)) == ["replicas_diverged"]
+
+
+def test_parameters_gone_nan_on_every_rank_are_dated_without_blaming_a_rank() -> None:
+    job = started(2)
+    with_order(job)
+    nan = [-1.0, -1.0, 0.5]
+    digests(job, {0: {0: HEALTHY, 1: HEALTHY}, 4: {0: HEALTHY, 1: HEALTHY}, 8: {0: nan, 1: nan}})
+    n = only(diagnose(job.snapshot(), T0 + 10), "nonfinite_parameters")
+    assert n.step == 8 and n.parameters == ["enc.weight", "head.weight"] and n.culprit_ranks == []
+    assert n.message.startswith("Parameters became NaN between steps 4 and 8")
+    assert "spreads one rank's non-finite gradient" in n.message
+
+
+def test_an_infinite_norm_on_one_rank_only_names_that_rank() -> None:
+    job = started(2)
+    with_order(job)
+    digests(job, {0: {0: HEALTHY, 1: HEALTHY}, 2: {0: HEALTHY, 1: [-2.0, 3.25, 0.5]}})
+    incidents = diagnose(job.snapshot(), T0 + 10)
+    n = only(incidents, "nonfinite_parameters")
+    assert n.culprit_ranks == [1] and "infinite" in n.message and "on rank 1 only" in n.message
+    assert only(incidents, "replicas_diverged").step == 2
