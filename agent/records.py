@@ -260,6 +260,12 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
     "replica_digest": (
         Field("step", INT, doc="the training forward it was taken at, before the forward ran"),
         Field(
+            "syncs",
+            INT,
+            doc="synchronised backwards (gradient all-reduce rounds) the rank had completed: what the collector "
+            "compares ranks at, the same on every rank whatever forwards a rank ran without syncing",
+        ),
+        Field(
             "model",
             INT,
             doc="which wrapped model of the process, 0 for the first (every rank wraps its models in one order)",

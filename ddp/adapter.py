@@ -236,6 +236,8 @@ class Instrumentation:
         self._synced = True
         self._active = False
         """A synchronised backward is under way: pending buckets mean something."""
+        self._syncs = 0
+        """Synchronised backwards that reached their end: all-reduce rounds, the same count on every rank."""
         self._queued = False
         self._armed = False
         """A forward through the DDP model (synced or not) awaits its backward."""
@@ -359,7 +361,7 @@ class Instrumentation:
         self._queued = False
         self._reset_step()
         self._frozen.check(self._step)
-        self._replicas.take(self._step)
+        self._replicas.take(self._step, self._syncs)
         self.timer.forward_start(self._step, synced)
         PROGRESS.enter("forward", self._step)
 
@@ -638,6 +640,8 @@ class Instrumentation:
     def _end_backward(self) -> None:
         """Second queued callback: after torch's finalizer waited for every bucket."""
         end = now_ns()
+        if self._active:
+            self._syncs += 1
         try:
             if self._observed is not None:
                 # torch wakes from its wait before the last callbacks ran; they (or _end_completed) record

@@ -260,7 +260,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         reducer = self._reducer
         _INTERLEAVING.forward(self)
         self._frozen.check(self._step)
-        self._replicas.take(self._step)
+        self._replicas.take(self._step, reducer.syncs)
         if joining:
             self._notify_join(reducer)
         # Under Join a rank that joined cannot know whether this forward is synced when it rebuilds

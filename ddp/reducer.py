@@ -91,6 +91,8 @@ class Reducer:
         """The finalizer is queued for the backward in progress."""
         self.armed = False
         """A forward through the wrapper (synced or under no_sync) awaits its backward."""
+        self.syncs = 0
+        """Synchronised backwards finalized: all-reduce rounds, the same count on every rank."""
         self.outside = OutsideForward(self.names, rank)
         self.ready_log: list[int] | None = None
         """Parameter indices in gradient-ready order, recorded in synced backwards until the rebuild."""
@@ -340,6 +342,7 @@ class Reducer:
         """Runs on the training thread after autograd accumulated every gradient of this backward."""
         try:
             if self.active:
+                self.syncs += 1  # counted on every rank alike, also when the round then fails
                 self._finalize_synced()
             else:
                 self.timer.emit()

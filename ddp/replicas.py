@@ -7,11 +7,13 @@ an optimizer or LR-scheduler step, gradient clipping or a checkpoint load done u
 manual update on some ranks, gradients DDP never all-reduced. The ranks then train different models and
 nothing fails.
 
-``ReplicaDigest.take`` runs at the start of the training forwards of a schedule every rank shares (it
-depends on the step number only): steps 0, 1, 2, 4, ... 64, then every 64th. It ships a ``replica_digest``
+``ReplicaDigest.take`` runs at the start of every training forward and digests the first one after 0, 1, 2,
+4, ... 64, then every 64th synchronised backward (gradient all-reduce round): a count every rank shares,
+where step numbers can drift apart (a rank that runs an extra forward with autograd on, or accumulates under
+``no_sync()``, numbers its steps differently but syncs in lockstep). It ships a ``replica_digest``
 record with the 2-norm of each parameter DDP all-reduces, in the layout's ``parameter_order``: one
 ``torch._foreach_norm`` (0.2 ms for the 1 M-parameter benchmark MLP, 4 ms for the 11 M transformer, about
-0.05 % of the step time spread over 64 steps). The collector compares the ranks' digests step by step
+0.05 % of the step time spread over 64 steps). The collector compares the ranks' digests sync by sync
 (``analysis/replica_divergence.py``); a digest costs no collective, so a rank that skips a check cannot make
 its peers wait.
 
@@ -38,7 +40,7 @@ from ddpscope.ddp.drift import shown, warn_unsynced
 logger = logging.getLogger(__name__)
 
 EVERY = 64
-"""Steps between digests once past the first ``EVERY`` steps (checked at every power of two before)."""
+"""Synchronised backwards between digests once past the first ``EVERY`` (every power of two before)."""
 MAX_ENTRIES = 512
 """Norms in one record, at most: a model with more parameters sends norms of runs of parameters."""
 NAN_NORM = -1.0
@@ -50,10 +52,11 @@ _MODELS = itertools.count()
 a collective call), so the n-th model of each rank is the same model."""
 
 
-def digest_due(step: int) -> bool:
-    """True at steps 0, 1, 2, 4, 8, ... ``EVERY`` and every multiple of ``EVERY``: the same steps on
-    every rank, dense at the start (where a load after wrapping or a first update goes wrong), then cheap."""
-    return step % EVERY == 0 or step & (step - 1) == 0
+def digest_due(syncs: int) -> bool:
+    """True at 0, 1, 2, 4, 8, ... ``EVERY`` and every multiple of ``EVERY`` synchronised backwards: the same
+    moments on every rank, dense at the start (where a load after wrapping or a first update goes wrong), then
+    cheap."""
+    return syncs % EVERY == 0 or syncs & (syncs - 1) == 0
 
 
 def wire_norm(value: float) -> float:
@@ -63,7 +66,7 @@ def wire_norm(value: float) -> float:
 
 
 class ReplicaDigest:
-    """The digests of one wrapped model on one rank; ``take(step)`` at the start of a training forward."""
+    """The digests of one wrapped model on one rank; ``take`` at the start of every training forward."""
 
     def __init__(
         self,
@@ -82,19 +85,23 @@ class ReplicaDigest:
         self._known = {id(p) for p in module.parameters()}
         self._ignored = set(ignored)
         self._told_added = False
+        self._last: int | None = None
+        """The sync count of the last digest: one per count, at its first training forward."""
         self.off = False
-        """No more digests: one failed (an exotic tensor type), or this rank's step numbers stopped matching
+        """No more digests: one failed (an exotic tensor type), or this rank's sync count stopped matching
         its peers' (``stop``)."""
 
-    def take(self, step: int) -> None:
-        """Ship this step's digest if it is due. Never raises."""
-        if self.off or not digest_due(step):
+    def take(self, step: int, syncs: int) -> None:
+        """Ship a digest if one is due after ``syncs`` synchronised backwards. Never raises."""
+        if self.off or syncs == self._last or not digest_due(syncs):
             return
+        self._last = syncs
         try:
             emit(
                 {
                     "kind": "replica_digest",
                     "step": step,
+                    "syncs": syncs,
                     "model": self.model,
                     "parameters": len(self.params),
                     "group": self.group,
@@ -110,8 +117,8 @@ class ReplicaDigest:
             )
 
     def stop(self) -> None:
-        """This rank shadowed its peers' steps under ``Join`` (it ran out of data): it does not count those
-        steps, so its later step numbers name other moments than theirs, and its digests would differ."""
+        """This rank shadowed its peers' steps under ``Join`` (it ran out of data): it does not count their
+        all-reduce rounds as its own syncs, so its later counts name other moments than theirs."""
         self.off = True
 
     def norms(self) -> list[float]:

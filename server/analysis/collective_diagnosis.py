@@ -306,9 +306,11 @@ def sync_schedule_incidents(colls: CollectiveIndex, blame: dict[int, str]) -> li
 
     Seen in the engine's own collectives, which carry the step that issued them: between two of them,
     each rank's step moves on by as many steps as it ran in between. A constant offset between ranks
-    (one rank counted an extra forward once) is harmless and not flagged; a change of offset is, except
-    across torch's ``Join``: a rank out of data shadows its peers' steps without counting them, so after an
-    uneven epoch it numbers its steps behind theirs, by design."""
+    (one rank counted an extra forward once) is harmless and not flagged; a change of offset is, when the
+    ranks' usual intervals between syncs differ too (a one-off change with one interval everywhere is an
+    extra forward on some rank, such as an evaluation with autograd on), and except across torch's ``Join``:
+    a rank out of data shadows its peers' steps without counting them, so after an uneven epoch it numbers
+    its steps behind theirs, by design."""
     out = []
     for pg, ranks in sorted(colls.by_pg.items()):
         shadowed = sorted({s for q in ranks.values() for s, c in q.items() if c.get("source") == "join"})
@@ -329,6 +331,10 @@ def sync_schedule_incidents(colls: CollectiveIndex, blame: dict[int, str]) -> li
             groups: dict[int | None, list[int]] = {}
             for r in sorted(every):
                 groups.setdefault(every[r], []).append(r)
+            if len(groups) < 2:
+                # Every rank syncs at one interval, and the offset moved once: a rank ran a forward
+                # without a backward (an evaluation with autograd on), not another accumulation.
+                break
             ref = max(groups.values(), key=lambda g: (len(g), -g[0]))
             culprits = sorted(r for r in engine if r not in ref)
             steps_at = ", ".join(f"rank {r} of its step {engine[r][seq]}" for r in sorted(engine))

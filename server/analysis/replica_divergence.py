@@ -31,20 +31,25 @@ MAX_NAMED = 200
 
 
 def replica_incidents(snapshot: JobSnapshot) -> list[Incident]:
+    """Ranks are compared at equal sync counts (gradient all-reduce rounds done), which every rank shares;
+    messages name the step the lowest of them took the digest at (step numbers can differ per rank)."""
     by_model: dict[int, dict[int, dict[int, Record]]] = {}
-    for d in snapshot.digests:  # oldest first: a rank's later digest of one step wins
-        by_model.setdefault(int(d["model"]), {}).setdefault(int(d["step"]), {})[int(d["rank"])] = d
+    for d in snapshot.digests:  # oldest first: a rank's later digest of one sync count wins
+        by_model.setdefault(int(d["model"]), {}).setdefault(int(d["syncs"]), {})[int(d["rank"])] = d
     names = _Names(snapshot)
     out: list[Incident] = []
-    for _, steps in sorted(by_model.items()):
-        ordered = [(step, _comparable(steps[step])) for step in sorted(steps)]
+    for _, moments in sorted(by_model.items()):
+        ordered = []
+        for syncs in sorted(moments):
+            digests = _comparable(moments[syncs])
+            ordered.append((int(digests[min(digests)]["step"]), digests))
         out += _diverged(ordered, names)
         out += _nonfinite(ordered, names)
     return out
 
 
 def _comparable(digests: Mapping[int, Record]) -> dict[int, Record]:
-    """The digests of one step that cover the same parameters the same way (the shape most ranks sent)."""
+    """The digests of one moment that cover the same parameters the same way (the shape most ranks sent)."""
     shape = Counter(_shape(d) for d in digests.values()).most_common(1)[0][0]
     return {r: d for r, d in digests.items() if _shape(d) == shape}
 

@@ -822,6 +822,20 @@ def test_a_constant_step_offset_between_ranks_is_not_a_sync_mismatch() -> None:
     assert kinds(diagnose(job.snapshot(), t + 0.1)) == []
 
 
+def test_an_extra_forward_on_one_rank_mid_training_is_not_a_sync_mismatch() -> None:
+    # Rank 0 ran one forward with autograd on and no backward after its third sync: the offset between
+    # the ranks' steps moves once, but both still sync every 2 steps.
+    job = started(2)
+    t = T0 + 1
+    for k in range(8):
+        for r in (0, 1):
+            step = 2 * k + 1 + (1 if r == 0 and k >= 3 else 0)
+            job.coll(r, t, k + 1, shapes=[[1024]], site="ddp/reducer.py:88", step=step, source="engine")
+            job.step(r, t, step, seqs=[k + 1])
+        t += 0.1
+    assert kinds(diagnose(job.snapshot(), t + 0.1)) == []
+
+
 def test_healthy_training_has_no_sync_mismatch() -> None:
     job = started(4)
     end = _accumulate(job, {0: 4, 1: 4, 2: 4, 3: 4}, syncs=5)

@@ -94,6 +94,8 @@ def rank_main(scenario: str, steps: int) -> None:  # pragma: no cover - runs in 
         optimizer.zero_grad(set_to_none=True)
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
+        if scenario == "eval_grad" and rank == 0 and step == 1:
+            model(x)  # an evaluation on rank 0 only that forgot no_grad: its step numbers run one ahead
     dist.barrier()
     dist.destroy_process_group()
 
@@ -122,6 +124,7 @@ SCENARIOS = (
     "unused",
     "early_exit",
     "diverged",
+    "eval_grad",
 )
 WAIT_S = 90.0
 """Deadline for one diagnosis to show up; all the jobs run at once on a 2-core machine."""
@@ -238,6 +241,15 @@ def test_a_healthy_real_job_gets_no_incident_and_finishes(jobs: dict[str, Job]) 
     assert j.wait_exit() == [0, 0], j.logs()
     j.wait_for("finished", lambda _: j.status() == "finished")
     assert j.incidents() == []
+
+
+def test_an_extra_forward_on_one_rank_shifts_its_step_numbers_but_raises_nothing(
+    jobs: dict[str, Job],
+) -> None:
+    j = jobs["eval_grad"]
+    assert j.wait_exit() == [0, 0], j.logs()
+    j.wait_for("finished", lambda _: j.status() == "finished")
+    assert j.incidents() == []  # the replica digests are compared at equal sync counts, not step numbers
 
 
 def test_a_sigstopped_rank_is_named_as_the_silent_culprit_of_the_hang(jobs: dict[str, Job]) -> None:

@@ -225,12 +225,12 @@ def test_replicas_diverged_is_1_while_the_ranks_copies_differ_and_0_once_they_ag
     norms = {0: [1.5, 0.25], 1: [1.5, 0.75]}
     for seq, step in enumerate((0, 4)):
         for r in (0, 1):
-            records.append(extra("drift", r, "replica_digest", t_ns + seq, seq, step=step, model=0, parameters=2,
+            records.append(extra("drift", r, "replica_digest", t_ns + seq, seq, step=step, syncs=step, model=0, parameters=2,
                                  group=1, norms=norms[0] if step == 0 else norms[r]))  # fmt: skip
     feed(client, records)
     assert value(scrape(client, last_s(records) + 1), "ddpscope_replicas_diverged", "drift") == 1.0
     # The ranks loaded one checkpoint again: equal at step 8, nothing to page for any more.
-    feed(client, [extra("drift", r, "replica_digest", t_ns + 5, 5, step=8, model=0, parameters=2, group=1,
+    feed(client, [extra("drift", r, "replica_digest", t_ns + 5, 5, step=8, syncs=8, model=0, parameters=2, group=1,
                         norms=norms[0]) for r in (0, 1)])  # fmt: skip
     assert value(scrape(client, last_s(records) + 1), "ddpscope_replicas_diverged", "drift") == 0.0
 

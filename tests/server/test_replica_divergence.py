@@ -18,9 +18,10 @@ def with_order(job: JobRecords, order: list[str] = ORDER) -> None:
 
 
 def digest(job: JobRecords, rank: int, step: int, norms: list[float], *, model: int = 0, group: int = 1,
-           parameters: int = 3) -> None:  # fmt: skip
-    job.add("replica_digest", rank, T0 + 1 + step / 10, step=step, model=model, parameters=parameters,
-            group=group, norms=norms)  # fmt: skip
+           parameters: int = 3, syncs: int | None = None) -> None:  # fmt: skip
+    """One forward per synced step unless ``syncs`` says otherwise."""
+    job.add("replica_digest", rank, T0 + 1 + step / 10, step=step, syncs=step if syncs is None else syncs,
+            model=model, parameters=parameters, group=group, norms=norms)  # fmt: skip
 
 
 def digests(job: JobRecords, steps: dict[int, dict[int, list[float]]]) -> None:
@@ -85,6 +86,21 @@ def test_copies_that_agree_again_are_healthy_now() -> None:
         job, {0: {0: HEALTHY, 1: HEALTHY}, 4: {0: HEALTHY, 1: [1.0, 1.0, 1.0]}, 8: {0: HEALTHY, 1: HEALTHY}}
     )
     assert diagnose(job.snapshot(), T0 + 10) == []
+
+
+def test_ranks_are_compared_at_equal_sync_counts_whatever_their_step_numbers() -> None:
+    # Rank 0 ran an extra forward with autograd on (an evaluation without no_grad) after its step 1: from
+    # then on its step numbers are one ahead of rank 1's, but the syncs happen in lockstep.
+    job = started(2)
+    after = [12.0, 3.0, 0.5]
+    for syncs, norms in ((0, HEALTHY), (1, HEALTHY), (2, after), (4, after)):
+        digest(job, 0, syncs + (1 if syncs >= 2 else 0), norms, syncs=syncs)
+        digest(job, 1, syncs, norms, syncs=syncs)
+    assert diagnose(job.snapshot(), T0 + 10) == []
+    digest(job, 0, 9, [1.0, 1.0, 1.0], syncs=8)
+    digest(job, 1, 8, after, syncs=8)
+    d = only(diagnose(job.snapshot(), T0 + 10), "replicas_diverged")
+    assert d.step == 9 and "identical at step 5" in d.message  # rank 0's step numbers, the lowest rank
 
 
 def test_a_step_only_one_rank_reported_is_not_compared() -> None:

@@ -40,7 +40,7 @@ def test_records_come_back_wire_shaped_exactly_as_they_were_sent(storage):
     )  # fmt: skip
     records.append(
         {**{k: rank1[0][k] for k in ("job", "rank", "stream")}, "kind": "replica_digest", "seq": rank1[-1]["seq"] + 2,
-         "time_ns": records[-1]["time_ns"], "step": 2, "model": 0, "parameters": 2, "group": 1,
+         "time_ns": records[-1]["time_ns"], "step": 2, "syncs": 2, "model": 0, "parameters": 2, "group": 1,
          "norms": [0.125, -1.0]}
     )  # fmt: skip
     storage.write_batch(decoded(records))
