@@ -22,13 +22,14 @@ from pathlib import Path
 from ddpscope.cli.client import Client, CollectorError
 from ddpscope.cli.report import safe
 
-SCENARIOS = ("healthy", "straggler", "unused", "mismatch", "crash", "hang")
+SCENARIOS = ("healthy", "straggler", "unused", "mismatch", "diverged", "crash", "hang")
 
 DESCRIPTIONS = {
     "healthy": "a healthy job: no incident expected",
     "straggler": "the last rank computes 50% slower from step 6",
     "unused": "the last rank stops using a layer at step 6 (find_unused_parameters=False)",
     "mismatch": "the last rank issues two same-shape all-reduces in the opposite order",
+    "diverged": "the last rank loads a checkpoint after wrapping at step 6 (if rank == ...: load_state_dict)",
     "crash": "the last rank is SIGKILLed at step 6",
     "hang": "the last rank stops before forward at step 6 (a stuck data loader)",
 }

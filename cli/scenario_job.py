@@ -68,6 +68,10 @@ def main() -> None:
             elif scenario == "unused":
                 # This rank stops using a branch; the engine names the parameters (no silent wrong grads).
                 model.use_aux = False
+            elif scenario == "diverged":
+                # Nothing fails: DDP broadcast the state at construction only, so the ranks now train
+                # different models (the checkpoint is made up here: the current state, nudged).
+                model.load_state_dict({k: v + 0.01 for k, v in model.state_dict().items()})
             elif scenario == "crash":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif scenario == "hang":

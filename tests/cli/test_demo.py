@@ -1,0 +1,33 @@
+"""``ddpscope demo`` runs its real jobs and prints what the collector found (here one scenario, 2 ranks)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.collector_proc import CollectorProc
+from tests.support.procs import kill_group
+
+DEMO_DEADLINE_S = 150.0
+
+
+@pytest.mark.slow
+def test_the_demo_of_a_checkpoint_loaded_on_one_rank_prints_the_diverged_replicas(tmp_path: Path) -> None:
+    with CollectorProc(f"sqlite:///{tmp_path}/demo.db") as collector:
+        collector.start()
+        cmd = [str(Path(sys.executable).with_name("ddpscope")), "demo", "--url", collector.url, "--scenario", "diverged",
+               "--ranks", "2", "--steps", "12", "--exit"]  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        try:
+            out, _ = proc.communicate(timeout=DEMO_DEADLINE_S)
+        finally:
+            kill_group(proc)
+    assert proc.returncode == 0, out
+    assert "status: finished" in out, out  # nothing fails: the ranks just train different models
+    assert "[replicas_diverged] The ranks' copies of the model differ at step 8" in out, out
+    assert "they were identical at step 4" in out and "ranks 0, 1 each hold a different copy" in out, out
