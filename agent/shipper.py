@@ -43,6 +43,7 @@ from ddpscope.agent import ring, spool
 from ddpscope.agent.config import DDPSCOPE_NOTICE_AFTER_S
 from ddpscope.agent.transport import (
     Backoff,
+    OlderCollector,
     Outcome,
     Poster,
     batch_body,
@@ -110,6 +111,7 @@ class Shipper:
         self.reader = spool.SpoolReader(self.dir, prefix)
         self.ingest_url = settings["ingest_url"]
         self.poster = Poster(self.ingest_url, os.environ.get("DDPSCOPE_TOKEN"), settings["http_timeout_s"])
+        self.older = OlderCollector(self.ingest_url)
         self.backoff = Backoff(cap_s=settings["retry_max_backoff_s"])
         self.notices = Notices(self, _env_seconds(DDPSCOPE_NOTICE_AFTER_S, NOTICE_AFTER_S))
         self.dropped: Counter[str] = Counter()
@@ -213,6 +215,7 @@ class Shipper:
         self.backlog = sum(len(p) for p in chunk.payloads) >= MAX_POST_BYTES // 2
         records = [record for payload in chunk.payloads for record in spool.decode_batch(payload)]
         self.remember(records)
+        records = self.older.keep(records, self.dropped)
         # The whole chunk in one encoder call (``encode_records``): per record, this transcoding
         # is most of the shipper's CPU.
         items, shipped = encode_records(records)
@@ -221,7 +224,7 @@ class Shipper:
             for record in records:
                 if id(record) not in kept:
                     self.dropped[f"unserializable:{record.get('kind')}"] += 1
-        extra = list(self.extra)
+        extra = self.older.keep(list(self.extra), self.dropped)
         stats = self.stats_record() if dict(self.dropped) != self.stats_sent else None
         if stats is not None:
             extra.append(stats)
@@ -240,6 +243,8 @@ class Shipper:
             )
             self.notices.failed(outcome)
             return "failed", delay
+        if not outcome.ok and self.older.learn(outcome):
+            return "failed", 0.0  # the same chunk again at once, without the kind the collector does not know
         if not outcome.ok:
             logger.error(
                 "ddpscope shipper: collector refused a batch (%s): %s", outcome.status, outcome.detail

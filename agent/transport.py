@@ -3,7 +3,9 @@
 A batch on the wire is ``{"schema": SCHEMA_VERSION, "records": [...]}``, gzip-compressed, POSTed to
 ``<url>/api/v1/ingest``. 2xx means committed. 429/503 (with ``Retry-After``), 408, other 5xx and
 network errors are retried with capped, jittered exponential backoff; any other 4xx is permanent:
-the batch is set aside in a rejected file and counted, never retried forever.
+the batch is set aside in a rejected file and counted, never retried forever. One refusal is not: a
+collector older than this agent refuses a batch holding a record kind it does not know (422 naming the
+value at ``.kind``); ``OlderCollector`` then leaves that kind out of every batch and the rest is sent again.
 
 Standard library only: the shipper process imports this module.
 """
@@ -17,6 +19,7 @@ import json
 import logging
 import os
 import random
+import re
 import socket
 import threading
 import time
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpscope.agent.exporters import ExportResult
-from ddpscope.agent.records import SCHEMA_VERSION, packed_step_record
+from ddpscope.agent.records import RECORD_KINDS, SCHEMA_VERSION, packed_step_record
 from ddpscope.agent.spool import plain
 
 logger = logging.getLogger(__name__)
@@ -94,6 +97,50 @@ class Outcome:
     status: int | None
     retry_after_s: float | None
     detail: str
+
+
+_UNKNOWN_KIND = re.compile(r"Invalid value '([a-z_]{1,64})' - at `[^`]*\.kind`")
+"""How the collector's decoder (msgspec) refuses a record whose kind it has no type for."""
+
+
+class OlderCollector:
+    """The record kinds the collector turned down as unknown: it is older than this agent (a kind was
+    added since), and without this every batch holding one such record, step records and all, would be
+    refused for good. Those kinds are left out of every later batch, counted as dropped
+    (``unsupported:<kind>``), and said once in the log."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.kinds: set[str] = set()
+
+    def learn(self, outcome: Outcome) -> bool:
+        """True when ``outcome`` refused a kind of this agent's wire format not known before: send again."""
+        match = _UNKNOWN_KIND.search(outcome.detail) if outcome.status == 422 else None
+        kind = match.group(1) if match else None
+        if kind is None or kind not in RECORD_KINDS or kind in self.kinds:
+            return False  # a real refusal: bad input, not an older collector
+        self.kinds.add(kind)
+        logger.error(
+            "ddpscope: the collector at %s does not know the record kind %r: it is older than this agent. "
+            "Records of that kind are left out from now on, the rest is delivered; upgrade the collector to "
+            "get them too.",
+            self.url,
+            kind,
+        )
+        return True
+
+    def keep(self, records: list[dict[str, Any]], dropped: collections.Counter[str]) -> list[dict[str, Any]]:
+        """``records`` without the kinds the collector does not know (counted in ``dropped``)."""
+        if not self.kinds:
+            return records
+        kept = []
+        for record in records:
+            kind = record.get("kind")
+            if kind in self.kinds:
+                dropped[f"unsupported:{kind}"] += 1
+            else:
+                kept.append(record)
+        return kept
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -311,6 +358,7 @@ class HttpExporter:
         rejected_path: str | None = None,
     ) -> None:
         self._poster = Poster(ingest_url, token, timeout_s)
+        self._older = OlderCollector(ingest_url)
         self._retry_max_backoff_s = retry_max_backoff_s
         self._export_timeout_s = export_timeout_s
         self._rejected_path = rejected_path
@@ -318,10 +366,12 @@ class HttpExporter:
         self._lock = threading.Lock()
         self.dropped: collections.Counter[str] = collections.Counter()
         """'reason:kind' -> records this exporter did not deliver (merged into agent_stats): reasons
-        'unserializable', 'rejected' (4xx), 'export_failed' (retries exhausted)."""
+        'unserializable', 'rejected' (4xx), 'export_failed' (retries exhausted), 'unsupported' (a kind the
+        collector does not know)."""
         self.rejected_batches = 0
 
     def export(self, batch: list[dict[str, Any]]) -> ExportResult:
+        batch = self._older.keep(batch, self.dropped)
         encoded = []
         for record in batch:
             try:
@@ -333,11 +383,15 @@ class HttpExporter:
         body = batch_body(encoded)
         backoff = Backoff(cap_s=self._retry_max_backoff_s)
         deadline = time.monotonic() + self._export_timeout_s
+        older = False
         with self._lock:
             while not self._closed.is_set():
                 outcome = self._poster.post(body)
                 if outcome.ok:
                     return ExportResult.SUCCESS
+                older = not outcome.retry and self._older.learn(outcome)
+                if older:
+                    break
                 if not outcome.retry:
                     self.rejected_batches += 1
                     logger.error(
@@ -353,6 +407,8 @@ class HttpExporter:
                 logger.debug("ddpscope: ingest failed (%s), retrying in %.2fs", outcome.detail, delay)
                 # The sleep is the shutdown event: shutdown() cuts it short (OTel OTLP exporter).
                 self._closed.wait(delay)
+        if older:  # once per kind: the same batch again, without the kind the collector does not know
+            return self.export(batch)
         self._count(batch, "export_failed")
         return ExportResult.RETRY
 

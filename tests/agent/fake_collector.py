@@ -3,7 +3,7 @@
 It speaks the real ingest contract (``POST /api/v1/ingest``, gzip JSON ``{"schema", "records"}``
 validated with ``records.validate_batch``, bearer token when set) and stores records deduplicated by
 their idempotency key, counting the duplicates it ignored. ``script(...)`` queues behaviours for
-the next requests, one each: ``"ok"``, an HTTP status (``500``, ``400``), ``("429", seconds)`` with
+the next requests, one each (``unknown_kinds`` plays a collector older than the agent): ``"ok"``, an HTTP status (``500``, ``400``), ``("429", seconds)`` with
 ``Retry-After``, ``"reset"`` (TCP reset before answering), ``"hang"`` (never answers, until stop)
 or ``"commit-then-500"`` (stores the batch, then claims failure: the client must resend and the
 duplicate must be ignored). Reusable by any test::
@@ -88,7 +88,15 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             raw = gzip.decompress(body) if self.headers.get("Content-Encoding") == "gzip" else body
-            records = validate_batch(json.loads(raw))
+            batch = json.loads(raw)
+            for i, record in enumerate(batch.get("records") or []):
+                if isinstance(record, dict) and record.get("kind") in c.unknown_kinds:
+                    # What an older ddpscope collector's decoder answers for a kind added since.
+                    detail = f"Invalid value '{record['kind']}' - at `batch.records[{i}].kind`"
+                    c.unknown_refusals += 1
+                    self._answer(422, json.dumps({"detail": detail}).encode())
+                    return
+            records = validate_batch(batch)
         except (OSError, ValueError, RecordError) as exc:
             c.bad_batches.append(str(exc))
             self._answer(400, json.dumps({"detail": str(exc)}).encode())
@@ -120,6 +128,9 @@ class FakeCollector:
         self.requests: list[Behaviour] = []
         self.request_times: list[float] = []
         self.bad_batches: list[str] = []
+        self.unknown_kinds: set[str] = set()
+        self.unknown_refusals = 0
+        """Kinds refused as a collector older than the agent refuses them (422 naming the ``.kind``)."""
         self._script: collections.deque[Behaviour] = collections.deque()
         self._lock = threading.Lock()
         self._stopped = threading.Event()

@@ -98,6 +98,37 @@ def test_a_refused_batch_is_set_aside_and_counted_and_never_retried(pipeline, co
     )
 
 
+@pytest.mark.parametrize("pipeline", ["spool", "http"])
+def test_a_collector_older_than_the_agent_gets_every_record_but_the_kinds_it_does_not_know(
+    pipeline, collector, spool_dir
+) -> None:
+    collector.unknown_kinds = {"replica_digest"}
+    a = configure(pipeline, collector, spool_dir)
+    for i in range(6):
+        agent.emit(heartbeat(i))
+        if i % 2 == 0:
+            agent.emit({"kind": "replica_digest", "step": i, "syncs": i, "model": 0, "parameters": 1, "group": 1,
+                        "norms": [1.5]})  # fmt: skip
+        if i == 2:
+            assert a.force_flush(10.0)
+    assert a.force_flush(10.0)
+    assert sorted(r["step"] for r in collector.of_kind("heartbeat")) == list(range(6))
+    assert collector.of_kind("replica_digest") == []
+    assert collector.dropped_total() == 3  # the three digests, counted in the agent's stats
+    assert collector.unknown_refusals == 1  # learnt once, then left out of every batch
+
+
+def test_a_refusal_of_a_kind_this_agent_does_not_have_is_a_real_refusal() -> None:
+    from ddpscope.agent.transport import OlderCollector, Outcome
+
+    older = OlderCollector("http://collector")
+    bogus = Outcome(False, False, 422, None, "Invalid value 'bogus' - at `batch.records[0].kind`")
+    assert not older.learn(bogus) and not older.kinds
+    digest = Outcome(False, False, 422, None, "Invalid value 'replica_digest' - at `batch.records[7].kind`")
+    assert older.learn(digest) and older.kinds == {"replica_digest"}
+    assert not older.learn(digest)  # already left out: refused again means something else
+
+
 def test_the_token_is_sent_as_a_bearer_header(spool_dir) -> None:
     with FakeCollector(token="s3cret") as collector:
         a = configure("spool", collector, spool_dir, token="s3cret")
