@@ -36,6 +36,7 @@ from typing import Any
 
 from sqlalchemy import and_, func, or_, select, true
 
+from ddpscope.agent.records import RECORD_KINDS
 from ddpscope.server import schema
 from ddpscope.server.analysis.snapshot import (
     COLLECTIVE_WINDOW,
@@ -52,21 +53,8 @@ from ddpscope.server.writer import BatchWriter, WriteResult, bump
 
 logger = logging.getLogger(__name__)
 
-ALL_KINDS = (
-    "rank_start",
-    "layout",
-    "step",
-    "collective",
-    "collective_end",
-    "heartbeat",
-    "hang",
-    "hang_resolved",
-    "rank_error",
-    "rank_exit",
-    "warning",
-    "replica_digest",
-    "agent_stats",
-)
+ALL_KINDS = tuple(RECORD_KINDS)
+"""Every kind of the wire format is stored (the events table takes the rare ones, ``schema.EVENT_KINDS``)."""
 
 # Every step column but job_id, in the order of a step row tuple (rows.STEP_COLUMNS).
 _STEP_COLS = [schema.steps.c[name] for name in STEP_COLUMNS if name != "job_id"]
