@@ -2,11 +2,11 @@
 
 Two incidents come from them:
 
-- ``replicas_diverged``: at some step the ranks' parameter norms differ, so they no longer train one model.
-  Named: the first step the digests differ, the last one before it where they agreed, the parameters that
-  differ there, and the odd ranks when a majority agrees (with two ranks, or a tie, nobody is singled out).
-  Looked for only when the newest step every rank reported still differs: replicas that agree again (the
-  state broadcast at the end of torch's ``Join``, a checkpoint reloaded on every rank) are healthy now.
+- ``replicas_diverged``: the ranks' parameter norms differ, so they no longer train one model. Ranks are
+  compared at equal sync counts. Named: the first step the digests differ, the last one before it where they
+  agreed, the parameters that differ there, and the odd ranks when a majority agrees (with two ranks, or a
+  tie, nobody is singled out). Looked for only when the newest comparison still differs: replicas that agree
+  again (the state broadcast at the end of torch's ``Join``, a checkpoint reloaded on every rank) are healthy.
 - ``nonfinite_parameters``: a parameter's norm became NaN or infinite. DDP's all-reduce spreads one rank's
   NaN gradient to every rank, so this names the parameters and the steps between which it happened.
 
@@ -166,12 +166,10 @@ def _diverged_incident(
     newest_step, newest_digests = newest
     spread = ""
     if newest_step != step:
-        now = sum(
-            1
-            for e in range(width)
-            if len(_clusters({r: float(d["norms"][e]) for r, d in newest_digests.items()})) > 1
-        )
-        spread = f" At step {newest_step}, {now} of {width} {'norms' if first['group'] > 1 else 'parameters'} differ."
+        columns = list(zip(*(d["norms"] for d in newest_digests.values()), strict=True))
+        now = sum(1 for column in columns if len(_clusters(dict(enumerate(map(float, column))))) > 1)
+        unit = "norms" if first["group"] > 1 else "parameters"
+        spread = f" At step {newest_step}, {now} of {len(columns)} {unit} differ."
     message = (
         f"The ranks' copies of the model differ {when}: {len(params)} parameter(s) ({shown}); {who}.{spread} DDP "
         "keeps the copies identical only while every rank applies the same update to the same averaged "
