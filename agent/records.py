@@ -255,8 +255,8 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("parameters", STRS, required=False, doc="the parameters concerned, by name"),
         Field("call_site", STR, nullable=True, required=False, doc="file:line of the user's call at fault"),
     ),
-    # A fingerprint of the rank's copy of the model (ddp/replicas.py), at the start of the training forwards
-    # of a schedule every rank shares; the collector compares the ranks' digests of one step.
+    # A fingerprint of the rank's copy of the model (ddp/replicas.py), at the start of a training forward
+    # on a schedule of sync counts every rank shares; the collector compares the ranks' digests of one count.
     "replica_digest": (
         Field("step", INT, doc="the training forward it was taken at, before the forward ran"),
         Field(

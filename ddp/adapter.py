@@ -731,8 +731,8 @@ class Instrumentation:
         ddp._distributed_broadcast_coalesced = timed  # type: ignore[method-assign]
 
     def _watch_join(self, ddp: DistributedDataParallel) -> None:
-        """Under torch's ``Join``, a rank out of data shadows its peers' steps without counting them, so its
-        later step numbers name other moments than theirs: its replica digests stop at the first shadowed
+        """Under torch's ``Join``, a rank out of data shadows its peers' steps without counting their syncs, so
+        its later sync counts name other moments than theirs: its replica digests stop at the first shadowed
         step. An instance attribute over torch's ``join_hook``, which ``remove_hooks`` deletes again."""
         original = ddp.join_hook
         stop = self._replicas.stop

@@ -102,7 +102,7 @@ class EngineJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         ddp = self.ddp
-        ddp._replicas.stop()  # its step numbers now fall behind its peers'
+        ddp._replicas.stop()  # its sync count now falls behind its peers'
         reducer = ddp._reducer
         if reducer.wants_rebuild():
             ddp._rebuild_buckets()

@@ -12,8 +12,8 @@ nothing fails.
 where step numbers can drift apart (a rank that runs an extra forward with autograd on, or accumulates under
 ``no_sync()``, numbers its steps differently but syncs in lockstep). It ships a ``replica_digest``
 record with the 2-norm of each parameter DDP all-reduces, in the layout's ``parameter_order``: one
-``torch._foreach_norm`` (0.2 ms for the 1 M-parameter benchmark MLP, 4 ms for the 11 M transformer, about
-0.05 % of the step time spread over 64 steps). The collector compares the ranks' digests sync by sync
+``torch._foreach_norm`` (0.16 ms for the 1 M-parameter benchmark MLP, 2.8 ms for the 11 M transformer: 0.05 %
+and 0.01 % of a step once spread over 64 syncs; ``bench/replicas.py``). The collector compares the ranks' digests sync by sync
 (``analysis/replica_divergence.py``); a digest costs no collective, so a rank that skips a check cannot make
 its peers wait.
 
