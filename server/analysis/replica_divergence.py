@@ -87,6 +87,11 @@ def _clusters(values: Mapping[int, float]) -> list[list[int]]:
     return sorted((ranks for _, ranks in groups), key=lambda g: (-len(g), g))
 
 
+def _shown(names: Sequence[str]) -> str:
+    """``'a', 'b', 'c' and 4 more``."""
+    return ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 class _Names:
     """Parameter names of a digest's entries: the rank's newest ``parameter_order`` (layout record) of as
     many parameters as the digest covers, else ``parameter #i``."""
@@ -141,9 +146,7 @@ def _diverged_incident(
             odd.update(r for c in clusters[1:] for r in c)
     first = digests[ranks[0]]
     params = names.of(first, entries)
-    shown = ", ".join(repr(p) for p in params[:3]) + (
-        f" and {len(params) - 3} more" if len(params) > 3 else ""
-    )
+    shown = _shown(params)
     if odd:
         majority = [r for r in ranks if r not in odd]
         who = f"{ranks_phrase(odd)} {'holds' if len(odd) == 1 else 'hold'} a different copy from {ranks_phrase(majority)}"
@@ -206,9 +209,7 @@ def _nonfinite(ordered: list[tuple[int, dict[int, Record]]], names: _Names) -> l
         ranks = sorted({r for rs in bad.values() for r in rs})
         everyone = len(ranks) == len(digests)
         params = names.of(digests[ranks[0]], sorted(bad))
-        shown = ", ".join(repr(p) for p in params[:3]) + (
-            f" and {len(params) - 3} more" if len(params) > 3 else ""
-        )
+        shown = _shown(params)
         since = f"between steps {last_finite} and {step}" if last_finite is not None else f"by step {step}"
         where = "on every rank: DDP's all-reduce spreads one rank's non-finite gradient to all of them, so " \
             "the origin can be any rank" if everyone else f"on {ranks_phrase(ranks)} only"  # fmt: skip
