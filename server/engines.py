@@ -16,6 +16,8 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
+from ddpscope.server.wal_checkpoint import LOG_SIZE_LIMIT_BYTES, WRITER_CHECKPOINT_PAGES, WalCheckpointer
+
 BUSY_TIMEOUT_MS = 10_000
 
 
@@ -24,14 +26,23 @@ class Engines:
     writer: Engine
     reader: Engine
     dialect: str
+    checkpointer: WalCheckpointer | None = None
+    """SQLite only: checkpoints the write-ahead log off the writer's commits."""
+
+    def committed(self) -> None:
+        """Call after a write transaction commits."""
+        if self.checkpointer is not None:
+            self.checkpointer.written()
 
     def dispose(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         self.writer.dispose()
         if self.reader is not self.writer:
             self.reader.dispose()
 
 
-def _sqlite_engine(url: str, *, pool_size: int, begin: str) -> Engine:
+def _sqlite_engine(url: str, *, pool_size: int, begin: str, pragmas: tuple[str, ...] = ()) -> Engine:
     engine = create_engine(
         url,
         pool_size=pool_size,
@@ -50,6 +61,8 @@ def _sqlite_engine(url: str, *, pool_size: int, begin: str) -> Engine:
         cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         # Step rows are ~2 kB each: a 64 MB page cache keeps recent steps (what views read) in memory.
         cur.execute("PRAGMA cache_size=-65536")
+        for pragma in pragmas:
+            cur.execute(f"PRAGMA {pragma}")
         cur.close()
 
     @event.listens_for(engine, "begin")
@@ -65,9 +78,18 @@ def make_engines(url: str, *, pool_size: int = 8) -> Engines:
     if parsed.get_backend_name() == "sqlite":
         if not parsed.database or parsed.database == ":memory:":
             raise ValueError("--db: an in-memory SQLite database cannot be shared; give a file path")
-        writer = _sqlite_engine(url, pool_size=1, begin="BEGIN IMMEDIATE")
+        writer = _sqlite_engine(
+            url,
+            pool_size=1,
+            begin="BEGIN IMMEDIATE",
+            pragmas=(
+                f"wal_autocheckpoint={WRITER_CHECKPOINT_PAGES}",
+                f"journal_size_limit={LOG_SIZE_LIMIT_BYTES}",
+            ),
+        )
         reader = _sqlite_engine(url, pool_size=pool_size, begin="BEGIN")
-        return Engines(writer, reader, "sqlite")
+        checkpointer = WalCheckpointer(parsed.database, busy_timeout_s=BUSY_TIMEOUT_MS / 1000)
+        return Engines(writer, reader, "sqlite", checkpointer)
     if parsed.get_backend_name() == "postgresql":
         engine = create_engine(url, pool_size=pool_size, max_overflow=4, pool_pre_ping=True)
         return Engines(engine, engine, "postgresql")

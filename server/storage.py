@@ -113,10 +113,11 @@ class Storage:
                 result = self._writer.write(conn, records, time.time_ns())
                 for name, n in sorted(deferred.items()):
                     bump(conn, self.dialect, name, n)
-                return result
         except BaseException:
             self.defer_count_many(deferred)
             raise
+        self.engines.committed()
+        return result
 
     def count(self, name: str, n: int = 1) -> None:
         """Add to a counter now, in its own transaction."""
