@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import operator
 import struct
 import sys
@@ -41,6 +42,8 @@ COUNTS = "dict[str,int]"
 OBJECTS = "list[object]"
 PACKED = "packed-int64"
 """Base64 (in JSON) of ``pack_step_arrays``' blob: several integer lists without one JSON number each."""
+BYTES = "bytes"
+"""Base64 (in JSON) of any bytes; what they hold is the record kind's rule (``step_block``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +171,25 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             PACKED,
             required=False,
             doc="the six arrays above packed (pack_step_arrays), in STEP_ARRAYS order",
+        ),
+    ),
+    # Step records of one stream in columns (``step_block.py``): what the agent ships, and exactly the step
+    # records it expands to. Envelope: the first step's seq, the newest step's time_ns.
+    "step_block": (
+        Field("count", INT, doc="steps in the block, 1 to step_block.MAX_STEPS"),
+        Field(
+            "columns",
+            BYTES,
+            doc="the steps' scalar fields as little-endian int64 columns of count values, in step_block.COLUMNS "
+            "order (synced as 0 or 1)",
+        ),
+        Field("arrays", BYTES, doc="each step's packed arrays (pack_step_arrays), one after the other"),
+        Field("array_sizes", INTS, doc="bytes of each step's packed arrays, in step order"),
+        Field(
+            "unused",
+            OBJECTS,
+            item=(Field("index", INT, doc="the step's position in the block"), Field("names", STRS)),
+            doc="the steps that had unused parameters (any other step had none)",
         ),
     ),
     # Every collective the process issues (engine and user), at issue time: crash-durable evidence.
@@ -398,6 +420,25 @@ def packed_problem(blob: bytes) -> str | None:
     return None
 
 
+def packed_all_well_formed(blobs: bytes, sizes: Sequence[int]) -> bool:
+    """Whether every blob of ``blobs`` (packed arrays one after the other, ``sizes`` bytes each) passes
+    ``packed_problem``: the same rules, checked for all headers at once in C-level loops (a block of
+    steps at the collector). False does not say which: ask ``packed_problem`` of each."""
+    if not sizes or min(sizes) < _PACK_HEADER_SIZE or sum(sizes) != len(blobs):
+        return False
+    starts = itertools.accumulate(sizes[:-1], initial=0)
+    fields = list(zip(*map(_PACK_HEADER.unpack_from, itertools.repeat(blobs), starts), strict=True))
+    if set(fields[0]) != {PACK_VERSION}:
+        return False
+    expected: list[int] = [_PACK_HEADER_SIZE] * len(sizes)
+    for i in range(len(STEP_ARRAYS)):
+        counts, widths, bases = fields[1 + 3 * i : 4 + 3 * i]
+        if not _WIDTHS.issuperset(widths) or max(bases) > _SAFE_BASE:
+            return False
+        expected = list(map(operator.add, expected, map(operator.mul, counts, widths)))
+    return expected == list(sizes)
+
+
 def _stored_arrays(blob: bytes, count: int) -> list[tuple[array[int] | None, int, int, int]]:
     """The first ``count`` arrays of a well-formed blob as stored: ``(data, length, width, base)``,
     ``data`` None for width 0 (every value is the base)."""
@@ -531,6 +572,14 @@ def _check_value(path: str, value: Any, field: Field) -> None:
         if problem:
             raise RecordError(f"{path}: {problem}")
         return
+    if t == BYTES:
+        if not isinstance(value, str):
+            raise RecordError(f"{path}: expected base64 text, got {type(value).__name__}")
+        try:
+            base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise RecordError(f"{path}: not valid base64") from None
+        return
     if t == COUNTS:
         if not isinstance(value, Mapping) or not all(
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in value.items()
@@ -576,6 +625,19 @@ def validate_record(record: Any, where: str = "record") -> str:
         raise RecordError(f"{where}: seq and rank must be >= 0")
     if kind == "step":
         problem = step_arrays_problem("arrays" in record, [name in record for name in STEP_ARRAYS])
+        if problem:
+            raise RecordError(f"{where}.{problem}")
+    elif kind == "step_block":
+        # Imported here: step_block builds on this module's packing, and this is its one rule.
+        from ddpscope.agent import step_block
+
+        problem = step_block.problem(
+            record["count"],
+            base64.b64decode(record["columns"]),
+            base64.b64decode(record["arrays"]),
+            record["array_sizes"],
+            [u["index"] for u in record["unused"]],
+        )
         if problem:
             raise RecordError(f"{where}.{problem}")
     return str(kind)

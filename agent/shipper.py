@@ -47,6 +47,7 @@ from ddpscope.agent.transport import (
     Outcome,
     Poster,
     batch_body,
+    count_unserializable,
     encode_record,
     encode_records,
     set_aside,
@@ -218,12 +219,8 @@ class Shipper:
         records = self.older.keep(records, self.dropped)
         # The whole chunk in one encoder call (``encode_records``): per record, this transcoding
         # is most of the shipper's CPU.
-        items, shipped = encode_records(records)
-        if len(shipped) < len(records):  # NaN, inf: strict JSON parsers refuse them
-            kept = {id(r) for r in shipped}
-            for record in records:
-                if id(record) not in kept:
-                    self.dropped[f"unserializable:{record.get('kind')}"] += 1
+        items, shipped = encode_records(records, step_blocks=self.older.step_blocks)
+        count_unserializable(records, shipped, self.dropped)
         extra = self.older.keep(list(self.extra), self.dropped)
         stats = self.stats_record() if dict(self.dropped) != self.stats_sent else None
         if stats is not None:

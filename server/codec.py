@@ -16,6 +16,7 @@ from typing import Annotated, Any, Union
 import msgspec
 
 from ddpscope.agent import records as wire
+from ddpscope.agent import step_block
 
 # Integers the databases can store (BIGINT): a larger one is bad input (422), not a server error.
 _INT64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
@@ -31,6 +32,7 @@ _SCALARS: dict[str, Any] = {
     wire.INT_LISTS: list[list[_INT64]],
     wire.COUNTS: dict[str, _INT64],
     wire.PACKED: bytes,  # base64 in JSON, decoded by msgspec in C
+    wire.BYTES: bytes,
 }
 
 _NON_NEGATIVE = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -128,15 +130,24 @@ def decode_batch(body: bytes) -> list[Any]:
 
 
 _STEP = STRUCTS["step"]
+_STEP_BLOCK = STRUCTS["step_block"]
 _UNSET = msgspec.UNSET
 
 
 def _check_step_arrays(records: list[Any]) -> None:
-    # The one cross-field rule of the wire format (``records.step_arrays_problem``); msgspec checked types.
+    # The cross-field rules of the wire format (``records.step_arrays_problem``, ``step_block.problem``);
+    # msgspec checked the types.
     for i, record in enumerate(records):
+        r: Any = record  # a generated Struct: mypy cannot see its fields
+        if type(record) is _STEP_BLOCK:
+            problem = step_block.problem(
+                r.count, r.columns, r.arrays, r.array_sizes, [u.index for u in r.unused]
+            )
+            if problem:
+                raise BatchError(f"batch.records[{i}].{problem}")
+            continue
         if type(record) is not _STEP:
             continue
-        r: Any = record  # a generated Struct: mypy cannot see its fields
         if (  # the agent's form, checked without building lists: packed arrays and no lists
             r.arrays is not _UNSET
             and r.bucket_ready_ns is _UNSET

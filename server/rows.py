@@ -11,11 +11,13 @@ from __future__ import annotations
 import base64
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import msgspec
 
 from ddpscope.agent import records as wire
+from ddpscope.agent import step_block
 
 STEP_ARRAYS = wire.STEP_ARRAYS
 """The step fields packed into ``steps.arrays``, in blob order."""
@@ -36,6 +38,15 @@ STEP_COLUMNS = (
     *wire.BLOCKED_FIELDS,
 )
 """Column order of a step row tuple."""
+# block_rows zips a block's columns into rows in this order.
+assert (
+    "job_id",
+    "rank",
+    "stream",
+    *step_block.COLUMNS[:8],
+    "arrays",
+    *step_block.COLUMNS[8:],
+) == STEP_COLUMNS
 
 _UNSET = msgspec.UNSET
 _json = msgspec.json.Encoder().encode
@@ -72,6 +83,28 @@ def step_row(job_id: int, r: Any) -> tuple[Any, ...]:
         0 if r.blocked_forward_ns is _UNSET else r.blocked_forward_ns,
         0 if r.blocked_backward_ns is _UNSET else r.blocked_backward_ns,
     )
+
+
+def block_rows(job_id: int, block: Any) -> list[tuple[Any, ...]]:
+    """One decoded ``step_block`` Struct -> its ``steps`` row tuples, built in C (no object per step)."""
+    n = block.count
+    seq, time_ns, step, synced, fs, fe, bs, be, *blocked = step_block.columns(n, block.columns)
+    arrays = step_block.split_arrays(block.arrays, block.array_sizes)
+    return list(
+        zip(
+            repeat(job_id, n), repeat(block.rank, n), repeat(block.stream, n), seq, time_ns, step,
+            map(bool, synced), fs, fe, bs, be, arrays, *blocked, strict=True,
+        )
+    )  # fmt: skip
+
+
+def block_unused(block: Any) -> list[tuple[int, int, list[str]]]:
+    """``(seq, step, names)`` of a block's steps with unused parameters."""
+    if not block.unused:
+        return []
+    cols = step_block.columns(block.count, block.columns)
+    seq, step = cols[step_block.COLUMNS.index("seq")], cols[step_block.COLUMNS.index("step")]
+    return [(seq[u.index], step[u.index], u.names) for u in block.unused]
 
 
 def unpack_arrays(blob: bytes) -> tuple[list[int], ...]:

@@ -53,8 +53,9 @@ from ddpscope.server.writer import BatchWriter, WriteResult, bump
 
 logger = logging.getLogger(__name__)
 
-ALL_KINDS = tuple(RECORD_KINDS)
-"""Every kind of the wire format is stored (the events table takes the rare ones, ``schema.EVENT_KINDS``)."""
+ALL_KINDS = tuple(kind for kind in RECORD_KINDS if kind != "step_block")
+"""Every kind of the wire format is stored (the events table takes the rare ones, ``schema.EVENT_KINDS``);
+a ``step_block`` is stored as the step records it stands for."""
 
 # Every step column but job_id, in the order of a step row tuple (rows.STEP_COLUMNS).
 _STEP_COLS = [schema.steps.c[name] for name in STEP_COLUMNS if name != "job_id"]

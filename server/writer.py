@@ -9,8 +9,11 @@ last so their row locks are held for the shortest time when several collectors s
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import msgspec
@@ -18,14 +21,16 @@ from sqlalchemy import Connection, case, func, literal_column
 from sqlalchemy.dialects import postgresql, sqlite
 
 from ddpscope.server import schema
-from ddpscope.server.codec import kind_of
-from ddpscope.server.rows import STEP_COLUMNS, encode_json, step_row
+from ddpscope.server.codec import STRUCTS, kind_of
+from ddpscope.server.rows import STEP_COLUMNS, block_rows, block_unused, encode_json, step_row
 
 _json = msgspec.json.Encoder().encode
 
 KEEP_COLLECTIVES = 20_000
 """Collectives kept per job and process group (the newest sequence numbers)."""
 PRUNE_EVERY = 1_000
+ROWS_PER_STATEMENT = 256
+"""SQLite: step rows per multi-row INSERT (15 columns: 3,840 parameters, under SQLite's 32,766)."""
 
 
 @dataclass(slots=True)
@@ -60,6 +65,11 @@ class BatchWriter:
             f"INSERT INTO steps ({', '.join(STEP_COLUMNS)}) VALUES ({', '.join([placeholder] * len(STEP_COLUMNS))}) "
             "ON CONFLICT DO NOTHING"
         )
+        one = f"({', '.join([placeholder] * len(STEP_COLUMNS))})"
+        self._steps_many_sql = (
+            f"INSERT INTO steps ({', '.join(STEP_COLUMNS)}) VALUES {', '.join([one] * ROWS_PER_STATEMENT)} "
+            "ON CONFLICT DO NOTHING"
+        )
 
     def write(self, conn: Connection, records: list[Any], now_ns: int) -> WriteResult:
         by_job: dict[str, list[Any]] = defaultdict(list)
@@ -82,65 +92,79 @@ class BatchWriter:
         first_seen = min(r.time_ns for r in records)
         job_id = self._job_id(conn, job, world_size, first_seen, last_seen)
 
-        step_counts = self._write_steps(conn, job_id, by_kind.get("step", []), result)
+        step_rows = _step_rows_by_rank(job_id, by_kind)
+        step_counts = self._write_steps(conn, job_id, step_rows, result)
+        self._write_unused(conn, job_id, by_kind)
         self._write_keyed(conn, job_id, by_kind, result)
         self._write_latest(conn, job_id, by_kind, result)
-        self._write_ranks(conn, job_id, records, by_kind.get("step", []), step_counts)
+        self._write_ranks(conn, job_id, records, step_rows, step_counts)
 
     def _job_id(self, conn: Connection, job: str, world_size: int, first_ns: int, last_ns: int) -> int:
-        t = schema.jobs
-        stmt = _insert(self.dialect, t).values(
-            job=job, world_size=world_size, first_seen_ns=first_ns, last_seen_ns=last_ns
-        )
-        stmt = stmt.on_conflict_do_update(
-            index_elements=[t.c.job],
-            set_={
-                "last_seen_ns": _greatest(self.dialect, t.c.last_seen_ns, stmt.excluded.last_seen_ns),
-                "world_size": _greatest(self.dialect, t.c.world_size, stmt.excluded.world_size),
-            },
-        ).returning(t.c.id)
-        job_id = int(conn.execute(stmt).scalar_one())
+        row = {"job": job, "world_size": world_size, "first_seen_ns": first_ns, "last_seen_ns": last_ns}
+        job_id = int(conn.execute(_job_upsert(self.dialect), row).scalar_one())
         self._job_ids[job] = job_id
         return job_id
 
     def _write_steps(
-        self, conn: Connection, job_id: int, steps: list[Any], result: WriteResult
+        self,
+        conn: Connection,
+        job_id: int,
+        rows_by_rank: dict[int, list[tuple[Any, ...]]],
+        result: WriteResult,
     ) -> dict[int, int]:
-        """Insert step rows grouped by rank; return rows actually inserted per rank."""
-        if not steps:
-            return {}
-        by_rank: dict[int, list[Any]] = defaultdict(list)
-        for r in steps:
-            by_rank[r.rank].append(r)
+        """Insert step rows rank by rank; return rows actually inserted per rank."""
         inserted: dict[int, int] = {}
-        for rank in sorted(by_rank):
-            group = by_rank[rank]
-            rows = [step_row(job_id, r) for r in group]
+        for rank in sorted(rows_by_rank):
+            rows = rows_by_rank[rank]
             if self.dialect == "sqlite":
-                n = conn.exec_driver_sql(self._steps_sql, rows).rowcount
+                n = self._insert_steps_sqlite(conn, rows)
             else:
                 n = _copy_steps_pg(conn, rows)
             inserted[rank] = n
             result.accepted += n
-            result.duplicates += len(group) - n
+            result.duplicates += len(rows) - n
+        return inserted
+
+    def _insert_steps_sqlite(self, conn: Connection, rows: list[tuple[Any, ...]]) -> int:
+        whole = len(rows) - len(rows) % ROWS_PER_STATEMENT
+        n = 0
+        for at in range(0, whole, ROWS_PER_STATEMENT):
+            params = list(itertools.chain.from_iterable(rows[at : at + ROWS_PER_STATEMENT]))
+            n += conn.exec_driver_sql(self._steps_many_sql, tuple(params)).rowcount
+        if whole < len(rows):
+            n += conn.exec_driver_sql(self._steps_sql, rows[whole:]).rowcount
+        return n
+
+    def _write_unused(self, conn: Connection, job_id: int, by_kind: dict[str, list[Any]]) -> None:
         unused = [
             {"job_id": job_id, "rank": r.rank, "stream": r.stream, "seq": r.seq, "step": r.step,
              "names": encode_json(r.unused_parameters)}
-            for r in steps
+            for r in by_kind.get("step", ())
             if r.unused_parameters
         ]  # fmt: skip
+        unused += [
+            {
+                "job_id": job_id,
+                "rank": b.rank,
+                "stream": b.stream,
+                "seq": seq,
+                "step": step,
+                "names": encode_json(names),
+            }
+            for b in by_kind.get("step_block", ())
+            for seq, step, names in block_unused(b)
+        ]
         if unused:
-            conn.execute(_insert(self.dialect, schema.step_unused).on_conflict_do_nothing(), unused)
-        return inserted
+            conn.execute(_insert_ignoring_conflicts(self.dialect, schema.step_unused), unused)
 
     def _insert_count(self, conn: Connection, table: Any, rows: list[dict[str, Any]]) -> int:
         """INSERT ... ON CONFLICT DO NOTHING of many rows; return how many were new."""
-        stmt = _insert(self.dialect, table).on_conflict_do_nothing()
+        stmt = _insert_ignoring_conflicts(self.dialect, table)
         if self.dialect == "sqlite":
             return int(conn.execute(stmt, rows).rowcount)  # sqlite3 sums executemany row counts
         # psycopg's executemany reports only the last statement's count: ask for the new rows back
         # (SQLAlchemy batches this into multi-row INSERT ... RETURNING statements).
-        return len(conn.execute(stmt.returning(table.c.seq), rows).all())
+        return len(conn.execute(_insert_returning_new(self.dialect, table), rows).all())
 
     def _insert_ignore(
         self, conn: Connection, table: Any, rows: list[dict[str, Any]], result: WriteResult
@@ -204,25 +228,13 @@ class BatchWriter:
         A group counts as accepted when its newest record moved the stored one forward, else as
         duplicates (a re-sent batch); superseded records inside a batch share their newest's fate.
         """
-        t = schema.heartbeats
-        stmt = _insert(self.dialect, t)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=[t.c.job_id, t.c.rank],
-            set_={"time_ns": stmt.excluded.time_ns, "body": stmt.excluded.body},
-            where=stmt.excluded.time_ns > t.c.time_ns,
-        ).returning(t.c.rank)
+        stmt = _heartbeat_upsert(self.dialect)
         for group in _groups(by_kind.get("heartbeat", []), lambda r: r.rank, lambda r: (r.time_ns, r.seq)):
             r = group[-1]
             row = {"job_id": job_id, "rank": r.rank, "time_ns": r.time_ns, "body": _wire_text(r)}
             self._count_group(len(conn.execute(stmt, row).all()), len(group), result)
 
-        a = schema.agent_stats
-        stmt = _insert(self.dialect, a)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=[a.c.job_id, a.c.rank, a.c.stream],
-            set_={"seq": stmt.excluded.seq, "body": stmt.excluded.body},
-            where=stmt.excluded.seq > a.c.seq,
-        ).returning(a.c.rank)
+        stmt = _agent_stats_upsert(self.dialect)
         for group in _groups(by_kind.get("agent_stats", []), lambda r: (r.rank, r.stream), lambda r: r.seq):
             r = group[-1]
             row = {"job_id": job_id, "rank": r.rank, "stream": r.stream, "seq": r.seq, "body": _wire_text(r)}
@@ -237,53 +249,58 @@ class BatchWriter:
             result.duplicates += n
 
     def _write_ranks(
-        self, conn: Connection, job_id: int, records: list[Any], steps: list[Any], step_counts: dict[int, int]
+        self,
+        conn: Connection,
+        job_id: int,
+        records: list[Any],
+        step_rows: dict[int, list[tuple[Any, ...]]],
+        step_counts: dict[int, int],
     ) -> None:
         seen: dict[int, int] = {}
         for r in records:
-            if r.time_ns > seen.get(r.rank, -1):
+            if r.time_ns > seen.get(r.rank, -1) and type(r) not in _STEP_STRUCTS:  # steps: from their rows
                 seen[r.rank] = r.time_ns
         # A rank's last step is the one it completed last, not the highest number: after a restart
-        # (steps from 0 or a checkpoint again) it is the new process's progress.
-        last: dict[int, Any] = {}
-        for r in steps:
-            if r.rank not in last or r.backward_end_ns >= last[r.rank].backward_end_ns:
-                last[r.rank] = r
+        # (steps from 0 or a checkpoint again) it is the new process's progress. Ties: the later row.
+        last: dict[int, tuple[Any, ...]] = {}
+        for rank, group in step_rows.items():
+            seen[rank] = max(seen.get(rank, -1), max(map(_row_time_ns, group)))
+            last[rank] = max(reversed(group), key=_row_backward_end_ns)
         rows = [
             {
                 "job_id": job_id,
                 "rank": rank,
                 "last_seen_ns": seen[rank],
                 "step_records": step_counts.get(rank, 0),
-                "last_step": last[rank].step if rank in last else None,
-                "last_step_end_ns": last[rank].backward_end_ns if rank in last else None,
+                "last_step": last[rank][_STEP_INDEX] if rank in last else None,
+                "last_step_end_ns": last[rank][_BACKWARD_END_INDEX] if rank in last else None,
             }
             for rank in sorted(seen)
         ]
         if not rows:
             return  # an empty executemany would run INSERT ... DEFAULT VALUES
-        t = schema.ranks
-        stmt = _insert(self.dialect, t)
-        ex = stmt.excluded
-        newer = ex.last_step.is_not(None) & (
-            t.c.last_step_end_ns.is_(None) | (ex.last_step_end_ns >= t.c.last_step_end_ns)
-        )
-        stmt = stmt.on_conflict_do_update(
-            index_elements=[t.c.job_id, t.c.rank],
-            set_={
-                "last_seen_ns": _greatest(self.dialect, t.c.last_seen_ns, ex.last_seen_ns),
-                "step_records": t.c.step_records + ex.step_records,
-                "last_step": case((newer, ex.last_step), else_=t.c.last_step),
-                "last_step_end_ns": case((newer, ex.last_step_end_ns), else_=t.c.last_step_end_ns),
-            },
-        )
-        conn.execute(stmt, rows)
+        conn.execute(_ranks_upsert(self.dialect), rows)
 
     def _bump(self, conn: Connection, name: str, n: int) -> None:
         bump(conn, self.dialect, name, n)
 
 
 _COLS = ", ".join(STEP_COLUMNS)
+_STEP_STRUCTS = (STRUCTS["step"], STRUCTS["step_block"])
+_STEP_INDEX = STEP_COLUMNS.index("step")
+_BACKWARD_END_INDEX = STEP_COLUMNS.index("backward_end_ns")
+_row_time_ns = itemgetter(STEP_COLUMNS.index("time_ns"))
+_row_backward_end_ns = itemgetter(_BACKWARD_END_INDEX)
+
+
+def _step_rows_by_rank(job_id: int, by_kind: dict[str, list[Any]]) -> dict[int, list[tuple[Any, ...]]]:
+    """The batch's step rows per rank, from step records and step blocks alike, in arrival order."""
+    out: dict[int, list[tuple[Any, ...]]] = defaultdict(list)
+    for r in by_kind.get("step", ()):
+        out[r.rank].append(step_row(job_id, r))
+    for b in by_kind.get("step_block", ()):
+        out[b.rank] += block_rows(job_id, b)
+    return out
 
 
 def _copy_steps_pg(conn: Connection, rows: list[tuple[Any, ...]]) -> int:
@@ -314,9 +331,81 @@ def _groups(records: list[Any], key: Any, order: Any) -> list[list[Any]]:
 
 def bump(conn: Connection, dialect: str, name: str, n: int) -> None:
     """Add ``n`` to a counter row (created on first use)."""
+    conn.execute(_counter_bump(dialect), {"name": name, "value": n})
+
+
+# -- statements -------------------------------------------------------------------------------------
+# Built once per dialect: constructing an upsert (its ``excluded`` proxy copies every column) costs more
+# than executing it, and every batch runs several. Values come as parameters at execution.
+
+
+@functools.cache
+def _job_upsert(dialect: str) -> Any:
+    t = schema.jobs
+    stmt = _insert(dialect, t)
+    return stmt.on_conflict_do_update(
+        index_elements=[t.c.job],
+        set_={
+            "last_seen_ns": _greatest(dialect, t.c.last_seen_ns, stmt.excluded.last_seen_ns),
+            "world_size": _greatest(dialect, t.c.world_size, stmt.excluded.world_size),
+        },
+    ).returning(t.c.id)
+
+
+@functools.cache
+def _insert_ignoring_conflicts(dialect: str, table: Any) -> Any:
+    return _insert(dialect, table).on_conflict_do_nothing()
+
+
+@functools.cache
+def _insert_returning_new(dialect: str, table: Any) -> Any:
+    return _insert_ignoring_conflicts(dialect, table).returning(table.c.seq)
+
+
+@functools.cache
+def _heartbeat_upsert(dialect: str) -> Any:
+    t = schema.heartbeats
+    stmt = _insert(dialect, t)
+    return stmt.on_conflict_do_update(
+        index_elements=[t.c.job_id, t.c.rank],
+        set_={"time_ns": stmt.excluded.time_ns, "body": stmt.excluded.body},
+        where=stmt.excluded.time_ns > t.c.time_ns,
+    ).returning(t.c.rank)
+
+
+@functools.cache
+def _agent_stats_upsert(dialect: str) -> Any:
+    a = schema.agent_stats
+    stmt = _insert(dialect, a)
+    return stmt.on_conflict_do_update(
+        index_elements=[a.c.job_id, a.c.rank, a.c.stream],
+        set_={"seq": stmt.excluded.seq, "body": stmt.excluded.body},
+        where=stmt.excluded.seq > a.c.seq,
+    ).returning(a.c.rank)
+
+
+@functools.cache
+def _ranks_upsert(dialect: str) -> Any:
+    t = schema.ranks
+    stmt = _insert(dialect, t)
+    ex = stmt.excluded
+    newer = ex.last_step.is_not(None) & (
+        t.c.last_step_end_ns.is_(None) | (ex.last_step_end_ns >= t.c.last_step_end_ns)
+    )
+    return stmt.on_conflict_do_update(
+        index_elements=[t.c.job_id, t.c.rank],
+        set_={
+            "last_seen_ns": _greatest(dialect, t.c.last_seen_ns, ex.last_seen_ns),
+            "step_records": t.c.step_records + ex.step_records,
+            "last_step": case((newer, ex.last_step), else_=t.c.last_step),
+            "last_step_end_ns": case((newer, ex.last_step_end_ns), else_=t.c.last_step_end_ns),
+        },
+    )
+
+
+@functools.cache
+def _counter_bump(dialect: str) -> Any:
     t = schema.counters
-    stmt = _insert(dialect, t).values(name=name, value=n)
-    stmt = stmt.on_conflict_do_update(
+    return _insert(dialect, t).on_conflict_do_update(
         index_elements=[t.c.name], set_={"value": t.c.value + literal_column("excluded.value")}
     )
-    conn.execute(stmt)

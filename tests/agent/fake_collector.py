@@ -28,6 +28,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from ddpscope.agent import step_block
 from ddpscope.agent.records import RecordError, idempotency_key, validate_batch
 
 Behaviour = Any
@@ -130,6 +131,8 @@ class FakeCollector:
         self.bad_batches: list[str] = []
         self.unknown_kinds: set[str] = set()
         self.unknown_refusals = 0
+        self.step_blocks = 0
+        """``step_block`` records received (each stored as its step records)."""
         """Kinds refused as a collector older than the agent refuses them (422 naming the ``.kind``)."""
         self._script: collections.deque[Behaviour] = collections.deque()
         self._lock = threading.Lock()
@@ -184,11 +187,19 @@ class FakeCollector:
     def _store(self, records: list[Any]) -> None:
         with self._lock:
             for r in records:
-                key = idempotency_key(r)
-                if key in self.records:
-                    self.duplicates += 1
-                else:
-                    self.records[key] = dict(r)
+                if r["kind"] != "step_block":
+                    self._store_one(r)
+                    continue
+                self.step_blocks += 1  # stored as the step records it stands for, as the collector does
+                for step in step_block.expand(r):
+                    self._store_one(step)
+
+    def _store_one(self, r: Any) -> None:
+        key = idempotency_key(r)
+        if key in self.records:
+            self.duplicates += 1
+        else:
+            self.records[key] = dict(r)
 
     def of_kind(self, kind: str) -> list[dict[str, Any]]:
         with self._lock:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from ddpscope.agent import records as wire
+from ddpscope.agent import step_block
 from ddpscope.server.codec import STRUCTS, BatchError, decode_batch, to_wire
 from tests.support.synth import batch, synth_job
 
@@ -28,6 +29,8 @@ def _hang() -> dict[str, Any]:
 def _samples() -> list[dict[str, Any]]:
     recs = synth_job(2, 2, 3, unused={1: ["x.bias"]})
     recs.append(wire.packed_step_record(next(r for r in recs if r["kind"] == "step")))
+    block, _ = step_block.build([r for r in recs if r["kind"] == "step" and r["rank"] == 1])
+    recs.append(block)  # with unused parameters
     recs.append(_hang())
     recs.append(
         {

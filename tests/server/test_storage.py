@@ -11,9 +11,10 @@ import pytest
 from sqlalchemy import select, text
 
 from ddpscope.agent import records as wire
+from ddpscope.agent.transport import encode_records
 from ddpscope.server import migrations, schema
 from ddpscope.server.analysis.snapshot import snapshot_from_records
-from ddpscope.server.codec import kind_of
+from ddpscope.server.codec import decode_batch, kind_of
 from ddpscope.server.storage import ALL_KINDS, Storage
 from tests.server.conftest import decoded
 from tests.server.test_incidents import JobRecords, started
@@ -334,3 +335,31 @@ def test_a_job_that_never_restarted_keeps_every_step_row(storage):
     job.train(4)
     storage.write_batch(decoded(job.records))
     assert len(storage.steps(storage.job_id(job.job))) == 8
+
+
+def _in_blocks(records: list[dict]) -> list:
+    """Records decoded as the agent ships them: the steps of each stream in one ``step_block``."""
+    items, _ = encode_records(records)
+    return decode_batch(b'{"schema":1,"records":[%s]}' % items)
+
+
+def test_steps_sent_in_blocks_are_stored_exactly_as_steps_sent_one_by_one(storage):
+    # 300 steps a rank: more than one multi-row INSERT (ROWS_PER_STATEMENT) and a remainder.
+    one_by_one = synth_job(2, 300, 3, job="single", unused={1: ["head.bias"]}, collectives=False)
+    blocks = synth_job(2, 300, 3, job="blocks", unused={1: ["head.bias"]}, collectives=False)
+    storage.write_batch(decoded(one_by_one))
+    first = storage.write_batch(_in_blocks(blocks))
+    assert (first.accepted, first.duplicates) == (len(blocks), 0)
+    again = storage.write_batch(_in_blocks(blocks))
+    assert (again.accepted, again.duplicates) == (0, len(blocks))  # counted in step records, not blocks
+    jobs = {j: storage.job_row(j) for j in ("single", "blocks")}
+    assert (
+        [(r.rank, r.step_records, r.last_step) for r in jobs["blocks"].ranks]
+        == [(r.rank, r.step_records, r.last_step) for r in jobs["single"].ranks]
+        == [(0, 300, 299), (1, 300, 299)]
+    )
+    single, block = (storage.steps(jobs[j].id, start=0, end=299) for j in ("single", "blocks"))
+    assert [{**s.to_wire("j"), "stream": ""} for s in block] == [
+        {**s.to_wire("j"), "stream": ""} for s in single
+    ]
+    assert storage.unused_rows(jobs["blocks"].id) == storage.unused_rows(jobs["single"].id) != []
