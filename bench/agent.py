@@ -43,7 +43,9 @@ class H(BaseHTTPRequestHandler):
         self.wfile.write(body)
     def do_POST(self):
         global count
-        body = gzip.decompress(self.rfile.read(int(self.headers["Content-Length"])))
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.headers.get("Content-Encoding") == "gzip":
+            body = gzip.decompress(body)
         n = len(json.loads(body)["records"])
         with lock:
             count += n

@@ -1,7 +1,8 @@
 """How ddpscope's costs grow with buckets and ranks, so users can plan for their scale.
 
 Records come from the synthetic job generator (``tests/support/synth.py``: valid wire records with a
-physical timing model) and go over HTTP encoded exactly as the agent sends them (``agent.transport``: bucket arrays packed, gzip), to a live collector
+physical timing model) and go over HTTP encoded exactly as the agent sends them (``agent.transport``: the
+steps of each stream in one ``step_block``, gzip when it halves the body), to a live collector
 (``ddpscope serve`` on SQLite, started here and killed by pid).
 
 * Buckets (8 ranks; 10, 100, 1 000 buckets): one step record's size (the agent's JSON with packed arrays, gzip alone and
@@ -32,7 +33,7 @@ import urllib.request
 from typing import Any
 
 from bench.common import machine, machine_line, write_result
-from ddpscope.agent.transport import batch_body, encode_record
+from ddpscope.agent.transport import batch_body, encode_record, encode_records, is_gzip
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +49,11 @@ def _proc_cpu_s(pid: int) -> float:
 
 
 def _post(url: str, records: list[dict[str, Any]]) -> None:
-    body = batch_body([encode_record(r) for r in records])  # exactly what the agent sends
-    req = urllib.request.Request(
-        f"{url}/api/v1/ingest",
-        data=body,
-        headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
-    )
+    body = batch_body([encode_records(records)[0]])  # exactly what the agent sends: steps in blocks
+    headers = {"Content-Type": "application/json"}
+    if is_gzip(body):
+        headers["Content-Encoding"] = "gzip"
+    req = urllib.request.Request(f"{url}/api/v1/ingest", data=body, headers=headers)
     for _ in range(20):
         try:
             with urllib.request.urlopen(req, timeout=120) as resp:

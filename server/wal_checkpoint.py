@@ -66,8 +66,6 @@ class WalCheckpointer:
         try:
             while True:
                 self._wake.wait()
-                if self._closed:
-                    return
                 self._wake.clear()  # before the checkpoint: a commit during it wakes the next one
                 try:
                     # fetchall, not fetchone: an unfinished statement would hold a read lock, and a
@@ -80,5 +78,7 @@ class WalCheckpointer:
                             "background WAL checkpoint failed (%s); the writer checkpoints itself", e
                         )
                     failed = True
+                if self._closed:  # after one last checkpoint: the database file holds every commit
+                    return
         finally:
             conn.close()
