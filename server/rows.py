@@ -22,31 +22,9 @@ from ddpscope.agent import step_block
 STEP_ARRAYS = wire.STEP_ARRAYS
 """The step fields packed into ``steps.arrays``, in blob order."""
 
-STEP_COLUMNS = (
-    "job_id",
-    "rank",
-    "stream",
-    "seq",
-    "time_ns",
-    "step",
-    "synced",
-    "forward_start_ns",
-    "forward_end_ns",
-    "backward_start_ns",
-    "backward_end_ns",
-    "arrays",
-    *wire.BLOCKED_FIELDS,
-)
-"""Column order of a step row tuple."""
-# block_rows zips a block's columns into rows in this order.
-assert (
-    "job_id",
-    "rank",
-    "stream",
-    *step_block.COLUMNS[:8],
-    "arrays",
-    *step_block.COLUMNS[8:],
-) == STEP_COLUMNS
+STEP_COLUMNS = ("job_id", "rank", "stream", *step_block.COLUMNS[:8], "arrays", *step_block.COLUMNS[8:])
+"""Column order of a step row tuple: a step block's columns with the key in front and the arrays among them
+(``block_rows`` zips a block into rows in this order)."""
 
 _UNSET = msgspec.UNSET
 _json = msgspec.json.Encoder().encode

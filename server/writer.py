@@ -228,13 +228,13 @@ class BatchWriter:
         A group counts as accepted when its newest record moved the stored one forward, else as
         duplicates (a re-sent batch); superseded records inside a batch share their newest's fate.
         """
-        stmt = _heartbeat_upsert(self.dialect)
+        stmt = _latest_upsert(self.dialect, schema.heartbeats, ("job_id", "rank"), "time_ns")
         for group in _groups(by_kind.get("heartbeat", []), lambda r: r.rank, lambda r: (r.time_ns, r.seq)):
             r = group[-1]
             row = {"job_id": job_id, "rank": r.rank, "time_ns": r.time_ns, "body": _wire_text(r)}
             self._count_group(len(conn.execute(stmt, row).all()), len(group), result)
 
-        stmt = _agent_stats_upsert(self.dialect)
+        stmt = _latest_upsert(self.dialect, schema.agent_stats, ("job_id", "rank", "stream"), "seq")
         for group in _groups(by_kind.get("agent_stats", []), lambda r: (r.rank, r.stream), lambda r: r.seq):
             r = group[-1]
             row = {"job_id": job_id, "rank": r.rank, "stream": r.stream, "seq": r.seq, "body": _wire_text(r)}
@@ -363,25 +363,15 @@ def _insert_returning_new(dialect: str, table: Any) -> Any:
 
 
 @functools.cache
-def _heartbeat_upsert(dialect: str) -> Any:
-    t = schema.heartbeats
-    stmt = _insert(dialect, t)
+def _latest_upsert(dialect: str, table: Any, keys: tuple[str, ...], by: str) -> Any:
+    """Insert, or replace the stored row of the same ``keys`` when ``by`` moved forward; returns a row
+    only when something changed."""
+    stmt = _insert(dialect, table)
     return stmt.on_conflict_do_update(
-        index_elements=[t.c.job_id, t.c.rank],
-        set_={"time_ns": stmt.excluded.time_ns, "body": stmt.excluded.body},
-        where=stmt.excluded.time_ns > t.c.time_ns,
-    ).returning(t.c.rank)
-
-
-@functools.cache
-def _agent_stats_upsert(dialect: str) -> Any:
-    a = schema.agent_stats
-    stmt = _insert(dialect, a)
-    return stmt.on_conflict_do_update(
-        index_elements=[a.c.job_id, a.c.rank, a.c.stream],
-        set_={"seq": stmt.excluded.seq, "body": stmt.excluded.body},
-        where=stmt.excluded.seq > a.c.seq,
-    ).returning(a.c.rank)
+        index_elements=[table.c[k] for k in keys],
+        set_={by: stmt.excluded[by], "body": stmt.excluded.body},
+        where=stmt.excluded[by] > table.c[by],
+    ).returning(table.c.rank)
 
 
 @functools.cache
