@@ -59,17 +59,12 @@ class BatchWriter:
         self.dialect = dialect
         self._job_ids: dict[str, int] = {}
         placeholder = "%s" if dialect == "postgresql" else "?"
-        # The hot path: steps go through the driver's executemany with tuples, skipping per-row
-        # dict processing (the statement is still the one schema.steps defines).
-        self._steps_sql = (
-            f"INSERT INTO steps ({', '.join(STEP_COLUMNS)}) VALUES ({', '.join([placeholder] * len(STEP_COLUMNS))}) "
-            "ON CONFLICT DO NOTHING"
-        )
+        # The hot path: step rows go to the driver as tuples, skipping per-row dict processing (the
+        # statement is still the one schema.steps defines): SQLite in ROWS_PER_STATEMENT-row INSERTs.
         one = f"({', '.join([placeholder] * len(STEP_COLUMNS))})"
-        self._steps_many_sql = (
-            f"INSERT INTO steps ({', '.join(STEP_COLUMNS)}) VALUES {', '.join([one] * ROWS_PER_STATEMENT)} "
-            "ON CONFLICT DO NOTHING"
-        )
+        insert = f"INSERT INTO steps ({', '.join(STEP_COLUMNS)}) VALUES %s ON CONFLICT DO NOTHING"
+        self._steps_sql = insert % one
+        self._steps_many_sql = insert % ", ".join([one] * ROWS_PER_STATEMENT)
 
     def write(self, conn: Connection, records: list[Any], now_ns: int) -> WriteResult:
         by_job: dict[str, list[Any]] = defaultdict(list)
@@ -93,7 +88,7 @@ class BatchWriter:
         job_id = self._job_id(conn, job, world_size, first_seen, last_seen)
 
         step_rows = _step_rows_by_rank(job_id, by_kind)
-        step_counts = self._write_steps(conn, job_id, step_rows, result)
+        step_counts = self._write_steps(conn, step_rows, result)
         self._write_unused(conn, job_id, by_kind)
         self._write_keyed(conn, job_id, by_kind, result)
         self._write_latest(conn, job_id, by_kind, result)
@@ -106,11 +101,7 @@ class BatchWriter:
         return job_id
 
     def _write_steps(
-        self,
-        conn: Connection,
-        job_id: int,
-        rows_by_rank: dict[int, list[tuple[Any, ...]]],
-        result: WriteResult,
+        self, conn: Connection, rows_by_rank: dict[int, list[tuple[Any, ...]]], result: WriteResult
     ) -> dict[int, int]:
         """Insert step rows rank by rank; return rows actually inserted per rank."""
         inserted: dict[int, int] = {}
@@ -129,8 +120,8 @@ class BatchWriter:
         whole = len(rows) - len(rows) % ROWS_PER_STATEMENT
         n = 0
         for at in range(0, whole, ROWS_PER_STATEMENT):
-            params = list(itertools.chain.from_iterable(rows[at : at + ROWS_PER_STATEMENT]))
-            n += conn.exec_driver_sql(self._steps_many_sql, tuple(params)).rowcount
+            params = tuple(itertools.chain.from_iterable(rows[at : at + ROWS_PER_STATEMENT]))
+            n += conn.exec_driver_sql(self._steps_many_sql, params).rowcount
         if whole < len(rows):
             n += conn.exec_driver_sql(self._steps_sql, rows[whole:]).rowcount
         return n
