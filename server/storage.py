@@ -17,7 +17,8 @@ Read API (what routes, /metrics and the analysis modules use):
 - ``jobs() -> list[JobRow]``, ``job_row(job)``: the job table plus per-rank progress (``RankRow``).
 - ``steps(job_id, rank=, start=, end=, limit=, after=) -> list[StepRow]``: step rows ordered by
   ``(step, rank)``, with unpacked arrays (``rows.StepRow``); ``step_times(...)`` the same rows with only
-  what per-step metrics read (``rows.StepTimes``); ``recent_steps(job_id, n)`` the last ``n``
+  what per-step metrics read (``rows.StepTimes``), ``step_page(...)`` as columns (``step_page.StepPage``);
+  ``recent_steps(job_id, n)`` the last ``n``
   step numbers. Every step view reads only each restarted rank's latest attempt (``_latest_attempt``):
   after a restart (step, rank) repeats, and the views are about the current processes.
 - ``unused_rows(job_id)``: ``(rank, step, names)`` for every step that had unused parameters.
@@ -49,6 +50,8 @@ from ddpscope.server.analysis.unused import aggregate_unused
 from ddpscope.server.engines import Engines, make_engines
 from ddpscope.server.migrations import migrate
 from ddpscope.server.rows import STEP_COLUMNS, StepRow, StepTimes, decode_json
+from ddpscope.server.step_page import SCALARS as PAGE_SCALARS
+from ddpscope.server.step_page import StepPage
 from ddpscope.server.writer import BatchWriter, WriteResult, bump
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,8 @@ a ``step_block`` is stored as the step records it stands for."""
 
 # Every step column but job_id, in the order of a step row tuple (rows.STEP_COLUMNS).
 _STEP_COLS = [schema.steps.c[name] for name in STEP_COLUMNS if name != "job_id"]
+# What a StepPage reads, in its order.
+_PAGE_COLS = [schema.steps.c[name] for name in (*PAGE_SCALARS, "arrays")]
 
 
 @dataclass(slots=True)
@@ -228,6 +233,22 @@ class Storage:
             q = self._steps_query(job_id, rank, start, end, limit, after, attempt)
             return [StepTimes.from_db(r) for r in conn.execute(q).all()]
 
+    def step_page(
+        self,
+        job_id: int,
+        *,
+        rank: int | None = None,
+        start: int | None = None,
+        end: int | None = None,
+        limit: int | None = None,
+        after: tuple[int, int] | None = None,
+    ) -> StepPage:
+        """The rows of ``step_times`` as one ``StepPage`` (columns decoded with numpy: a large page's way)."""
+        with self.engines.reader.connect() as conn:
+            attempt = _latest_attempt(schema.steps, _restarts(conn, job_id))
+            q = self._steps_query(job_id, rank, start, end, limit, after, attempt, _PAGE_COLS)
+            return StepPage.from_db(conn.execute(q).all())
+
     @staticmethod
     def _steps_query(
         job_id: int,
@@ -237,9 +258,10 @@ class Storage:
         limit: int | None,
         after: tuple[int, int] | None,
         attempt: Any,
+        columns: list[Any] = _STEP_COLS,
     ) -> Any:
         t = schema.steps
-        q = select(*_STEP_COLS).where(t.c.job_id == job_id)
+        q = select(*columns).where(t.c.job_id == job_id)
         if attempt is not None:
             q = q.where(attempt)
         if rank is not None:

@@ -8,7 +8,7 @@ from fastapi import APIRouter, HTTPException, Query, Response
 from fastapi.concurrency import run_in_threadpool
 
 from ddpscope.server.analysis.buckets import bucket_stats
-from ddpscope.server.analysis.steps import step_metrics
+from ddpscope.server.analysis.steps import page_metrics
 from ddpscope.server.analysis.stragglers import THRESHOLD, WINDOW_STEPS, stragglers
 from ddpscope.server.analysis.timeline import timeline
 from ddpscope.server.analysis.unused import aggregate_unused, unused_report
@@ -44,13 +44,13 @@ def _steps(
     limit: int,
     cursor: str | None,
 ) -> Response:
-    rows = storage.step_times(
+    page = storage.step_page(
         job_id, rank=rank, start=start, end=end, limit=limit + 1, after=_parse_cursor(cursor)
     )
-    more = len(rows) > limit
-    rows = rows[:limit]
-    nxt = f"{rows[-1].step}.{rows[-1].rank}" if more else None
-    return items((step_metrics(r) for r in rows), next=nxt)
+    more = len(page) > limit
+    page = page.head(limit)
+    nxt = f"{page.step[-1]}.{page.rank[-1]}" if more else None
+    return items(page_metrics(page), next=nxt)
 
 
 @router.get("/steps")

@@ -14,6 +14,7 @@ from ddpscope.agent import records as wire
 from ddpscope.agent.transport import encode_records
 from ddpscope.server import migrations, schema
 from ddpscope.server.analysis.snapshot import snapshot_from_records
+from ddpscope.server.analysis.steps import page_metrics, step_metrics
 from ddpscope.server.codec import decode_batch, kind_of
 from ddpscope.server.storage import ALL_KINDS, Storage
 from tests.server.conftest import decoded
@@ -307,6 +308,19 @@ def test_steps_of_a_restarted_rank_come_from_its_latest_attempt_only(storage):
     assert [t.step for t in times] == [2, 3]
     assert all(t.forward_start_ns >= job.records[-1]["time_ns"] - 2 * 10**9 for t in times)
     assert len(storage.steps(job_id, every_attempt=True)) == 2 * 5 + 2 * 12
+
+
+def test_a_step_page_holds_the_same_rows_and_metrics_as_the_step_times(storage):
+    job = _restarted_job()
+    storage.write_batch(decoded(job.records))
+    job_id = storage.job_id(job.job)
+    for window in ({}, {"rank": 1, "start": 2, "end": 3}, {"after": (4, 0), "limit": 5}):
+        page = storage.step_page(job_id, **window)
+        times = storage.step_times(job_id, **window)
+        assert list(zip(page.step.tolist(), page.rank.tolist(), strict=True)) == [
+            (t.step, t.rank) for t in times
+        ]
+        assert page_metrics(page) == [step_metrics(t) for t in times]
 
 
 def test_the_last_step_of_a_restarted_job_is_its_current_attempts_even_when_the_old_one_got_further(storage):
