@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import sys
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ddpscope.agent import records as wire
@@ -120,9 +120,16 @@ def split_arrays(blob: bytes, sizes: Sequence[int]) -> list[bytes]:
 
 
 def problem(
-    count: int, blob: bytes, arrays: bytes, sizes: Sequence[int], unused_at: Sequence[int]
+    count: int,
+    blob: bytes,
+    arrays: bytes,
+    sizes: Sequence[int],
+    unused_at: Sequence[int],
+    all_well_formed: Callable[[bytes, Sequence[int]], bool] = wire.packed_all_well_formed,
 ) -> str | None:
-    """What is wrong with a block, as ``"<field>: <what>"``, or None. Types are checked already."""
+    """What is wrong with a block, as ``"<field>: <what>"``, or None. Types are checked already.
+    ``all_well_formed`` answers for every step's packed arrays at once (the collector passes its numpy
+    twin of ``records.packed_all_well_formed``); the step at fault is then named one by one."""
     if not 1 <= count <= MAX_STEPS:
         return f"count: {count} steps; a block holds 1 to {MAX_STEPS}"
     width = 8 * len(COLUMNS)
@@ -137,7 +144,7 @@ def problem(
         return "columns: a seq is negative; seq counts up from 0"
     if not set(cols[COLUMNS.index("synced")]) <= {0, 1}:
         return "columns: synced must be 0 or 1"
-    if not wire.packed_all_well_formed(arrays, sizes):  # then find the first at fault, to name it
+    if not all_well_formed(arrays, sizes):  # then find the first at fault, to name it
         for i, step_arrays in enumerate(split_arrays(arrays, sizes)):
             detail = wire.packed_problem(step_arrays)
             if detail:

@@ -17,6 +17,7 @@ import msgspec
 
 from ddpscope.agent import records as wire
 from ddpscope.agent import step_block
+from ddpscope.server.packed import all_well_formed as all_packed_well_formed
 
 # Integers the databases can store (BIGINT): a larger one is bad input (422), not a server error.
 _INT64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
@@ -118,8 +119,10 @@ def decode_batch(body: bytes) -> list[Any]:
     records: list[Any] = batch.records
     _check_step_arrays(records)
     # JSON may escape a lone UTF-16 surrogate, which no database text column can store (a 500 the agent
-    # would retry forever). Only a body with such an escape pays for the re-encoding check.
-    if _SURROGATE_ESCAPE.search(body):
+    # would retry forever). Only a body with such an escape pays for the re-encoding check; a body
+    # without any backslash (the agent's: base64 and plain text) is cleared by a one-byte find (memchr,
+    # 30 µs a MB, where the regex takes 700).
+    if b"\\" in body and _SURROGATE_ESCAPE.search(body):
         try:
             msgspec.json.encode(records)
         except msgspec.EncodeError:
@@ -141,7 +144,12 @@ def _check_step_arrays(records: list[Any]) -> None:
         r: Any = record  # a generated Struct: mypy cannot see its fields
         if type(record) is _STEP_BLOCK:
             problem = step_block.problem(
-                r.count, r.columns, r.arrays, r.array_sizes, [u.index for u in r.unused]
+                r.count,
+                r.columns,
+                r.arrays,
+                r.array_sizes,
+                [u.index for u in r.unused],
+                all_packed_well_formed,
             )
             if problem:
                 raise BatchError(f"batch.records[{i}].{problem}")

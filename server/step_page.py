@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ddpscope.agent import records as wire
+from ddpscope.server.packed import HEADER
 from ddpscope.server.rows import StepTimes
 
 Ints = npt.NDArray[np.int64]
@@ -40,16 +40,6 @@ SCALARS = (
 )
 """The step columns a page holds besides ``arrays``, in the order ``from_db`` expects them."""
 
-_HEADER = np.dtype(
-    [("version", "u1")]
-    + [
-        field
-        for i in range(len(wire.STEP_ARRAYS))
-        for field in ((f"n{i}", "<u4"), (f"w{i}", "u1"), (f"b{i}", "<i8"))
-    ]
-)
-"""``records._PACK_HEADER`` as a numpy record: every row's header read in one call."""
-assert _HEADER.itemsize == wire._PACK_HEADER_SIZE, "the numpy header must match the wire format's"
 _LITTLE_ENDIAN = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<i8"}
 
 
@@ -89,8 +79,8 @@ class StepPage:
             )
         columns = list(zip(*rows, strict=True))
         blobs = columns[len(SCALARS)]
-        header = np.frombuffer(b"".join([blob[: _HEADER.itemsize] for blob in blobs]), _HEADER)
-        offsets = np.full(len(blobs), _HEADER.itemsize, np.int64)
+        header = np.frombuffer(b"".join([blob[: HEADER.itemsize] for blob in blobs]), HEADER)
+        offsets = np.full(len(blobs), HEADER.itemsize, np.int64)
         matrices, counts = [], []
         for i in range(3):  # STEP_ARRAYS order: ready, start, end first
             count = header[f"n{i}"].astype(np.int64)
