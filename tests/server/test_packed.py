@@ -10,9 +10,7 @@ from hypothesis import strategies as st
 from ddpscope.agent import records as wire
 from ddpscope.server.packed import all_well_formed
 
-values = st.lists(
-    st.one_of(st.integers(0, 300), st.integers(-(2**40), 2**40), st.just(2**62)), max_size=6
-)
+values = st.lists(st.one_of(st.integers(0, 300), st.integers(-(2**40), 2**40), st.just(2**62)), max_size=6)
 step_arrays = st.tuples(*[values] * len(wire.STEP_ARRAYS)).map(lambda a: wire.pack_step_arrays(list(a)))
 HEADER = struct.Struct("<B" + "IBq" * len(wire.STEP_ARRAYS))
 
