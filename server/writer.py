@@ -29,8 +29,9 @@ _json = msgspec.json.Encoder().encode
 KEEP_COLLECTIVES = 20_000
 """Collectives kept per job and process group (the newest sequence numbers)."""
 PRUNE_EVERY = 1_000
-ROWS_PER_STATEMENT = 256
-"""SQLite: step rows per multi-row INSERT (15 columns: 3,840 parameters, under SQLite's 32,766)."""
+ROWS_PER_STATEMENT = (256, 16)
+"""SQLite: step rows per multi-row INSERT, largest first (15 columns: 3,840 parameters at most, under
+SQLite's 32,766); a batch's last rows go 16 at a time, not one by one."""
 
 
 @dataclass(slots=True)
@@ -64,7 +65,7 @@ class BatchWriter:
         one = f"({', '.join([placeholder] * len(STEP_COLUMNS))})"
         insert = f"INSERT INTO steps ({', '.join(STEP_COLUMNS)}) VALUES %s ON CONFLICT DO NOTHING"
         self._steps_sql = insert % one
-        self._steps_many_sql = insert % ", ".join([one] * ROWS_PER_STATEMENT)
+        self._steps_many_sql = [(k, insert % ", ".join([one] * k)) for k in ROWS_PER_STATEMENT]
 
     def write(self, conn: Connection, records: list[Any], now_ns: int) -> WriteResult:
         by_job: dict[str, list[Any]] = defaultdict(list)
@@ -117,13 +118,14 @@ class BatchWriter:
         return inserted
 
     def _insert_steps_sqlite(self, conn: Connection, rows: list[tuple[Any, ...]]) -> int:
-        whole = len(rows) - len(rows) % ROWS_PER_STATEMENT
-        n = 0
-        for at in range(0, whole, ROWS_PER_STATEMENT):
-            params = tuple(itertools.chain.from_iterable(rows[at : at + ROWS_PER_STATEMENT]))
-            n += conn.exec_driver_sql(self._steps_many_sql, params).rowcount
-        if whole < len(rows):
-            n += conn.exec_driver_sql(self._steps_sql, rows[whole:]).rowcount
+        n = at = 0
+        for size, sql in self._steps_many_sql:  # the largest statements first, then smaller ones
+            while len(rows) - at >= size:
+                params = tuple(itertools.chain.from_iterable(rows[at : at + size]))
+                n += conn.exec_driver_sql(sql, params).rowcount
+                at += size
+        if at < len(rows):  # fewer than the smallest: one row per execution
+            n += conn.exec_driver_sql(self._steps_sql, rows[at:]).rowcount
         return n
 
     def _write_unused(self, conn: Connection, job_id: int, by_kind: dict[str, list[Any]]) -> None:
