@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ddpscope.agent import step_block
 from ddpscope.server.packed import HEADER
 from ddpscope.server.rows import StepTimes
 
@@ -29,15 +30,7 @@ Ints = npt.NDArray[np.int64]
 PAD = int(np.iinfo(np.int64).min)
 """Fills a row's matrix positions beyond its own number of buckets."""
 
-SCALARS = (
-    "rank",
-    "step",
-    "synced",
-    "forward_start_ns",
-    "forward_end_ns",
-    "backward_start_ns",
-    "backward_end_ns",
-)
+SCALARS = ("rank", *step_block.COLUMNS[2:8])  # step, synced, then forward and backward start and end
 """The step columns a page holds besides ``arrays``, in the order ``from_db`` expects them."""
 
 _LITTLE_ENDIAN = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<i8"}
