@@ -121,7 +121,7 @@ def page_metrics(page: StepPage) -> list[StepMetrics]:
     """``step_metrics`` of every row of ``page``, computed column-wise (see ``union_after`` for the union)."""
     if not len(page):
         return []
-    if not _within_exact_range(page):  # times weeks apart in one page: garbled input, row by row
+    if not _within_exact_range(page):  # a row's times weeks apart (garbled input): row by row
         return [step_metrics(row) for row in page.rows()]
     last_ready = np.where(page.ready_count > 0, page.ready.max(axis=1, initial=PAD), page.backward_end_ns)
     comm = _union_lengths(page.starts, page.ends)
