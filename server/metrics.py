@@ -2,7 +2,7 @@
 
 Every scrape reads the database (prometheus ``gc_collector`` pattern), so several collector processes
 report the same numbers. Every per-job gauge comes from the analysis functions the API uses
-(``status.liveness``, ``incidents.diagnose``, ``stragglers``, ``steps.step_metrics``), so /metrics,
+(``status.liveness``, ``incidents.diagnose``, ``stragglers``, ``steps.page_metrics``), so /metrics,
 the API and the dashboard cannot disagree.
 
 Which jobs are exposed (``exposed``):
@@ -35,7 +35,7 @@ from prometheus_client.registry import Collector
 
 from ddpscope.server.analysis.incidents import diagnose
 from ddpscope.server.analysis.status import Liveness, liveness
-from ddpscope.server.analysis.steps import mean_overlap, step_metrics
+from ddpscope.server.analysis.steps import mean_overlap, page_metrics, page_timings
 from ddpscope.server.analysis.stragglers import WINDOW_STEPS, stragglers
 from ddpscope.server.settings import DEFAULT_METRICS_RETENTION_S
 from ddpscope.server.storage import JobRow, Storage
@@ -167,13 +167,13 @@ class StorageCollector(Collector):
         if not exposed(live, snap.last_seen_s, self.retention_s):
             return False
         # One step more than the window: straggler scoring reads each step's predecessor.
-        rows = self.storage.recent_step_times(job_id, WINDOW_STEPS + 1)
-        flagged = {s.rank: s.flagged for s in stragglers(rows)}
-        first_in_window = max((r.step for r in rows), default=0) - WINDOW_STEPS + 1
+        page = self.storage.recent_step_page(job_id, WINDOW_STEPS + 1)
+        flagged = {s.rank: s.flagged for s in stragglers(page_timings(page))}
+        first_in_window = (int(page.step.max()) if len(page) else 0) - WINDOW_STEPS + 1
         metrics_by_rank: dict[int, list[Any]] = {}
-        for r in rows:
-            if r.step >= first_in_window:
-                metrics_by_rank.setdefault(r.rank, []).append(step_metrics(r))
+        for m in page_metrics(page):
+            if m.step >= first_in_window:
+                metrics_by_rank.setdefault(m.rank, []).append(m)
         # Ranks that reported something: a rank never seen has no last-seen time to compare with, and
         # a 0 there would page DDPRankSilent for a rank that is merely slow to start.
         for rank in sorted(set(live.last_alive_s) | set(snap.ranks)):

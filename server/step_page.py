@@ -30,7 +30,7 @@ Ints = npt.NDArray[np.int64]
 PAD = int(np.iinfo(np.int64).min)
 """Fills a row's matrix positions beyond its own number of buckets."""
 
-SCALARS = ("rank", *step_block.COLUMNS[2:8])  # step, synced, then forward and backward start and end
+SCALARS = ("rank", *step_block.COLUMNS[2:])  # step, synced, forward and backward times, blocked times
 """The step columns a page holds besides ``arrays``, in the order ``from_db`` expects them."""
 
 _LITTLE_ENDIAN = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<i8"}
@@ -48,6 +48,9 @@ class StepPage:
     forward_end_ns: Ints
     backward_start_ns: Ints
     backward_end_ns: Ints
+    blocked_between_ns: Ints
+    blocked_forward_ns: Ints
+    blocked_backward_ns: Ints
     ready: Ints
     ready_count: Ints
     starts: Ints
@@ -67,9 +70,8 @@ class StepPage:
         (``records.packed_problem``), so the headers are trusted here."""
         if not rows:
             empty, none = np.zeros(0, np.int64), np.zeros((0, 0), np.int64)
-            return cls(
-                empty, empty, empty.astype(bool), empty, empty, empty, empty, none, empty, none, none, empty
-            )
+            e = empty
+            return cls(e, e, e.astype(bool), e, e, e, e, e, e, e, none, e, none, none, e)
         columns = list(zip(*rows, strict=True))
         blobs = columns[len(SCALARS)]
         header = np.frombuffer(b"".join([blob[: HEADER.itemsize] for blob in blobs]), HEADER)
@@ -89,13 +91,16 @@ class StepPage:
         unpaired = np.arange(spans) >= span_count[:, None]
         starts[unpaired] = PAD
         ends[unpaired] = PAD
-        rank, step, synced, fs, fe, bs, be = (np.array(c, np.int64) for c in columns[: len(SCALARS)])
-        return cls(
-            rank, step, synced.astype(bool), fs, fe, bs, be, ready, counts[0], starts, ends, span_count
+        rank, step, synced, fs, fe, bs, be, between, forward, backward = (
+            np.array(c, np.int64) for c in columns[: len(SCALARS)]
         )
+        return cls(
+            rank, step, synced.astype(bool), fs, fe, bs, be, between, forward, backward,
+            ready, counts[0], starts, ends, span_count,
+        )  # fmt: skip
 
     def rows(self) -> list[StepTimes]:
-        """The page as ``StepTimes`` rows (the row-by-row reference the page's metrics must equal)."""
+        """The page as ``StepTimes`` rows (the row-by-row reference the page's figures must equal)."""
         out = []
         for i in range(len(self)):
             spans = int(self.span_count[i])
@@ -114,7 +119,10 @@ class StepPage:
                     0,
                     self.ends[i, :spans].tolist(),
                     0,
-                )  # fmt: skip
+                    int(self.blocked_between_ns[i]),
+                    int(self.blocked_forward_ns[i]),
+                    int(self.blocked_backward_ns[i]),
+                )
             )
         return out
 

@@ -19,7 +19,7 @@ Read API (what routes, /metrics and the analysis modules use):
   ``(step, rank)``, with unpacked arrays (``rows.StepRow``); ``step_times(...)`` the same rows with only
   what per-step metrics read (``rows.StepTimes``), ``step_page(...)`` as columns (``step_page.StepPage``);
   ``recent_steps(job_id, n)`` the last ``n``
-  step numbers. Every step view reads only each restarted rank's latest attempt (``_latest_attempt``):
+  step numbers (``recent_step_page`` as columns). Every step view reads only each restarted rank's latest attempt (``_latest_attempt``):
   after a restart (step, rank) repeats, and the views are about the current processes.
 - ``unused_rows(job_id)``: ``(rank, step, names)`` for every step that had unused parameters.
 - ``counters()``, ``count(name, n)``: the collector's own counters (e.g. ``rejected_batches:too_large``).
@@ -289,10 +289,10 @@ class Storage:
         last = self.last_step(job_id)
         return [] if last is None else self.steps(job_id, start=last - n + 1, end=last)
 
-    def recent_step_times(self, job_id: int, n: int) -> list[StepTimes]:
-        """``recent_steps`` with only what per-step metrics and straggler scoring read."""
+    def recent_step_page(self, job_id: int, n: int) -> StepPage:
+        """``recent_steps`` as a ``StepPage``: what per-step metrics and straggler scoring read."""
         last = self.last_step(job_id)
-        return [] if last is None else self.step_times(job_id, start=last - n + 1, end=last)
+        return StepPage.from_db([]) if last is None else self.step_page(job_id, start=last - n + 1, end=last)
 
     def unused_rows(self, job_id: int) -> list[tuple[int, int, list[str]]]:
         """``(rank, step, names)`` of the steps of each rank's latest attempt that had unused parameters

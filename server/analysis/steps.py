@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import le
+from typing import NamedTuple
 
 import numpy as np
 
@@ -76,8 +77,25 @@ def union_after(
     return total, exposed
 
 
-def last_ready_ns(row: StepRow | StepTimes) -> int:
+class StepTiming(NamedTuple):
+    """One row of a page as straggler scoring reads it: the scalar times and the last ready time."""
+
+    rank: int
+    step: int
+    forward_start_ns: int
+    forward_end_ns: int
+    backward_start_ns: int
+    backward_end_ns: int
+    blocked_between_ns: int
+    blocked_forward_ns: int
+    blocked_backward_ns: int
+    last_ready_ns: int
+
+
+def last_ready_ns(row: StepRow | StepTimes | StepTiming) -> int:
     """When the step's last bucket became ready (backward end when it had no bucket)."""
+    if isinstance(row, StepTiming):
+        return row.last_ready_ns  # computed for the whole page by ``page_last_ready``
     t = row if isinstance(row, StepTimes) else StepTimes.of(row)  # one formula for both shapes
     return max(t.ready) + t.ready_shift if len(t.ready) else t.backward_end_ns
 
@@ -123,7 +141,7 @@ def page_metrics(page: StepPage) -> list[StepMetrics]:
         return []
     if not _within_exact_range(page):  # a row's times weeks apart (garbled input): row by row
         return [step_metrics(row) for row in page.rows()]
-    last_ready = np.where(page.ready_count > 0, page.ready.max(axis=1, initial=PAD), page.backward_end_ns)
+    last_ready = page_last_ready(page)
     comm = _union_lengths(page.starts, page.ends)
     exposed = _union_lengths(
         np.maximum(page.starts, last_ready[:, None]), np.maximum(page.ends, last_ready[:, None])
@@ -146,6 +164,22 @@ def page_metrics(page: StepPage) -> list[StepMetrics]:
             (np.maximum(be - last_ready, 0) / NS).tolist(),
         )
     )
+
+
+def page_last_ready(page: StepPage) -> Ints:
+    """``last_ready_ns`` of every row of ``page``."""
+    last: Ints = np.where(page.ready_count > 0, page.ready.max(axis=1, initial=PAD), page.backward_end_ns)
+    return last
+
+
+def page_timings(page: StepPage) -> list[StepTiming]:
+    """The page's rows as ``StepTiming``: what straggler scoring reads, without a Python int per bucket."""
+    columns = (
+        page.rank, page.step, page.forward_start_ns, page.forward_end_ns, page.backward_start_ns,
+        page.backward_end_ns, page.blocked_between_ns, page.blocked_forward_ns, page.blocked_backward_ns,
+        page_last_ready(page),
+    )  # fmt: skip
+    return list(map(StepTiming._make, zip(*(c.tolist() for c in columns), strict=True)))
 
 
 def _union_lengths(starts: Ints, ends: Ints) -> Ints:

@@ -38,7 +38,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ddpscope.server.analysis.steps import NS, last_ready_ns
+from ddpscope.server.analysis.steps import NS, StepTiming, last_ready_ns
 from ddpscope.server.rows import StepRow, StepTimes
 
 THRESHOLD = 0.15
@@ -74,7 +74,7 @@ class Straggler:
 PHASES = ("forward", "backward", "between_steps")
 
 
-def _phases(r: StepRow | StepTimes, previous_end_ns: int | None) -> tuple[float, ...]:
+def _phases(r: StepRow | StepTimes | StepTiming, previous_end_ns: int | None) -> tuple[float, ...]:
     """(busy, compute, forward, backward, between steps, wait) of one rank's step, in seconds, each
     less the time blocked in other collectives within it."""
     ready = last_ready_ns(r)
@@ -107,7 +107,7 @@ def _ratio(x: float, ref: float) -> float:
 
 
 def stragglers(
-    rows: Sequence[StepRow | StepTimes],
+    rows: Sequence[StepRow | StepTimes | StepTiming],
     *,
     threshold: float = THRESHOLD,
     window: int = WINDOW_STEPS,

@@ -8,7 +8,7 @@ from fastapi import APIRouter, HTTPException, Query, Response
 from fastapi.concurrency import run_in_threadpool
 
 from ddpscope.server.analysis.buckets import bucket_stats
-from ddpscope.server.analysis.steps import page_metrics
+from ddpscope.server.analysis.steps import page_metrics, page_timings
 from ddpscope.server.analysis.stragglers import THRESHOLD, WINDOW_STEPS, stragglers
 from ddpscope.server.analysis.timeline import timeline
 from ddpscope.server.analysis.unused import aggregate_unused, unused_report
@@ -105,8 +105,9 @@ async def buckets(
 
 
 def _stragglers(storage: Storage, job_id: int, threshold: float, window: int) -> Response:
-    rows = storage.recent_step_times(job_id, window + 1)  # each step's predecessor: between-steps time
-    return items(stragglers(rows, threshold=threshold, window=window), threshold=threshold, window=window)
+    page = storage.recent_step_page(job_id, window + 1)  # each step's predecessor: between-steps time
+    found = stragglers(page_timings(page), threshold=threshold, window=window)
+    return items(found, threshold=threshold, window=window)
 
 
 @router.get("/stragglers")

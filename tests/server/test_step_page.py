@@ -8,23 +8,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddpscope.agent import records as wire
-from ddpscope.server.analysis.steps import page_metrics, step_metrics
+from ddpscope.server.analysis.steps import last_ready_ns, page_metrics, page_timings, step_metrics
 from ddpscope.server.rows import StepTimes
 from ddpscope.server.step_page import SCALARS, StepPage
 
 DAY_NS = 86_400 * 10**9
 
 
-def _db_row(rank: int, step: int, times: tuple[int, int, int, int], arrays: list[list[int]]) -> tuple:
+def _db_row(
+    rank: int, step: int, times: tuple[int, int, int, int], arrays: list[list[int]], blocked: int = 0
+) -> tuple:
     """What the database hands back for a page: the scalar columns, then the packed blob."""
     extra = [[1] * len(arrays[0]), list(range(len(arrays[0]))), []]  # bytes, ready order, collective seqs
-    return (rank, step, True, *times, wire.pack_step_arrays(arrays + extra))
+    blocked_times = (blocked, 2 * blocked, 3 * blocked)  # between steps, in forward, in backward
+    return (rank, step, True, *times, *blocked_times, wire.pack_step_arrays(arrays + extra))
+
+
+def _times(row: tuple) -> StepTimes:
+    return StepTimes.from_db(SimpleNamespace(**dict(zip((*SCALARS, "arrays"), row, strict=True))))
 
 
 def _reference(row: tuple) -> object:
-    named = SimpleNamespace(**dict(zip((*SCALARS, "arrays"), row, strict=True)))
-    named.blocked_between_ns = named.blocked_forward_ns = named.blocked_backward_ns = 0
-    return step_metrics(StepTimes.from_db(named))
+    return step_metrics(_times(row))
 
 
 # A value of an array: near the row's base (1-, 2- or 4-byte widths, and wrapping past a 2**32
@@ -47,7 +52,9 @@ def rows(draw: st.DrawFn, rank: int) -> tuple:
     ends = [s + draw(st.integers(-1_000, 5_000_000)) for s in starts[: buckets + draw(st.integers(-1, 1))]]
     fs = base + draw(st.integers(-(10**9), 0))
     times = (fs, fs + draw(st.integers(0, 10**6)), fs + draw(st.integers(0, 10**7)), base + draw(offsets))
-    return _db_row(rank, draw(st.integers(0, 10**6)), times, [ready, starts, ends])
+    return _db_row(
+        rank, draw(st.integers(0, 10**6)), times, [ready, starts, ends], draw(st.integers(0, 10**6))
+    )
 
 
 pages = st.integers(1, 8).flatmap(lambda n: st.tuples(*[rows(r) for r in range(n)]))
@@ -55,8 +62,13 @@ pages = st.integers(1, 8).flatmap(lambda n: st.tuples(*[rows(r) for r in range(n
 
 @settings(max_examples=300, deadline=None)
 @given(page=pages)
-def test_a_pages_metrics_equal_the_row_by_row_reference_exactly(page: tuple) -> None:
-    assert page_metrics(StepPage.from_db(list(page))) == [_reference(r) for r in page]
+def test_a_pages_metrics_and_timings_equal_the_row_by_row_reference_exactly(page: tuple) -> None:
+    columns = StepPage.from_db(list(page))
+    assert page_metrics(columns) == [_reference(r) for r in page]
+    timings = page_timings(columns)
+    assert [t.last_ready_ns for t in timings] == [last_ready_ns(_times(r)) for r in page]
+    for timing, row in zip(timings, page, strict=True):  # every other field as stored
+        assert timing == (*row[:2], *row[3:10], timing.last_ready_ns)
 
 
 def test_a_page_whose_rows_are_months_apart_still_gives_the_reference_values() -> None:

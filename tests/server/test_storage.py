@@ -14,7 +14,8 @@ from ddpscope.agent import records as wire
 from ddpscope.agent.transport import encode_records
 from ddpscope.server import migrations, schema
 from ddpscope.server.analysis.snapshot import snapshot_from_records
-from ddpscope.server.analysis.steps import page_metrics, step_metrics
+from ddpscope.server.analysis.steps import page_metrics, page_timings, step_metrics
+from ddpscope.server.analysis.stragglers import WINDOW_STEPS, stragglers
 from ddpscope.server.codec import decode_batch, kind_of
 from ddpscope.server.storage import ALL_KINDS, Storage
 from tests.server.conftest import decoded
@@ -321,6 +322,10 @@ def test_a_step_page_holds_the_same_rows_and_metrics_as_the_step_times(storage):
             (t.step, t.rank) for t in times
         ]
         assert page_metrics(page) == [step_metrics(t) for t in times]
+    page = storage.recent_step_page(job_id, WINDOW_STEPS + 1)
+    assert stragglers(page_timings(page)) == stragglers(
+        storage.step_times(job_id, start=int(page.step.min()))
+    )
 
 
 def test_the_last_step_of_a_restarted_job_is_its_current_attempts_even_when_the_old_one_got_further(storage):
