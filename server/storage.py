@@ -227,7 +227,8 @@ class Storage:
         limit: int | None = None,
         after: tuple[int, int] | None = None,
     ) -> list[StepTimes]:
-        """The same rows as ``steps`` with only what per-step metrics read (several times cheaper)."""
+        """The same rows as ``steps`` with only what per-step metrics read, decoded row by row: the
+        reference ``step_page`` is tested against (``tests/server/test_storage.py``)."""
         with self.engines.reader.connect() as conn:
             attempt = _latest_attempt(schema.steps, _restarts(conn, job_id))
             q = self._steps_query(job_id, rank, start, end, limit, after, attempt)
