@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import struct
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddpscope.agent import records as wire
-from ddpscope.server.packed import all_well_formed
+from ddpscope.server.packed import NUMPY_FROM, all_well_formed, numpy_all_well_formed
 
 values = st.lists(st.one_of(st.integers(0, 300), st.integers(-(2**40), 2**40), st.just(2**62)), max_size=6)
 step_arrays = st.tuples(*[values] * len(wire.STEP_ARRAYS)).map(lambda a: wire.pack_step_arrays(list(a)))
@@ -45,14 +46,16 @@ blocks = st.lists(step_arrays.flatmap(damaged), min_size=0, max_size=12)
 def test_the_numpy_check_of_a_block_answers_as_the_reference(blobs: list[bytes], size_error: int) -> None:
     sizes = [len(b) for b in blobs]
     joined = b"".join(blobs)
-    assert all_well_formed(joined, sizes) == wire.packed_all_well_formed(joined, sizes)
+    assert numpy_all_well_formed(joined, sizes) == wire.packed_all_well_formed(joined, sizes)
     if sizes:  # sizes that do not add up, or cut a blob short
         sizes[-1] += size_error
-        assert all_well_formed(joined, sizes) == wire.packed_all_well_formed(joined, sizes)
+        assert numpy_all_well_formed(joined, sizes) == wire.packed_all_well_formed(joined, sizes)
 
 
-def test_a_block_of_well_formed_arrays_passes_and_one_bad_header_fails_it() -> None:
-    good = [wire.pack_step_arrays([[1, 2], [3, 4], [5, 6], [7, 8], [0, 1], [9, 10]]) for _ in range(3)]
+@pytest.mark.parametrize("steps", [3, NUMPY_FROM])
+def test_a_block_of_well_formed_arrays_passes_and_one_bad_header_fails_it(steps: int) -> None:
+    # Small blocks take the agent's loop, large ones numpy: either way the same answer.
+    good = [wire.pack_step_arrays([[1, 2], [3, 4], [5, 6], [7, 8], [0, 1], [9, 10]]) for _ in range(steps)]
     assert all_well_formed(b"".join(good), [len(b) for b in good])
     bad = good[:1] + [b"\x02" + good[1][1:]] + good[2:]
     assert not all_well_formed(b"".join(bad), [len(b) for b in bad])
