@@ -488,24 +488,6 @@ def _restore(low_bytes: array[int], width: int, base: int) -> list[int]:
     return [base + ((v - low) & mask) for v in low_bytes]
 
 
-def packed_offsets(blob: bytes, count: int) -> list[tuple[Sequence[int], int]]:
-    """The first ``count`` arrays of a well-formed blob, each as ``(values, shift)`` with every value
-    being ``values[i] + shift``, without building a large Python int per value when the array did
-    not wrap. The collector's per-step metrics read three arrays of every row of a page: this keeps
-    that in C."""
-    out: list[tuple[Sequence[int], int]] = []
-    for data, n, width, base in _stored_arrays(blob, count):
-        if data is None:
-            out.append(([0] * n, base))
-        elif width == 8:
-            out.append((data, 0))
-        else:
-            low = base & ((1 << 8 * width) - 1)
-            wrapped = n and min(data) < low
-            out.append((_restore(data, width, base), 0) if wrapped else (data, base - low))
-    return out
-
-
 def step_arrays_problem(packed_present: bool, lists_present: Sequence[bool]) -> str | None:
     """A step must carry its arrays in exactly one form: the six lists, or ``arrays``. Returns
     ``"<field>: <what is wrong>"`` or None."""

@@ -205,7 +205,7 @@ class StepRow:
 @dataclass(slots=True)
 class StepTimes:
     """What the per-step metrics read: the scalar times and three arrays, each as values plus a
-    shift (``value = values[i] + shift``) so a page of rows is read without a large int per value."""
+    shift (``value = values[i] + shift``)."""
 
     rank: int
     step: int
@@ -223,18 +223,6 @@ class StepTimes:
     blocked_between_ns: int = 0
     blocked_forward_ns: int = 0
     blocked_backward_ns: int = 0
-
-    @classmethod
-    def from_db(cls, row: Any) -> StepTimes:
-        # STEP_ARRAYS order: ready, start, end first.
-        (ready, ready_shift), (starts, starts_shift), (ends, ends_shift) = wire.packed_offsets(
-            bytes(row.arrays), 3
-        )
-        return cls(
-            row.rank, row.step, bool(row.synced), row.forward_start_ns, row.forward_end_ns,
-            row.backward_start_ns, row.backward_end_ns, ready, ready_shift, starts, starts_shift,
-            ends, ends_shift, row.blocked_between_ns, row.blocked_forward_ns, row.blocked_backward_ns,
-        )  # fmt: skip
 
     @classmethod
     def of(cls, r: StepRow) -> StepTimes:

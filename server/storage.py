@@ -16,8 +16,8 @@ Read API (what routes, /metrics and the analysis modules use):
   ``analysis/snapshot.py`` for the shape), collectives merged with their ends.
 - ``jobs() -> list[JobRow]``, ``job_row(job)``: the job table plus per-rank progress (``RankRow``).
 - ``steps(job_id, rank=, start=, end=, limit=, after=) -> list[StepRow]``: step rows ordered by
-  ``(step, rank)``, with unpacked arrays (``rows.StepRow``); ``step_times(...)`` the same rows with only
-  what per-step metrics read (``rows.StepTimes``), ``step_page(...)`` as columns (``step_page.StepPage``);
+  ``(step, rank)``, with unpacked arrays (``rows.StepRow``); ``step_page(...)`` the same rows as columns with
+  only what per-step metrics and straggler scoring read (``step_page.StepPage``);
   ``recent_steps(job_id, n)`` the last ``n``
   step numbers (``recent_step_page`` as columns). Every step view reads only each restarted rank's latest attempt (``_latest_attempt``):
   after a restart (step, rank) repeats, and the views are about the current processes.
@@ -49,7 +49,7 @@ from ddpscope.server.analysis.snapshot import (
 from ddpscope.server.analysis.unused import aggregate_unused
 from ddpscope.server.engines import Engines, make_engines
 from ddpscope.server.migrations import migrate
-from ddpscope.server.rows import STEP_COLUMNS, StepRow, StepTimes, decode_json
+from ddpscope.server.rows import STEP_COLUMNS, StepRow, decode_json
 from ddpscope.server.step_page import SCALARS as PAGE_SCALARS
 from ddpscope.server.step_page import StepPage
 from ddpscope.server.writer import BatchWriter, WriteResult, bump
@@ -217,23 +217,6 @@ class Storage:
             q = self._steps_query(job_id, rank, start, end, limit, after, attempt)
             return [StepRow.from_db(r) for r in conn.execute(q).all()]
 
-    def step_times(
-        self,
-        job_id: int,
-        *,
-        rank: int | None = None,
-        start: int | None = None,
-        end: int | None = None,
-        limit: int | None = None,
-        after: tuple[int, int] | None = None,
-    ) -> list[StepTimes]:
-        """The same rows as ``steps`` with only what per-step metrics read, decoded row by row: the
-        reference ``step_page`` is tested against (``tests/server/test_storage.py``)."""
-        with self.engines.reader.connect() as conn:
-            attempt = _latest_attempt(schema.steps, _restarts(conn, job_id))
-            q = self._steps_query(job_id, rank, start, end, limit, after, attempt)
-            return [StepTimes.from_db(r) for r in conn.execute(q).all()]
-
     def step_page(
         self,
         job_id: int,
@@ -244,7 +227,8 @@ class Storage:
         limit: int | None = None,
         after: tuple[int, int] | None = None,
     ) -> StepPage:
-        """The rows of ``step_times`` as one ``StepPage`` (columns decoded with numpy: a large page's way)."""
+        """The rows of ``steps`` as one ``StepPage``: columns decoded with numpy, only what the step views
+        read (``tests/server/test_storage.py`` checks it against ``steps``)."""
         with self.engines.reader.connect() as conn:
             attempt = _latest_attempt(schema.steps, _restarts(conn, job_id))
             q = self._steps_query(job_id, rank, start, end, limit, after, attempt, _PAGE_COLS)

@@ -283,8 +283,9 @@ def _row_from_blob(row: StepRow) -> object:
         arrays=blob)  # fmt: skip
 
 
-def test_metrics_read_from_packed_step_times_equal_those_of_fully_unpacked_rows():
-    from ddpscope.server.rows import StepTimes
+def test_metrics_read_from_a_packed_page_equal_those_of_fully_unpacked_rows():
+    from ddpscope.server.analysis.steps import page_metrics
+    from ddpscope.server.step_page import SCALARS, StepPage
 
     rng = random.Random(7)
     rows = step_rows_from_wire(synth_job(4, 30, 12))
@@ -296,13 +297,13 @@ def test_metrics_read_from_packed_step_times_equal_those_of_fully_unpacked_rows(
         r.allreduce_start_ns = sorted(t0 + rng.randint(0, 6_000_000) for _ in range(n))
         r.allreduce_end_ns = [s + rng.randint(-1000, 900_000) for s in r.allreduce_start_ns]
     rows[20].bucket_ready_ns = rows[20].allreduce_start_ns = rows[20].allreduce_end_ns = []
-    for r in rows:
-        db_row = _row_from_blob(r)
-        assert (
-            step_metrics(StepTimes.from_db(db_row))
-            == step_metrics(StepRow.from_db(db_row))
-            == step_metrics(r)
-        )
+    db_rows = [_row_from_blob(r) for r in rows]
+    page = StepPage.from_db([tuple(getattr(d, name) for name in (*SCALARS, "arrays")) for d in db_rows])
+    assert (
+        page_metrics(page)
+        == [step_metrics(StepRow.from_db(d)) for d in db_rows]
+        == list(map(step_metrics, rows))
+    )
 
 
 def test_a_slowdown_is_attributed_to_the_phase_holding_the_extra_seconds_not_the_larger_ratio():

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from ddpscope.agent import records as wire
 from ddpscope.server.analysis.steps import last_ready_ns, page_metrics, page_timings, step_metrics
-from ddpscope.server.rows import StepTimes
+from ddpscope.server.rows import StepRow
 from ddpscope.server.step_page import SCALARS, StepPage
 
 DAY_NS = 86_400 * 10**9
@@ -24,8 +24,10 @@ def _db_row(
     return (rank, step, True, *times, *blocked_times, wire.pack_step_arrays(arrays + extra))
 
 
-def _times(row: tuple) -> StepTimes:
-    return StepTimes.from_db(SimpleNamespace(**dict(zip((*SCALARS, "arrays"), row, strict=True))))
+def _times(row: tuple) -> StepRow:
+    """The row fully unpacked, by the agent's own reader (``records.unpack_step_arrays``)."""
+    named = SimpleNamespace(**dict(zip((*SCALARS, "arrays"), row, strict=True)), time_ns=0, stream="s", seq=0)
+    return StepRow.from_db(named)
 
 
 def _reference(row: tuple) -> object:

@@ -305,27 +305,25 @@ def test_steps_of_a_restarted_rank_come_from_its_latest_attempt_only(storage):
     rows = storage.steps(job_id)
     assert [(r.step, r.rank) for r in rows] == [(s, r) for s in range(12) for r in range(2)]
     assert {r.stream for r in rows} == {"s0.2", "s1.2"}
-    times = storage.step_times(job_id, rank=1, start=2, end=3)
+    times = storage.steps(job_id, rank=1, start=2, end=3)
     assert [t.step for t in times] == [2, 3]
     assert all(t.forward_start_ns >= job.records[-1]["time_ns"] - 2 * 10**9 for t in times)
     assert len(storage.steps(job_id, every_attempt=True)) == 2 * 5 + 2 * 12
 
 
-def test_a_step_page_holds_the_same_rows_and_metrics_as_the_step_times(storage):
+def test_a_step_page_holds_the_same_rows_metrics_and_stragglers_as_the_unpacked_rows(storage):
     job = _restarted_job()
     storage.write_batch(decoded(job.records))
     job_id = storage.job_id(job.job)
     for window in ({}, {"rank": 1, "start": 2, "end": 3}, {"after": (4, 0), "limit": 5}):
         page = storage.step_page(job_id, **window)
-        times = storage.step_times(job_id, **window)
+        times = storage.steps(job_id, **window)
         assert list(zip(page.step.tolist(), page.rank.tolist(), strict=True)) == [
             (t.step, t.rank) for t in times
         ]
         assert page_metrics(page) == [step_metrics(t) for t in times]
     page = storage.recent_step_page(job_id, WINDOW_STEPS + 1)
-    assert stragglers(page_timings(page)) == stragglers(
-        storage.step_times(job_id, start=int(page.step.min()))
-    )
+    assert stragglers(page_timings(page)) == stragglers(storage.steps(job_id, start=int(page.step.min())))
 
 
 def test_the_last_step_of_a_restarted_job_is_its_current_attempts_even_when_the_old_one_got_further(storage):
