@@ -69,8 +69,7 @@ class StepPage:
         """Rows of ``(*SCALARS, arrays)`` as stored: every blob was checked at ingest
         (``records.packed_problem``), so the headers are trusted here."""
         if not rows:
-            empty, none = np.zeros(0, np.int64), np.zeros((0, 0), np.int64)
-            e = empty
+            e, none = np.zeros(0, np.int64), np.zeros((0, 0), np.int64)
             return cls(e, e, e.astype(bool), e, e, e, e, e, e, e, none, e, none, none, e)
         columns = list(zip(*rows, strict=True))
         blobs = columns[len(SCALARS)]
@@ -100,7 +99,8 @@ class StepPage:
         )  # fmt: skip
 
     def rows(self) -> list[StepTimes]:
-        """The page as ``StepTimes`` rows (the row-by-row reference the page's figures must equal)."""
+        """The page as ``StepTimes`` rows, for ``analysis.steps.step_metrics`` row by row (where a row's
+        times lie too far apart for the page's float64 arithmetic to stay exact)."""
         out = []
         for i in range(len(self)):
             spans = int(self.span_count[i])
