@@ -204,8 +204,7 @@ class StepRow:
 
 @dataclass(slots=True)
 class StepTimes:
-    """What the per-step metrics read: the scalar times and three arrays, each as values plus a
-    shift (``value = values[i] + shift``)."""
+    """What the per-step metrics read: the scalar times and three arrays."""
 
     rank: int
     step: int
@@ -215,11 +214,8 @@ class StepTimes:
     backward_start_ns: int
     backward_end_ns: int
     ready: Sequence[int]
-    ready_shift: int
     starts: Sequence[int]
-    starts_shift: int
     ends: Sequence[int]
-    ends_shift: int
     blocked_between_ns: int = 0
     blocked_forward_ns: int = 0
     blocked_backward_ns: int = 0
@@ -228,7 +224,7 @@ class StepTimes:
     def of(cls, r: StepRow) -> StepTimes:
         return cls(
             r.rank, r.step, r.synced, r.forward_start_ns, r.forward_end_ns, r.backward_start_ns,
-            r.backward_end_ns, r.bucket_ready_ns, 0, r.allreduce_start_ns, 0, r.allreduce_end_ns, 0,
+            r.backward_end_ns, r.bucket_ready_ns, r.allreduce_start_ns, r.allreduce_end_ns,
             r.blocked_between_ns, r.blocked_forward_ns, r.blocked_backward_ns,
         )  # fmt: skip
 

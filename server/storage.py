@@ -17,10 +17,10 @@ Read API (what routes, /metrics and the analysis modules use):
 - ``jobs() -> list[JobRow]``, ``job_row(job)``: the job table plus per-rank progress (``RankRow``).
 - ``steps(job_id, rank=, start=, end=, limit=, after=) -> list[StepRow]``: step rows ordered by
   ``(step, rank)``, with unpacked arrays (``rows.StepRow``); ``step_page(...)`` the same rows as columns with
-  only what per-step metrics and straggler scoring read (``step_page.StepPage``);
-  ``recent_steps(job_id, n)`` the last ``n``
-  step numbers (``recent_step_page`` as columns). Every step view reads only each restarted rank's latest attempt (``_latest_attempt``):
-  after a restart (step, rank) repeats, and the views are about the current processes.
+  only what per-step metrics and straggler scoring read (``step_page.StepPage``); ``recent_steps(job_id, n)``
+  the last ``n`` step numbers (``recent_step_page`` as columns). Every step view reads only each restarted
+  rank's latest attempt (``_latest_attempt``): after a restart (step, rank) repeats, and the views are about
+  the current processes.
 - ``unused_rows(job_id)``: ``(rank, step, names)`` for every step that had unused parameters.
 - ``counters()``, ``count(name, n)``: the collector's own counters (e.g. ``rejected_batches:too_large``).
 - ``ping()``: True when the database answers.

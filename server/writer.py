@@ -129,23 +129,26 @@ class BatchWriter:
         return n
 
     def _write_unused(self, conn: Connection, job_id: int, by_kind: dict[str, list[Any]]) -> None:
-        unused = [
-            {"job_id": job_id, "rank": r.rank, "stream": r.stream, "seq": r.seq, "step": r.step,
-             "names": encode_json(r.unused_parameters)}
+        found = [
+            (r.rank, r.stream, r.seq, r.step, r.unused_parameters)
             for r in by_kind.get("step", ())
             if r.unused_parameters
-        ]  # fmt: skip
-        unused += [
+        ]
+        found += [
+            (b.rank, b.stream, seq, step, names)
+            for b in by_kind.get("step_block", ())
+            for seq, step, names in block_unused(b)
+        ]
+        unused = [
             {
                 "job_id": job_id,
-                "rank": b.rank,
-                "stream": b.stream,
+                "rank": rank,
+                "stream": stream,
                 "seq": seq,
                 "step": step,
                 "names": encode_json(names),
             }
-            for b in by_kind.get("step_block", ())
-            for seq, step, names in block_unused(b)
+            for rank, stream, seq, step, names in found
         ]
         if unused:
             conn.execute(_insert_ignoring_conflicts(self.dialect, schema.step_unused), unused)

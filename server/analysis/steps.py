@@ -44,11 +44,9 @@ class StepMetrics:
     wait_s: float
 
 
-def union_after(
-    starts: Sequence[int], ends: Sequence[int], after: int, starts_shift: int = 0, ends_shift: int = 0
-) -> tuple[int, int]:
+def union_after(starts: Sequence[int], ends: Sequence[int], after: int) -> tuple[int, int]:
     """(length of the union of [start, end] spans, length of that union after ``after``), in ns.
-    Span i is ``[starts[i] + starts_shift, ends[i] + ends_shift]`` (see ``rows.StepTimes``).
+    Span i is ``[starts[i], ends[i]]``.
 
     Written with plain comparisons (no ``max`` calls): it runs once per rank per step in every view.
     """
@@ -59,9 +57,7 @@ def union_after(
     # Launched in bucket order, the spans usually come sorted already: skip building and sorting pairs.
     in_order = all(map(le, starts[:-1], starts[1:]))
     pairs = zip(starts, ends, strict=False) if in_order else sorted(zip(starts, ends, strict=False))
-    for s, e in pairs:  # a shift per array keeps the order
-        s += starts_shift
-        e += ends_shift
+    for s, e in pairs:
         if e < s:
             continue  # a span still in flight or garbled: it has no length to count
         if s > cur_e:
@@ -97,13 +93,13 @@ def last_ready_ns(row: StepRow | StepTimes | StepTiming) -> int:
     if isinstance(row, StepTiming):
         return row.last_ready_ns  # computed for the whole page by ``page_last_ready``
     t = row if isinstance(row, StepTimes) else StepTimes.of(row)  # one formula for both shapes
-    return max(t.ready) + t.ready_shift if len(t.ready) else t.backward_end_ns
+    return max(t.ready) if len(t.ready) else t.backward_end_ns
 
 
 def step_metrics(row: StepRow | StepTimes) -> StepMetrics:
     t = row if isinstance(row, StepTimes) else StepTimes.of(row)
     last_ready = last_ready_ns(t)
-    comm, exposed = union_after(t.starts, t.ends, last_ready, t.starts_shift, t.ends_shift)
+    comm, exposed = union_after(t.starts, t.ends, last_ready)
     overlap = (comm - exposed) / comm if comm > 0 else None
     return StepMetrics(
         rank=row.rank,

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ddpscope.server.analysis.steps import NS, StepTiming, last_ready_ns
-from ddpscope.server.rows import StepRow, StepTimes
+from ddpscope.server.rows import StepRow
 
 THRESHOLD = 0.15
 WINDOW_STEPS = 20
@@ -74,7 +74,7 @@ class Straggler:
 PHASES = ("forward", "backward", "between_steps")
 
 
-def _phases(r: StepRow | StepTimes | StepTiming, previous_end_ns: int | None) -> tuple[float, ...]:
+def _phases(r: StepRow | StepTiming, previous_end_ns: int | None) -> tuple[float, ...]:
     """(busy, compute, forward, backward, between steps, wait) of one rank's step, in seconds, each
     less the time blocked in other collectives within it."""
     ready = last_ready_ns(r)
@@ -107,7 +107,7 @@ def _ratio(x: float, ref: float) -> float:
 
 
 def stragglers(
-    rows: Sequence[StepRow | StepTimes | StepTiming],
+    rows: Sequence[StepRow | StepTiming],
     *,
     threshold: float = THRESHOLD,
     window: int = WINDOW_STEPS,
