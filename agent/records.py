@@ -439,13 +439,13 @@ def packed_all_well_formed(blobs: bytes, sizes: Sequence[int]) -> bool:
     return expected == list(sizes)
 
 
-def _stored_arrays(blob: bytes, count: int) -> list[tuple[array[int] | None, int, int, int]]:
-    """The first ``count`` arrays of a well-formed blob as stored: ``(data, length, width, base)``,
-    ``data`` None for width 0 (every value is the base)."""
+def _stored_arrays(blob: bytes) -> list[tuple[array[int] | None, int, int, int]]:
+    """The arrays of a well-formed blob as stored: ``(data, length, width, base)``, ``data`` None for
+    width 0 (every value is the base)."""
     head = _PACK_HEADER.unpack_from(blob)
     view, at = memoryview(blob), _PACK_HEADER_SIZE
     out: list[tuple[array[int] | None, int, int, int]] = []
-    for i in range(count):
+    for i in range(len(STEP_ARRAYS)):
         n, width, base = head[1 + 3 * i : 4 + 3 * i]
         if width == 0:
             out.append((None, n, 0, base))
@@ -466,7 +466,7 @@ def unpack_step_arrays(blob: bytes) -> tuple[list[int], ...]:
         raise RecordError(problem)
     return tuple(
         [base] * n if data is None else data.tolist() if width == 8 else _restore(data, width, base)
-        for data, n, width, base in _stored_arrays(blob, len(STEP_ARRAYS))
+        for data, n, width, base in _stored_arrays(blob)
     )
 
 
