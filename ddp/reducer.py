@@ -224,6 +224,8 @@ class Reducer:
         if self.active and self._lendable:
             # Before any gradient of this backward accumulated: whose .grad this backward will create.
             self.fresh = {i for i in self._lendable if self.params[i].grad is None}
+            for bucket in self.buckets:
+                bucket.reclaim()
         if self.active and self.expected_unused:
             for i in self.expected_unused:
                 self._mark_unused(i)
@@ -403,14 +405,14 @@ class Reducer:
         A gradient this backward created (``.grad`` was None when it began, as after torch's default
         ``zero_grad(set_to_none=True)``) of a large parameter is *lent* the reduced memory
         instead of having it copied back: one pass over the gradients saved, a tensor of the same shape
-        and strides, not a view. The bucket then gets a fresh buffer. A ``.grad`` that existed before the
-        backward keeps its identity and is copied into, as torch does.
+        and strides, not a view. The bucket takes the memory back at the next backward if the gradient was
+        dropped by then, or else gets a fresh buffer (``Bucket.reclaim``). A ``.grad`` that existed before
+        the backward keeps its identity and is copied into, as torch does.
         """
         copies_to: list[torch.Tensor] = []
         copies_from: list[torch.Tensor] = []
         fresh = self.fresh
         for bucket in self.buckets:
-            lent = False
             for pos, i in enumerate(bucket.param_indices):
                 if global_used is not None and global_used[i] == 0:
                     continue  # unused on every rank: .grad stays as it was (None stays None)
@@ -420,15 +422,12 @@ class Reducer:
                     if grad is None or grad.data_ptr() != view.data_ptr():
                         p.grad = view
                 elif i in fresh and (grad is None or grad.is_contiguous()):
-                    p.grad = bucket.lend(pos)
-                    lent = True
+                    p.grad = bucket.lend(pos)  # the bucket reclaims its memory at the next backward
                 elif grad is None:
                     p.grad = view.clone()
                 else:
                     copies_to.append(grad)
                     copies_from.append(view)
-            if lent:
-                bucket.renew()
         if copies_to:
             torch._foreach_copy_(copies_to, copies_from)
 

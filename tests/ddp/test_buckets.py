@@ -115,13 +115,35 @@ def test_a_cpu_buffer_glibc_would_map_afresh_each_step_is_never_lent() -> None:
     assert build_buckets([[0]], [over], ["w"])[0].lendable == []
 
 
-def test_a_renewed_buffer_leaves_lent_gradients_untouched() -> None:
+def test_a_lent_gradient_still_held_keeps_its_memory_and_the_bucket_gets_new_memory() -> None:
     params = [torch.zeros(LEND_MIN_BYTES // 4), torch.zeros(LEND_MIN_BYTES // 4)]
     (bucket,) = build_buckets([[0, 1]], params, ["a", "b"])
     bucket.views[0].fill_(1.0)
     lent = bucket.lend(0)
     assert lent._base is None and lent.shape == params[0].shape and lent.stride() == params[0].stride()
-    bucket.renew()
+    bucket.reclaim()
     bucket.views[0].fill_(2.0)
     assert torch.equal(lent, torch.ones_like(lent))
     assert lent.detach_() is lent  # a view would refuse this
+
+
+def test_a_lent_gradient_held_only_through_a_view_still_keeps_its_memory() -> None:
+    params = [torch.zeros(LEND_MIN_BYTES // 4), torch.zeros(LEND_MIN_BYTES // 4)]
+    (bucket,) = build_buckets([[0, 1]], params, ["a", "b"])
+    bucket.views[1].fill_(1.0)
+    flat = bucket.lend(1).view(-1)[:3]  # the lent tensor itself is gone, a view of it is not
+    bucket.reclaim()
+    bucket.views[1].fill_(2.0)
+    assert flat.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_memory_lent_to_gradients_that_were_dropped_is_taken_back_without_allocating() -> None:
+    params = [torch.zeros(LEND_MIN_BYTES // 4), torch.zeros(LEND_MIN_BYTES // 4)]
+    (bucket,) = build_buckets([[0, 1]], params, ["a", "b"])
+    before = bucket.buffer.data_ptr()
+    grads = [bucket.lend(0), bucket.lend(1)]
+    del grads  # what zero_grad(set_to_none=True) does before the next forward
+    bucket.reclaim()
+    assert bucket.buffer.data_ptr() == before
+    bucket.reclaim()  # nothing lent since: nothing to do
+    assert bucket.buffer.data_ptr() == before
