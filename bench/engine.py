@@ -28,7 +28,7 @@ TARGET_RATIO = 1.00
 
 # (warm-up steps per engine, rounds, steps per block) for each model, full and quick. The full plan is long
 # because the machine drifts: at 1,500 MLP and 36 transformer steps per engine, the same code's ratio moved
-# by 1.5-4 % from run to run.
+# by 1.5-4 % from run to run (twice the transformer's rounds took 6 minutes and did not narrow it).
 PLANS = {
     False: {"mlp": (10, 120, 25), "transformer": (2, 30, 3)},
     True: {"mlp": (5, 8, 10), "transformer": (1, 3, 2)},
