@@ -32,9 +32,11 @@ the gradients are done, one callback on a gloo thread; per parameter one hook. (
 more: torch then copies gradients into the bucket unscaled, so the hook scales it in one more pass, and
 takes the GIL for the hook, its ``then`` callback and its result; bench/adapter.py measures both.) An
 all-reduce end is when the training thread noticed it or when its callback ran. The unused-parameter
-bitmap all-reduce is recorded as an engine collective; torch's buffer broadcasts before forward and the
-rebuild's index broadcast bypass the recorder, so they have no sequence numbers here; the buffer
-broadcast's duration is still counted as time blocked in forward (``BlockedTime``).
+bitmap all-reduce, the rebuild's bucket-index broadcast (both through the observed group) and torch's
+buffer broadcast before each forward (a wrapper around DDP's method) are recorded as engine
+collectives, as the engine records its own: a rank waiting there for a peer stuck before its forward
+waits in a collective that peer never issued. The buffer broadcast is also counted as time blocked in
+a collective, not as the waiting rank's own forward (``BlockedTime``).
 Records name a rank and a step, not a model, so one model per process and job is measured; a second
 one is refused (see ``instrument``).
 """
@@ -241,6 +243,8 @@ class Instrumentation:
         self._queued = False
         self._armed = False
         """A forward through the DDP model (synced or not) awaits its backward."""
+        self._forwarding = False
+        """torch's forward of a training step is running (its collectives belong to ``self._step``)."""
         self._outside = OutsideForward(names, self._rank)
         self._watched: dict[int, tuple[Any, PlannedCollective | None]] = {}
         """seq -> (future, plan) of each all-reduce whose end a completion callback is to record; the
@@ -266,12 +270,12 @@ class Instrumentation:
             p.register_post_accumulate_grad_hook(self._make_param_hook(i)) for i, p in enumerate(params)
         ]
         self._wrap_forward(ddp)
-        self._time_buffer_broadcasts(ddp)
+        self._record_buffer_broadcasts(ddp)
         self._watch_join(ddp)
         self._observed: ObservedGroup | None = None
         """The group torch's Reducer all-reduces through (see ``adapter_group``); None with a user's hook."""
         if comm_hook is None:
-            self._observed = ObservedGroup(self._group, self._reducer_allreduce)
+            self._observed = ObservedGroup(self._group, self._reducer_allreduce, self._reducer_broadcast)
             ddp.reducer._update_process_group(self._observed)
         else:
             # torch's own register_comm_hook: it also names the hook in _get_ddp_logging_data().
@@ -364,8 +368,10 @@ class Instrumentation:
         self._replicas.take(self._step, self._syncs)
         self.timer.forward_start(self._step, synced)
         PROGRESS.enter("forward", self._step)
+        self._forwarding = True
 
     def _after_forward(self, output: Any) -> None:
+        self._forwarding = False
         if not torch.is_grad_enabled():
             return
         self.timer.forward_end()
@@ -408,6 +414,7 @@ class Instrumentation:
         its peers, and this record says why. When torch's unfinished-reduction error comes from
         parameters frozen after wrapping, a note on the exception (shown in the user's traceback and
         shipped with the record) says so: torch's advice there is find_unused_parameters."""
+        self._forwarding = False
         if UNFINISHED_REDUCTION in str(exc):
             frozen = [n for p, n in zip(self.params, self._base.names, strict=True) if not p.requires_grad]
         else:
@@ -712,23 +719,79 @@ class Instrumentation:
             out.append({"index": k, "missing": missing, "launched": launched})
         return out
 
-    @staticmethod
-    def _time_buffer_broadcasts(ddp: DistributedDataParallel) -> None:
-        """Count torch's buffer broadcast before each forward as time blocked in a collective (see
-        ``collectives.BlockedTime``): it runs in C++, out of the recorder's sight, and a rank that
-        waits in it for a slow peer would otherwise show that peer's slowness as its own forward.
-        An instance attribute over torch's method, which ``remove_hooks`` deletes again."""
+    def _record_buffer_broadcasts(self, ddp: DistributedDataParallel) -> None:
+        """Record torch's buffer broadcast (at the start of each forward; under ``Join`` also its final
+        model sync), which runs in C++ on the model's group, out of the recorder's sight, and count it
+        as time blocked in a collective (``collectives.BlockedTime``): a rank that waits there for a
+        slow peer would otherwise show that peer's slowness as its own forward. An instance attribute
+        over torch's method, which ``remove_hooks`` deletes again."""
         original = ddp._distributed_broadcast_coalesced
+        pg = self._pg
 
         @functools.wraps(original)
-        def timed(*args: Any, **kwargs: Any) -> Any:
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            seq = self._begin_broadcast(args, kwargs)
             called_ns = now_ns()
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
+            except Exception as e:
+                RECORDER.end(pg, seq, ok=False, error=str(e))
+                raise
             finally:
                 RECORDER.blocked_time().ns += now_ns() - called_ns
+            RECORDER.end(pg, seq)
+            return result
 
-        ddp._distributed_broadcast_coalesced = timed  # type: ignore[method-assign]
+        ddp._distributed_broadcast_coalesced = recorded  # type: ignore[method-assign]
+
+    def _begin_broadcast(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """Number and record one call of torch's ``_distributed_broadcast_coalesced(tensors,
+        buffer_size, authoritative_rank=0)`` as the engine records its own buffer broadcast
+        (``ddp/broadcast.py``): the tensors flattened per dtype, as the wire carries them."""
+        try:
+            tensors = args[0] if args else kwargs["tensors"]
+            src = args[2] if len(args) > 2 else kwargs.get("authoritative_rank", 0)
+            numels: dict[torch.dtype, int] = {}
+            for t in tensors:
+                numels[t.dtype] = numels.get(t.dtype, 0) + t.numel()
+            root = torch.distributed.get_global_rank(self._group, src)
+        except Exception:
+            logger.warning("ddpscope: reading torch's buffer broadcast failed", exc_info=True)
+            numels, root = {}, None
+        return RECORDER.begin(
+            self._pg,
+            "broadcast",
+            (),
+            shapes=[[n] for n in numels.values()],
+            dtypes=[dtype_name(d) for d in numels],
+            source="engine",
+            step=self._step if self._forwarding else None,
+            root=root,
+        )
+
+    def _reducer_broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        """torch's Reducer broadcasts rank 0's rebuilt bucket indices (in the forward after the
+        gradient order was recorded): recorded as the engine records its own, then run on the real
+        group. Called from C++ through ``ObservedGroup``; launched exactly once whatever goes wrong
+        in the bookkeeping around it."""
+        group = self._group
+        try:
+            root = torch.distributed.get_global_rank(group, opts.rootRank)
+            step = self._step if self._forwarding else None
+            seq = RECORDER.begin(self._pg, "broadcast", tuple(tensors), source="engine", step=step, root=root)
+        except Exception:
+            logger.warning("ddpscope: recording a broadcast of torch's Reducer failed", exc_info=True)
+            return group.broadcast(tensors, opts)
+        try:
+            work = group.broadcast(tensors, opts)
+        except Exception as e:
+            RECORDER.end(self._pg, seq, ok=False, error=str(e))
+            raise
+        try:
+            self._watch(work, seq, None)
+        except Exception:
+            logger.warning("ddpscope: recording a broadcast of torch's Reducer failed", exc_info=True)
+        return work
 
     def _watch_join(self, ddp: DistributedDataParallel) -> None:
         """Under torch's ``Join``, a rank out of data shadows its peers' steps without counting their syncs, so

@@ -8,7 +8,8 @@ it copies them into their bucket, so a hook must scale the whole bucket in one m
 takes the GIL three times per bucket (hook, ``then`` callback on a gloo thread, reading the result).
 Here torch keeps its own fused path and ``allreduce`` is one Python call per bucket.
 
-``allreduce`` goes to the observer. Every other collective torch's trampoline lets Python override
+``allreduce`` goes to the observer, ``broadcast`` (the rebuild's bucket indices) to the broadcast
+observer when one is given. Every other collective torch's trampoline lets Python override
 is passed to the real group from Python too, never left to the base class: the trampoline calls the
 base class with the GIL held, and gloo's worker thread may need the GIL while it holds the lock its
 queue takes (it frees a finished Work there), so a collective reaching gloo that way can deadlock
@@ -27,21 +28,31 @@ import torch.distributed as dist
 
 AllreduceObserver = Callable[[list[torch.Tensor], Any], Any]
 """(tensors, AllreduceOptions) -> Work: runs the all-reduce on the real group and returns its Work."""
+BroadcastObserver = Callable[[list[torch.Tensor], Any], Any]
+"""(tensors, BroadcastOptions) -> Work: runs the broadcast on the real group and returns its Work."""
 
 
 class ObservedGroup(dist.ProcessGroup):
     """``inner`` as seen by torch's Reducer, with its all-reduces handed to ``observer``."""
 
-    def __init__(self, inner: dist.ProcessGroup, observer: AllreduceObserver) -> None:
+    def __init__(
+        self,
+        inner: dist.ProcessGroup,
+        observer: AllreduceObserver,
+        broadcast_observer: BroadcastObserver | None = None,
+    ) -> None:
         # torch's stub lists only the (store, rank, size) overload; pybind also has (rank, size).
         super().__init__(inner.rank(), inner.size())  # type: ignore[call-arg]
         self.inner = inner
         self._observer = observer
+        self._broadcast_observer = broadcast_observer
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]  # torch's C++ signature
         return self._observer(tensors, opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
+        if self._broadcast_observer is not None:
+            return self._broadcast_observer(tensors, opts)
         return self.inner.broadcast(tensors, opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]

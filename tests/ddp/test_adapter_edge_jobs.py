@@ -213,8 +213,14 @@ def test_uneven_inputs_under_torchs_join_train_as_uninstrumented_and_raise_no_in
     assert colls[0].keys() == colls[1].keys()
     shadows = [c for c in colls[0].values() if c["source"] == "join" and c["shapes"] != [[1]]]
     assert len(shadows) == 3 and all(c["step"] is None for c in shadows)  # rank 0 shadows 3 steps' buckets
+    # torch's buffer broadcast before each of rank 1's 8 forwards (shadowed by rank 0 after its 3) and the
+    # rebuild's 2 index broadcasts run in C++: recorded alike on both sides, from the rank still training.
+    broadcasts = [seq for seq, c in colls[1].items() if c["op"] == "broadcast"]
+    assert len(broadcasts) == 10, colls[1]
+    assert all(colls[0][seq]["shapes"] == colls[1][seq]["shapes"] for seq in broadcasts)
+    assert [colls[0][seq]["root"] for seq in broadcasts].count(1) == 8
     # The join handshake is the Join's on both sides, from different lines of the script.
-    handshakes = [seq for seq, c in colls[1].items() if c["shapes"] == [[1]]]
+    handshakes = [seq for seq, c in colls[1].items() if c["op"] == "all_reduce" and c["shapes"] == [[1]]]
     assert handshakes and all(colls[r][seq]["source"] == "join" for seq in handshakes for r in (0, 1))
     assert any(colls[0][seq]["call_site"] != colls[1][seq]["call_site"] for seq in handshakes)
     every = [r for rank in (0, 1) for r in records[rank]]
