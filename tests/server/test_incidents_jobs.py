@@ -1,8 +1,11 @@
 """The diagnosis on real failures: 2-rank gloo jobs with ddpscope's engine stream to a real collector,
-and its incidents endpoint must name the culprit rank, the call site or the parameters.
+and its incidents endpoint must name the culprit rank, the call site or the parameters. The failures
+are run again with torch's own DDP observed by ``instrument()`` (issue 7: the watchdog, the recorder and
+the incidents work the same as with the engine), against a second collector started after the first
+batch, so the two batches do not load the 2 cores at once.
 
-This file is also the rank script (``python test_incidents_jobs.py SCENARIO STEPS``, run once per rank
-by the tests below; torch is imported only there). Every job has a deadline and every rank is killed by
+This file is also the rank script (``python test_incidents_jobs.py SCENARIO STEPS ENGINE``, run once
+per rank by the tests below; torch is imported only there). Every job has a deadline and every rank is killed by
 pid when its test ends (a SIGSTOPped rank included).
 """
 
@@ -28,13 +31,13 @@ FAULT_STEP = 3
 # ------------------------------------------------------------------------------------- the rank script
 
 
-def rank_main(scenario: str, steps: int) -> None:  # pragma: no cover - runs in the rank processes
+def rank_main(scenario: str, steps: int, engine: str) -> None:  # pragma: no cover - runs in the ranks
     import torch
     import torch.distributed as dist
     from torch import nn
 
     from ddpscope.agent import get_agent
-    from ddpscope.ddp import DistributedDataParallel, collectives
+    from ddpscope.ddp import DistributedDataParallel, collectives, instrument
     from ddpscope.ddp.errors import install_error_hooks
     from ddpscope.ddp.watchdog import start_watchdog
 
@@ -53,9 +56,11 @@ def rank_main(scenario: str, steps: int) -> None:  # pragma: no cover - runs in 
             self.head = nn.Linear(32, 4)
             self.aux = nn.Linear(32, 4)
             self.use_aux = True
+            # Buffers, which DDP broadcasts from rank 0 at the start of every forward.
+            self.norm = nn.BatchNorm1d(32) if scenario == "stuck" else nn.Identity()
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = torch.relu(self.body(x))
+            h = torch.relu(self.norm(self.body(x)))
             return self.head(h) + self.aux(h) if self.use_aux else self.head(h)
 
     def reduce_sum(t: torch.Tensor) -> None:
@@ -65,7 +70,11 @@ def rank_main(scenario: str, steps: int) -> None:  # pragma: no cover - runs in 
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # SITE:max
 
     net = Net()
-    model = DistributedDataParallel(net, find_unused_parameters=scenario == "unused")
+    unused = scenario == "unused"
+    if engine == "torch":
+        model: nn.Module = instrument(nn.parallel.DistributedDataParallel(net, find_unused_parameters=unused))
+    else:
+        model = DistributedDataParallel(net, find_unused_parameters=unused)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(8, 16), torch.randn(8, 4)
     for step in range(steps):
@@ -73,6 +82,8 @@ def rank_main(scenario: str, steps: int) -> None:  # pragma: no cover - runs in 
             a, b = torch.ones(4), torch.ones(4)
             if scenario == "sigstop" and rank == 1:
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif scenario == "stuck" and rank == 1:
+                time.sleep(300)  # alive, beating, stuck (a deadlocked data loader)  # SITE:stuck
             elif scenario == "sigkill" and rank == 1:
                 get_agent().force_flush(2.0)
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -84,7 +95,7 @@ def rank_main(scenario: str, steps: int) -> None:  # pragma: no cover - runs in 
                     reduce(a if reduce is reduce_sum else b)
             elif scenario == "shapes":
                 dist.all_reduce(torch.ones(4 + rank))  # SITE:shapes
-            elif scenario == "unused" and rank == 1:
+            elif scenario in ("unused", "skipped") and rank == 1:
                 net.use_aux = False
             elif scenario == "early_exit" and rank == 1:
                 sys.exit(0)  # its loop ends early (a shorter data shard, a rank-dependent break)
@@ -101,7 +112,7 @@ def rank_main(scenario: str, steps: int) -> None:  # pragma: no cover - runs in 
 
 
 if __name__ == "__main__":  # pragma: no cover
-    rank_main(sys.argv[1], int(sys.argv[2]))
+    rank_main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
     sys.exit(0)
 
 
@@ -117,15 +128,23 @@ SCRIPT = Path(__file__)
 SCENARIOS = (
     "healthy",
     "sigstop",
+    "stuck",
     "sigkill",
     "one_rank_only",
     "order",
     "shapes",
     "unused",
+    "skipped",
     "early_exit",
     "diverged",
     "eval_grad",
 )
+INSTRUMENTED = (
+    "healthy", "sigstop", "stuck", "sigkill", "one_rank_only", "order", "shapes", "unused", "skipped",
+    "early_exit", "diverged",
+)  # fmt: skip
+"""The scenarios run again under torch's DDP with ``instrument()``: every failure issue 5 names, a rank
+leaving its loop early and a replica that diverged."""
 WAIT_S = 90.0
 """Deadline for one diagnosis to show up; all the jobs run at once on a 2-core machine."""
 
@@ -185,20 +204,21 @@ class Job:
         return out
 
 
-def launch(url: str, scenario: str, job_id: str, spool_dir: Path) -> Job:
-    """Start the 2 ranks of ``scenario`` streaming to ``url`` as job ``job_id``."""
+def launch(url: str, scenario: str, job_id: str, spool_dir: Path, engine: str = "ddpscope") -> Job:
+    """Start the 2 ranks of ``scenario`` streaming to ``url`` as job ``job_id``, training with
+    ``engine`` ("ddpscope", or "torch": torch's DDP observed by ``instrument()``)."""
     env = {
         "DDPSCOPE_URL": url,
         "DDPSCOPE_JOB": job_id,
         # Short only where a hang is the point: elsewhere a busy machine must not look hung.
-        "DDPSCOPE_HANG_TIMEOUT": "2" if scenario == "sigstop" else "60",
+        "DDPSCOPE_HANG_TIMEOUT": "2" if scenario in ("sigstop", "stuck") else "60",
         "DDPSCOPE_HEARTBEAT_S": "0.5",
         "DDPSCOPE_SPOOL_DIR": str(spool_dir),
     }
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(SCRIPT), scenario, "6"],
+            [sys.executable, str(SCRIPT), scenario, "6", engine],
             env=rank_env(rank, 2, port, env),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -210,18 +230,17 @@ def launch(url: str, scenario: str, job_id: str, spool_dir: Path) -> Job:
     return Job(url, job_id, procs)
 
 
-@pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Job]]:
+@contextlib.contextmanager
+def running(tmp: Path, scenarios: tuple[str, ...], engine: str = "ddpscope") -> Iterator[dict[str, Job]]:
     """Every scenario's job, started at once against one real collector (the waits overlap). Tests
     may add jobs (key ``name``) with ``launch``: they are killed here too."""
-    tmp = tmp_path_factory.mktemp("incident-jobs")
     started: dict[str, Job] = {}
     with CollectorProc(f"sqlite:///{tmp / 'ddpscope.db'}", log_path=tmp / "collector.log") as collector:
         url = collector.start()
         try:
-            for scenario in SCENARIOS:
-                job_id = f"{scenario}-{uuid.uuid4().hex[:6]}"
-                started[scenario] = launch(url, scenario, job_id, tmp / "spool" / scenario)
+            for scenario in scenarios:
+                job_id = f"{engine}-{scenario}-{uuid.uuid4().hex[:6]}"
+                started[scenario] = launch(url, scenario, job_id, tmp / "spool" / scenario, engine)
             yield started
         finally:
             for j in started.values():
@@ -230,6 +249,22 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Job]]:
                 for p in j.procs:
                     with contextlib.suppress(Exception):
                         p.communicate(timeout=10)
+
+
+@pytest.fixture(scope="module", params=["ddpscope", "torch"])
+def jobs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Job]]:
+    """Every scenario under ddpscope's engine, then (pytest groups the tests by this module-scoped
+    parameter, so one batch ends before the next starts) the ``INSTRUMENTED`` ones under torch's DDP."""
+    engine = request.param
+    scenarios = SCENARIOS if engine == "ddpscope" else INSTRUMENTED
+    with running(tmp_path_factory.mktemp(f"{engine}-jobs"), scenarios, engine) as started:
+        yield started
+
+
+engine_only = pytest.mark.parametrize("jobs", ["ddpscope"], indirect=True)
+"""A scenario that is about the engine, or that ``INSTRUMENTED`` leaves out."""
 
 
 def kind(incidents: list[dict[str, Any]], k: str) -> list[dict[str, Any]]:
@@ -243,6 +278,7 @@ def test_a_healthy_real_job_gets_no_incident_and_finishes(jobs: dict[str, Job]) 
     assert j.incidents() == []
 
 
+@engine_only
 def test_an_extra_forward_on_one_rank_shifts_its_step_numbers_but_raises_nothing(
     jobs: dict[str, Job],
 ) -> None:
@@ -258,6 +294,24 @@ def test_a_sigstopped_rank_is_named_as_the_silent_culprit_of_the_hang(jobs: dict
     hangs = j.wait_for("rank 0 hang", lambda inc: [h for h in kind(inc, "hang") if h["rank"] == 0])
     assert [s["culprit_ranks"] for s in silent] == [[1]]
     assert 1 in hangs[0]["culprit_ranks"] and hangs[0]["stack"]
+    assert j.status() == "hung"
+
+
+def test_a_rank_stuck_before_forward_is_the_culprit_of_its_peers_wait_in_the_buffer_broadcast(
+    jobs: dict[str, Job],
+) -> None:
+    # Under instrument() that broadcast runs in torch's C++: recorded all the same, or no rank would be
+    # seen waiting in a collective, and two ranks each stalled "in their own code" are no hang.
+    j = jobs["stuck"]
+    (wait,) = j.wait_for(
+        "rank 0's wait", lambda inc: [h for h in kind(inc, "hang") if h["rank"] == 0 and h["culprit_ranks"]]
+    )
+    assert wait["culprit_ranks"] == [1] and wait["step"] == FAULT_STEP, wait
+    assert "in broadcast" in wait["message"] and "phase forward" in wait["message"], wait
+    (missing,) = j.wait_for("the broadcast rank 1 never issued", lambda inc: kind(inc, "missing_collective"))
+    assert missing["culprit_ranks"] == [1] and missing["seq"] == wait["seq"], missing
+    (own,) = j.wait_for("rank 1's own report", lambda inc: [h for h in kind(inc, "hang") if h["rank"] == 1])
+    assert own["culprit_ranks"] == [1] and site("stuck") in own["message"], own
     assert j.status() == "hung"
 
 
@@ -304,6 +358,19 @@ def test_parameters_unused_on_one_rank_are_named_with_that_rank(jobs: dict[str, 
     assert u[0]["bucket"] is not None
 
 
+def test_parameters_one_rank_skipped_without_find_unused_parameters_are_named_with_that_rank(
+    jobs: dict[str, Job],
+) -> None:
+    # The engine raises at the end of that backward on every rank; torch on the skipping rank only, in its
+    # next forward, naming parameter indices: the diagnosis is the same.
+    j = jobs["skipped"]
+    u = j.wait_for("aux skipped on rank 1", lambda inc: kind(inc, "unused_parameters"))
+    assert u[0]["culprit_ranks"] == [1], u
+    assert sorted(u[0]["parameters"]) == ["aux.bias", "aux.weight"], u
+    j.wait_exit()
+    j.wait_for("failed", lambda _: j.status() == "failed")
+
+
 def test_a_rank_that_exits_cleanly_while_its_peer_trains_on_is_the_culprit(jobs: dict[str, Job]) -> None:
     j = jobs["early_exit"]
     j.wait_exit()
@@ -330,6 +397,7 @@ def test_a_checkpoint_loaded_on_one_rank_after_wrapping_is_caught_as_diverged_re
     assert j.status() == "finished"
 
 
+@engine_only
 def test_a_crashed_job_restarted_under_the_same_id_is_healthy_and_keeps_the_crash_as_history(
     jobs: dict[str, Job], tmp_path: Path
 ) -> None:
