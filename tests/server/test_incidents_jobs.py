@@ -141,10 +141,10 @@ SCENARIOS = (
 )
 INSTRUMENTED = (
     "healthy", "sigstop", "stuck", "sigkill", "one_rank_only", "order", "shapes", "unused", "skipped",
-    "early_exit", "diverged",
+    "early_exit", "diverged", "eval_grad",
 )  # fmt: skip
-"""The scenarios run again under torch's DDP with ``instrument()``: every failure issue 5 names, a rank
-leaving its loop early and a replica that diverged."""
+"""The scenarios run again under torch's DDP with ``instrument()``: all of them (every failure issue 5
+names, a rank leaving its loop early, a replica that diverged, an extra forward on one rank)."""
 WAIT_S = 90.0
 """Deadline for one diagnosis to show up; all the jobs run at once on a 2-core machine."""
 
@@ -278,7 +278,6 @@ def test_a_healthy_real_job_gets_no_incident_and_finishes(jobs: dict[str, Job]) 
     assert j.incidents() == []
 
 
-@engine_only
 def test_an_extra_forward_on_one_rank_shifts_its_step_numbers_but_raises_nothing(
     jobs: dict[str, Job],
 ) -> None:
