@@ -139,12 +139,6 @@ SCENARIOS = (
     "diverged",
     "eval_grad",
 )
-INSTRUMENTED = (
-    "healthy", "sigstop", "stuck", "sigkill", "one_rank_only", "order", "shapes", "unused", "skipped",
-    "early_exit", "diverged", "eval_grad",
-)  # fmt: skip
-"""The scenarios run again under torch's DDP with ``instrument()``: all of them (every failure issue 5
-names, a rank leaving its loop early, a replica that diverged, an extra forward on one rank)."""
 WAIT_S = 90.0
 """Deadline for one diagnosis to show up; all the jobs run at once on a 2-core machine."""
 
@@ -165,8 +159,8 @@ def get_json(url: str) -> Any:
 class Job:
     """A running 2-rank job and what the collector says about it."""
 
-    def __init__(self, url: str, job: str, procs: list[subprocess.Popen[str]]) -> None:
-        self.url, self.job, self.procs = url, job, procs
+    def __init__(self, url: str, job: str, procs: list[subprocess.Popen[str]], engine: str) -> None:
+        self.url, self.job, self.procs, self.engine = url, job, procs, engine
 
     def incidents(self) -> list[dict[str, Any]]:
         return list(get_json(f"{self.url}/api/v1/jobs/{self.job}/incidents")["items"])
@@ -227,7 +221,7 @@ def launch(url: str, scenario: str, job_id: str, spool_dir: Path, engine: str = 
         )  # fmt: skip
         for rank in range(2)
     ]
-    return Job(url, job_id, procs)
+    return Job(url, job_id, procs, engine)
 
 
 @contextlib.contextmanager
@@ -256,15 +250,10 @@ def jobs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Job]]:
     """Every scenario under ddpscope's engine, then (pytest groups the tests by this module-scoped
-    parameter, so one batch ends before the next starts) the ``INSTRUMENTED`` ones under torch's DDP."""
+    parameter, so one batch ends before the next starts) under torch's DDP with ``instrument()``."""
     engine = request.param
-    scenarios = SCENARIOS if engine == "ddpscope" else INSTRUMENTED
-    with running(tmp_path_factory.mktemp(f"{engine}-jobs"), scenarios, engine) as started:
+    with running(tmp_path_factory.mktemp(f"{engine}-jobs"), SCENARIOS, engine) as started:
         yield started
-
-
-engine_only = pytest.mark.parametrize("jobs", ["ddpscope"], indirect=True)
-"""A scenario that is about the engine, or that ``INSTRUMENTED`` leaves out."""
 
 
 def kind(incidents: list[dict[str, Any]], k: str) -> list[dict[str, Any]]:
@@ -396,7 +385,6 @@ def test_a_checkpoint_loaded_on_one_rank_after_wrapping_is_caught_as_diverged_re
     assert j.status() == "finished"
 
 
-@engine_only
 def test_a_crashed_job_restarted_under_the_same_id_is_healthy_and_keeps_the_crash_as_history(
     jobs: dict[str, Job], tmp_path: Path
 ) -> None:
@@ -404,7 +392,9 @@ def test_a_crashed_job_restarted_under_the_same_id_is_healthy_and_keeps_the_cras
     crashed.wait_exit()
     crashed.wait_for("rank 1 crashed", lambda inc: kind(inc, "rank_crashed"))
     # torchrun --max-restarts: new processes of every rank, same job id.
-    jobs["sigkill-restarted"] = again = launch(crashed.url, "healthy", crashed.job, tmp_path / "spool")
+    jobs["sigkill-restarted"] = again = launch(
+        crashed.url, "healthy", crashed.job, tmp_path / "spool", crashed.engine
+    )
     assert again.wait_exit() == [0, 0], again.logs()
     again.wait_for("finished", lambda _: again.status() == "finished")
     incidents = again.incidents()
