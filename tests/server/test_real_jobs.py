@@ -1,5 +1,6 @@
-"""Real 4-rank gloo jobs with ddpscope's engine stream to a real collector process; the API must
-describe them: every step of every rank, one clock, and stragglers only where there is one."""
+"""Real 4-rank gloo jobs with ddpscope's engine (and one with torch's DDP under ``instrument()``) stream
+to a real collector process; the API must describe them: every step of every rank, one clock, and
+stragglers only where there is one."""
 
 from __future__ import annotations
 
@@ -31,13 +32,21 @@ def _wait_for_steps(url: str, job: str, expected: int, deadline_s: float) -> lis
         time.sleep(0.5)
 
 
-def _run_jobs(url: str, tmp_path: Path, jobs: dict[str, list[str]]) -> dict[str, str]:
+def _run_jobs(
+    url: str, tmp_path: Path, jobs: dict[str, list[str]], engine: str = "ddpscope"
+) -> dict[str, str]:
     """Run each named job (``train.py`` arguments after STEPS) as a 4-rank job, all at once, to the
-    end; wait until the collector holds every step of every rank. Returns name -> job id."""
+    end, under ``engine`` (see ``train.py``); wait until the collector holds every step of every rank.
+    Returns name -> job id."""
     ids = {name: f"{name}-{uuid.uuid4().hex[:6]}" for name in jobs}
     running = {}
     for name, extra in jobs.items():
-        env = {"DDPSCOPE_URL": url, "DDPSCOPE_JOB": ids[name], "DDPSCOPE_SPOOL_DIR": str(tmp_path / name)}
+        env = {
+            "DDPSCOPE_URL": url,
+            "DDPSCOPE_JOB": ids[name],
+            "DDPSCOPE_SPOOL_DIR": str(tmp_path / name),
+            "TRAIN_ENGINE": engine,
+        }
         running[name] = started_ranks(SCRIPT, WORLD, args=[str(STEPS), *extra], env=env)
     procs = {name: ctx.__enter__() for name, ctx in running.items()}
     try:
@@ -80,14 +89,22 @@ def test_real_jobs_healthy_flags_nobody_and_a_slow_rank_is_flagged_alone(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("syncs", ["", "buffers,loss"], ids=["plain", "batchnorm-and-loss-all-reduce"])
-def test_a_real_rank_with_a_slow_data_loader_is_flagged_alone_between_steps(tmp_path, syncs):
+@pytest.mark.parametrize(
+    ("syncs", "engine"),
+    [("", "ddpscope"), ("buffers,loss", "ddpscope"), ("buffers,loss", "torch")],
+    ids=["plain", "batchnorm-and-loss-all-reduce", "batchnorm-and-loss-all-reduce-under-instrument"],
+)
+def test_a_real_rank_with_a_slow_data_loader_is_flagged_alone_between_steps(tmp_path, syncs, engine):
     # Rank 1 sleeps before each forward, outside the model: its compute is as fast as anyone's, and
     # the other ranks show the time as all-reduce wait. With BatchNorm they wait in the buffer
     # broadcast before forward instead, inside their own forward, and a loss all-reduce after each
-    # step syncs them again: that waiting must not count as their own work.
+    # step syncs them again: that waiting must not count as their own work. Under instrument() the
+    # buffer broadcast is torch's own, in C++.
     with live_collector(f"sqlite:///{tmp_path / 'c.db'}") as url:
-        ids = _run_jobs(url, tmp_path, {"loader": ["1", "loader", syncs] if syncs else ["1", "loader"]})
+        args = ["1", "loader", syncs] if syncs else ["1", "loader"]
+        ids = _run_jobs(url, tmp_path, {"loader": args}, engine)
         slow = httpx.get(f"{url}/api/v1/jobs/{ids['loader']}/stragglers", timeout=30).json()["items"]
+        detail = httpx.get(f"{url}/api/v1/jobs/{ids['loader']}", timeout=30).json()
+    assert {r["engine"] for r in detail["ranks"]} == {engine}, detail
     assert [s["rank"] for s in slow if s["flagged"]] == [1], slow
     assert next(s for s in slow if s["rank"] == 1)["phase"] == "between_steps"

@@ -10,6 +10,9 @@ SYNC adds what real loops do that makes the fast ranks wait for the slow one som
 gradient all-reduce: ``loss`` all-reduces the loss after the optimizer step (for logging), ``subgroup``
 does that on a group of ranks 0 and 1 only, ``buffers`` gives the model a BatchNorm whose buffers the
 engine broadcasts from rank 0 before every forward.
+
+TRAIN_ENGINE=torch in the environment trains with torch's DDP observed by ``ddpscope.ddp.instrument()``
+instead of ddpscope's engine.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpscope import agent
-from ddpscope.ddp import DistributedDataParallel
+from ddpscope.ddp import DistributedDataParallel, instrument
 
 BASE_SLEEP_S = 0.02
 EXTRA_SLEEP_S = 0.012  # about +50 % of a step on this machine
@@ -47,7 +50,10 @@ def main() -> None:
     pause = BASE_SLEEP_S + (0.0 if slow_loader else extra)
     loader_pause = extra if slow_loader else 0.0
     net[0].register_forward_pre_hook(lambda *_: time.sleep(pause))
-    model = DistributedDataParallel(net, bucket_cap_mb=0.05)
+    if os.environ.get("TRAIN_ENGINE") == "torch":
+        model: nn.Module = instrument(nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.05))
+    else:
+        model = DistributedDataParallel(net, bucket_cap_mb=0.05)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for _ in range(steps):
         opt.zero_grad()
