@@ -730,7 +730,11 @@ class Instrumentation:
 
         @functools.wraps(original)
         def recorded(*args: Any, **kwargs: Any) -> Any:
-            seq = self._begin_broadcast(args, kwargs)
+            # torch's signature: (tensors, buffer_size, authoritative_rank=0)
+            tensors = args[0] if args else kwargs.get("tensors", ())
+            seq = self._begin_broadcast(
+                tensors, args[2] if len(args) > 2 else kwargs.get("authoritative_rank", 0)
+            )
             called_ns = now_ns()
             try:
                 result = original(*args, **kwargs)
@@ -744,19 +748,17 @@ class Instrumentation:
 
         ddp._distributed_broadcast_coalesced = recorded  # type: ignore[method-assign]
 
-    def _begin_broadcast(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-        """Number and record one call of torch's ``_distributed_broadcast_coalesced(tensors,
-        buffer_size, authoritative_rank=0)`` as the engine records its own buffer broadcast
-        (``ddp/broadcast.py``): the tensors flattened per dtype, as the wire carries them."""
+    def _begin_broadcast(self, tensors: Any, src: int) -> int:
+        """Number and record a broadcast torch's DDP issues in C++ from group rank ``src``, as the engine
+        records its own (``ddp/broadcast.py``): the tensors flattened per dtype, as the wire carries
+        them, and a step while a training forward runs. Never raises."""
         try:
-            tensors = args[0] if args else kwargs["tensors"]
-            src = args[2] if len(args) > 2 else kwargs.get("authoritative_rank", 0)
             numels: dict[torch.dtype, int] = {}
             for t in tensors:
                 numels[t.dtype] = numels.get(t.dtype, 0) + t.numel()
             root = torch.distributed.get_global_rank(self._group, src)
         except Exception:
-            logger.warning("ddpscope: reading torch's buffer broadcast failed", exc_info=True)
+            logger.warning("ddpscope: reading a broadcast of torch's DDP failed", exc_info=True)
             numels, root = {}, None
         return RECORDER.begin(
             self._pg,
@@ -774,16 +776,9 @@ class Instrumentation:
         gradient order was recorded): recorded as the engine records its own, then run on the real
         group. Called from C++ through ``ObservedGroup``; launched exactly once whatever goes wrong
         in the bookkeeping around it."""
-        group = self._group
+        seq = self._begin_broadcast(tensors, opts.rootRank)
         try:
-            root = torch.distributed.get_global_rank(group, opts.rootRank)
-            step = self._step if self._forwarding else None
-            seq = RECORDER.begin(self._pg, "broadcast", tuple(tensors), source="engine", step=step, root=root)
-        except Exception:
-            logger.warning("ddpscope: recording a broadcast of torch's Reducer failed", exc_info=True)
-            return group.broadcast(tensors, opts)
-        try:
-            work = group.broadcast(tensors, opts)
+            work = self._group.broadcast(tensors, opts)
         except Exception as e:
             RECORDER.end(self._pg, seq, ok=False, error=str(e))
             raise

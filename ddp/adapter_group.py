@@ -33,7 +33,8 @@ BroadcastObserver = Callable[[list[torch.Tensor], Any], Any]
 
 
 class ObservedGroup(dist.ProcessGroup):
-    """``inner`` as seen by torch's Reducer, with its all-reduces handed to ``observer``."""
+    """``inner`` as seen by torch's Reducer, with its all-reduces handed to ``observer`` (and its
+    broadcasts to ``broadcast_observer``, if given)."""
 
     def __init__(
         self,

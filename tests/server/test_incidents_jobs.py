@@ -224,15 +224,21 @@ def launch(url: str, scenario: str, job_id: str, spool_dir: Path, engine: str = 
     return Job(url, job_id, procs, engine)
 
 
-@contextlib.contextmanager
-def running(tmp: Path, scenarios: tuple[str, ...], engine: str = "ddpscope") -> Iterator[dict[str, Job]]:
-    """Every scenario's job, started at once against one real collector (the waits overlap). Tests
-    may add jobs (key ``name``) with ``launch``: they are killed here too."""
+@pytest.fixture(scope="module", params=["ddpscope", "torch"])
+def jobs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Job]]:
+    """Every scenario's job under ddpscope's engine, then (pytest groups the tests by this module-scoped
+    parameter, so one batch ends before the next starts) under torch's DDP with ``instrument()``; each
+    batch started at once against one real collector (the waits overlap). Tests may add jobs (key
+    ``name``) with ``launch``: they are killed here too."""
+    engine = request.param
+    tmp = tmp_path_factory.mktemp(f"{engine}-jobs")
     started: dict[str, Job] = {}
     with CollectorProc(f"sqlite:///{tmp / 'ddpscope.db'}", log_path=tmp / "collector.log") as collector:
         url = collector.start()
         try:
-            for scenario in scenarios:
+            for scenario in SCENARIOS:
                 job_id = f"{engine}-{scenario}-{uuid.uuid4().hex[:6]}"
                 started[scenario] = launch(url, scenario, job_id, tmp / "spool" / scenario, engine)
             yield started
@@ -243,17 +249,6 @@ def running(tmp: Path, scenarios: tuple[str, ...], engine: str = "ddpscope") -> 
                 for p in j.procs:
                     with contextlib.suppress(Exception):
                         p.communicate(timeout=10)
-
-
-@pytest.fixture(scope="module", params=["ddpscope", "torch"])
-def jobs(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, Job]]:
-    """Every scenario under ddpscope's engine, then (pytest groups the tests by this module-scoped
-    parameter, so one batch ends before the next starts) under torch's DDP with ``instrument()``."""
-    engine = request.param
-    with running(tmp_path_factory.mktemp(f"{engine}-jobs"), SCENARIOS, engine) as started:
-        yield started
 
 
 def kind(incidents: list[dict[str, Any]], k: str) -> list[dict[str, Any]]:
