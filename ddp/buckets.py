@@ -8,6 +8,7 @@ reaches its size limit (the first limit for the first bucket of each key, then t
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,7 +107,9 @@ class Bucket:
         "_slots",
         "_numel",
         "_lent",
+        "_loans",
         "_own_refs",
+        "_storage",
     )
 
     def __init__(
@@ -149,8 +152,12 @@ class Bucket:
             self.views.append(self.buffer[offset : offset + n].view(shape))
             offset += n
         self.status = self.buffer[offset:] if self._slots else None
-        self._own_refs = _storage_refs(self.buffer)
-        """How many references this bucket itself holds to its memory (the buffer and its views)."""
+        self._loans: list[torch.Tensor | None] = [None] * len(self._shapes)
+        """The tensor lent at each position, kept to be lent again while nobody else holds it: making
+        one costs ~40 us with the caches cold from backward, checking one ~2 us."""
+        self._storage = _storage_handle(self.buffer)
+        self._own_refs = _storage_refs(self._storage)
+        """How many references this bucket itself holds to its memory (the buffer, its views, its loans)."""
 
     def lend(self, pos: int) -> torch.Tensor:
         """The reduced gradient at ``pos`` as a tensor of its own on this buffer's memory.
@@ -159,11 +166,17 @@ class Bucket:
         as on any gradient. Once a position is lent, call ``reclaim`` before the buffer is written
         again: the lent memory belongs to the gradient until nothing refers to it any more.
         """
-        view = self.views[pos]
         self._lent = True
-        return torch.empty(0, dtype=self.dtype, device=self.device).set_(
-            self.buffer.untyped_storage(), view.storage_offset(), view.shape, view.stride()
-        )
+        loan = self._loans[pos]
+        if loan is None:
+            view = self.views[pos]
+            loan = torch.empty(0, dtype=self.dtype, device=self.device).set_(
+                self.buffer.untyped_storage(), view.storage_offset(), view.shape, view.stride()
+            )
+            if _CAN_KEEP_LOANS:
+                self._loans[pos] = loan
+                self._own_refs += 1
+        return loan
 
     def reclaim(self) -> None:
         """Make the buffer this bucket's own again before a backward writes it, after ``lend``.
@@ -178,7 +191,7 @@ class Bucket:
         if not self._lent:
             return
         self._lent = False
-        if _storage_refs(self.buffer) != self._own_refs:
+        if _storage_refs(self._storage) != self._own_refs or not _loans_free(self._loans):
             self._allocate(torch.empty)
 
     def to_wire(self) -> dict[str, Any]:
@@ -192,13 +205,42 @@ class Bucket:
         }
 
 
-def _storage_refs(tensor: torch.Tensor) -> int:
-    """How many tensors and storages share ``tensor``'s memory (-1 when this torch cannot tell, which
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _storage_handle(tensor: torch.Tensor) -> int | None:
+    """What ``_storage_refs`` asks torch about: the storage's address, stable while the buffer lives
+    (read once: each ``untyped_storage()`` makes a Python object)."""
+    return int(tensor.untyped_storage()._cdata) if _USE_COUNT is not None else None
+
+
+def _storage_refs(storage: int | None) -> int:
+    """How many tensors and storages share a buffer's memory (-1 when this torch cannot tell, which
     ``Bucket.reclaim`` reads as "someone else": a new buffer, never memory a gradient still uses)."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:
+    if _USE_COUNT is None or storage is None:
         return -1
-    return int(use_count(tensor.untyped_storage()._cdata))
+    return int(_USE_COUNT(storage))
+
+
+def _loan_refs(loans: list[torch.Tensor | None]) -> list[int]:
+    """Python references to each kept loan, counted from this same code (see ``_FREE_LOAN_REFS``)."""
+    return [sys.getrefcount(loan) for loan in loans if loan is not None]
+
+
+_CAN_KEEP_LOANS = hasattr(torch.Tensor, "_use_count") and _USE_COUNT is not None
+"""torch tells how many C++ references a tensor has: a lent tensor can be kept and lent again."""
+_FREE_LOAN_REFS = _loan_refs([torch.empty(0)])[0]
+"""What ``_loan_refs`` counts for a tensor only its list holds, measured on this interpreter rather
+than assumed (the count of references a call itself adds differs between Python versions)."""
+
+
+def _loans_free(loans: list[torch.Tensor | None]) -> bool:
+    """Nobody but the bucket holds its kept loans: no Python reference besides the bucket's, no C++
+    one (a ``.grad`` slot, autograd) besides each tensor's own Python object's. A view of one counts
+    on the storage instead (``_storage_refs``)."""
+    if any(n != _FREE_LOAN_REFS for n in _loan_refs(loans)):
+        return False
+    return all(loan._use_count() == 1 for loan in loans if loan is not None)
 
 
 def build_buckets(

@@ -210,9 +210,16 @@ class Reducer:
         # A hook on the outputs marks the start of backward and queues the finalizer even when no
         # parameter hook fires on this rank (so an unsynced step is recorded too).
         for t in tensors:
-            t.register_hook(self._on_output_grad)
+            node = t.grad_fn
+            if node is None:
+                t.register_hook(self._on_output_grad)  # an output that is a leaf (a parameter itself)
+            else:
+                # Bound in C++: ~2 us a step, where Tensor.register_hook's Python wrapper costs ~5 us.
+                node.register_prehook(self._on_output_grad)
 
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
+    def _on_output_grad(self, grad: Any) -> None:
+        """A tensor hook (the gradient) or a node pre-hook (a tuple of gradients): either way, the
+        first sign of backward."""
         if not self.queued:
             self._begin_backward()
 

@@ -147,3 +147,39 @@ def test_memory_lent_to_gradients_that_were_dropped_is_taken_back_without_alloca
     assert bucket.buffer.data_ptr() == before
     bucket.reclaim()  # nothing lent since: nothing to do
     assert bucket.buffer.data_ptr() == before
+
+
+def test_a_dropped_loan_is_lent_again_as_the_same_tensor() -> None:
+    params = [torch.zeros(LEND_MIN_BYTES // 4)]
+    (bucket,) = build_buckets([[0]], params, ["w"])
+    first = bucket.lend(0)
+    params[0].grad = first
+    first_id = id(first)
+    del first
+    params[0].grad = None  # zero_grad(set_to_none=True)
+    bucket.reclaim()
+    again = bucket.lend(0)
+    assert id(again) == first_id and again.data_ptr() == bucket.views[0].data_ptr()
+
+
+def test_a_loan_still_attached_as_a_gradient_keeps_its_memory() -> None:
+    params = [torch.zeros(LEND_MIN_BYTES // 4)]
+    (bucket,) = build_buckets([[0]], params, ["w"])
+    bucket.views[0].fill_(1.0)
+    params[0].grad = bucket.lend(0)  # only the .grad slot holds it besides the bucket (no Python name)
+    bucket.reclaim()
+    bucket.views[0].fill_(2.0)
+    assert params[0].grad is not None and params[0].grad.eq(1.0).all()
+    assert bucket.lend(0).data_ptr() != params[0].grad.data_ptr()
+
+
+def test_a_loan_an_autograd_graph_saved_keeps_its_memory() -> None:
+    params = [torch.zeros(LEND_MIN_BYTES // 4)]
+    (bucket,) = build_buckets([[0]], params, ["w"])
+    bucket.views[0].fill_(1.0)
+    x = torch.ones_like(params[0], requires_grad=True)
+    y = (bucket.lend(0) * x).sum()  # the graph holds the loan in C++ only
+    bucket.reclaim()
+    bucket.views[0].fill_(2.0)
+    y.backward()
+    assert x.grad is not None and x.grad.eq(1.0).all()
