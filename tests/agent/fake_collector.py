@@ -67,6 +67,7 @@ class _Handler(BaseHTTPRequestHandler):
         behaviour = c._next_behaviour()
         c.requests.append(behaviour)
         c.request_times.append(time.monotonic())
+        c.bodies.append(body)
         if behaviour == "reset":
             # SO_LINGER 0 then close: the client sees ECONNRESET, not a clean close.
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -128,6 +129,8 @@ class FakeCollector:
         self.duplicates = 0
         self.requests: list[Behaviour] = []
         self.request_times: list[float] = []
+        self.bodies: list[bytes] = []
+        """Every request body as it arrived (gzip or not), in order."""
         self.bad_batches: list[str] = []
         self.unknown_kinds: set[str] = set()
         self.unknown_refusals = 0

@@ -72,6 +72,24 @@ def test_retry_after_is_honoured_before_the_next_attempt(collector, spool_dir) -
     assert collector.request_times[1] - collector.request_times[0] >= 0.9
 
 
+def test_a_batch_the_collector_did_not_take_is_posted_again_as_it_was(collector, spool_dir) -> None:
+    """Retries resend the bytes of the first try, not a batch read and encoded again from the spool,
+    which has grown meanwhile: an outage costs the shipper one encoding, not one per try."""
+    collector.script(("429", 1), 503, "reset")
+    a = configure("spool", collector, spool_dir)
+    agent.emit(heartbeat(0))
+    assert a.flush_local(5.0)
+    assert collector.wait_for(lambda c: len(c.requests) >= 1, timeout_s=10)
+    for i in range(1, 200):  # into the spool while the shipper waits out the Retry-After
+        agent.emit(heartbeat(i))
+    assert a.flush_local(5.0)
+    assert a.force_flush(20.0)
+    assert collector.requests[:4] == [("429", 1), 503, "reset", "ok"]
+    assert len(set(collector.bodies[:4])) == 1, "the batch was posted again byte for byte"
+    assert len(collector.bodies) > 4, "the records spooled during the outage came in a later batch"
+    assert sorted(r["step"] for r in collector.of_kind("heartbeat")) == list(range(200))
+
+
 def test_retry_after_accepts_seconds_and_http_dates_and_is_capped() -> None:
     assert parse_retry_after("2") == 2.0
     assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past: retry now
