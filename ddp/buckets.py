@@ -240,7 +240,7 @@ def _loans_free(loans: list[torch.Tensor | None]) -> bool:
     on the storage instead (``_storage_refs``)."""
     if any(n != _FREE_LOAN_REFS for n in _loan_refs(loans)):
         return False
-    return all(loan._use_count() == 1 for loan in loans if loan is not None)
+    return all(loan._use_count() == 1 for loan in loans if loan is not None)  # type: ignore[attr-defined]  # untyped in torch's stubs
 
 
 def build_buckets(
