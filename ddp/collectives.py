@@ -644,6 +644,7 @@ def reduce_name(red: Any) -> str:
 
 
 RECORDER = CollectiveRecorder()
+"""The process-wide recorder; the engine, the adapter, the patches and the watchdog share it."""
 
 
 def disabled() -> bool:
@@ -656,9 +657,6 @@ def disabled() -> bool:
     except Exception:
         logger.debug("no agent config; reading DDPSCOPE_DISABLED", exc_info=True)
     return os.environ.get("DDPSCOPE_DISABLED", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-"""The process-wide recorder; the engine, the adapter, the patches and the watchdog share it."""
 
 
 def install() -> bool:

@@ -81,12 +81,15 @@ def run_job(steps: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from tests.support.job_end import finish_together
+
     dist.init_process_group("gloo")
     t = torch.ones(16)
     for step in range(steps):
         dist.all_reduce(t)
         agent.emit(step_record(step))
     dist.barrier()
+    finish_together()
     dist.destroy_process_group()
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ddpscope.agent import get_agent
 from ddpscope.ddp import monitor
+from tests.support.job_end import finish_together
 
 
 def main() -> None:
@@ -58,6 +59,7 @@ def main() -> None:
         for _ in range(2):
             model(torch.ones(3, 4)).sum().backward()
     get_agent().force_flush(5.0)
+    finish_together()
     dist.destroy_process_group()
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from tests.ddp.failure_jobs.runner import site
 from tests.support.collector_proc import CollectorProc
-from tests.support.procs import run_ranks
+from tests.support.procs import describe, run_ranks
 
 JOB = Path(__file__).parent / "abort_jobs" / "mismatch_job.py"
 DEADLINE_S = 60.0
@@ -64,7 +64,7 @@ def run_aborting_job(scenario: str, tmp_path: Path) -> tuple[int, list[dict[str,
         }
         try:
             results = run_ranks(JOB, 2, args=[scenario], env=env, timeout_s=DEADLINE_S)
-            output = "\n".join(f"--- rank {r.rank} rc={r.returncode}\n{r.stderr[-2000:]}" for r in results)
+            output = describe(results, tail=2000)
             aborted = [r.rank for r in results if r.returncode == -signal.SIGABRT]
             assert len(aborted) == 1, output  # gloo's enforce aborts the receiving rank only
             (dead,) = aborted

@@ -17,7 +17,7 @@ import pytest
 
 from ddpscope.agent.records import validate_record
 from tests.ddp.failure_jobs.runner import JobRun
-from tests.support.procs import run_ranks
+from tests.support.procs import exited_cleanly, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def run(scenario: str, out: Path, env: dict[str, str] | None = None, world_size:
         for record in records[rank]:
             validate_record(record)
     job = AdapterRun(results, records)
-    assert [r.returncode for r in results] == [0] * world_size, job.output()
+    assert all(exited_cleanly(r) for r in results), job.output()
     job.results_json = {r: json.loads((out / f"rank{r}.json").read_text()) for r in ranks}
     return job
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tests.ddp.failure_jobs.runner import JOBS, JobRun, read_records, site
-from tests.support.procs import run_ranks
+from tests.support.procs import exited_cleanly, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
     out = tmp_path_factory.mktemp("between_steps")
     results = run_ranks(JOB, 2, args=[str(out)], env=ENV, timeout_s=120)
     run = JobRun(results, read_records(out, 2))
-    assert [r.returncode for r in results] == [0, 0], run.output()
+    assert all(exited_cleanly(r) for r in results), run.output()
     return run
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ddpscope.ddp import DistributedDataParallel
+from tests.support.job_end import finish_together
 
 
 def main(steps: int, pause_s: float) -> None:
@@ -33,6 +34,7 @@ def main(steps: int, pause_s: float) -> None:
         if pause_s:
             time.sleep(pause_s)
     dist.barrier()
+    finish_together()
     dist.destroy_process_group()
 
 

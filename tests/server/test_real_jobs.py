@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.server.live import live_collector
-from tests.support.procs import started_ranks, wait_all
+from tests.support.procs import exited_cleanly, started_ranks, wait_all
 
 pytest.importorskip("torch")
 
@@ -52,7 +52,7 @@ def _run_jobs(
     try:
         for name, ps in procs.items():
             results = wait_all(ps, timeout_s=240)
-            failed = [r for r in results if r.returncode != 0]
+            failed = [r for r in results if not exited_cleanly(r)]
             assert not failed, (
                 f"{name}: rank {failed[0].rank} rc={failed[0].returncode}\n{failed[0].stderr[-3000:]}"
             )

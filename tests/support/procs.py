@@ -18,6 +18,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -61,6 +63,8 @@ def rank_env(rank: int, world_size: int, port: int, extra: Mapping[str, str] | N
         WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
+        # Job scripts import test helpers (tests.support.job_end) from the repository.
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
     )
     env.update(extra or {})
     return env
@@ -144,8 +148,21 @@ def exited_cleanly(r: RankResult) -> bool:
     )
 
 
+def describe(results: Sequence[RankResult], tail: int = 3000) -> str:
+    """Each rank's exit code and the end of its stderr, then one line per rank with its exit code and
+    the last line it wrote: when a report is cut to its end (a CI log keeps the tail), every rank's
+    fate is still in it, not only the last rank's traceback."""
+    blocks = [f"--- rank {r.rank} rc={r.returncode}\n{r.stderr[-tail:]}" for r in results]
+    fates = [f"rank {r.rank} rc={r.returncode}: {_last_line(r.stderr)}" for r in results]
+    return "\n".join([*blocks, "--- how each rank ended", *fates])
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][-300:] if lines else "(no stderr)"
+
+
 def assert_all_ok(results: Sequence[RankResult]) -> None:
     bad = [r for r in results if not exited_cleanly(r)]
     if bad:
-        detail = "\n".join(f"--- rank {r.rank} rc={r.returncode}\n{r.stderr[-3000:]}" for r in bad)
-        raise AssertionError(f"{len(bad)} rank(s) failed:\n{detail}")
+        raise AssertionError(f"{len(bad)} rank(s) failed:\n{describe(results)}")

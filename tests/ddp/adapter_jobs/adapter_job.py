@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "failure_jobs"))
 import _capture  # noqa: E402  (the failure jobs' JSON-lines exporter, shared)
 
 from ddpscope.ddp.adapter import instrument, instrumentation  # noqa: E402
+from tests.support.job_end import finish_together  # noqa: E402
 
 STEPS = 6
 NO_SYNC_STEP = 3
@@ -330,6 +331,7 @@ def main() -> None:
     }[scenario](rank)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     _capture.flush()
+    finish_together()
     dist.destroy_process_group()
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ddpscope.ddp import DistributedDataParallel
+from tests.support.job_end import finish_together
 
 STALL_S = float(os.environ.get("JOB_STALL_S", "3.5"))
 STEPS = 6
@@ -65,6 +66,7 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
     _capture.flush()
+    finish_together()
     dist.destroy_process_group()
 
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ddpscope.ddp import collectives, monitor
 from ddpscope.ddp.progress import PROGRESS
+from tests.support.job_end import finish_together
 
 STALL_S = float(os.environ.get("JOB_STALL_S", "3.0"))
 
@@ -153,6 +154,7 @@ def main() -> None:
     scenarios.update(engine=engine, mismatch=mismatch)
     scenarios[scenario](rank)
     _capture.flush()
+    finish_together()
     dist.destroy_process_group()
 
 

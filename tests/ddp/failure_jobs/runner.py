@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpscope.agent.records import validate_record
-from tests.support.procs import RankResult, run_ranks
+from tests.support.procs import RankResult, describe, run_ranks
 
 JOBS = Path(__file__).parent
 COLLECTIVE_JOB = JOBS / "collective_job.py"
@@ -25,7 +25,7 @@ class JobRun:
         return [r for r in self.records[rank] if r["kind"] == kind]
 
     def output(self) -> str:
-        return "\n".join(f"--- rank {r.rank} rc={r.returncode}\n{r.stderr[-3000:]}" for r in self.results)
+        return describe(self.results)
 
 
 def run_job(
