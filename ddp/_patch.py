@@ -11,6 +11,7 @@ The wrapper reads its arguments by position from a table built once from each fu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -66,9 +67,12 @@ _originals: dict[str, Callable[..., Any]] = {}
 class _GroupNames:
     """Stable names for process groups: 'default' for the world, else 'pg:<torch's group_name>'.
 
-    Keyed by id(): ProcessGroup objects cannot be weak-referenced; holding them is harmless because
-    groups live as long as the job. The first sight of a non-default group registers its members
-    with the recorder (``CollectiveRecorder.register_group``), which sends them on its records.
+    Keyed by id(), holding the group so the id cannot be reused: ProcessGroup objects cannot be
+    weak-referenced. torch itself holds every group until ``destroy_process_group``, which forgets it
+    here too (``forget``): a destroyed gloo group held on keeps its sockets and threads, which torch
+    frees only with the object (~5 descriptors and 3 threads a group, measured). The first sight of
+    a non-default group registers its members with the recorder (``CollectiveRecorder.register_group``),
+    which sends them on its records.
     """
 
     def __init__(self, recorder: CollectiveRecorder) -> None:
@@ -88,6 +92,19 @@ class _GroupNames:
             self.recorder.register_group(name, ranks)
         self._names[id(group)] = (group, name)
         return name
+
+    def forget(self, group: Any) -> None:
+        """``group`` was destroyed (None or the world group: every group was)."""
+        if group is None or group is _world_group():
+            self._names.clear()
+        else:
+            self._names.pop(id(group), None)
+
+
+def _world_group() -> Any:
+    import torch.distributed as dist
+
+    return dist.distributed_c10d.GroupMember.WORLD
 
 
 def _group_name(group: Any) -> tuple[str | None, list[int] | None]:
@@ -269,6 +286,27 @@ def _patch_work_wait(rec: CollectiveRecorder, work_type: Any) -> None:
     work_type.wait = wait
 
 
+def _patch_destroy(c10d: Any, dist: Any) -> None:
+    """Forget a group's name (and the group object with it) once torch destroyed it."""
+    original = getattr(c10d, "destroy_process_group", None)
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        group = args[0] if args else kwargs.get("group")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            with contextlib.suppress(Exception):
+                GROUP_NAMES.forget(group)
+
+    _originals["destroy_process_group"] = original
+    c10d.destroy_process_group = destroy_process_group
+    if getattr(dist, "destroy_process_group", None) is original:
+        dist.destroy_process_group = destroy_process_group
+
+
 def install(rec: CollectiveRecorder) -> bool:
     if disabled():
         return False
@@ -291,6 +329,7 @@ def install(rec: CollectiveRecorder) -> bool:
         setattr(c10d, op, wrapped)
         if getattr(dist, op, None) is fn:
             setattr(dist, op, wrapped)
+    _patch_destroy(c10d, dist)
     work_type = getattr(c10d, "Work", None)
     if work_type is not None:
         try:

@@ -17,6 +17,8 @@ Scenarios:
   mismatch an all-reduce of different sizes on the two ranks: gloo aborts a process.
   engine   the same with ddpscope's engine (small buckets); rank 1 sleeps before the forward of
            step 2, so rank 0 waits in its bucket all-reduces.
+  groups   20 short-lived groups, each made, used for one all-reduce and destroyed (a group per
+           evaluation, say); prints the process's open descriptors and threads before and after.
 """
 
 from __future__ import annotations
@@ -144,6 +146,19 @@ def mismatch(rank: int) -> None:
     time.sleep(STALL_S)
 
 
+def groups(rank: int) -> None:
+    def resources() -> str:
+        return f"fds={len(os.listdir('/proc/self/fd'))} threads={len(os.listdir('/proc/self/task'))}"
+
+    before = resources()
+    for _ in range(20):
+        group = dist.new_group([0, 1])
+        dist.all_reduce(torch.ones(4), group=group)  # SITE:group_all_reduce
+        dist.destroy_process_group(group)
+        del group
+    print(f"before {before}\nafter {resources()}")
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     _capture.capture(out_dir)
@@ -151,7 +166,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     scenarios = {"stall": stall, "extra": extra, "order": order, "raise": raise_error, "healthy": healthy}
-    scenarios.update(engine=engine, mismatch=mismatch)
+    scenarios.update(engine=engine, mismatch=mismatch, groups=groups)
     scenarios[scenario](rank)
     _capture.flush()
     finish_together()
