@@ -93,18 +93,13 @@ class _GroupNames:
         self._names[id(group)] = (group, name)
         return name
 
-    def forget(self, group: Any) -> None:
-        """``group`` was destroyed (None or the world group: every group was)."""
-        if group is None or group is _world_group():
+    def forget(self, group: Any, *, every: bool) -> None:
+        """``group`` was destroyed; ``every``: all groups were (torch's call without a group, or with
+        the world group)."""
+        if every:
             self._names.clear()
         else:
             self._names.pop(id(group), None)
-
-
-def _world_group() -> Any:
-    import torch.distributed as dist
-
-    return dist.distributed_c10d.GroupMember.WORLD
 
 
 def _group_name(group: Any) -> tuple[str | None, list[int] | None]:
@@ -295,11 +290,13 @@ def _patch_destroy(c10d: Any, dist: Any) -> None:
     @functools.wraps(original)
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
         group = args[0] if args else kwargs.get("group")
+        # Asked before the call: once the world group is destroyed, GroupMember.WORLD reads None.
+        every = group is None or group is c10d.GroupMember.WORLD
         try:
             return original(*args, **kwargs)
         finally:
             with contextlib.suppress(Exception):
-                GROUP_NAMES.forget(group)
+                GROUP_NAMES.forget(group, every=every)
 
     _originals["destroy_process_group"] = original
     c10d.destroy_process_group = destroy_process_group
