@@ -81,7 +81,7 @@ def run_job(steps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from tests.support.job_end import finish_together
+    from tests.support.job_end import destroy_together
 
     dist.init_process_group("gloo")
     t = torch.ones(16)
@@ -89,8 +89,7 @@ def run_job(steps: int) -> None:
         dist.all_reduce(t)
         agent.emit(step_record(step))
     dist.barrier()
-    finish_together()
-    dist.destroy_process_group()
+    destroy_together()
 
 
 def run_dataloader() -> None:

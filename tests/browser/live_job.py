@@ -21,7 +21,7 @@ def main(stop_file: str, pause_s: float, max_steps: int) -> None:
 
     from ddpscope.agent import get_agent
     from ddpscope.ddp import DistributedDataParallel
-    from tests.support.job_end import finish_together
+    from tests.support.job_end import destroy_together
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -41,8 +41,7 @@ def main(stop_file: str, pause_s: float, max_steps: int) -> None:
         time.sleep(pause_s)
     get_agent().force_flush(10.0)
     dist.barrier()
-    finish_together()
-    dist.destroy_process_group()
+    destroy_together()
 
 
 if __name__ == "__main__":

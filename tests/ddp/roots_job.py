@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ddpscope.agent import get_agent
 from ddpscope.ddp import monitor
-from tests.support.job_end import finish_together
+from tests.support.job_end import destroy_together
 
 
 def main() -> None:
@@ -59,8 +59,7 @@ def main() -> None:
         for _ in range(2):
             model(torch.ones(3, 4)).sum().backward()
     get_agent().force_flush(5.0)
-    finish_together()
-    dist.destroy_process_group()
+    destroy_together()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ddpscope.ddp import DistributedDataParallel
-from tests.support.job_end import finish_together
+from tests.support.job_end import destroy_together
 
 
 def main(steps: int, pause_s: float) -> None:
@@ -34,8 +34,7 @@ def main(steps: int, pause_s: float) -> None:
         if pause_s:
             time.sleep(pause_s)
     dist.barrier()
-    finish_together()
-    dist.destroy_process_group()
+    destroy_together()
 
 
 if __name__ == "__main__":

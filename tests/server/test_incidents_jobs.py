@@ -40,7 +40,7 @@ def rank_main(scenario: str, steps: int, engine: str) -> None:  # pragma: no cov
     from ddpscope.ddp import DistributedDataParallel, collectives, instrument
     from ddpscope.ddp.errors import install_error_hooks
     from ddpscope.ddp.watchdog import start_watchdog
-    from tests.support.job_end import finish_together
+    from tests.support.job_end import destroy_together
 
     # The engine may do these itself; each is idempotent, and the job must not depend on it.
     install_error_hooks()
@@ -109,8 +109,7 @@ def rank_main(scenario: str, steps: int, engine: str) -> None:  # pragma: no cov
         if scenario == "eval_grad" and rank == 0 and step == 1:
             model(x)  # an evaluation on rank 0 only that forgot no_grad: its step numbers run one ahead
     dist.barrier()
-    finish_together()
-    dist.destroy_process_group()
+    destroy_together()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "failure_jobs"))
 import _capture  # noqa: E402  (the failure jobs' JSON-lines exporter, shared)
 
 from ddpscope.ddp.adapter import instrument, instrumentation  # noqa: E402
-from tests.support.job_end import finish_together  # noqa: E402
+from tests.support.job_end import destroy_together  # noqa: E402
 
 STEPS = 6
 NO_SYNC_STEP = 3
@@ -331,8 +331,7 @@ def main() -> None:
     }[scenario](rank)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     _capture.flush()
-    finish_together()
-    dist.destroy_process_group()
+    destroy_together()
 
 
 if __name__ == "__main__":

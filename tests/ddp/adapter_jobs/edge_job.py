@@ -38,7 +38,7 @@ import _capture  # noqa: E402  (the failure jobs' JSON-lines exporter, shared)
 
 from ddpscope import agent  # noqa: E402
 from ddpscope.ddp.adapter import instrument, instrumentation  # noqa: E402
-from tests.support.job_end import finish_together  # noqa: E402
+from tests.support.job_end import destroy_together  # noqa: E402
 
 STEPS = 12
 SYNC_EVERY = 4
@@ -172,8 +172,7 @@ def main() -> None:
     result = scenarios[scenario](rank, out_dir)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     _capture.flush()
-    finish_together()
-    dist.destroy_process_group()
+    destroy_together()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ddpscope.ddp import DistributedDataParallel
-from tests.support.job_end import finish_together
+from tests.support.job_end import destroy_together
 
 STALL_S = float(os.environ.get("JOB_STALL_S", "3.5"))
 STEPS = 6
@@ -66,8 +66,7 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
     _capture.flush()
-    finish_together()
-    dist.destroy_process_group()
+    destroy_together()
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ddpscope.ddp import collectives, monitor
 from ddpscope.ddp.progress import PROGRESS
-from tests.support.job_end import finish_together
+from tests.support.job_end import destroy_together
 
 STALL_S = float(os.environ.get("JOB_STALL_S", "3.0"))
 
@@ -169,8 +169,7 @@ def main() -> None:
     scenarios.update(engine=engine, mismatch=mismatch, groups=groups)
     scenarios[scenario](rank)
     _capture.flush()
-    finish_together()
-    dist.destroy_process_group()
+    destroy_together()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from torch import nn
 
 from ddpscope import agent
 from ddpscope.ddp import DistributedDataParallel
-from tests.support.job_end import finish_together
+from tests.support.job_end import destroy_together
 
 SCENARIOS, STEPS, OUTDIR = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3]
 SCENARIO = ""
@@ -244,8 +244,7 @@ def main() -> None:
         out[SCENARIO] = run_scenario(rank)
     with open(os.path.join(OUTDIR, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
-    finish_together()
-    dist.destroy_process_group()
+    destroy_together()
 
 
 if __name__ == "__main__":

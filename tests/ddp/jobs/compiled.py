@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddpscope import agent
 from ddpscope.ddp import DistributedDataParallel, instrument
-from tests.support.job_end import finish_together
+from tests.support.job_end import destroy_together
 
 
 def mlp() -> nn.Module:
@@ -70,8 +70,7 @@ def main() -> None:
     result["steps"] = [r["step"] for r in exporter.records if r["kind"] == "step"]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    finish_together()
-    dist.destroy_process_group()
+    destroy_together()
 
 
 if __name__ == "__main__":

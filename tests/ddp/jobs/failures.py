@@ -31,7 +31,7 @@ from torch import nn
 
 from ddpscope import agent
 from ddpscope.ddp import DistributedDataParallel
-from tests.support.job_end import finish_together
+from tests.support.job_end import destroy_together
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "failure_jobs"))
 import _capture  # noqa: E402  (the failure jobs' shared helpers)
@@ -215,8 +215,7 @@ def main() -> None:
     result["records"] = exporter.records
     with open(os.path.join(OUTDIR, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    finish_together()
-    dist.destroy_process_group()
+    destroy_together()
 
 
 if __name__ == "__main__":

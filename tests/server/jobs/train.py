@@ -27,7 +27,7 @@ from torch import nn
 
 from ddpscope import agent
 from ddpscope.ddp import DistributedDataParallel, instrument
-from tests.support.job_end import finish_together
+from tests.support.job_end import destroy_together
 
 BASE_SLEEP_S = 0.02
 EXTRA_SLEEP_S = 0.012  # about +50 % of a step on this machine
@@ -69,8 +69,7 @@ def main() -> None:
             dist.all_reduce(loss.detach(), group=pair)
     agent.emit({"kind": "rank_exit", "step": steps - 1, "reason": "finished"})
     agent.get_agent().force_flush(10.0)
-    finish_together()
-    dist.destroy_process_group()
+    destroy_together()
 
 
 if __name__ == "__main__":
