@@ -78,7 +78,7 @@ from ddpscope.ddp.compile_skip import call_model, runs_model
 from ddpscope.ddp.drift import FROZEN_AFTER_WRAP, UNFINISHED_REDUCTION, FrozenAtWrap
 from ddpscope.ddp.errors import report_error
 from ddpscope.ddp.groups import global_rank, pg_name
-from ddpscope.ddp.outputs import grad_tensors
+from ddpscope.ddp.outputs import grad_tensors, hook_backward_start
 from ddpscope.ddp.outside_forward import OutsideForward
 from ddpscope.ddp.progress import PROGRESS
 from ddpscope.ddp.rank_start import rank_start_record
@@ -388,13 +388,7 @@ class Instrumentation:
         if self._synced:
             self._active = True
         # A hook on the outputs marks backward start even when no parameter gets a gradient here.
-        for t in grad_tensors(output):
-            node = t.grad_fn
-            if node is None:
-                t.register_hook(self._on_output_grad)  # an output that is a leaf (a parameter itself)
-            else:
-                # Bound in C++: ~2 us a step, where Tensor.register_hook's Python wrapper costs ~5 us.
-                node.register_prehook(self._on_output_grad)
+        hook_backward_start(grad_tensors(output), self._on_output_grad)
 
     def _relearn_layout(self) -> None:
         try:

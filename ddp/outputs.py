@@ -7,6 +7,7 @@ gradient (an unsynchronised step, or a rank whose loss reaches no parameter).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,3 +31,15 @@ def grad_tensors(outputs: Any, limit: int = 64) -> list[torch.Tensor]:
         elif isinstance(obj, dict):
             stack.extend(obj.values())
     return found
+
+
+def hook_backward_start(tensors: list[torch.Tensor], hook: Callable[[Any], None]) -> None:
+    """Call ``hook`` when the backward reaches any of ``tensors``: with the gradient (a leaf output, a
+    parameter itself) or the node's tuple of gradients (any other output)."""
+    for t in tensors:
+        node = t.grad_fn
+        if node is None:
+            t.register_hook(hook)
+        else:
+            # Bound in C++: ~2 us a step, where Tensor.register_hook's Python wrapper costs ~5 us.
+            node.register_prehook(hook)

@@ -33,7 +33,7 @@ from ddpscope.ddp.buckets import Bucket, ParamSpec, assign_buckets, build_bucket
 from ddpscope.ddp.collectives import RECORDER, dtype_name
 from ddpscope.ddp.cuda_timing import CudaBucketEvents
 from ddpscope.ddp.drift import FROZEN_AFTER_WRAP
-from ddpscope.ddp.outputs import grad_tensors
+from ddpscope.ddp.outputs import grad_tensors, hook_backward_start
 from ddpscope.ddp.outside_forward import OutsideForward
 from ddpscope.ddp.progress import PROGRESS
 from ddpscope.ddp.step_record import StepTimer
@@ -209,13 +209,7 @@ class Reducer:
                 self.expected_unused = [i for i, p in enumerate(self.params) if id(p) not in used]
         # A hook on the outputs marks the start of backward and queues the finalizer even when no
         # parameter hook fires on this rank (so an unsynced step is recorded too).
-        for t in tensors:
-            node = t.grad_fn
-            if node is None:
-                t.register_hook(self._on_output_grad)  # an output that is a leaf (a parameter itself)
-            else:
-                # Bound in C++: ~2 us a step, where Tensor.register_hook's Python wrapper costs ~5 us.
-                node.register_prehook(self._on_output_grad)
+        hook_backward_start(tensors, self._on_output_grad)
 
     def _on_output_grad(self, grad: Any) -> None:
         """A tensor hook (the gradient) or a node pre-hook (a tuple of gradients): either way, the

@@ -11,7 +11,7 @@ import pytest
 
 from tests.reliability.conftest import GLOO_JOB, Started, agent_env, finish, integrity_ok, wait_for
 from tests.support.collector_proc import CollectorProc
-from tests.support.procs import exited_cleanly, started_ranks, wait_all
+from tests.support.procs import describe, exited_cleanly, started_ranks, wait_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -46,7 +46,7 @@ def test_ten_collector_sigkills_lose_and_duplicate_no_step_record(
             collector.start()
             downtime += time.monotonic() - down_at
         results = wait_all(ranks, 120)
-    assert all(exited_cleanly(r) for r in results), [r.stderr[-2000:] for r in results]
+    assert all(exited_cleanly(r) for r in results), describe(results, tail=2000)
     summaries = [finish(p, 60) for p in emitters]
 
     synth = wait_for(db, synth_job, 2 * PER_RANK, 60)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.server.live import live_collector
-from tests.support.procs import exited_cleanly, started_ranks, wait_all
+from tests.support.procs import describe, exited_cleanly, started_ranks, wait_all
 
 pytest.importorskip("torch")
 
@@ -52,10 +52,7 @@ def _run_jobs(
     try:
         for name, ps in procs.items():
             results = wait_all(ps, timeout_s=240)
-            failed = [r for r in results if not exited_cleanly(r)]
-            assert not failed, (
-                f"{name}: rank {failed[0].rank} rc={failed[0].returncode}\n{failed[0].stderr[-3000:]}"
-            )
+            assert all(exited_cleanly(r) for r in results), f"{name}:\n{describe(results)}"
     finally:
         for ctx in running.values():
             ctx.__exit__(None, None, None)
