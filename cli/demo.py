@@ -1,7 +1,7 @@
 """`ddpscope demo`: real multi-process gloo DDP jobs that show each failure ddpscope diagnoses.
 
 Starts a collector on SQLite when none answers at --url, runs one job per scenario (each rank a plain
-process in its own session, killed by pid on its deadline), prints what the collector found (rank,
+process in its own session, stopped by pid on its deadline: SIGTERM, then SIGKILL), prints what the collector found (rank,
 bucket, parameter, line) and the dashboard URLs, then keeps serving until Ctrl-C unless --exit.
 """
 
@@ -154,9 +154,7 @@ def run_scenario(client: Client, scenario: str, ranks: int, steps: int, deadline
                 break
             time.sleep(0.5)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                _kill_group(p)
+        _stop(procs)
         for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=10)
@@ -164,6 +162,26 @@ def run_scenario(client: Client, scenario: str, ranks: int, steps: int, deadline
     codes = ", ".join(f"rank {r}: {_describe_exit(p.returncode)}" for r, p in enumerate(procs))
     print(f"\r  {scenario:<10} {elapsed:5.1f} s  done ({codes})" + " " * 20, flush=True)
     return ScenarioRun(scenario, job, [p.returncode for p in procs], elapsed)
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+    """Stop the ranks still running as a launcher does: SIGTERM, then SIGKILL after a grace period.
+
+    A SIGTERMed rank tells the collector it was stopped (``rank_exit`` 'sigterm'), even one blocked inside
+    a collective (``agent/sigterm_watcher``), so a hung job stopped here reads as stopped, not as ranks
+    that fell silent next to the real culprit.
+    """
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in running:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.poll() is None:
+            _kill_group(p)
 
 
 def _steps_seen(client: Client, job: str) -> int:

@@ -654,7 +654,9 @@ def _missing(
         state = (
             graph.state(r)  # blocked elsewhere until it was stopped: where matters more than how it ended
             if r in live.stopped_hangs and r in graph.blocked
-            else f"it exited ({live.exits[r].get('reason')}) at step {live.exits[r].get('step')}"
+            else f"{stuck[r].phrase()}, until {_exited(live.exits[r])}"
+            if r in live.exits and r in stuck
+            else _exited(live.exits[r])
             if r in live.exits
             else "it died"
             if r in live.fatal or r in live.crashed
@@ -701,3 +703,9 @@ def _missing(
         call_site=", ".join(dict.fromkeys(sites)) or None,
         time_s=wait["start_ns"] / 1e9,
     )
+
+
+def _exited(rank_exit: Record) -> str:
+    """How a rank ended, from its ``rank_exit`` (whose step is None when the agent could not tell)."""
+    step = rank_exit.get("step")
+    return f"it exited ({rank_exit.get('reason')})" + (f" at step {step}" if step is not None else "")

@@ -31,3 +31,25 @@ def test_the_demo_of_a_checkpoint_loaded_on_one_rank_prints_the_diverged_replica
     assert "status: finished" in out, out  # nothing fails: the ranks just train different models
     assert "[replicas_diverged] The ranks' copies of the model differ at step 8" in out, out
     assert "they were identical at step 4" in out and "ranks 0, 1 each hold a different copy" in out, out
+
+
+@pytest.mark.slow
+def test_the_demo_stops_a_hung_job_with_sigterm_so_only_the_stuck_rank_is_blamed(tmp_path: Path) -> None:
+    with CollectorProc(f"sqlite:///{tmp_path}/demo.db") as collector:
+        collector.start()
+        cmd = [str(Path(sys.executable).with_name("ddpscope")), "demo", "--url", collector.url, "--scenario", "hang",
+               "--ranks", "2", "--steps", "12", "--exit"]  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        try:
+            out, _ = proc.communicate(timeout=DEMO_DEADLINE_S)
+        finally:
+            kill_group(proc)
+    assert proc.returncode == 0, out
+    # Stopped as a launcher stops a job, both ranks tell the collector so: neither reads as fallen silent.
+    assert "rank 0: killed by SIGTERM, rank 1: killed by SIGTERM" in out, out
+    assert "status: failed" in out, out  # a hung job ended by a signal did not finish
+    assert "culprit: rank 1 (never issued collective" in out, out
+    assert "until it exited (sigterm)" in out, out
+    assert "rank_silent" not in out and "went silent" not in out and "None" not in out, out

@@ -51,6 +51,20 @@ def test_a_rank_stuck_in_its_data_loader_is_the_culprit_of_its_peers_hang_and_of
     assert "alive, doing something else" not in missing.message
 
 
+def test_a_rank_stopped_while_stuck_in_its_own_code_is_said_where_it_was_stuck_then_how_it_ended() -> None:
+    job = started(2)
+    end = job.train(3)
+    waiting_in(job, 0, end + 5, 7, step=3)
+    stuck_hang(job, 1, end + 5, step=2, phase="idle")
+    for r in range(2):  # the operator stops the hung job; the agent's rank_exit does not know the step
+        job.exit(r, end + 8, reason="sigterm", step=None)
+    missing = only(diagnose(job.snapshot(), end + 9), "missing_collective")
+    assert "stuck between steps after step 2 at /proj/data.py:12 (its hang report), until it exited (sigterm)" in (
+        missing.message
+    )
+    assert "None" not in missing.message
+
+
 def test_a_peer_that_entered_the_awaited_collective_late_is_named_not_the_backend() -> None:
     job = started(2)
     end = job.train(3)
