@@ -70,7 +70,8 @@ class _GroupNames:
     Keyed by id(), holding the group so the id cannot be reused: ProcessGroup objects cannot be
     weak-referenced. torch itself holds every group until ``destroy_process_group``, which forgets it
     here too (``forget``): a destroyed gloo group held on keeps its sockets and threads, which torch
-    frees only with the object (~5 descriptors and 3 threads a group, measured). The first sight of
+    frees only with the object (~5 descriptors and 3 threads a group, measured), and tells the recorder,
+    which restarts the group's numbering (``CollectiveRecorder.forget_groups``). The first sight of
     a non-default group registers its members with the recorder (``CollectiveRecorder.register_group``),
     which sends them on its records.
     """
@@ -98,8 +99,19 @@ class _GroupNames:
         the world group)."""
         if every:
             self._names.clear()
-        else:
-            self._names.pop(id(group), None)
+            self.recorder.forget_groups(None)
+            return
+        hit = self._names.pop(id(group), None)
+        # A group this table never named may still have been numbered, by the engine (``groups.pg_name``).
+        name = hit[1] if hit is not None and hit[0] is group else _destroyed_group_name(group)
+        if name is not None and name != "default":
+            self.recorder.forget_groups([name])
+
+
+def _destroyed_group_name(group: Any) -> str | None:
+    """The name ``groups.pg_name`` gave ``group``, read from torch's name, which outlives the group."""
+    name = getattr(group, "group_name", None)
+    return f"pg:{name}" if name else None
 
 
 def _group_name(group: Any) -> tuple[str | None, list[int] | None]:

@@ -47,7 +47,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 from ddpscope.agent import RecordTemplate, emit, emit_durable, emit_templated, get_agent
@@ -431,6 +431,30 @@ class CollectiveRecorder:
             if self.group_ranks.get(pg) != members:
                 self.group_ranks[pg] = members
                 self._user_plans.clear()  # their records carry the old members
+
+    def forget_groups(self, pgs: Collection[str] | None) -> None:
+        """Groups ``pgs`` were destroyed (None: every group, the world's included). torch names groups
+        from a counter it restarts with the world group ("0", "1", ...), so a re-created group reuses a
+        destroyed one's name: its numbering must restart at 1, as on a rank that never saw the old group
+        (one that was not a member), or the collector would match #1 on one rank against #N on another.
+        Its members go; a collective still in flight on it (destroyed under it) ends as failed rather than
+        waiting forever in the hang watchdog's eyes. Never raises."""
+        try:
+            gone = (lambda pg: True) if pgs is None else set(pgs).__contains__
+            for key in [k for k in self.progress.inflight if gone(k[0])]:
+                work = self._pending.pop(key, None)
+                if work is not None:
+                    self._pending_ids.pop(id(work), None)
+                self.end(
+                    key[0], key[1], ok=False, error="its process group was destroyed while it was in flight"
+                )
+            for pg in [pg for pg in self._counters if gone(pg)]:
+                del self._counters[pg]
+            for pg in [pg for pg in self.group_ranks if gone(pg)]:
+                del self.group_ranks[pg]
+            self._user_plans.clear()  # they carry the old numbering's group and members
+        except Exception:
+            self._failed("forget_groups")
 
     # -- async completion ------------------------------------------------------------------------
 

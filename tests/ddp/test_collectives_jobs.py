@@ -90,3 +90,25 @@ def test_destroyed_groups_are_let_go_so_their_sockets_and_threads_close(tmp_path
         assert lines["after"] == lines["before"], lines
         begun = [r for r in run.of(rank, "collective") if r["call_site"].endswith(site("group_all_reduce"))]
         assert len({r["pg"] for r in begun}) == 20 and {r["coll_seq"] for r in begun} == {1}
+
+
+def test_groups_made_again_after_the_world_was_destroyed_are_numbered_from_one_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    run = run_job("regroup", tmp_path)
+    assert all(exited_cleanly(r) for r in run.results), run.output()
+
+    def issued(rank: int, name: str) -> list[tuple[str, int]]:
+        return [
+            (r["pg"], r["coll_seq"])
+            for r in run.of(rank, "collective")
+            if r["call_site"].endswith(site(name))
+        ]
+
+    assert issued(0, "solo_all_reduce") == [("pg:1", 1), ("pg:1", 2), ("pg:1", 3)]
+    for rank in (0, 1):
+        assert issued(rank, "first_world_all_reduce") == [("default", 1)]
+        # torch named the new pair group as the destroyed solo group: rank 0 must not go on from #3 there
+        # while rank 1, never in the solo group, starts at #1.
+        assert issued(rank, "pair_all_reduce") == [("pg:1", 1)]
+        assert issued(rank, "second_world_all_reduce") == [("default", 1)]

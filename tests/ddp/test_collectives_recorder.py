@@ -153,6 +153,18 @@ def test_a_new_group_has_its_own_sequence_under_a_name_every_rank_agrees_on(reco
     assert RECORDER.last_seq(f"pg:{group.group_name}") == 2 and RECORDER.last_seq() == 1
 
 
+def test_a_destroyed_group_ends_what_was_in_flight_on_it_and_restarts_its_numbering(records: Records) -> None:
+    group = dist.new_group([0])
+    name = f"pg:{group.group_name}"
+    dist.all_reduce(torch.ones(2))
+    RECORDER.begin(name, "all_reduce", [torch.ones(2)])  # issued, then its group destroyed under it
+    dist.destroy_process_group(group)
+    assert RECORDER.inflight() == [] and RECORDER.last_seq(name) == 0 and name not in RECORDER.group_ranks
+    assert RECORDER.last_seq() == 1  # only that group's numbering restarts
+    (end,) = records("collective_end")[-1:]
+    assert (end["pg"], end["coll_seq"], end["ok"]) == (name, 1, False) and "destroyed" in end["error"]
+
+
 class _ShapeBomb(torch.Tensor):
     """A tensor whose Python ``shape`` raises: torch's C++ collective never asks for it."""
 

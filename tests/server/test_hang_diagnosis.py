@@ -59,8 +59,9 @@ def test_a_rank_stopped_while_stuck_in_its_own_code_is_said_where_it_was_stuck_t
     for r in range(2):  # the operator stops the hung job; the agent's rank_exit does not know the step
         job.exit(r, end + 8, reason="sigterm", step=None)
     missing = only(diagnose(job.snapshot(), end + 9), "missing_collective")
-    assert "stuck between steps after step 2 at /proj/data.py:12 (its hang report), until it exited (sigterm)" in (
-        missing.message
+    assert (
+        "stuck between steps after step 2 at /proj/data.py:12 (its hang report), until it exited (sigterm)"
+        in (missing.message)
     )
     assert "None" not in missing.message
 

@@ -19,6 +19,8 @@ Scenarios:
            step 2, so rank 0 waits in its bucket all-reduces.
   groups   20 short-lived groups, each made, used for one all-reduce and destroyed (a group per
            evaluation, say); prints the process's open descriptors and threads before and after.
+  regroup  a group only rank 0 is in, then every group destroyed and made again (torch reuses the
+           names): the new groups' collectives are numbered from 1 on both ranks.
 """
 
 from __future__ import annotations
@@ -159,6 +161,21 @@ def groups(rank: int) -> None:
     print(f"before {before}\nafter {resources()}")
 
 
+def regroup(rank: int) -> None:
+    solo = dist.new_group([0])
+    if rank == 0:
+        for _ in range(3):
+            dist.all_reduce(torch.ones(4), group=solo)  # SITE:solo_all_reduce
+    dist.all_reduce(torch.ones(4))  # SITE:first_world_all_reduce
+    store = dist.distributed_c10d._get_default_store()  # kept alive: the next generation meets on it
+    dist.destroy_process_group()
+    generation = dist.PrefixStore("generation-2", store)
+    dist.init_process_group("gloo", store=generation, rank=rank, world_size=2)
+    pair = dist.new_group([0, 1])  # the name the solo group had
+    dist.all_reduce(torch.ones(4), group=pair)  # SITE:pair_all_reduce
+    dist.all_reduce(torch.ones(4))  # SITE:second_world_all_reduce
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     _capture.capture(out_dir)
@@ -166,7 +183,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     scenarios = {"stall": stall, "extra": extra, "order": order, "raise": raise_error, "healthy": healthy}
-    scenarios.update(engine=engine, mismatch=mismatch, groups=groups)
+    scenarios.update(engine=engine, mismatch=mismatch, groups=groups, regroup=regroup)
     scenarios[scenario](rank)
     _capture.flush()
     destroy_together()
