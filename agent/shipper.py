@@ -198,7 +198,9 @@ class Shipper:
             now = time.monotonic()
             if now < retry_at:
                 # Backing off: wake-ups only keep the cap enforced, they do not cut the pause short.
-                self.wait(min(retry_at - now, self.s["poll_s"]))
+                # Once the rank is gone the spool cannot grow: sleep the whole pause (a lingering
+                # shipper per rank of every job run while the collector is down adds up).
+                self.wait(retry_at - now if done else min(retry_at - now, self.s["poll_s"]))
                 continue
             state, delay = self.ship_once(done)
             if state == "drained" and done:
