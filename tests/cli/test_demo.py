@@ -14,11 +14,11 @@ from tests.support.procs import kill_group
 DEMO_DEADLINE_S = 150.0
 
 
-@pytest.mark.slow
-def test_the_demo_of_a_checkpoint_loaded_on_one_rank_prints_the_diverged_replicas(tmp_path: Path) -> None:
+def run_demo(tmp_path: Path, scenario: str) -> tuple[int | None, str]:
+    """``ddpscope demo`` on one 2-rank scenario against its own collector: (exit status, output)."""
     with CollectorProc(f"sqlite:///{tmp_path}/demo.db") as collector:
         collector.start()
-        cmd = [str(Path(sys.executable).with_name("ddpscope")), "demo", "--url", collector.url, "--scenario", "diverged",
+        cmd = [str(Path(sys.executable).with_name("ddpscope")), "demo", "--url", collector.url, "--scenario", scenario,
                "--ranks", "2", "--steps", "12", "--exit"]  # fmt: skip
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -27,7 +27,13 @@ def test_the_demo_of_a_checkpoint_loaded_on_one_rank_prints_the_diverged_replica
             out, _ = proc.communicate(timeout=DEMO_DEADLINE_S)
         finally:
             kill_group(proc)
-    assert proc.returncode == 0, out
+    return proc.returncode, out
+
+
+@pytest.mark.slow
+def test_the_demo_of_a_checkpoint_loaded_on_one_rank_prints_the_diverged_replicas(tmp_path: Path) -> None:
+    code, out = run_demo(tmp_path, "diverged")
+    assert code == 0, out
     assert "status: finished" in out, out  # nothing fails: the ranks just train different models
     assert "[replicas_diverged] The ranks' copies of the model differ at step 8" in out, out
     assert "they were identical at step 4" in out and "ranks 0, 1 each hold a different copy" in out, out
@@ -35,18 +41,8 @@ def test_the_demo_of_a_checkpoint_loaded_on_one_rank_prints_the_diverged_replica
 
 @pytest.mark.slow
 def test_the_demo_stops_a_hung_job_with_sigterm_so_only_the_stuck_rank_is_blamed(tmp_path: Path) -> None:
-    with CollectorProc(f"sqlite:///{tmp_path}/demo.db") as collector:
-        collector.start()
-        cmd = [str(Path(sys.executable).with_name("ddpscope")), "demo", "--url", collector.url, "--scenario", "hang",
-               "--ranks", "2", "--steps", "12", "--exit"]  # fmt: skip
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
-        try:
-            out, _ = proc.communicate(timeout=DEMO_DEADLINE_S)
-        finally:
-            kill_group(proc)
-    assert proc.returncode == 0, out
+    code, out = run_demo(tmp_path, "hang")
+    assert code == 0, out
     # Stopped as a launcher stops a job, both ranks tell the collector so: neither reads as fallen silent.
     assert "rank 0: killed by SIGTERM, rank 1: killed by SIGTERM" in out, out
     assert "status: failed" in out, out  # a hung job ended by a signal did not finish
