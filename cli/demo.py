@@ -1,8 +1,9 @@
 """`ddpscope demo`: real multi-process gloo DDP jobs that show each failure ddpscope diagnoses.
 
 Starts a collector on SQLite when none answers at --url, runs one job per scenario (each rank a plain
-process in its own session, stopped by pid on its deadline: SIGTERM, then SIGKILL), prints what the collector found (rank,
-bucket, parameter, line) and the dashboard URLs, then keeps serving until Ctrl-C unless --exit.
+process in its own session, stopped by pid on its deadline: SIGTERM, then SIGKILL), prints what the
+collector found (rank, bucket, parameter, line) and the dashboard URLs, then keeps serving until Ctrl-C
+unless --exit.
 """
 
 from __future__ import annotations
