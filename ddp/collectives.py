@@ -437,17 +437,18 @@ class CollectiveRecorder:
         from a counter it restarts with the world group ("0", "1", ...), so a re-created group reuses a
         destroyed one's name: its numbering must restart at 1, as on a rank that never saw the old group
         (one that was not a member), or the collector would match #1 on one rank against #N on another.
-        Its members go; a collective still in flight on it (destroyed under it) ends as failed rather than
-        waiting forever in the hang watchdog's eyes. Never raises."""
+        Its members go too. A collective whose completion was never seen (an async one nobody waited for,
+        still queued when the group went) is no longer awaited: the hang watchdog must not wait for it
+        forever, and its record keeps no end, which is what is known. Never raises."""
         try:
+            # First the async ones that completed unseen: they end as they ended.
+            self.poll()
             gone = (lambda pg: True) if pgs is None else set(pgs).__contains__
             for key in [k for k in self.progress.inflight if gone(k[0])]:
+                self.progress.inflight.pop(key, None)
                 work = self._pending.pop(key, None)
                 if work is not None:
                     self._pending_ids.pop(id(work), None)
-                self.end(
-                    key[0], key[1], ok=False, error="its process group was destroyed while it was in flight"
-                )
             for pg in [pg for pg in self._counters if gone(pg)]:
                 del self._counters[pg]
             for pg in [pg for pg in self.group_ranks if gone(pg)]:
