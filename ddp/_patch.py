@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpscope.agent.clock import now_ns
-from ddpscope.ddp.collectives import RECORDER, CollectiveRecorder, disabled, reduce_name
+from ddpscope.ddp.collectives import RECORDER, CollectiveRecorder, disabled, group_pg_name, reduce_name
 
 logger = logging.getLogger(__name__)
 
@@ -103,15 +103,9 @@ class _GroupNames:
             return
         hit = self._names.pop(id(group), None)
         # A group this table never named may still have been numbered, by the engine (``groups.pg_name``).
-        name = hit[1] if hit is not None and hit[0] is group else _destroyed_group_name(group)
+        name = hit[1] if hit is not None and hit[0] is group else group_pg_name(group)
         if name is not None and name != "default":
             self.recorder.forget_groups([name])
-
-
-def _destroyed_group_name(group: Any) -> str | None:
-    """The name ``groups.pg_name`` gave ``group``, read from torch's name, which outlives the group."""
-    name = getattr(group, "group_name", None)
-    return f"pg:{name}" if name else None
 
 
 def _group_name(group: Any) -> tuple[str | None, list[int] | None]:
@@ -127,9 +121,8 @@ def _group_name(group: Any) -> tuple[str | None, list[int] | None]:
     ranks = dist.get_process_group_ranks(group)
     if dist.get_rank() not in ranks:
         return None, None
-    # The same format as ddpscope.ddp.groups.pg_name (the engine's): one group, one sequence counter.
-    name = getattr(group, "group_name", None)
-    return (f"pg:{name}" if name else f"pg:{id(group):x}"), ranks
+    # The engine's name too (ddpscope.ddp.groups.pg_name): one group, one sequence counter.
+    return group_pg_name(group), ranks
 
 
 GROUP_NAMES = _GroupNames(RECORDER)

@@ -648,6 +648,14 @@ def future_failure(future: Any) -> str | None:
     return None
 
 
+def group_pg_name(group: Any) -> str:
+    """``"pg:<torch's group name>"`` for a non-default group (its id when torch gave it none): the name
+    its collectives are numbered under, the same on every rank of it (torch names groups in creation
+    order). Read from the object, so it works on a destroyed group too."""
+    name = getattr(group, "group_name", None)
+    return f"pg:{name}" if name else f"pg:{id(group):x}"
+
+
 def dtype_name(dtype: Any) -> str:
     """A dtype as records name it (``float32``), the same on every rank."""
     name = _DTYPE_NAMES.get(dtype)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpscope.ddp.collectives import RECORDER
+from ddpscope.ddp.collectives import RECORDER, group_pg_name
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +23,7 @@ def pg_name(group: Any = None) -> str:
         return "default"
     if dist.is_initialized() and group is dist.distributed_c10d._get_default_group():
         return "default"
-    name = getattr(group, "group_name", None)
-    pg = f"pg:{name}" if name else f"pg:{id(group):x}"
+    pg = group_pg_name(group)
     _register(pg, group)
     return pg
 
