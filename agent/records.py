@@ -235,7 +235,7 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
     ),
     # Liveness and position, every DDPSCOPE_HEARTBEAT_S seconds.
     "heartbeat": (
-        Field("phase", STR, doc="idle, forward, backward, allreduce, optimizer"),
+        Field("phase", STR, doc="idle, forward, after_forward, backward, allreduce, optimizer"),
         Field("step", INT),
         Field("last_coll_seq", INT, doc="highest collective sequence number issued (default group)"),
         Field("pid", INT),

@@ -375,6 +375,7 @@ class Instrumentation:
         if not torch.is_grad_enabled():
             return
         self.timer.forward_end()
+        PROGRESS.enter("after_forward")
         self._armed = True
         self._cur = self._step
         self._step += 1
@@ -699,8 +700,9 @@ class Instrumentation:
     # -- watchdog view ---------------------------------------------------------------------------
 
     def pending_wire(self) -> list[dict[str, Any]]:
-        """Buckets not reduced yet, in the PENDING_BUCKET wire shape (read from the watchdog thread)."""
-        if not self._active:
+        """Buckets not reduced yet, in the PENDING_BUCKET wire shape (read from the watchdog thread);
+        none before backward begins (see ``Reducer.pending_wire``)."""
+        if not self._active or not self._queued:
             return []
         names = self._base.names
         times, launch, done = self._times, self._launch, self._done

@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-PHASES = ("idle", "forward", "backward", "allreduce", "optimizer")
+PHASES = ("idle", "forward", "after_forward", "backward", "allreduce", "optimizer")
+"""``after_forward``: the model's forward returned and backward has not begun (the loss, metrics: the
+user's own code). No gradient is awaited yet, so a rank stuck there is stuck in its own code."""
 
 
 class Progress:

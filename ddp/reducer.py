@@ -199,6 +199,7 @@ class Reducer:
         """Arm the hooks for the backward to come; find the unused parameters if asked to."""
         tensors = grad_tensors(outputs)
         self.armed = True
+        PROGRESS.enter("after_forward")
         if synced:
             self.active = True
             if not self.rebuilt:
@@ -471,8 +472,10 @@ class Reducer:
         return out
 
     def pending_wire(self) -> list[dict[str, Any]]:
-        """Buckets not reduced yet, in the PENDING_BUCKET wire shape (read from the watchdog thread)."""
-        if not self.active:
+        """Buckets not reduced yet, in the PENDING_BUCKET wire shape (read from the watchdog thread).
+        None before backward begins: a rank between its forward and its backward (computing the loss)
+        awaits no gradient yet, and listing every parameter as missing would read as unused ones."""
+        if not self.active or not self.queued:
             return []
         out = []
         ready, works, launched_upto = self.ready, self.works, self.next_launch

@@ -71,6 +71,7 @@ MAX_TICK_S = 0.25
 
 _PHASE_WORDS = {
     "forward": "forward",
+    "after_forward": "its own code between forward and backward (the loss, or other code after the model's forward)",
     "backward": "backward",
     "allreduce": "all-reduce",
     "optimizer": "the optimizer step",

@@ -26,6 +26,7 @@ from typing import Any
 
 from ddpscope.server.analysis.collective_diagnosis import CollectiveIndex
 from ddpscope.server.analysis.incident_model import (
+    AFTER_FORWARD,
     STOP_SIGNALS,
     Incident,
     Record,
@@ -179,7 +180,12 @@ class _HangReading:
         duration = self._duration_s(ended_s)
 
         where = f" in {describe(wait)}, collective #{wait['coll_seq']} of group {wait['pg']}" if wait else ""
-        msg = f"Rank {rank} made no progress for {duration:.0f} s{where} at step {h.get('step')}, phase {h.get('phase')}"
+        phase = h.get("phase")
+        msg = (
+            f"Rank {rank} made no progress for {duration:.0f} s{where} at step {h.get('step')}, phase {phase}"
+        )
+        if phase == "after_forward":
+            msg += f" ({AFTER_FORWARD})"
         if not wait and site:
             msg += f", main thread at {site}"
 

@@ -156,6 +156,15 @@ def error_brief(e: Record) -> dict[str, Any]:
     }
 
 
+AFTER_FORWARD = "between forward and backward (in its own code, e.g. the loss)"
+"""The ``after_forward`` phase in words: the model's forward returned and backward has not begun."""
+
+
+def phase_words(phase: Any) -> str:
+    """``in backward``; for ``after_forward``, where that is."""
+    return AFTER_FORWARD if phase == "after_forward" else f"in {phase}"
+
+
 def step_phrase(step: Any, phase: Any, *, started: bool = True) -> str:
     """`` at step 7 in backward``; `` after step 7 (between steps: ...)`` for the ``idle`` phase, which
     starts when a step's gradients are reduced and lasts until the next forward; `` before its first
@@ -168,7 +177,7 @@ def step_phrase(step: Any, phase: Any, *, started: bool = True) -> str:
         between = "between steps: optimizer, data loading or other code outside forward and backward"
         return f" after step {step} ({between})" if step is not None else f" ({between})"
     at = f" at step {step}" if step is not None else ""
-    return at + (f" in {phase}" if phase not in (None, "", "unknown") else "")
+    return at + (f" {phase_words(phase)}" if phase not in (None, "", "unknown") else "")
 
 
 def position(snapshot: JobSnapshot, rank: int) -> tuple[int | None, str | None]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ddpscope.server.analysis.incident_model import Record, record_s, user_frame
+from ddpscope.server.analysis.incident_model import Record, phase_words, record_s, user_frame
 from ddpscope.server.analysis.snapshot import JobSnapshot
 
 FROM_HANG_REPORT = " (its hang report)"
@@ -38,7 +38,7 @@ class Stuck:
         at = f" at {self.site}" if self.site else ""
         if self.phase == "idle":
             return f"stuck between steps after step {self.step}{at}{FROM_HANG_REPORT}"
-        return f"stuck in {self.phase} at step {self.step}{at}{FROM_HANG_REPORT}"
+        return f"stuck {phase_words(self.phase)} at step {self.step}{at}{FROM_HANG_REPORT}"
 
 
 def main_site(hang: Record) -> str | None:

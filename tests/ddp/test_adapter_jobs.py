@@ -300,7 +300,14 @@ def test_its_peer_reports_the_launched_bucket_and_the_inflight_all_reduce(hang: 
     assert any(c["op"] == "all_reduce" and c["pg"] == "default" for c in report["inflight"])
     for rank in (0, 1):
         assert max(r["hang_s"] for r in hang.of(rank, "hang_resolved")) >= 1.0
-        assert [r["step"] for r in steps(hang, rank)] == [0, 1, 2, 3]
+        assert [r["step"] for r in steps(hang, rank)] == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_rank_stalled_between_forward_and_backward_awaits_no_gradient_yet(hang: AdapterRun) -> None:
+    (report,) = [r for r in hang.of(1, "hang") if r["step"] == 4]
+    # Not "gradients never arrived" (which reads as unused parameters): backward has not begun.
+    assert (report["phase"], report["pending_buckets"], report["inflight"]) == ("after_forward", [], [])
+    assert "between forward and backward" in report["message"]
 
 
 # -- disabled --------------------------------------------------------------------------------------

@@ -28,8 +28,8 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
     return run
 
 
-def stuck_reports(job: JobRun, rank: int) -> list[dict[str, Any]]:
-    return [h for h in job.of(rank, "hang") if not h["inflight"]]
+def stuck_reports(job: JobRun, rank: int, phase: str = "idle") -> list[dict[str, Any]]:
+    return [h for h in job.of(rank, "hang") if not h["inflight"] and h["phase"] == phase]
 
 
 def main_stack(hang: dict[str, Any]) -> str:
@@ -64,8 +64,8 @@ def test_a_stuck_stretch_between_steps_ends_with_hang_resolved_once_the_next_for
     job: JobRun,
 ) -> None:
     (hang,) = stuck_reports(job, 1)
-    (resolved,) = job.of(1, "hang_resolved")
-    assert resolved["time_ns"] > hang["time_ns"] and resolved["hang_s"] >= hang["stalled_s"]
+    resolved = next(r for r in job.of(1, "hang_resolved") if r["time_ns"] > hang["time_ns"])
+    assert resolved["hang_s"] >= hang["stalled_s"]
     assert resolved["step"] >= 4  # step 4's forward moved it (the watchdog samples a little later)
 
 
@@ -73,8 +73,8 @@ def test_the_peer_waits_in_an_all_reduce_meanwhile_and_an_evaluation_with_collec
     job: JobRun,
 ) -> None:
     # Rank 0 never stops between steps: whatever it reported, it was waiting in a collective.
-    assert stuck_reports(job, 0) == []
-    assert {h["step"] for h in job.of(0, "hang")} == {0, 4}
+    assert stuck_reports(job, 0) == [] and stuck_reports(job, 0, "after_forward") == []
+    assert {h["step"] for h in job.of(0, "hang")} == {0, 4, 5}
     # 3.5 s of evaluation between steps 1 and 2, 3.5 timeouts long: its all-reduces are progress.
     evaluation = [
         r for r in job.of(0, "collective") if (r.get("call_site") or "").endswith(site("evaluate", JOB))
@@ -82,3 +82,15 @@ def test_the_peer_waits_in_an_all_reduce_meanwhile_and_an_evaluation_with_collec
     assert len(evaluation) >= 10
     for rank in (0, 1):
         assert [h for h in job.of(rank, "hang") if h["step"] == 1] == []
+
+
+def test_a_rank_stuck_between_forward_and_backward_awaits_no_gradient_and_reports_its_own_line(
+    job: JobRun,
+) -> None:
+    (hang,) = stuck_reports(job, 1, "after_forward")
+    # Every bucket waits for gradients then, but none is due before backward begins: listing them as
+    # missing read as unused parameters at the collector.
+    assert (hang["step"], hang["pending_buckets"]) == (5, [])
+    assert "threading.Event().wait(STALL_S)  # SITE:after_forward" in main_stack(hang)
+    assert "in its own code between forward and backward" in hang["message"]
+    assert "No collective is in flight: this rank itself is stuck" in hang["message"]

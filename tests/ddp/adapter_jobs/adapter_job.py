@@ -11,7 +11,8 @@ Scenarios:
   unused   the same with find_unused_parameters=True and a branch used only on odd steps.
   userhook torch's fp16_compress_hook registered on the plain model and passed through instrument();
            and the refusal of a model that already has a hook.
-  hang     rank 1 sleeps inside backward at step 2 (JOB_STALL_S); DDPSCOPE_HANG_TIMEOUT set by the test.
+  hang     rank 1 sleeps inside backward at step 2 and between forward and backward at step 4 (JOB_STALL_S);
+           DDPSCOPE_HANG_TIMEOUT set by the test.
   asview   gradient_as_bucket_view=True, gradients kept between steps (zero_grad(set_to_none=False)):
            torch then divides in the bucket instead of multiplying; run with 3 ranks to tell them apart.
   disabled DDPSCOPE_DISABLED=1 (set by the test): what instrument() attached, if anything.
@@ -220,9 +221,12 @@ def hang(rank: int) -> dict[str, Any]:
     layers = [nn.Linear(256, 256) for _ in range(6)]
     model = instrument(DDP(nn.Sequential(*layers[:2], stall, *layers[2:])))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in range(4):
+    for step in range(6):
         stall.step = step
-        model(batch(rank, step, 256)).square().mean().backward()
+        loss = model(batch(rank, step, 256)).square().mean()
+        if rank == 1 and step == 4:
+            time.sleep(STALL_S)  # between forward and backward: a slow loss, no gradient awaited yet
+        loss.backward()
         opt.step()
         opt.zero_grad()
     return {}

@@ -10,7 +10,9 @@ the tests expect in the hang reports (the test reads their line numbers from thi
 - Between steps 1 and 2 both ranks evaluate for JOB_STALL_S: forwards without gradients and an
   all-reduce of the metric per batch. That is progress, not a hang.
 - Between steps 3 and 4, rank 1 waits on an empty queue for JOB_STALL_S (a data loader whose workers
-  deliver nothing), while rank 0 waits for it in step 4's all-reduce. Then both go on to the end.
+  deliver nothing), while rank 0 waits for it in step 4's all-reduce.
+- In step 5, rank 1 waits JOB_STALL_S between its forward and its backward (a slow loss), while rank 0
+  waits for it in step 5's all-reduce. Then both go on to the end.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ddpscope.ddp import DistributedDataParallel
 from tests.support.job_end import destroy_together
 
 STALL_S = float(os.environ.get("JOB_STALL_S", "3.5"))
-STEPS = 6
+STEPS = 7
 
 
 def evaluate(model: torch.nn.Module) -> None:
@@ -62,7 +64,10 @@ def main() -> None:
         if step == 4 and rank == 1:
             with contextlib.suppress(queue.Empty):
                 batches.get(timeout=STALL_S)  # SITE:between_steps
-        model(torch.randn(8, 32)).square().mean().backward()
+        loss = model(torch.randn(8, 32)).square().mean()
+        if step == 5 and rank == 1:
+            threading.Event().wait(STALL_S)  # SITE:after_forward
+        loss.backward()
         opt.step()
         opt.zero_grad()
     _capture.flush()
