@@ -103,7 +103,7 @@ THREAD_STACK = (
 RECORD_KINDS: dict[str, tuple[Field, ...]] = {
     # Once per rank at start-up and after every (re)configuration.
     "rank_start": (
-        Field("world_size", INT),
+        Field("world_size", INT, doc="the job's ranks, every one (not those of the DDP process group)"),
         Field("backend", STR),
         Field("device", STR),
         Field("host", STR),
@@ -298,6 +298,13 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             "norms",
             FLOATS,
             doc="2-norm of each parameter (or run of parameters) in parameter_order; -1 a NaN norm, -2 infinite",
+        ),
+        Field(
+            "replicas",
+            INTS,
+            required=False,
+            doc="the global ranks of the model's DDP process group when not every rank (DDP on subgroups): "
+            "the ranks whose digests are compared with this one; absent: every rank of the job",
         ),
     ),
     # Clean end of a rank: the job is 'finished' once every rank has one.

@@ -77,7 +77,7 @@ from ddpscope.ddp.collectives import (
 from ddpscope.ddp.compile_skip import call_model, runs_model
 from ddpscope.ddp.drift import FROZEN_AFTER_WRAP, UNFINISHED_REDUCTION, FrozenAtWrap
 from ddpscope.ddp.errors import report_error
-from ddpscope.ddp.groups import global_rank, pg_name
+from ddpscope.ddp.groups import global_rank, group_size, pg_name, replica_ranks
 from ddpscope.ddp.outputs import grad_tensors, hook_backward_start
 from ddpscope.ddp.outside_forward import OutsideForward
 from ddpscope.ddp.progress import PROGRESS
@@ -211,7 +211,6 @@ class Instrumentation:
         self._group = ddp.process_group
         self._pg = pg_name(self._group)
         self._rank = global_rank()
-        world = self._group.size()
         self._user_hook = comm_hook
         self._user_state = comm_state
         self._plans: dict[tuple[int, int, Any], PlannedCollective] = {}
@@ -224,7 +223,7 @@ class Instrumentation:
         self.params = params
         ignored = getattr(ddp, "parameters_to_ignore", ()) or ()
         self._frozen = FrozenAtWrap(ddp.module, self._rank, ignored)
-        self._replicas = ReplicaDigest(ddp.module, params, self._rank, ignored)
+        self._replicas = ReplicaDigest(ddp.module, params, self._rank, ignored, replica_ranks(self._group))
         self._base = empty_layout(params, names)
         self._learner = LayoutLearner(params)
         self._torch_rebuilt = bool(getattr(ddp, "_has_rebuilt_buckets", False))
@@ -255,7 +254,7 @@ class Instrumentation:
         agent.emit_durable(
             rank_start_record(
                 rank=self._rank,
-                world_size=world,
+                world_size=group_size(),  # the job's world, not the DDP group's
                 group=self._group,
                 device=str(params[0].device) if params else "cpu",
                 engine="torch",

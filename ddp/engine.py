@@ -31,7 +31,7 @@ from ddpscope.ddp.collectives import disabled
 from ddpscope.ddp.compile_skip import call_model, runs_model
 from ddpscope.ddp.drift import FrozenAtWrap
 from ddpscope.ddp.errors import report_error
-from ddpscope.ddp.groups import global_rank, pg_name
+from ddpscope.ddp.groups import global_rank, group_size, pg_name, replica_ranks
 from ddpscope.ddp.join import EngineJoinHook, find_common_rank, send_sync_flag
 from ddpscope.ddp.layout import check_same_layout, describe
 from ddpscope.ddp.progress import PROGRESS
@@ -205,12 +205,14 @@ class DistributedDataParallel(nn.Module, Joinable):
             gradient_as_bucket_view=gradient_as_bucket_view,
             timer=self._timer,
         )
-        self._replicas = ReplicaDigest(module, [p for _, p in trainable], self._global_rank)
+        self._replicas = ReplicaDigest(
+            module, [p for _, p in trainable], self._global_rank, replicas=replica_ranks(process_group)
+        )
         first = trainable[0][1]
         agent.emit_durable(
             rank_start_record(
                 rank=self._global_rank,
-                world_size=self._world,
+                world_size=group_size(),  # the job's world, not the DDP group's
                 group=process_group,
                 device=str(first.device),
                 engine="ddpscope",

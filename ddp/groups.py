@@ -37,6 +37,19 @@ def _register(pg: str, group: Any) -> None:
         logger.debug("ddpscope could not read the members of %s", pg, exc_info=True)
 
 
+def replica_ranks(group: Any = None) -> list[int] | None:
+    """The global ranks holding copies of a model that DDP reduces over ``group``; None when that is every
+    rank of the job (the default group, or a group of the whole world). Models on disjoint groups (DDP on
+    subgroups: one replica group per pipeline stage or per shard) are different models, never compared."""
+    if pg_name(group) == "default":
+        return None
+    try:
+        ranks = sorted(int(r) for r in dist.get_process_group_ranks(group))
+    except Exception:  # not a ProcessGroup torch knows (a test double)
+        return None
+    return None if len(ranks) == dist.get_world_size() else ranks
+
+
 def group_rank(group: Any = None) -> int:
     return int(dist.get_rank(group))
 

@@ -74,12 +74,15 @@ class ReplicaDigest:
         params: Sequence[torch.Tensor],
         rank: int,
         ignored: Collection[str] = (),
+        replicas: Sequence[int] | None = None,
     ) -> None:
         """``params``: the parameters DDP all-reduces, in the order of the layout's ``parameter_order``;
-        ``ignored``: parameters the user excluded from DDP on purpose (``_ddp_params_and_buffers_to_ignore``)."""
+        ``ignored``: parameters the user excluded from DDP on purpose (``_ddp_params_and_buffers_to_ignore``);
+        ``replicas``: the global ranks of the model's DDP group when that is not every rank (``groups.replica_ranks``)."""
         self.module = module
         self.params = list(params)
         self.rank = rank
+        self.replicas = None if replicas is None else [int(r) for r in replicas]
         self.model = next(_MODELS)
         self.group = max(1, math.ceil(len(self.params) / MAX_ENTRIES))
         self._known = {id(p) for p in module.parameters()}
@@ -97,17 +100,18 @@ class ReplicaDigest:
             return
         self._last = syncs
         try:
-            emit(
-                {
-                    "kind": "replica_digest",
-                    "step": step,
-                    "syncs": syncs,
-                    "model": self.model,
-                    "parameters": len(self.params),
-                    "group": self.group,
-                    "norms": self.norms(),
-                }
-            )
+            record = {
+                "kind": "replica_digest",
+                "step": step,
+                "syncs": syncs,
+                "model": self.model,
+                "parameters": len(self.params),
+                "group": self.group,
+                "norms": self.norms(),
+            }
+            if self.replicas is not None:
+                record["replicas"] = self.replicas
+            emit(record)
             if not self._told_added:
                 self._check_added(step)
         except Exception:

@@ -32,10 +32,13 @@ MAX_NAMED = 200
 
 def replica_incidents(snapshot: JobSnapshot) -> list[Incident]:
     """Ranks are compared at equal sync counts (gradient all-reduce rounds done), which every rank shares;
-    messages name the step the lowest of them took the digest at (step numbers can differ per rank)."""
-    by_model: dict[int, dict[int, dict[int, Record]]] = {}
+    messages name the step the lowest of them took the digest at (step numbers can differ per rank).
+    Only the ranks of one DDP group hold copies of one model: digests that name their group's ranks
+    (``replicas``, DDP on subgroups) are compared within that group alone."""
+    by_model: dict[tuple[int, tuple[int, ...]], dict[int, dict[int, Record]]] = {}
     for d in snapshot.digests:  # oldest first: a rank's later digest of one sync count wins
-        by_model.setdefault(int(d["model"]), {}).setdefault(int(d["syncs"]), {})[int(d["rank"])] = d
+        model = (int(d["model"]), tuple(d.get("replicas") or ()))
+        by_model.setdefault(model, {}).setdefault(int(d["syncs"]), {})[int(d["rank"])] = d
     names = _Names(snapshot)
     out: list[Incident] = []
     for _, moments in sorted(by_model.items()):

@@ -65,7 +65,7 @@ def _run_jobs(
 @pytest.mark.slow
 def test_real_jobs_healthy_flags_nobody_and_a_slow_rank_is_flagged_alone(tmp_path):
     with live_collector(f"sqlite:///{tmp_path / 'c.db'}") as url:
-        ids = _run_jobs(url, tmp_path, {"healthy": [], "slow": ["2"]})
+        ids = _run_jobs(url, tmp_path, {"healthy": [], "slow": ["2"], "pairs": ["-1", "forward", "pairs"]})
         healthy = httpx.get(f"{url}/api/v1/jobs/{ids['healthy']}/stragglers", timeout=30).json()["items"]
         assert len(healthy) == WORLD and [s["rank"] for s in healthy if s["flagged"]] == [], healthy
         slow = httpx.get(f"{url}/api/v1/jobs/{ids['slow']}/stragglers", timeout=30).json()["items"]
@@ -83,6 +83,11 @@ def test_real_jobs_healthy_flags_nobody_and_a_slow_rank_is_flagged_alone(tmp_pat
         detail = httpx.get(f"{url}/api/v1/jobs/{ids['healthy']}", timeout=30).json()
         assert [r["rank"] for r in detail["ranks"]] == list(range(WORLD)), detail
         assert all(r["pid"] and r["backend"] == "gloo" and r["torch_version"] for r in detail["ranks"])
+
+        # DDP over two groups of two ranks: two models, each identical across its own group only.
+        pairs = httpx.get(f"{url}/api/v1/jobs/{ids['pairs']}", timeout=30).json()
+        assert (pairs["world_size"], pairs["status"]) == (WORLD, "finished"), pairs
+        assert httpx.get(f"{url}/api/v1/jobs/{ids['pairs']}/incidents", timeout=30).json()["items"] == []
 
 
 @pytest.mark.slow

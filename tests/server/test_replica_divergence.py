@@ -18,10 +18,11 @@ def with_order(job: JobRecords, order: list[str] = ORDER) -> None:
 
 
 def digest(job: JobRecords, rank: int, step: int, norms: list[float], *, model: int = 0, group: int = 1,
-           parameters: int = 3, syncs: int | None = None) -> None:  # fmt: skip
+           parameters: int = 3, syncs: int | None = None, replicas: list[int] | None = None) -> None:  # fmt: skip
     """One forward per synced step unless ``syncs`` says otherwise."""
+    extra = {} if replicas is None else {"replicas": replicas}
     job.add("replica_digest", rank, T0 + 1 + step / 10, step=step, syncs=step if syncs is None else syncs,
-            model=model, parameters=parameters, group=group, norms=norms)  # fmt: skip
+            model=model, parameters=parameters, group=group, norms=norms, **extra)  # fmt: skip
 
 
 def digests(job: JobRecords, steps: dict[int, dict[int, list[float]]]) -> None:
@@ -133,6 +134,24 @@ def test_each_wrapped_model_is_compared_with_itself() -> None:
         digest(job, rank, 4, HEALTHY, model=0)
         digest(job, rank, 4, [2.0, 1.0, 0.5] if rank == 0 else [2.0, 1.0, 0.9], model=1)
     assert kinds(diagnose(job.snapshot(), T0 + 10)) == ["replicas_diverged"]
+
+
+def test_models_of_ddp_on_disjoint_subgroups_are_compared_within_each_group_only() -> None:
+    # Ranks 0 and 1 train one replica group, ranks 2 and 3 another: their copies differ by design.
+    job = started(4)
+    with_order(job)
+    other = [1.0, 2.0, 3.0]
+    for step in (0, 1, 2, 4):
+        for rank in range(4):
+            pair = [0, 1] if rank < 2 else [2, 3]
+            norms = HEALTHY if rank < 2 else other
+            if rank == 3 and step == 4:
+                norms = [1.0, 2.0, 3.5]  # this group's second copy drifts
+            digest(job, rank, step, norms, replicas=pair)
+    (diverged,) = diagnose(job.snapshot(), T0 + 10)
+    assert diverged.kind == "replicas_diverged"
+    assert "ranks 2, 3 each hold a different copy" in diverged.message and "'head.bias'" in diverged.message
+    assert "rank 0" not in diverged.message and "rank 1" not in diverged.message
 
 
 def test_parameters_gone_nan_on_every_rank_are_dated_without_blaming_a_rank() -> None:

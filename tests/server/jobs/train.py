@@ -9,7 +9,9 @@ something the oversubscribed CPU cannot distort; SLOW_RANK sleeps EXTRA_SLEEP_S 
 SYNC adds what real loops do that makes the fast ranks wait for the slow one somewhere other than the
 gradient all-reduce: ``loss`` all-reduces the loss after the optimizer step (for logging), ``subgroup``
 does that on a group of ranks 0 and 1 only, ``buffers`` gives the model a BatchNorm whose buffers the
-engine broadcasts from rank 0 before every forward.
+engine broadcasts from rank 0 before every forward. ``pairs`` wraps the model in DDP over a group of two
+ranks, ranks 0 and 1 one replica group, ranks 2 and 3 another, each rank on batches of its own: the two
+groups train two different models.
 
 TRAIN_ENGINE=torch in the environment trains with torch's DDP observed by ``ddpscope.ddp.instrument()``
 instead of ddpscope's engine.
@@ -42,6 +44,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     pair = dist.new_group([0, 1]) if "subgroup" in syncs else None
+    replica_group = None
+    if "pairs" in syncs:  # every rank creates every group, in one order
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        replica_group = pairs[rank // 2]
     torch.manual_seed(0)
     norm = [nn.BatchNorm1d(128)] if "buffers" in syncs else []
     net = nn.Sequential(
@@ -52,15 +58,21 @@ def main() -> None:
     loader_pause = extra if slow_loader else 0.0
     net[0].register_forward_pre_hook(lambda *_: time.sleep(pause))
     if os.environ.get("TRAIN_ENGINE") == "torch":
-        model: nn.Module = instrument(nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.05))
+        model: nn.Module = instrument(
+            nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.05, process_group=replica_group)
+        )
     else:
-        model = DistributedDataParallel(net, bucket_cap_mb=0.05)
+        model = DistributedDataParallel(net, bucket_cap_mb=0.05, process_group=replica_group)
+    if replica_group is not None:
+        torch.manual_seed(1 + rank)  # batches of its own: the two replica groups' models grow apart
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for _ in range(steps):
         opt.zero_grad()
         if loader_pause:
             time.sleep(loader_pause)  # the next batch, slow on this rank only
-        loss = model(torch.randn(16, 32)).sum()
+        out = model(torch.randn(16, 32))
+        # The sum runs away to NaN in 16 steps; the pairs' models must stay finite to be told apart.
+        loss = out.square().mean() if replica_group is not None else out.sum()
         loss.backward()
         opt.step()
         if "loss" in syncs:
