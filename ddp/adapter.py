@@ -276,10 +276,12 @@ class Instrumentation:
         if comm_hook is None:
             self._observed = ObservedGroup(self._group, self._reducer_allreduce, self._reducer_broadcast)
             ddp.reducer._update_process_group(self._observed)
+            ddp.register_comm_hook = self._adopt_comm_hook  # type: ignore[method-assign]
         else:
             # torch's own register_comm_hook: it also names the hook in _get_ddp_logging_data().
             ddp.register_comm_hook(None, self._comm_hook)
         PROGRESS.pending_buckets = self.pending_wire
+        PROGRESS.settled = self.settled
 
     @property
     def reattachable(self) -> bool:
@@ -577,6 +579,20 @@ class Instrumentation:
         else:
             RECORDER.end_planned(plan, seq)
 
+    def _adopt_comm_hook(self, state: object, hook: CommHook) -> None:
+        """``ddp.register_comm_hook(state, hook)`` called after ``instrument()``: the hook goes through
+        ddpscope as if it had been passed to ``instrument()``. Registered behind ddpscope's back, torch
+        would call it instead of all-reducing through the observed group, and no bucket all-reduce would
+        be measured any more (every step's communication read as zero)."""
+        ddp = self.ddp
+        del ddp.register_comm_hook  # the instance attribute: torch's own method again
+        ddp.register_comm_hook(None, self._comm_hook)  # torch's checks; it refuses a second hook
+        self._user_hook, self._user_state = hook, state
+        if self._observed is not None:
+            ddp.reducer._update_process_group(self._group)
+            self._observed = None
+        logger.info("ddpscope: the comm hook registered after instrument() is timed by ddpscope")
+
     # No annotations on purpose: torch checks them against dist.GradBucket and Future at registration,
     # and postponed annotations (``from __future__ import annotations``) are strings to it.
     def _comm_hook(self, state, bucket):
@@ -698,6 +714,21 @@ class Instrumentation:
 
     # -- watchdog view ---------------------------------------------------------------------------
 
+    def settled(self) -> set[tuple[str, int]]:
+        """(pg, seq) of the bucket all-reduces torch launched that completed and whose end is not recorded
+        yet (read from the watchdog thread). A rank stuck in its own backward code has launched earlier
+        buckets that completed long ago, unseen while its hooks do not run: it is not waiting in them."""
+        if not self._active:
+            return set()
+        works, seqs, pg = self._works, self._seqs, self._pg
+        out = {
+            (pg, seqs[k])
+            for k in range(self._next_done, self._next_launch)
+            if (work := works[k]) is not None and work.is_completed()
+        }
+        out.update((pg, seq) for seq, (future, _) in list(self._watched.items()) if future.done())
+        return out
+
     def pending_wire(self) -> list[dict[str, Any]]:
         """Buckets not reduced yet, in the PENDING_BUCKET wire shape (read from the watchdog thread);
         none before backward begins (see ``Reducer.pending_wire``)."""
@@ -813,9 +844,12 @@ class Instrumentation:
         self.ddp.__dict__.pop("_distributed_broadcast_coalesced", None)
         self.ddp.__dict__.pop("forward", None)
         self.ddp.__dict__.pop("join_hook", None)
+        self.ddp.__dict__.pop("register_comm_hook", None)
         if self._observed is not None:
             self.ddp.reducer._update_process_group(self._group)
         self._active = False
         self.detached = True
         if PROGRESS.pending_buckets == self.pending_wire:
             PROGRESS.pending_buckets = list
+        if PROGRESS.settled == self.settled:
+            PROGRESS.settled = set

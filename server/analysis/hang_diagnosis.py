@@ -227,9 +227,13 @@ class _HangReading:
             msg += f"; this rank is at fault: it {blame[rank]}"
         elif starving:
             culprits = [rank]
+            # Not unused parameters: those end the backward without them (torch's DDP goes on and fails
+            # the next forward; ddpscope's engine raises at the end of this backward). A backward that
+            # does not end is still computing the gradients these buckets wait for.
             msg += (
-                f"; it waits for gradients of {', '.join(params[:8])} (bucket {bucket}) that never arrived: "
-                "parameters unused in this step (use them, or pass find_unused_parameters=True)"
+                f"; its backward has not finished: the gradients of {', '.join(params[:8])} (bucket {bucket}) "
+                "are not computed yet, so its main thread is slow or stuck inside the backward pass "
+                "(an autograd hook, a custom backward, an op that blocks: see the main thread's stack)"
             )
         elif wait:
             msg += "; every rank issued this collective in time: the wait is inside the backend (network, or a peer stuck in native code)"

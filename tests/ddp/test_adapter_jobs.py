@@ -128,6 +128,20 @@ def test_a_users_comm_hook_passed_through_instrument_gives_the_same_parameters(u
         assert userhook.results_json[rank]["identical"], userhook.results_json[rank]["max_diff"]
 
 
+def test_a_comm_hook_registered_after_instrument_is_timed_as_if_passed_through_it(tmp_path: Path) -> None:
+    # Registered behind ddpscope's back, torch called the hook instead of the observed group: same
+    # gradients, but no bucket all-reduce measured (every step's communication read as zero).
+    job = run("hookafter", tmp_path)
+    for rank in (0, 1):
+        result = job.results_json[rank]
+        assert result["identical"], result["max_diff"]
+        assert "only be called once" in result["second"]  # torch's own refusal of a second hook
+        synced = [r for r in steps(job, rank) if r["synced"]]
+        assert synced and all(r["collective_seqs"] for r in synced)
+        for record in synced:
+            assert all(0 < s < e for s, e in zip(record["allreduce_start_ns"], record["allreduce_end_ns"], strict=True))
+
+
 def test_a_model_with_its_own_comm_hook_is_refused_with_the_way_to_pass_it_through(
     userhook: AdapterRun,
 ) -> None:
@@ -286,6 +300,8 @@ def test_a_rank_stalled_in_backward_names_the_parameters_whose_gradients_never_a
 ) -> None:
     report = stalled(hang, 1)
     assert report["phase"] == "backward"
+    # The bucket torch launched before the stall completed meanwhile: the rank is not waiting in it.
+    assert report["inflight"] == []
     waiting = [b for b in report["pending_buckets"] if not b["launched"]]
     missing = {name for b in waiting for name in b["missing"]}
     # The sleep sits between layers 1 and 2: the first two layers' gradients never arrived.

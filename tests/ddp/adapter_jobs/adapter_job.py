@@ -11,6 +11,7 @@ Scenarios:
   unused   the same with find_unused_parameters=True and a branch used only on odd steps.
   userhook torch's fp16_compress_hook registered on the plain model and passed through instrument();
            and the refusal of a model that already has a hook.
+  hookafter the same hook registered on the instrumented model after instrument(), then once more.
   hang     rank 1 sleeps inside backward at step 2 and between forward and backward at step 4 (JOB_STALL_S);
            DDPSCOPE_HANG_TIMEOUT set by the test.
   asview   gradient_as_bucket_view=True, gradients kept between steps (zero_grad(set_to_none=False)):
@@ -186,6 +187,20 @@ def join(rank: int) -> dict[str, Any]:
     return compare(*models)
 
 
+def hookafter(rank: int) -> dict[str, Any]:
+    plain = DDP(mlp())
+    plain.register_comm_hook(None, fp16_compress_hook)
+    inst = instrument(DDP(mlp()))
+    inst.register_comm_hook(None, fp16_compress_hook)  # after instrument(): ddpscope adopts it
+    train_pair(plain, inst, rank, 256)
+    try:
+        inst.register_comm_hook(None, fp16_compress_hook)
+        second = ""
+    except RuntimeError as e:
+        second = str(e)
+    return {**compare(plain, inst), "second": second}
+
+
 def userhook(rank: int) -> dict[str, Any]:
     plain = DDP(mlp())
     plain.register_comm_hook(None, fp16_compress_hook)
@@ -322,6 +337,7 @@ def main() -> None:
         "parity": parity,
         "unused": unused,
         "userhook": userhook,
+        "hookafter": hookafter,
         "hang": hang,
         "asview": asview,
         "disabled": disabled,
