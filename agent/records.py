@@ -117,6 +117,12 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("clock_offset_ns", INT, doc="added to local time_ns to get rank 0's clock"),
         Field("clock_error_ns", INT, doc="half the best ping-pong round trip: bound on the offset error"),
         Field("process_group", STR, required=False),
+        Field(
+            "static_graph",
+            BOOL,
+            required=False,
+            doc="torch's static_graph=True: parameters unused in every iteration are handled without find_unused_parameters",
+        ),
     ),
     # The bucket layout, at start-up ("initial") and whenever buckets are rebuilt ("rebuilt").
     "layout": (

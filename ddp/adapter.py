@@ -261,6 +261,7 @@ class Instrumentation:
                 find_unused_parameters=ddp.find_unused_parameters,
                 bucket_cap_mb=float(ddp.bucket_bytes_cap) / _MIB,
                 clock=estimate,
+                static_graph=bool(getattr(ddp, "static_graph", False)),
             )
         )
         self._emit_layout("initial")

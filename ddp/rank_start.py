@@ -54,6 +54,7 @@ def rank_start_record(
     find_unused_parameters: bool,
     bucket_cap_mb: float,
     clock: ClockEstimate,
+    static_graph: bool = False,
 ) -> dict[str, Any]:
     """A ``rank_start`` record ready for ``agent.emit()``.
 
@@ -77,4 +78,5 @@ def rank_start_record(
         "clock_offset_ns": clock.offset_ns,
         "clock_error_ns": clock.error_ns,
         "process_group": pg_name(group),
+        "static_graph": bool(static_graph),
     }

@@ -38,11 +38,18 @@ class UnusedReport:
 
 
 def unused_report(
-    items: list[UnusedParameter], find_unused_parameters: bool, steps_seen: int
+    items: list[UnusedParameter], find_unused_parameters: bool, steps_seen: int, static_graph: bool = False
 ) -> UnusedReport:
     """Combine the aggregate with the engine setting into something a person can act on."""
     advice = None
-    if find_unused_parameters and not items and steps_seen > 0:
+    if static_graph and items and not find_unused_parameters:
+        # torch's static graph learns in the first iteration which parameters go unused and marks them
+        # ready itself in every later one: no hang, no error.
+        advice = (
+            f"{len(items)} parameter(s) got no gradient; static_graph=True handles parameters unused in every "
+            "iteration (torch learned them in the first one), not a set that changes from step to step"
+        )
+    elif find_unused_parameters and not items and steps_seen > 0:
         advice = (
             f"find_unused_parameters=True but no parameter was ever unused in {steps_seen} step records: "
             "set it to False to skip an autograd-graph traversal every step"

@@ -126,7 +126,12 @@ def _unused(storage: Storage, job: str, job_id: int) -> Response:
     ranks = storage.fetch_records(job, ["rank_start"])
     row = storage.job_row(job)
     seen = max((r.step_records for r in row.ranks), default=0) if row else 0
-    report = unused_report(found, any(r["find_unused_parameters"] for r in ranks), seen)
+    report = unused_report(
+        found,
+        any(r["find_unused_parameters"] for r in ranks),
+        seen,
+        static_graph=any(r.get("static_graph") for r in ranks),
+    )
     return items(report.items, find_unused_parameters=report.find_unused_parameters, advice=report.advice)
 
 

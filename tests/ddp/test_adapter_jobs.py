@@ -101,6 +101,8 @@ def test_static_graphs_sparse_gradients_and_uneven_inputs_train_identically_and_
     job = run(scenario, tmp_path)
     for rank in (0, 1):
         assert job.results_json[rank]["identical"], job.results_json[rank]["max_diff"]
+        (start,) = job.of(rank, "rank_start")
+        assert start["static_graph"] is (scenario == "static")
         reductions = [r for r in job.of(rank, "collective") if r["op"] == "all_reduce"]
         seqs = {r["coll_seq"] for r in reductions}
         ended = {r["coll_seq"] for r in job.of(rank, "collective_end") if r["ok"]}
@@ -139,7 +141,10 @@ def test_a_comm_hook_registered_after_instrument_is_timed_as_if_passed_through_i
         synced = [r for r in steps(job, rank) if r["synced"]]
         assert synced and all(r["collective_seqs"] for r in synced)
         for record in synced:
-            assert all(0 < s < e for s, e in zip(record["allreduce_start_ns"], record["allreduce_end_ns"], strict=True))
+            assert all(
+                0 < s < e
+                for s, e in zip(record["allreduce_start_ns"], record["allreduce_end_ns"], strict=True)
+            )
 
 
 def test_a_model_with_its_own_comm_hook_is_refused_with_the_way_to_pass_it_through(

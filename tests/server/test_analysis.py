@@ -243,6 +243,15 @@ def test_find_unused_parameters_without_any_unused_parameter_is_called_out():
     assert unused_report([], find_unused_parameters=False, steps_seen=50).advice is None
 
 
+def test_parameters_unused_under_torchs_static_graph_are_not_said_to_hang():
+    found = aggregate_unused([(0, 1, ["head.weight"]), (1, 1, ["head.weight"])])
+    plain = unused_report(found, find_unused_parameters=False, steps_seen=10)
+    assert plain.advice is not None and "this hangs or fails" in plain.advice
+    static = unused_report(found, find_unused_parameters=False, steps_seen=10, static_graph=True)
+    assert static.advice is not None and "static_graph=True handles" in static.advice
+    assert "hangs" not in static.advice
+
+
 def test_trace_has_one_process_per_rank_and_communication_on_its_own_track():
     rows = _rows(world_size=2, steps=2, buckets=3)
     events = trace_events("synth", rows)["traceEvents"]
