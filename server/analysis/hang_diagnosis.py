@@ -185,7 +185,7 @@ class _HangReading:
             f"Rank {rank} made no progress for {duration:.0f} s{where} at step {h.get('step')}, phase {phase}"
         )
         if phase == "after_forward":
-            msg += f" ({AFTER_FORWARD})"
+            msg += f" ({AFTER_FORWARD}: the loss, or other code of its own)"
         if not wait and site:
             msg += f", main thread at {site}"
 

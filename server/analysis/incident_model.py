@@ -156,7 +156,7 @@ def error_brief(e: Record) -> dict[str, Any]:
     }
 
 
-AFTER_FORWARD = "between forward and backward (in its own code, e.g. the loss)"
+AFTER_FORWARD = "between forward and backward"
 """The ``after_forward`` phase in words: the model's forward returned and backward has not begun."""
 
 
