@@ -152,6 +152,8 @@ class CollectiveIndex:
 
 
 SIZE_ABORT = "gloo aborts on the size mismatch"
+QUIET_AFTER_S = 5.0
+"""A rank quiet this long has missed two default heartbeats (2 s): not said to be alive any more."""
 """What a mismatch of shapes or dtypes says; a rank that then dies of SIGABRT died of it."""
 
 """Point-to-point ops: a send on one rank pairs with a recv on its peer at the same sequence number."""
@@ -668,7 +670,7 @@ def _missing(
             if r in graph.blocked
             else stuck[r].phrase()
             if r in stuck
-            else "it is alive, doing something else"
+            else _quiet_or_alive(live.age_s(r), live.silent_after_s)
         )
         lst = f"last collective #{last['coll_seq']} {describe(last)}" if last else "no collective recorded"
         done = colls.max_seq.get((r, pg), 0)
@@ -703,6 +705,17 @@ def _missing(
         call_site=", ".join(dict.fromkeys(sites)) or None,
         time_s=wait["start_ns"] / 1e9,
     )
+
+
+def _quiet_or_alive(age_s: float | None, silent_after_s: float) -> str:
+    """A missing rank that is neither stuck, blocked, exited nor silent yet: alive, unless it has missed
+    a heartbeat or two already (a SIGSTOP reads as alive until it is ``silent_after_s`` quiet)."""
+    if age_s is not None and age_s > QUIET_AFTER_S:
+        return (
+            f"it has sent nothing for {age_s:.0f} s, heartbeats included (called silent after "
+            f"{silent_after_s:.0f} s): stopped, frozen or cut off, or its records are late"
+        )
+    return "it is alive, doing something else"
 
 
 def _exited(rank_exit: Record) -> str:

@@ -177,6 +177,18 @@ def test_a_job_killed_after_one_rank_fell_quiet_names_that_rank_and_stops_the_cl
     assert "waited 23 s" in missing.message and "alive, doing something else" not in missing.message
 
 
+def test_a_missing_rank_quiet_for_a_few_heartbeats_is_not_said_to_be_alive() -> None:
+    # SIGSTOP: for the first seconds the rank is neither silent (10 s) nor known to be anything else.
+    job = started(2)
+    end = job.train(3)
+    waiting_in(job, 0, end + 5, 7, step=3)
+    job.heartbeat(0, end + 8, step=3, phase="allreduce", last=7)
+    early = only(diagnose(job.snapshot(), end + 3), "missing_collective")
+    assert "it is alive, doing something else" in early.message
+    later = only(diagnose(job.snapshot(), end + 8), "missing_collective")
+    assert "it has sent nothing for 8 s, heartbeats included (called silent after 10 s)" in later.message
+
+
 def test_collectives_its_peers_completed_count_as_issued_by_a_rank_whose_records_lag() -> None:
     job = started(2)
     end = job.train(3)  # both: 1..6
