@@ -14,7 +14,9 @@ Which jobs are exposed (``exposed``):
   too), and then the series disappear, so the alerts resolve instead of firing forever.
 
 ``ddpscope_rank_finished`` tells the rules which ranks exited without an error (done, or stopped by
-SIGTERM): their silence means they are over, not stuck (deploy/alerts.yml).
+SIGTERM while making progress): their silence means they are over, not stuck (deploy/alerts.yml). A rank
+stopped while it hung is not finished: a hung job killed by its scheduler before ``DDPJobHang``'s ``for``
+ran out still pages, through ``DDPRankSilent``.
 
 The one thing remembered between scrapes is which jobs already left, with the state of their rows
 then: such a job is skipped without loading its records until a new record changes its row
@@ -62,8 +64,9 @@ def _gauges() -> dict[str, GaugeMetricFamily]:
     return {
         "hang": GaugeMetricFamily(
             "ddpscope_hang_active",
-            "1 while the rank hangs: its latest hang report is not followed by hang_resolved, an exit or "
-            "a fatal error (the incidents API's active hangs)",
+            "1 while the rank hangs and is still running: its latest hang report is not followed by "
+            "hang_resolved, an exit or a fatal error (a hang ended by a stop reads 0 here; the rank is then "
+            "not finished either, see ddpscope_rank_finished)",
             labels=JR,
         ),
         "straggler": GaugeMetricFamily(
@@ -81,7 +84,7 @@ def _gauges() -> dict[str, GaugeMetricFamily]:
         "finished": GaugeMetricFamily(
             "ddpscope_rank_finished",
             "1 once the rank exited without an error (rank_exit 'finished', 'sigterm' or 'sigint' after its latest "
-            "start)",
+            "start), unless it was stopped while it hung: a scheduler's time limit ending a hung job is a failure",
             labels=JR,
         ),
         "unused": GaugeMetricFamily(
@@ -182,8 +185,10 @@ class StorageCollector(Collector):
             g["hang"].add_metric(labels, float(rank in live.active_hangs))
             g["straggler"].add_metric(labels, float(flagged.get(rank, False)))
             g["seen"].add_metric(labels, live.last_alive_s.get(rank, 0.0))
-            # 'sigterm' and 'sigint' count: a cancelled or preempted job is 'finished' for the API too, not a failure.
-            g["finished"].add_metric(labels, float(exit_ is not None and exit_.get("reason") != "error"))
+            # 'sigterm' and 'sigint' count: a cancelled or preempted job is 'finished' for the API too, not a
+            # failure; but not a rank stopped while it hung (the API's 'failed'): its silence pages.
+            finished = exit_ is not None and exit_.get("reason") != "error" and rank not in live.stopped_hangs
+            g["finished"].add_metric(labels, float(finished))
             ms = metrics_by_rank.get(rank)
             if ms:
                 g["step"].add_metric(labels, max(ms, key=lambda m: m.step).step_s)

@@ -133,6 +133,19 @@ def test_a_stale_hang_of_a_dead_rank_does_not_keep_ddpscope_hang_active_at_1(cli
     assert client.get("/api/v1/jobs/stale").json()["status"] == "failed"
 
 
+def test_a_hung_job_stopped_by_its_scheduler_is_not_finished_on_metrics_either(client):
+    # A time limit that kills a hung job before DDPJobHang's 30 s elapsed: the API says failed, and the
+    # stopped ranks must not read as finished, or DDPRankSilent would leave them out and nothing pages.
+    records = synth_job(2, 4, 2, job="killed", finished=False)
+    end = max(r["time_ns"] for r in records)
+    stop = [extra("killed", r, "rank_exit", end + 2_000_000, 5, step=None, reason="sigterm") for r in (0, 1)]
+    feed(client, [*records, hang("killed", 0, end + 1), *stop])
+    assert client.get("/api/v1/jobs/killed").json()["status"] == "failed"
+    samples = scrape(client, last_s(records) + 1)
+    assert value(samples, "ddpscope_rank_finished", "killed", 0) == 0.0
+    assert value(samples, "ddpscope_hang_active", "killed", 0) == 0.0
+
+
 def test_a_hang_reported_before_a_rank_restarted_does_not_count(client):
     records = synth_job(2, 4, 2, job="restart", finished=False)
     start = min(r["time_ns"] for r in records)
