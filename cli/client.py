@@ -22,6 +22,17 @@ class CollectorError(RuntimeError):
         self.status = status
 
 
+def url_problem(url: str) -> str | None:
+    """What is wrong with a collector base URL, or None: a usage error said before any request."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return (
+            f"--url {url!r} is not an http(s) URL: give the collector's base URL, such as "
+            f"{DEFAULT_URL} (the address `ddpscope serve` prints)"
+        )
+    return None
+
+
 class Client:
     def __init__(self, url: str | None = None, token: str | None = None, timeout_s: float = 10.0) -> None:
         self.url = (url or os.environ.get("DDPSCOPE_URL") or DEFAULT_URL).rstrip("/")

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 
-from ddpscope.cli.client import Client, CollectorError
+from ddpscope.cli.client import Client, CollectorError, url_problem
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_COLLECTOR, EXIT_UNKNOWN_JOB = 0, 1, 2, 3, 4
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
@@ -54,6 +54,38 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _export(client: Client, args: argparse.Namespace) -> int:
+    """``ddpscope export``: what cannot work is said before the download, and a file that cannot be
+    written after it is one line, not a traceback."""
+    if args.start is not None and args.end is not None and args.start > args.end:
+        print(f"ddpscope export: --start {args.start} is after --end {args.end}", file=sys.stderr)
+        return EXIT_USAGE
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if os.path.isdir(args.output) or not os.path.isdir(folder):
+        what = "is a directory" if os.path.isdir(args.output) else f"is in {folder}, which does not exist"
+        print(f"ddpscope export: -o {args.output} {what}: give a file path to write", file=sys.stderr)
+        return EXIT_USAGE
+    path = client.job_path(args.job, "trace")
+    params = [f"{k}={v}" for k, v in (("start", args.start), ("end", args.end)) if v is not None]
+    data = client.get_bytes(path + ("?" + "&".join(params) if params else ""))
+    try:
+        with open(args.output, "wb") as f:
+            f.write(data)
+    except OSError as e:
+        print(f"ddpscope export: cannot write {args.output} ({e.strerror})", file=sys.stderr)
+        return EXIT_USAGE
+    events = len(json.loads(data).get("traceEvents", []))
+    print(f"wrote {args.output}: {events} trace events (open it in https://ui.perfetto.dev)")
+    if not events:
+        print(
+            f"ddpscope export: job {args.job} has no step records"
+            + (" in that range of steps" if params else "")
+            + ": the trace is empty",
+            file=sys.stderr,
+        )
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         code = _main(argv)
@@ -84,6 +116,9 @@ def _main(argv: list[str] | None) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     client = Client(args.url, args.token)
+    if args.command != "demo" and (problem := url_problem(client.url)):
+        print(f"ddpscope {args.command}: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         if args.command == "demo":
             from ddpscope.cli import demo
@@ -105,14 +140,7 @@ def _main(argv: list[str] | None) -> int:
             print(text, end="")
             return EXIT_PROBLEMS if problems else EXIT_OK
         if args.command == "export":
-            path = client.job_path(args.job, "trace")
-            params = [f"{k}={v}" for k, v in (("start", args.start), ("end", args.end)) if v is not None]
-            data = client.get_bytes(path + ("?" + "&".join(params) if params else ""))
-            with open(args.output, "wb") as f:
-                f.write(data)
-            events = len(json.loads(data).get("traceEvents", []))
-            print(f"wrote {args.output}: {events} trace events (open it in https://ui.perfetto.dev)")
-            return EXIT_OK
+            return _export(client, args)
         if args.command == "jobs":
             from ddpscope.cli.report import safe, when
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 
 from ddpscope.server.settings import DEFAULT_DB_URL, DEFAULT_METRICS_RETENTION_S, Settings
@@ -48,6 +49,26 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_listen(host: str, port: int) -> None:
+    """Bind the address once before the database is opened or created: a port taken by another
+    collector is said at once, without leaving a fresh database behind (uvicorn would say it only
+    after start-up). Raises ``ValueError``."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ValueError(f"--host {host}: cannot resolve it ({e})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ValueError(
+                f"cannot listen on {host}:{port} ({e.strerror}): another collector or service holds it; "
+                "stop it or pick another --port"
+            ) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     max_body = int(args.max_body_mb * 1024 * 1024)
@@ -63,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         settings.check()
+        _check_listen(settings.host, settings.port)
     except ValueError as e:
         print(f"ddpscope serve: {e}", file=sys.stderr)
         return 2
@@ -70,13 +92,26 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     import uvicorn
+    from sqlalchemy.exc import SQLAlchemyError
 
     from ddpscope.server.app import create_app
+    from ddpscope.server.storage import Storage
 
     try:
         app = create_app(settings)
+        # Opened (and migrated) once here, so a database that cannot be opened is one line, not the
+        # traceback of the app's start-up; the app opens its own right after.
+        Storage.open(settings.db_url, pool_size=1).close()
     except ValueError as e:
         print(f"ddpscope serve: {e}", file=sys.stderr)
+        return 2
+    except SQLAlchemyError as e:
+        reason = getattr(e, "orig", None) or e
+        print(
+            f"ddpscope serve: cannot open the database {settings.db_url.split('@')[-1]} ({reason}); "
+            "check that its directory exists and is writable, or that the database server is up (--db)",
+            file=sys.stderr,
+        )
         return 2
     logger.info(
         "ddpscope collector on http://%s:%d (database %s)",

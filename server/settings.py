@@ -50,6 +50,8 @@ class Settings:
                 "write to this collector. Pass --token T (agents set DDPSCOPE_TOKEN=T) or --no-auth to "
                 "accept that."
             )
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"--port {self.port}: a TCP port is 1 to 65535")
         _check_db_url(self.db_url)
         if self.max_body_bytes <= 0 or self.max_decompressed_bytes < self.max_body_bytes:
             raise ValueError("max_body_bytes must be > 0 and max_decompressed_bytes >= max_body_bytes")

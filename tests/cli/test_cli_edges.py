@@ -127,3 +127,25 @@ def test_jobs_piped_into_a_reader_that_stops_early_exits_quietly(stub, jobs) -> 
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.mark.parametrize("url", ["htp://127.0.0.1:8321", "127.0.0.1:8321"])
+def test_a_url_that_is_not_http_is_a_usage_error_said_before_any_request(url: str) -> None:
+    done = ddpscope("report", "some-job", "--url", url)
+    assert done.returncode == 2, done
+    assert "is not an http(s) URL" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_export_to_a_path_it_cannot_write_is_a_usage_error_and_writes_nothing(stub, tmp_path) -> None:
+    trace = json.dumps({"traceEvents": [{"ph": "X", "name": "forward"}]}).encode()
+    url = stub({"/api/v1/jobs/j/trace": (200, trace)}, (404, FASTAPI_404))
+    for target, said in [
+        (tmp_path / "missing" / "t.json", "which does not exist"),
+        (tmp_path, "is a directory"),
+    ]:
+        done = ddpscope("export", "j", "--url", url, "-o", str(target))
+        assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done
+    done = ddpscope("export", "j", "--url", url, "-o", str(tmp_path / "t.json"), "--start", "9", "--end", "3")
+    assert done.returncode == 2 and "--start 9 is after --end 3" in done.stderr
+    done = ddpscope("export", "j", "--url", url, "-o", str(tmp_path / "t.json"))
+    assert done.returncode == 0 and json.loads((tmp_path / "t.json").read_text()) == json.loads(trace)

@@ -47,6 +47,24 @@ def test_a_public_host_without_a_token_refuses_to_start(tmp_path):
     assert not (tmp_path / "c.db").exists()
 
 
+def test_a_taken_port_a_bad_port_and_an_unopenable_database_are_one_line_each_and_create_nothing(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        out = _serve("--port", port, "--db", f"sqlite:///{tmp_path}/c.db")
+    assert (
+        out.returncode == 2 and "cannot listen on 127.0.0.1:" in out.stderr and "another --port" in out.stderr
+    )
+    assert not (tmp_path / "c.db").exists()  # said before the database is created
+    out = _serve("--port", "70000", "--db", f"sqlite:///{tmp_path}/c.db")
+    assert out.returncode == 2 and "a TCP port is 1 to 65535" in out.stderr
+    out = _serve("--port", port, "--db", f"sqlite:///{tmp_path}/missing/c.db")  # free again now
+    assert out.returncode == 2 and "cannot open the database" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_a_real_server_ingests_gzip_batches_and_answers_the_api(db_url):
     records = synth_job(2, 6, 3, slow_rank=1, finished=False)
     with live_collector(db_url, args=["--token", "t0k"]) as url:
