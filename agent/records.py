@@ -20,6 +20,7 @@ import base64
 import binascii
 import itertools
 import operator
+import re
 import struct
 import sys
 from array import array
@@ -31,6 +32,9 @@ SCHEMA_VERSION = 1
 """Bumped when a field changes meaning or a required field is added."""
 
 MAX_JOB_LENGTH = 200
+JOB_PATTERN = r"^(?!\.\.?\Z)[^/\x00-\x1f\x7f-\x9f]+\Z"
+"""A job id is one URL path segment: no '/', no control character, not '.' or '..' (agent/config.py
+makes the agent's own ids so; a sender that does not is refused, or the job could never be opened)."""
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """Integers must fit the collector's BIGINT columns."""
 
@@ -57,13 +61,19 @@ class Field:
     """For ``list[object]``: the fields of each object."""
     max_length: int | None = None
     """For key strings the collector indexes: at most this many characters and no NUL."""
+    pattern: str | None = None
+    """For key strings: a regular expression the whole value must match (the collector refuses others)."""
     doc: str = ""
 
 
 ENVELOPE: tuple[Field, ...] = (
     Field("kind", STR, doc="one of RECORD_KINDS"),
     Field(
-        "job", STR, max_length=MAX_JOB_LENGTH, doc="job id (DDPSCOPE_JOB, TORCHELASTIC_RUN_ID or generated)"
+        "job",
+        STR,
+        max_length=MAX_JOB_LENGTH,
+        pattern=JOB_PATTERN,
+        doc="job id (DDPSCOPE_JOB, TORCHELASTIC_RUN_ID or generated): no '/', no control character",
     ),
     Field("rank", INT, doc="global rank of the emitting process"),
     Field("stream", STR, max_length=64, doc="agent incarnation id; new after fork or restart"),
@@ -555,6 +565,8 @@ def _check_value(path: str, value: Any, field: Field) -> None:
             and (len(value) > field.max_length or "\x00" in value)
         ):
             raise RecordError(f"{path}: must be at most {field.max_length} characters with no NUL")
+        if isinstance(value, str) and field.pattern is not None and not re.match(field.pattern, value):
+            raise RecordError(f"{path}: {value!r} does not match {field.pattern}")
         return
     if t == PACKED:
         if not isinstance(value, str):

@@ -39,10 +39,11 @@ _SCALARS: dict[str, Any] = {
 _NON_NEGATIVE = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
 
-def _key_string(max_length: int) -> Any:
+def _key_string(max_length: int, pattern: str | None = None) -> Any:
     # Key strings go into VARCHAR columns; PostgreSQL refuses longer ones and any NUL, which would
-    # be a 500 that the agent retries forever. The limits come from the wire format (Field.max_length).
-    return Annotated[str, msgspec.Meta(max_length=max_length, pattern="^[^\x00]*$")]
+    # be a 500 that the agent retries forever. The limits come from the wire format (Field.max_length,
+    # Field.pattern: a job id with '/' would be stored and listed but could never be opened).
+    return Annotated[str, msgspec.Meta(max_length=max_length, pattern=pattern or "^[^\x00]*$")]
 
 
 class BatchError(ValueError):
@@ -53,7 +54,7 @@ def _field_type(field: wire.Field, owner: str) -> Any:
     if field.type == wire.OBJECTS:
         t: Any = list[_struct(f"{owner}_{field.name}", field.item)]  # type: ignore[misc]
     elif field.max_length is not None:
-        t = _key_string(field.max_length)
+        t = _key_string(field.max_length, field.pattern)
     else:
         t = _SCALARS[field.type]
     if field.nullable:
@@ -111,7 +112,14 @@ def decode_batch(body: bytes) -> list[Any]:
         batch: Any = _decoder.decode(body)
     except msgspec.ValidationError as e:
         _check_schema(body)
-        raise BatchError(str(e).replace("$.", "batch.", 1)) from None
+        message = str(e).replace("$.", "batch.", 1)
+        if message.endswith(".job`") and "matching regex" in message:
+            message = (
+                f"{message.rpartition(' - at ')[2].strip('`')}: a job id must be 1-{wire.MAX_JOB_LENGTH} "
+                "characters with no '/' and no control character, and not '.' or '..' (it is one URL path "
+                "segment); the agent makes DDPSCOPE_JOB so by itself"
+            )
+        raise BatchError(message) from None
     except msgspec.DecodeError as e:
         raise BatchError(f"body is not valid JSON: {e}") from None
     if batch.schema != wire.SCHEMA_VERSION:

@@ -66,6 +66,8 @@ async def steps(
     cursor: Annotated[str | None, Query(description="the 'next' value of the previous page")] = None,
 ) -> Response:
     """Per rank and step: ``step_s``, ``forward_s``, ``backward_s``, ``comm_s``, ``exposed_comm_s``, ``overlap_ratio``."""
+    if start is not None and end is not None and end < start:
+        raise HTTPException(400, f"end ({end}) is before start ({start})")  # as the trace says it
     return await run_in_threadpool(_steps, storage, job_id, rank, start, end, limit, cursor)
 
 

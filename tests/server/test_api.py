@@ -149,6 +149,9 @@ def test_trace_is_perfetto_json_for_a_step_range(client):
     steps = {e["args"]["step"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert steps == {2, 3}
     assert client.get("/api/v1/jobs/synth/trace?start=3&end=2").status_code == 400
+    # The step list says the same of the same range, instead of an empty page.
+    steps_page = client.get("/api/v1/jobs/synth/steps?start=3&end=2")
+    assert steps_page.status_code == 400 and "before start" in steps_page.json()["detail"]
 
 
 def test_metrics_expose_the_design_names_and_ended_jobs_leave_after_their_retention(client):

@@ -119,6 +119,18 @@ def test_errors_name_the_record_and_the_field():
         decode_batch(json.dumps(batch(bad)).encode())
 
 
+@pytest.mark.parametrize("job", ["a/b", ".", "..", "line\nbreak"])
+def test_a_job_id_that_could_never_be_opened_is_refused_by_both_validators_saying_why(job: str) -> None:
+    # Stored, it would be listed by the API but no URL could name it.
+    record = {**synth_job(1, 1, 1)[0], "job": job}
+    assert not _accepts_reference(record)
+    with pytest.raises(BatchError, match=r"records\[0\]\.job: a job id must be 1-200 characters with no '/'"):
+        decode_batch(json.dumps(batch([record])).encode())
+    assert _accepts_fast({**record, "job": "run.2026-11-23 é"}) and _accepts_reference(
+        {**record, "job": "x.y"}
+    )
+
+
 def test_a_batch_of_another_schema_version_is_refused_with_the_version_named():
     with pytest.raises(BatchError, match="version 2 is not supported"):
         decode_batch(json.dumps({"schema": 2, "records": [{"kind": "future"}]}).encode())
