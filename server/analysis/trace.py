@@ -2,7 +2,9 @@
 tracks, so the overlap (or its absence) is visible in ui.perfetto.dev or chrome://tracing.
 
 Tracks (``tid``) per rank: 0 ``compute`` (forward, backward), 1 ``all-reduce`` (one span per bucket),
-2 ``bucket ready`` (instant marks), 3 ``order penalty`` (ready -> launch waits). Timestamps are
+2 ``bucket ready`` (instant marks), 3 ``order penalty`` (a ready bucket waiting for its predecessor to
+launch, ``buckets.order_wait_ns``, the figure ``/buckets`` and the timeline give: not the launch latency of
+a bucket that had no predecessor to wait for). Timestamps are
 microseconds from the earliest forward start in the trace, on the job's aligned clock.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ddpscope.server.analysis.buckets import order_wait_ns
 from ddpscope.server.rows import StepRow
 
 TRACKS = {0: "compute", 1: "all-reduce", 2: "bucket ready", 3: "order penalty"}
@@ -62,6 +65,8 @@ def trace_events(job: str, rows: Sequence[StepRow]) -> dict[str, Any]:
                     "args": args,
                 }
             )
-            if r.allreduce_start_ns[i] > r.bucket_ready_ns[i]:
-                span(r.rank, 3, f"wait b{i}", r.bucket_ready_ns[i], r.allreduce_start_ns[i], args)
+            waited = order_wait_ns(r.bucket_ready_ns, r.allreduce_start_ns, i)
+            if waited:
+                ready = r.bucket_ready_ns[i]
+                span(r.rank, 3, f"wait for b{i - 1} b{i}", ready, ready + waited, args)
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"job": job, "t0_ns": t0}}

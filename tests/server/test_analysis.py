@@ -264,6 +264,20 @@ def test_trace_has_one_process_per_rank_and_communication_on_its_own_track():
     assert names == {"rank 0", "rank 1"}
 
 
+def test_the_traces_order_penalty_track_is_the_wait_for_a_predecessor_not_launch_latency():
+    (row,) = _rows(world_size=1, steps=1, buckets=2)
+    t = row.backward_start_ns
+    # Bucket 0 is launched 0.4 ms after its last gradient (latency, no predecessor); bucket 1 is ready
+    # first and waits 3 ms for bucket 0 to launch.
+    row.bucket_ready_ns = [t + 4 * MS, t + 1 * MS]
+    row.allreduce_start_ns = [t + 4 * MS + 400_000, t + 4 * MS + 500_000]
+    row.allreduce_end_ns = [t + 6 * MS, t + 7 * MS]
+    waits = [e for e in trace_events("synth", [row])["traceEvents"] if e.get("tid") == 3 and e["ph"] == "X"]
+    assert [(e["name"], e["dur"]) for e in waits] == [("wait for b0 b1", 3400.0)]
+    (b1,) = [b for b in timeline(row.step, [row]).ranks[0].buckets if b.index == 1]
+    assert b1.order_penalty_s == pytest.approx(3.4e-3)  # what the timeline says of the same wait
+
+
 def test_ranks_issuing_different_collectives_at_one_sequence_number_are_a_mismatch():
     base = {
         "pg": "default",
