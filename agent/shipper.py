@@ -349,7 +349,7 @@ class Shipper:
         self.reader.close()
         for _, path in spool.list_segments(self.dir, self.prefix):
             _unlink(path)
-        for suffix in (".ack", ".meta", ".crash", ".ring", NOTICE_SUFFIX):
+        for suffix in (".ack", ".meta", ".crash", ".ring", NOTICE_SUFFIX, PENDING_SUFFIX):
             _unlink(os.path.join(self.dir, self.prefix + suffix))
 
 
@@ -387,15 +387,30 @@ class Notices:
         """The last failed answer, for the log."""
 
     def delivered(self) -> None:
+        if self.failing_since is not None:
+            _drop_notice(self.shipper.dir, self.shipper.prefix, PENDING_SUFFIX)
         self.failing_since = None
         self.told = False
 
     def failed(self, outcome: Outcome) -> None:
         now = time.monotonic()
         self.last = describe(outcome)
+        sh = self.shipper
         if self.failing_since is None:
             self.failing_since = now
-        sh = self.shipper
+            # For the rank's exit, should it come before the notice below is due (a job shorter than
+            # DDPSCOPE_NOTICE_AFTER_S): it prints this unless a delivery or a told notice removed it.
+            _write_notice(
+                sh.dir,
+                sh.prefix,
+                f"ddpscope: rank {sh.meta.get('rank')} (job {sh.meta.get('job')}): the collector at "
+                f"{sh.ingest_url} has accepted nothing since this rank's records stopped getting through "
+                f"(last: {self.last}). They wait in {sh.dir}; a shipper retries for "
+                f"{sh.s['linger_s']:.0f} s after this rank's exit (log: "
+                f"{os.path.join(sh.dir, sh.prefix + '.shipper.log')}); start a collector (ddpscope serve) "
+                "or check DDPSCOPE_URL.",
+                PENDING_SUFFIX,
+            )
         if wrong_url(outcome):
             self.tell(
                 f"{sh.ingest_url} answered {self.last}: not a ddpscope collector (a proxy, another "
@@ -427,6 +442,7 @@ class Notices:
         sh = self.shipper
         line = f"ddpscope: rank {sh.meta.get('rank')} (job {sh.meta.get('job')}): {text}"
         logger.warning("%s", line)
+        _drop_notice(sh.dir, sh.prefix, PENDING_SUFFIX)  # this line says more
         # After its rank is gone (or for an adopted orphan) nobody is left to read it: the log has it.
         if sh.writer_pid is not None and not sh.writer_done() and not tell_writer(sh.writer_pid, line):
             _write_notice(sh.dir, sh.prefix, line)
@@ -448,6 +464,8 @@ PIPE_LINE_MAX = 4000
 """A write of at most PIPE_BUF (4096 on Linux) bytes to a pipe is atomic: the line cannot be
 interleaved with the rank's own output."""
 NOTICE_SUFFIX = ".notice"
+PENDING_SUFFIX = ".pending-notice"
+"""A failing delivery's line for the rank to print at its exit if nothing was told or delivered since."""
 
 
 def tell_writer(pid: int, line: str) -> bool:
@@ -494,25 +512,34 @@ def _fd_appends(pid: int, fd: int) -> bool:
     return False
 
 
-def _write_notice(directory: str, prefix: str, line: str) -> None:
-    path = os.path.join(directory, prefix + NOTICE_SUFFIX)
+def _write_notice(directory: str, prefix: str, line: str, suffix: str = NOTICE_SUFFIX) -> None:
+    path = os.path.join(directory, prefix + suffix)
     with contextlib.suppress(OSError):
         with open(path + ".tmp", "w") as f:
             f.write(line + "\n")
         os.replace(path + ".tmp", path)  # the rank never reads half a line
 
 
+def _drop_notice(directory: str, prefix: str, suffix: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(directory, prefix + suffix))
+
+
 def take_notice(directory: str, prefix: str) -> str:
-    """The line a shipper could not print on its rank's stderr (empty if none), removed once read:
-    the rank prints it itself at exit."""
-    path = os.path.join(directory, prefix + NOTICE_SUFFIX)
-    try:
-        with open(path, errors="replace") as f:
-            text = f.read()
-        os.unlink(path)
-    except OSError:
-        return ""
-    return text.strip()
+    """The line a shipper could not print on its rank's stderr, else the line of a delivery still
+    failing (empty if neither), removed once read: the rank prints it itself at exit."""
+    for suffix in (NOTICE_SUFFIX, PENDING_SUFFIX):
+        path = os.path.join(directory, prefix + suffix)
+        try:
+            with open(path, errors="replace") as f:
+                text = f.read()
+            os.unlink(path)
+        except OSError:
+            continue
+        if text.strip():
+            _drop_notice(directory, prefix, PENDING_SUFFIX)
+            return text.strip()
+    return ""
 
 
 def _env_seconds(name: str, default: float) -> float:

@@ -188,6 +188,22 @@ def test_a_collector_that_stays_unreachable_is_told_once_after_the_notice_delay(
     assert "ConnectionRefusedError" in line and str(spool_dir) in line and "DDPSCOPE_URL" in line
 
 
+def test_a_rank_that_ends_before_the_notice_delay_with_nothing_delivered_still_says_so_once_at_exit(
+    spool_dir, started
+) -> None:
+    # A short job with no collector: before, nothing was said anywhere the person looks.
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    env = agent_env(url, spool_dir, "short", DDPSCOPE_NOTICE_AFTER_S="600")
+    rank = start_rank(started, "sigterm", env, subprocess.PIPE)
+    ready(rank)
+    wait_until(lambda: any(spool_dir.glob("*.pending-notice")), 30, "the shipper's first failed attempt")
+    os.kill(rank.pid, signal.SIGTERM)
+    _, err = rank.communicate(timeout=20)
+    (line,) = notices(err.decode())
+    assert f"the collector at {url}/api/v1/ingest has accepted nothing" in line
+    assert "ConnectionRefusedError" in line and str(spool_dir) in line and "ddpscope serve" in line
+
+
 def test_a_batch_the_collector_refuses_for_good_is_told_once_with_where_it_was_set_aside(
     collector, spool_dir, started
 ) -> None:
