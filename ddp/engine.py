@@ -164,6 +164,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        """Broadcast the buffers at the next forward: after a synchronised training forward only, as in
+        torch (its attribute of the same name). An evaluation, or a ``no_sync()`` micro-batch, leaves the
+        buffers as they are for the forward after it: uneven evaluation loops stay collective-free."""
         self._divide_by_initial_world_size = True
         self._pg = pg_name(process_group)
         self._rank = dist.get_rank(process_group)
@@ -254,7 +258,9 @@ class DistributedDataParallel(nn.Module, Joinable):
                 Join.notify_join_context(self)
                 if self._reducer.wants_rebuild():  # a joined rank rebuilds at each iteration it shadows
                     self._rebuild_buckets()
-            self._sync_buffers()
+            if self.require_forward_param_sync:
+                self._sync_buffers()
+            self.require_forward_param_sync = False
             if joining:
                 send_sync_flag(self, False)
             return call_model(self.module, args, kwargs)
@@ -270,7 +276,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         if (synced or joining) and reducer.wants_rebuild():
             self._rebuild_buckets()
         reducer.prepare_forward(self._step, synced)
-        self._sync_buffers()
+        if self.require_forward_param_sync:
+            self._sync_buffers()
+        self.require_forward_param_sync = synced
         if joining:
             send_sync_flag(self, synced)
         try:

@@ -106,9 +106,12 @@ class EngineJoinHook(JoinHook):
         reducer = ddp._reducer
         if reducer.wants_rebuild():
             ddp._rebuild_buckets()
-        ddp._sync_buffers(joined=True)
+        if ddp.require_forward_param_sync:
+            ddp._sync_buffers(joined=True)
         flag = torch.zeros(1)
         join_all_reduce(flag, ddp)
+        # As its peers: their next forward broadcasts buffers only after a synchronised one.
+        ddp.require_forward_param_sync = flag.item() != 0
         if flag.item() == 0:
             return  # every peer is under no_sync() or evaluating: no gradient all-reduce to shadow
         shadows = [torch.zeros_like(b.buffer) for b in reducer.buckets]

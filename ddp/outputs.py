@@ -7,21 +7,26 @@ gradient (an unsynchronised step, or a rank whose loss reaches no parameter).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 
-def grad_tensors(outputs: Any, limit: int = 64) -> list[torch.Tensor]:
-    """Tensors requiring grad in a forward's output (nested tuples, lists, dicts), at most ``limit``.
+def grad_tensors(outputs: Any, limit: int | None = 64) -> list[torch.Tensor]:
+    """Tensors requiring grad in a forward's output, at most ``limit`` (None: every one). Walked as
+    torch's DDP walks it (``_find_tensors``): nested tuples (named ones too), lists, dict values and
+    dataclass fields.
 
     The limit bounds the walk over huge nested outputs: one hooked tensor is enough to see backward
-    start, a few more cover outputs of which only some take part in the loss.
+    start, a few more cover outputs of which only some take part in the loss. Finding the unused
+    parameters needs them all (None): a parameter reached only from a tensor left out would read as
+    unused and then get its gradient after all.
     """
     found: list[torch.Tensor] = []
     stack = [outputs]
-    while stack and len(found) < limit:
+    while stack and (limit is None or len(found) < limit):
         obj = stack.pop()
         if isinstance(obj, torch.Tensor):
             if obj.requires_grad:
@@ -30,6 +35,8 @@ def grad_tensors(outputs: Any, limit: int = 64) -> list[torch.Tensor]:
             stack.extend(obj)
         elif isinstance(obj, dict):
             stack.extend(obj.values())
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            stack.extend(getattr(obj, f.name) for f in dataclasses.fields(obj))
     return found
 
 

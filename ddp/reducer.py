@@ -100,6 +100,10 @@ class Reducer:
         """The last synced backward succeeded on every rank: ``ready_log`` is safe to rebuild from."""
         self.rebuilt = find_unused_parameters  # torch never rebuilds with find_unused_parameters=True
         self.expected_unused: list[int] = []
+        self.window_used = bytearray(len(self.params))
+        """With ``find_unused_parameters``: parameters that got a gradient under ``no_sync()`` since the
+        last synchronised backward. They count as used in the next one, as in torch: their accumulated
+        gradient is averaged even if that last micro-batch does not reach them."""
         self.set_layout(assign_buckets(self.specs, self.limits))
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
@@ -197,7 +201,7 @@ class Reducer:
 
     def after_forward(self, outputs: Any, synced: bool) -> None:
         """Arm the hooks for the backward to come; find the unused parameters if asked to."""
-        tensors = grad_tensors(outputs)
+        tensors = grad_tensors(outputs, limit=None if synced and self.find_unused else 64)
         self.armed = True
         PROGRESS.enter("after_forward")
         if synced:
@@ -208,6 +212,7 @@ class Reducer:
             if self.find_unused:
                 used = _reachable_params(tensors)
                 self.expected_unused = [i for i, p in enumerate(self.params) if id(p) not in used]
+                tensors = tensors[:64]
         # A hook on the outputs marks the start of backward and queues the finalizer even when no
         # parameter hook fires on this rank (so an unsynced step is recorded too).
         hook_backward_start(tensors, self._on_output_grad)
@@ -239,6 +244,8 @@ class Reducer:
                 self._on_grad(index, param)
             elif not self.armed:
                 self.outside.note(index, self.step)
+            elif self.find_unused:
+                self.window_used[index] = 1  # a no_sync() backward: used in this accumulation window
 
         return hook
 
@@ -276,12 +283,21 @@ class Reducer:
             self._poll()
 
     def _mark_unused(self, i: int) -> None:
-        """A parameter that gets no gradient on this rank contributes zeros."""
+        """A parameter that gets no gradient in this backward contributes zeros, or with
+        ``find_unused_parameters`` the gradient it accumulated under ``no_sync()``, scaled, as torch's
+        reducer does (without it, a missing gradient is an error and nothing is written back)."""
         if self.ready[i]:
             return
         self.ready[i] = 1
         bucket, pos = self.where[i]
-        bucket.views[pos].zero_()
+        view = bucket.views[pos]
+        grad = self.params[i].grad if self.find_unused else None
+        if grad is None:
+            view.zero_()
+        elif self.as_view and grad.data_ptr() == view.data_ptr():
+            view.mul_(self.scale)
+        else:
+            torch.mul(grad, self.scale, out=view)
         self.pending[bucket.index] -= 1
         if self.pending[bucket.index] == 0:
             self.timer.bucket_ready(bucket.index)
@@ -304,7 +320,10 @@ class Reducer:
                 self.cuda.allreduce_launched(k)
             self.next_launch = k + 1
         if self.next_launch == nb and self.find_unused and self.used_work is None:
-            # The global used bitmap: a parameter unused on every rank keeps its .grad untouched.
+            # The global used bitmap: a parameter unused on every rank (in this backward and in the
+            # no_sync() ones before it) keeps its .grad untouched.
+            if any(self.window_used):
+                self.used = bytearray(a | b for a, b in zip(self.used, self.window_used, strict=True))
             self.used_tensor = torch.frombuffer(bytearray(self.used), dtype=torch.uint8).to(torch.int32)
             self.used_seq = RECORDER.begin(
                 self.pg, "all_reduce", (self.used_tensor,), reduce_op="SUM", source="engine", step=self.step
@@ -351,6 +370,8 @@ class Reducer:
             else:
                 self.timer.emit()
         finally:
+            if self.active and self.find_unused:
+                self.window_used = bytearray(len(self.params))  # the accumulation window ends here
             self.active = False
             self.queued = False
             self.armed = False

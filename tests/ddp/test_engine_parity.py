@@ -14,6 +14,7 @@ pytestmark = pytest.mark.slow
 SCENARIOS = [
     "mlp", "batchnorm", "unused", "no_sync", "frozen", "dtypes", "bucket_view", "small_buckets",
     "wide", "wide_keep_grads", "wide_no_sync", "join", "join_divide", "join_early", "join_unused", "join_no_sync",
+    "unused_no_sync", "dataclass_out", "batchnorm_no_sync", "batchnorm_eval",
 ]  # fmt: skip
 FOUR_RANK_SCENARIOS = ["mlp", "batchnorm", "unused", "no_sync", "dtypes", "join", "join_divide"]
 STEPS = "4"

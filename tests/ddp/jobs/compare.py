@@ -8,6 +8,7 @@ OUTDIR/rank<R>.json. One process runs every scenario: starting torch costs secon
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -64,6 +65,36 @@ class Branchy(nn.Module):
         return self.head(h)
 
 
+class WindowBranch(nn.Module):
+    """``extra`` is used in the first micro-batch of each accumulation window only (``use_extra``, set by
+    the loop), never in the synchronised one: torch averages the gradient it accumulated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.extra, self.head = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+        self.use_extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.trunk(x))
+        if self.use_extra:
+            h = h + self.extra(h)
+        return self.head(h)
+
+
+@dataclasses.dataclass
+class Outputs:
+    logits: torch.Tensor
+    aux: torch.Tensor
+
+
+class DataclassOut(Branchy):
+    """Returns a dataclass (torch's DDP finds the tensors in its fields)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.trunk(x))
+        return Outputs(self.head(h), self.branch(h))  # type: ignore[return-value]
+
+
 class Frozen(Mlp):
     def __init__(self) -> None:
         super().__init__()
@@ -103,6 +134,12 @@ MODELS = {
     "wide": Wide,
     "wide_keep_grads": Wide,
     "wide_no_sync": Wide,
+    "unused_no_sync": WindowBranch,
+    "dataclass_out": DataclassOut,
+    "batchnorm_no_sync": WithBatchNorm,
+    # Evaluation after each step, one more batch on each higher rank, then a metric all-reduce: torch
+    # broadcasts buffers in the first evaluation forward only, so the uneven loops do not pair up.
+    "batchnorm_eval": WithBatchNorm,
     # Uneven inputs under Join (``batches``): rank 0 joins first, the last rank first, the first after
     # one step (before the bucket rebuild it must then take part in), with unused parameters, with
     # accumulation, and with gradients divided by the ranks still training.
@@ -115,7 +152,7 @@ MODELS = {
 
 
 def options() -> dict[str, Any]:
-    if SCENARIO in ("unused", "join_unused"):
+    if SCENARIO in ("unused", "join_unused", "unused_no_sync", "dataclass_out"):
         return {"find_unused_parameters": True}
     if SCENARIO == "bucket_view":
         return {"gradient_as_bucket_view": True}
@@ -161,18 +198,22 @@ def _train(model: nn.Module, rank: int, steps: int | None = None) -> dict[str, A
     identities: set[int] = set()
     for _ in range(batches(rank) if steps is None else steps):
         opt.zero_grad(set_to_none=SCENARIO not in ("bucket_view", "wide_keep_grads"))
-        micro = 3 if SCENARIO in ("no_sync", "wide_no_sync", "join_no_sync") else 1
+        micro = 3 if "no_sync" in SCENARIO else 1
         for m in range(micro):
             x = torch.randn(16, 32, generator=gen)
+            if SCENARIO == "unused_no_sync":
+                model.module.use_extra = m == 0  # type: ignore[union-attr]
             if m < micro - 1:
                 with model.no_sync():  # type: ignore[operator]
-                    model(x).pow(2).mean().backward()
+                    loss(model(x)).backward()
             else:
-                model(x).pow(2).mean().backward()
+                loss(model(x)).backward()
         if weight is not None and weight.grad is not None:
             held.append((weight.grad, weight.grad.clone()))
             identities.add(id(weight.grad))
         opt.step()
+        if SCENARIO == "batchnorm_eval":
+            evaluate(model, rank, gen)
     if weight is None or weight.grad is None:
         return {}
     grad = weight.grad
@@ -184,6 +225,22 @@ def _train(model: nn.Module, rank: int, steps: int | None = None) -> dict[str, A
         == model.module.fc2.weight.grad.untyped_storage().data_ptr(),  # type: ignore[union-attr]
         "detach_ok": grad.detach_() is grad,
     }
+
+
+def loss(out: Any) -> torch.Tensor:
+    if isinstance(out, Outputs):
+        return out.logits.pow(2).mean() + out.aux.pow(2).mean()
+    return out.pow(2).mean()
+
+
+def evaluate(model: nn.Module, rank: int, gen: torch.Generator) -> None:
+    model.eval()
+    metric = torch.zeros(1)
+    with torch.no_grad():
+        for _ in range(1 + rank):
+            metric += model(torch.randn(16, 32, generator=gen)).pow(2).mean()
+    dist.all_reduce(metric)
+    model.train()
 
 
 def run_scenario(rank: int) -> dict[str, Any]:
