@@ -65,7 +65,8 @@ _REMEDIES: dict[str, str] = {
     "output_device": "drop output_device; outputs stay where the module puts them",
     "dim": "split the batch yourself; only dim=0 semantics are supported",
     "static_graph": "drop it; buckets are rebuilt after the first iteration anyway, and "
-    "find_unused_parameters=True handles parameters that are never used",
+    "find_unused_parameters=True handles parameters that are never used (for reentrant activation "
+    "checkpointing, pass use_reentrant=False to torch.utils.checkpoint)",
     "init_sync": "drop it; the state is always broadcast from rank 0 at construction",
     "mixed_precision": "cast the module yourself (module.to(dtype)); each dtype gets its own buckets",
     "bucket_cap_mb_list": "use bucket_cap_mb",

@@ -254,10 +254,7 @@ class Reducer:
         if not self.queued:
             self._begin_backward()
         if self.ready[i]:
-            raise RuntimeError(
-                f"DistributedDataParallel: parameter {self.names[i]!r} received its gradient twice in "
-                f"one backward (step {self.step}); run one backward per forward."
-            )
+            raise RuntimeError(self._twice_message(i))
         self.ready[i] = 1
         self.used[i] = 1
         bucket, pos = self.where[i]
@@ -281,6 +278,23 @@ class Reducer:
             self._launch_ready()
         elif self.next_done < self.next_launch and self.cuda is None:
             self._poll()
+
+    def _twice_message(self, i: int) -> str:
+        """Why parameter ``i`` got a second gradient in one backward, with what to do about it."""
+        head = f"DistributedDataParallel: parameter {self.names[i]!r} (step {self.step}) "
+        if i in self.expected_unused:
+            return (
+                head + "received a gradient although the forward's output does not reach it, so it was "
+                "counted as unused (find_unused_parameters=True). Reentrant activation checkpointing "
+                "(torch.utils.checkpoint with use_reentrant=True) hides the parameters inside it from "
+                "that search: pass use_reentrant=False."
+            )
+        return (
+            head + "received its gradient twice in one backward: its module ran twice inside reentrant "
+            "activation checkpointing (torch.utils.checkpoint with use_reentrant=True, where each run "
+            "accumulates separately; pass use_reentrant=False), or two backwards ran over one forward "
+            "(run one backward per forward)."
+        )
 
     def _mark_unused(self, i: int) -> None:
         """A parameter that gets no gradient in this backward contributes zeros, or with

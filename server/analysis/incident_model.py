@@ -63,7 +63,7 @@ UNEVEN_DATA_ADVICE = (
 """What to do about a rank that left its training loop before its peers."""
 
 
-STOP_SIGNALS = {"sigterm": "SIGTERM", "sigint": "SIGINT (Ctrl-C: KeyboardInterrupt)"}
+STOP_SIGNALS = {"sigterm": "SIGTERM", "sigint": "SIGINT or an uncaught KeyboardInterrupt"}
 """``rank_exit`` reasons of a rank stopped by a signal from outside, and how messages name the signal."""
 
 

@@ -277,8 +277,9 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
             "Something outside the job stopped this rank alone (a preemption, a time or memory limit, "
             "torchrun's agent, a manual kill): check the scheduler's and the launcher's logs for it."
             if reason == "sigterm"
-            else "Something interrupted this rank alone: Ctrl-C in its terminal, or a launcher or script "
-            "sending it SIGINT; check who did (a KeyboardInterrupt ends training, it is not an error in it)."
+            else "Something interrupted this rank alone: Ctrl-C in its terminal, a launcher or script "
+            "sending it SIGINT, or code raising KeyboardInterrupt itself (its log's traceback tells which); "
+            "check who did (a KeyboardInterrupt ends training, it is not an error in it)."
             if reason == "sigint"
             else UNEVEN_DATA_ADVICE
         )

@@ -141,3 +141,28 @@ def test_a_rank_dependent_update_shows_in_the_replica_digests_and_a_layer_added_
         (warning,) = [r for r in rank["records"] if r["kind"] == "warning"]
         assert warning["step"] == 8 and warning["parameters"] == ["extra.weight", "extra.bias"]
         assert "added to the module after it was wrapped" in warning["message"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "said"),
+    [
+        ("unused", "although the forward's output does not reach it"),
+        ("twice", "ran twice inside reentrant activation checkpointing"),
+    ],
+)
+def test_reentrant_activation_checkpointing_is_named_with_the_way_out(mode: str, said: str, tmp_path) -> None:
+    # Before, both read "received its gradient twice ...; run one backward per forward": a false cause.
+    from pathlib import Path
+
+    from tests.support.procs import assert_all_ok, run_ranks
+
+    script = Path(__file__).parent / "jobs" / "reentrant.py"
+    # No collector: the records wait in a spool of the test's own, its shipper gives up after 1 s.
+    env = {
+        "DDPSCOPE_URL": "http://127.0.0.1:9",
+        "DDPSCOPE_SPOOL_DIR": str(tmp_path),
+        "DDPSCOPE_SHIPPER_LINGER_S": "1",
+    }
+    (result,) = run_ranks(script, 1, args=[mode], env=env, timeout_s=60)
+    assert_all_ok([result])
+    assert said in result.stdout and "use_reentrant=False" in result.stdout, result.stdout
