@@ -32,9 +32,10 @@ SCHEMA_VERSION = 1
 """Bumped when a field changes meaning or a required field is added."""
 
 MAX_JOB_LENGTH = 200
-JOB_PATTERN = r"^(?!\.\.?\Z)[^/\x00-\x1f\x7f-\x9f]+\Z"
-"""A job id is one URL path segment: no '/', no control character, not '.' or '..' (agent/config.py
-makes the agent's own ids so; a sender that does not is refused, or the job could never be opened)."""
+JOB_PATTERN = r"^(?!\.\.?\Z)[^/\x00]+\Z"
+"""A job id is one URL path segment: no '/', not '.' or '..', no NUL (a sender that breaks this is refused:
+the job could never be opened). Other characters are stored and shown as inert text; the agent's own ids
+also have no control character (agent/config.py)."""
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """Integers must fit the collector's BIGINT columns."""
 
@@ -73,7 +74,7 @@ ENVELOPE: tuple[Field, ...] = (
         STR,
         max_length=MAX_JOB_LENGTH,
         pattern=JOB_PATTERN,
-        doc="job id (DDPSCOPE_JOB, TORCHELASTIC_RUN_ID or generated): no '/', no control character",
+        doc="job id (DDPSCOPE_JOB, TORCHELASTIC_RUN_ID or generated): one URL path segment, no '/'",
     ),
     Field("rank", INT, doc="global rank of the emitting process"),
     Field("stream", STR, max_length=64, doc="agent incarnation id; new after fork or restart"),

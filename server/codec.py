@@ -116,8 +116,8 @@ def decode_batch(body: bytes) -> list[Any]:
         if message.endswith(".job`") and "matching regex" in message:
             message = (
                 f"{message.rpartition(' - at ')[2].strip('`')}: a job id must be 1-{wire.MAX_JOB_LENGTH} "
-                "characters with no '/' and no control character, and not '.' or '..' (it is one URL path "
-                "segment); the agent makes DDPSCOPE_JOB so by itself"
+                "characters with no '/' and no NUL, and not '.' or '..' (it is one URL path segment); the "
+                "agent makes DDPSCOPE_JOB so by itself"
             )
         raise BatchError(message) from None
     except msgspec.DecodeError as e:

@@ -30,7 +30,7 @@ LONG = "p" * 5000
 
 # A job id must be addressable in a URL path: no '/', so the script tag variant goes elsewhere.
 JOB = f"job{XSS_IMG}{ANSI}{RTL}"
-JOB_SCRIPT = f"job<script>alert(2)<{chr(47)}script>{ANSI}"
+JOB_SCRIPT = f"job<script>alert(2)<!--{ANSI}"
 PARAMS = [XSS_SCRIPT, XSS_IMG, f"layer{ANSI}.weight", f"w{RTL}", LONG]
 STACK = f'File "train.py", line 1, in {XSS_SCRIPT}\n  {ANSI} {RTL}\n  {XSS_IMG}'
 

@@ -119,7 +119,7 @@ def test_errors_name_the_record_and_the_field():
         decode_batch(json.dumps(batch(bad)).encode())
 
 
-@pytest.mark.parametrize("job", ["a/b", ".", "..", "line\nbreak"])
+@pytest.mark.parametrize("job", ["a/b", ".", "..", "/"])
 def test_a_job_id_that_could_never_be_opened_is_refused_by_both_validators_saying_why(job: str) -> None:
     # Stored, it would be listed by the API but no URL could name it.
     record = {**synth_job(1, 1, 1)[0], "job": job}
