@@ -259,8 +259,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 Join.notify_join_context(self)
                 if self._reducer.wants_rebuild():  # a joined rank rebuilds at each iteration it shadows
                     self._rebuild_buckets()
-            if self.require_forward_param_sync:
-                self._sync_buffers()
+            self._sync_buffers()
             self.require_forward_param_sync = False
             if joining:
                 send_sync_flag(self, False)
@@ -277,8 +276,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if (synced or joining) and reducer.wants_rebuild():
             self._rebuild_buckets()
         reducer.prepare_forward(self._step, synced)
-        if self.require_forward_param_sync:
-            self._sync_buffers()
+        self._sync_buffers()
         self.require_forward_param_sync = synced
         if joining:
             send_sync_flag(self, synced)
@@ -307,7 +305,10 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _sync_buffers(self, *, joined: bool = False) -> None:
         """Broadcast buffers from rank 0 or, under Join, from the highest rank still training (a rank
-        that joined has stale buffers); ``joined``: called for a rank that joined (``join.py``)."""
+        that joined has stale buffers), if the last forward was a synchronised training one
+        (``require_forward_param_sync``); ``joined``: called for a rank that joined (``join.py``)."""
+        if not self.require_forward_param_sync:
+            return
         if not self.broadcast_buffers or self._world == 1 or not self._has_buffers:
             return
         buffers = [b for b in self.module.buffers() if b is not None]

@@ -106,8 +106,7 @@ class EngineJoinHook(JoinHook):
         reducer = ddp._reducer
         if reducer.wants_rebuild():
             ddp._rebuild_buckets()
-        if ddp.require_forward_param_sync:
-            ddp._sync_buffers(joined=True)
+        ddp._sync_buffers(joined=True)
         flag = torch.zeros(1)
         join_all_reduce(flag, ddp)
         # As its peers: their next forward broadcasts buffers only after a synchronised one.
