@@ -403,12 +403,14 @@ class Notices:
             _write_notice(
                 sh.dir,
                 sh.prefix,
-                f"ddpscope: rank {sh.meta.get('rank')} (job {sh.meta.get('job')}): the collector at "
-                f"{sh.ingest_url} has accepted nothing since this rank's records stopped getting through "
-                f"(last: {self.last}). They wait in {sh.dir}; a shipper retries for "
-                f"{sh.s['linger_s']:.0f} s after this rank's exit (log: "
-                f"{os.path.join(sh.dir, sh.prefix + '.shipper.log')}); start a collector (ddpscope serve) "
-                "or check DDPSCOPE_URL.",
+                self._line(
+                    f"the collector at {sh.ingest_url} has accepted nothing since this rank's records "
+                    "stopped getting through "
+                    f"(last: {self.last}). They wait in {sh.dir}; a shipper retries for "
+                    f"{sh.s['linger_s']:.0f} s after this rank's exit (log: "
+                    f"{os.path.join(sh.dir, sh.prefix + '.shipper.log')}); start a collector (ddpscope serve) "
+                    "or check DDPSCOPE_URL."
+                ),
                 PENDING_SUFFIX,
             )
         if wrong_url(outcome):
@@ -434,13 +436,17 @@ class Notices:
             f"version; further refusals are logged in {os.path.join(sh.dir, sh.prefix + '.shipper.log')}."
         )
 
+    def _line(self, text: str) -> str:
+        meta = self.shipper.meta
+        return f"ddpscope: rank {meta.get('rank')} (job {meta.get('job')}): {text}"
+
     def tell(self, text: str) -> None:
         now = time.monotonic()
         if self.told or now - self.told_at < NOTICE_EVERY_S:
             return
         self.told, self.told_at = True, now
         sh = self.shipper
-        line = f"ddpscope: rank {sh.meta.get('rank')} (job {sh.meta.get('job')}): {text}"
+        line = self._line(text)
         logger.warning("%s", line)
         _drop_notice(sh.dir, sh.prefix, PENDING_SUFFIX)  # this line says more
         # After its rank is gone (or for an adopted orphan) nobody is left to read it: the log has it.
