@@ -12,7 +12,7 @@ from ddpscope.server.analysis.incidents import diagnose
 from ddpscope.server.analysis.trace import trace_events
 from ddpscope.server.deps import JobIdDep, StorageDep
 from ddpscope.server.routes._items import JSONResponse, item
-from ddpscope.server.routes.steps import INT64_MAX, INT64_MIN
+from ddpscope.server.routes.steps import INT64_MAX, INT64_MIN, check_step_range
 from ddpscope.server.storage import Storage
 
 router = APIRouter(prefix="/api/v1/jobs/{job}", tags=["incidents"])
@@ -38,8 +38,7 @@ async def incidents(job: str, _job_id: JobIdDep, storage: StorageDep, kind: str 
 
 
 def _trace(storage: Storage, job: str, job_id: int, start: int | None, end: int | None) -> Response:
-    if start is not None and end is not None and end < start:
-        raise HTTPException(400, f"end ({end}) is before start ({start})")
+    check_step_range(start, end)
     truncated = False
     if start is None:
         last = storage.last_step(job_id)
