@@ -189,10 +189,10 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
         worst = max(disordered, key=lambda b: b.get("order_penalty_s") or 0.0)
         out.append(
             f"{len(disordered)} bucket(s) became ready out of index order; the worst, bucket {worst['index']}, "
-            f"waited {_fmt_s(worst.get('order_penalty_s'))} in total for earlier buckets. Parameters are "
-            "bucketed in reverse parameters() order: define modules in the order forward uses them, "
-            "or let the engine rebuild buckets in the observed order."
+            f"waited {_fmt_s(worst.get('order_penalty_s'))} a step on average for earlier buckets."
         )
+        if worst.get("advice"):  # the collector's: it knows whether the buckets were rebuilt
+            out.append(safe(worst["advice"]))
     elif buckets:
         out.append("all buckets became ready in index order: no order penalty")
     problems = len(active) + len(flagged)

@@ -401,9 +401,12 @@ class Instrumentation:
             return
         if layout is None:
             logger.warning("ddpscope: could not read torch's bucket layout at step %d", self._cur)
-        elif layout.buckets != self.layout.buckets:
+            return
+        if layout.buckets != self.layout.buckets:
             self._set_layout(layout)
-            self._emit_layout("rebuilt", self._cur)
+        # Said even when torch rebuilt the same buckets: the collector's advice on bucket order depends
+        # on whether the one rebuild has happened.
+        self._emit_layout("rebuilt", self._cur)
 
     def _forward_failed(self, exc: Exception) -> None:
         """torch's forward raised (the exception goes on to the caller). It is said now, not only if it

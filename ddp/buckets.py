@@ -3,7 +3,9 @@
 The assignment follows torch's ``compute_bucket_assignment_by_size`` (reducer.cpp) step for step, so a
 ddpscope job reduces exactly the same byte ranges as stock DDP and sums in the same order on gloo:
 walk the parameters in the given order, one open bucket per (dtype, device), close a bucket once it
-reaches its size limit (the first limit for the first bucket of each key, then the next one).
+reaches its size limit (the first limit for the first bucket of each key, then the next one). The one
+departure is the order of a rebuild's buckets when dtypes are mixed (``assign_buckets``): the same buckets,
+each placed where it becomes ready.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def assign_buckets(
 
     Without ``ready_order`` the parameters are walked in definition order, the buckets sorted by their
     lowest index and then reversed (gradients arrive roughly in reverse definition order). With a
-    ``ready_order`` (observed in an earlier backward) the buckets keep the order they were closed in.
+    ``ready_order`` (observed in an earlier backward) the buckets are in the order they become ready in it.
     """
     order = list(range(len(specs))) if ready_order is None else list(ready_order)
     open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
@@ -81,11 +83,18 @@ def assign_buckets(
             limit_pos[key] = min(pos + 1, len(limits) - 1)
         else:
             open_buckets[key] = (indices, size)
-    # Buckets still open at the end, in the order their keys first appeared (dicts keep insertion order).
     result.extend(indices for indices, _ in open_buckets.values() if indices)
     if ready_order is None:
         result.sort(key=min)
         result.reverse()
+    else:
+        # Each bucket goes where it becomes ready: when its last gradient (its last index) arrives. That
+        # is torch's order within each dtype. torch appends each dtype's last bucket in the iteration
+        # order of an unordered_map (for float dtypes on one device the reverse of the order their first
+        # gradients arrive, otherwise as their hashes fall), so with mixed dtypes its buckets can wait
+        # for a lower index that becomes ready after them.
+        position = {index: pos for pos, index in enumerate(order)}
+        result.sort(key=lambda indices: position[indices[-1]])
     return result
 
 

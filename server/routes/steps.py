@@ -100,7 +100,9 @@ async def get_timeline(
 
 def _buckets(storage: Storage, job: str, job_id: int, recent: int) -> Response:
     layouts = storage.fetch_records(job, ["layout"])
-    return items(bucket_stats(layouts, storage.recent_steps(job_id, recent)))
+    engines = {r.get("engine") for r in storage.fetch_records(job, ["rank_start"])}
+    engine = engines.pop() if len(engines) == 1 else None  # the advice differs by engine
+    return items(bucket_stats(layouts, storage.recent_steps(job_id, recent), engine))
 
 
 @router.get("/buckets")

@@ -228,3 +228,45 @@ def test_uneven_inputs_under_torchs_join_train_as_uninstrumented_and_raise_no_in
         snapshot_from_records("edge-join", every), max(r["time_ns"] for r in every) / 1e9 + 1
     )
     assert incidents == [], [i.message for i in incidents]
+
+
+# -- mixed dtypes ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mixed_dtypes(tmp_path_factory: pytest.TempPathFactory) -> tuple[JobRun, Path]:
+    out = tmp_path_factory.mktemp("dtypes")
+    job = run("dtypes", out)
+    assert all(exited_cleanly(r) for r in job.results), job.output()
+    return job, out
+
+
+def test_torchs_rebuild_puts_the_fp32_bucket_before_the_bf16_head_whose_gradients_arrive_first(
+    mixed_dtypes: tuple[JobRun, Path],
+) -> None:
+    job, out = mixed_dtypes
+    for rank in (0, 1):
+        logged = result(out, rank)["logged"]
+        # Parameter 4 and 5 are the head's: first in the ready order, in the last bucket after the rebuild.
+        assert logged["prev_iteration_grad_ready_order_indices"].replace(" ", "").startswith("5,4,")
+        assert logged["rebuilt_per_bucket_param_indices"].split(",")[-1].split() == ["5", "4"]
+        assert [b["dtype"] for b in job.of(rank, "layout")[-1]["buckets"]] == ["float32", "bfloat16"]
+
+
+def test_the_collector_judges_torchs_mixed_dtype_buckets_out_of_order_and_blames_torchs_dtype_order(
+    mixed_dtypes: tuple[JobRun, Path],
+) -> None:
+    from ddpscope.server.analysis.buckets import bucket_stats
+    from ddpscope.server.rows import step_rows_from_wire
+
+    job, _ = mixed_dtypes
+    records = job.records[0] + job.records[1]
+    stats = bucket_stats([r for r in records if r["kind"] == "layout"], step_rows_from_wire(records))
+    steps = 2 * 4  # steps 1-4 of 5 (under the layout torch rebuilt at step 1), on both ranks
+    assert [(b.dtype, b.steps, b.out_of_order) for b in stats] == [
+        ("float32", steps, 0),
+        ("bfloat16", steps, steps),
+    ]
+    advice = stats[1].advice
+    assert advice is not None and "holds bfloat16 and bucket 0 float32" in advice
+    assert "not rebuilt again" in advice and "find_unused_parameters" not in advice

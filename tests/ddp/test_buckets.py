@@ -53,8 +53,53 @@ def test_rebuilt_assignment_matches_torch_for_an_observed_ready_order(
     if len({t.dtype for t in tensors}) == 1:
         assert ours == theirs
     else:
-        # torch appends the still-open buckets from an unordered_map: only their order may differ.
+        # The same buckets, in torch's order within each dtype; torch interleaves the dtypes' last
+        # buckets as an unordered_map iterates, ddpscope as they become ready (the next test).
         assert sorted(ours) == sorted(theirs)
+        for dtype in DTYPES:
+            assert [b for b in ours if tensors[b[0]].dtype == dtype] == [
+                b for b in theirs if tensors[b[0]].dtype == dtype
+            ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(tensor_lists, limit_lists, st.randoms(use_true_random=False))
+def test_rebuilt_buckets_are_in_the_order_they_become_ready(
+    tensors: list[torch.Tensor], limits: list[int], rnd
+) -> None:
+    order = list(range(len(tensors)))
+    rnd.shuffle(order)
+    ready_at = {index: pos for pos, index in enumerate(order)}
+    buckets = assign_buckets(specs_of(tensors), limits, order)
+    last_gradient = [max(ready_at[i] for i in b) for b in buckets]
+    assert last_gradient == sorted(last_gradient)
+
+
+def _torch_rebuild(tensors: list[torch.Tensor], order: list[int]) -> list[list[int]]:
+    theirs, _ = dist._compute_bucket_assignment_by_size(
+        [tensors[i] for i in order], [FIRST_BUCKET_BYTES], [False] * len(order), order
+    )
+    return theirs
+
+
+def test_with_fp32_layers_around_bf16_ones_the_rebuild_puts_the_bf16_bucket_first_as_torch_does() -> None:
+    # The red team's model: fp32 input layer and head, bf16 in between. Gradients arrive head first and
+    # input layer last, so the bf16 bucket is complete before the fp32 one.
+    fp32, bf16 = torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16)
+    tensors = [fp32, fp32, bf16, bf16, bf16, bf16, fp32, fp32]
+    order = list(reversed(range(len(tensors))))
+    ours = assign_buckets(specs_of(tensors), [FIRST_BUCKET_BYTES], order)
+    assert ours == [[5, 4, 3, 2], [7, 6, 1, 0]] == _torch_rebuild(tensors, order)
+
+
+def test_a_rebuild_puts_a_bf16_heads_bucket_first_as_it_becomes_ready_where_torch_puts_it_last() -> None:
+    fp32, bf16 = torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16)
+    tensors = [fp32, fp32, bf16, bf16]
+    order = [3, 2, 1, 0]
+    assert assign_buckets(specs_of(tensors), [FIRST_BUCKET_BYTES], order) == [[3, 2], [1, 0]]
+    # torch 2.13 puts the fp32 bucket first: its first gradient arrives last, and all of bucket 1's
+    # arrive before it (bucket 1 then waits for bucket 0 every step).
+    assert _torch_rebuild(tensors, order) == [[1, 0], [3, 2]]
 
 
 def test_default_cap_has_a_small_first_bucket_and_an_explicit_cap_does_not() -> None:

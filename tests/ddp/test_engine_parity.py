@@ -12,9 +12,9 @@ from tests.ddp.engine_jobs import run_job
 pytestmark = pytest.mark.slow
 
 SCENARIOS = [
-    "mlp", "batchnorm", "unused", "no_sync", "frozen", "dtypes", "bucket_view", "small_buckets",
-    "wide", "wide_keep_grads", "wide_no_sync", "join", "join_divide", "join_early", "join_unused", "join_no_sync",
-    "unused_no_sync", "dataclass_out", "batchnorm_no_sync", "batchnorm_eval",
+    "mlp", "batchnorm", "unused", "no_sync", "frozen", "dtypes", "mixed_dtypes", "bucket_view",
+    "small_buckets", "wide", "wide_keep_grads", "wide_no_sync", "join", "join_divide", "join_early",
+    "join_unused", "join_no_sync", "unused_no_sync", "dataclass_out", "batchnorm_no_sync", "batchnorm_eval",
 ]  # fmt: skip
 FOUR_RANK_SCENARIOS = ["mlp", "batchnorm", "unused", "no_sync", "dtypes", "join", "join_divide"]
 STEPS = "4"
@@ -101,6 +101,34 @@ def test_each_dtype_gets_its_own_bucket(two_ranks: list[dict[str, Any]]) -> None
     for b in layout:
         prefix = "b." if b["dtype"] == "float64" else "a."
         assert all(name.startswith(prefix) for name in b["parameters"])
+
+
+def test_with_mixed_dtypes_the_rebuilt_buckets_are_torchs_and_become_ready_in_index_order(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    from ddpscope.server.rows import step_rows_from_wire
+
+    for rank in two_ranks:
+        result = rank["mixed_dtypes"]
+        # bf16 first: its bucket is complete before the fp32 one, whose last gradient is the input layer's.
+        assert [b["dtype"] for b in result["layout"]] == ["bfloat16", "float32"]
+        assert [b["parameters"] for b in result["layout"]] == result["torch_layout"]
+        rebuilt = [r for r in step_rows_from_wire(result["records"]) if r.step >= 1]
+        assert rebuilt and all(r.ready_order == [0, 1] for r in rebuilt)
+
+
+def test_the_collector_finds_the_engines_mixed_dtype_buckets_in_order_and_advises_nothing(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    from ddpscope.server.analysis.buckets import bucket_stats
+    from ddpscope.server.rows import step_rows_from_wire
+
+    records = [r for rank in two_ranks for r in rank["mixed_dtypes"]["records"]]
+    stats = bucket_stats([r for r in records if r["kind"] == "layout"], step_rows_from_wire(records))
+    assert [(b.dtype, b.steps, b.out_of_order, b.advice) for b in stats] == [
+        ("bfloat16", 2 * (int(STEPS) - 1), 0, None),
+        ("float32", 2 * (int(STEPS) - 1), 0, None),
+    ]
 
 
 @pytest.mark.parametrize("scenario", ["join", "join_early", "join_unused", "join_no_sync"])

@@ -16,6 +16,7 @@ Scenarios:
               in that): the step records' blocked_* fields must hold rank 0's waits.
   join        uneven inputs under torch's Join (``model.join()``): rank 0 has 3 batches, rank 1 has 6,
               a model with BatchNorm; the same training uninstrumented first, for the parameters.
+  dtypes      fp32 layers under a bf16 head, DTYPE_STEPS synced steps; torch's logging data at the end.
 """
 
 from __future__ import annotations
@@ -163,12 +164,45 @@ def join(rank: int, out_dir: str) -> dict[str, Any]:
     return {"plain": plain, "instrumented": _join_train(instrument(DDP(bn_mlp())), rank)}
 
 
+DTYPE_STEPS = 5
+
+
+class Bf16Head(nn.Module):
+    """fp32 layers under a bf16 head: the head's gradients arrive first, then all the fp32 ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.head = nn.Linear(64, 10).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).to(torch.bfloat16)).float()
+
+
+def dtypes(rank: int, out_dir: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = instrument(DDP(Bf16Head()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(DTYPE_STEPS):
+        model(batch(rank, step)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    logged = model._get_ddp_logging_data()
+    return {"logged": {k: v for k, v in logged.items() if isinstance(v, (int, str))}}
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     _capture.capture(out_dir)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    scenarios = {"accumulate": accumulate, "peer_dies": peer_dies, "waits": waits, "join": join}
+    scenarios = {
+        "accumulate": accumulate,
+        "peer_dies": peer_dies,
+        "waits": waits,
+        "join": join,
+        "dtypes": dtypes,
+    }
     result = scenarios[scenario](rank, out_dir)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     _capture.flush()

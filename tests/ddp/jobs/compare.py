@@ -111,6 +111,20 @@ class TwoDtypes(nn.Module):
         return self.b(torch.relu(self.a(x)).double())
 
 
+class MixedDtypes(nn.Module):
+    """fp32 input layer and head around bf16 layers: gradients of both dtypes arrive from the first to the
+    last, and the bf16 bucket is complete first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(32, 32), nn.Linear(32, 8)
+        self.mid = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32)).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mid(torch.relu(self.inp(x)).to(torch.bfloat16))
+        return self.head(torch.relu(h).float())
+
+
 class Wide(nn.Module):
     """Parameters of 512 KiB: their buckets lend the reduced memory to the gradients (buckets.py)."""
 
@@ -129,6 +143,7 @@ MODELS = {
     "no_sync": Mlp,
     "frozen": Frozen,
     "dtypes": TwoDtypes,
+    "mixed_dtypes": MixedDtypes,
     "bucket_view": Mlp,
     "small_buckets": Mlp,
     "wide": Wide,
@@ -281,9 +296,16 @@ def run_scenario(rank: int) -> dict[str, Any]:
         "exact": exact,
         "grads": grads,
         "layout": ours.bucket_layout,
+        "torch_layout": _torch_layout(theirs),
         "records": exporter.records,
         "grad_shape": grad_shape,
     }
+
+
+def _torch_layout(ddp: nn.parallel.DistributedDataParallel) -> list[list[str]]:
+    """Parameter names per bucket of torch's Reducer, in bucket order."""
+    names = {id(p): n for n, p in ddp.module.named_parameters()}
+    return [[names[id(p)] for p in b.parameters()] for b in ddp.reducer._get_zeros_like_grad_buckets()]
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
