@@ -45,6 +45,8 @@ INTS, STRS, FLOATS = "list[int]", "list[str]", "list[float]"
 INT_LISTS = "list[list[int]]"
 COUNTS = "dict[str,int]"
 OBJECTS = "list[object]"
+OBJECT = "object"
+"""One nested object whose fields are ``Field.item``."""
 PACKED = "packed-int64"
 """Base64 (in JSON) of ``pack_step_arrays``' blob: several integer lists without one JSON number each."""
 BYTES = "bytes"
@@ -59,7 +61,7 @@ class Field:
     nullable: bool = False
     """None is a valid value (e.g. a collective's end time while it is still in flight)."""
     item: tuple[Field, ...] = ()
-    """For ``list[object]``: the fields of each object."""
+    """For ``list[object]`` and ``object``: the fields of each object."""
     max_length: int | None = None
     """For key strings the collector indexes: at most this many characters and no NUL."""
     pattern: str | None = None
@@ -105,6 +107,26 @@ INFLIGHT = (
     Field("call_site", STR, nullable=True),
     Field("start_ns", INT),
 )
+
+UNTIMED_END = -1
+"""A partial step's all-reduce end: it succeeded, but the rank had not recorded when (it polls lazily)."""
+
+PARTIAL_STEP = (
+    Field("step", INT),
+    Field("synced", BOOL, doc="false in a no_sync() step: no bucket is all-reduced, the arrays are empty"),
+    Field("forward_start_ns", INT),
+    Field("forward_end_ns", INT, doc="0: the forward had not returned"),
+    Field("backward_start_ns", INT, doc="0: backward had not begun"),
+    Field("bucket_ready_ns", INTS, doc="per bucket; 0: a gradient still missing"),
+    Field("allreduce_start_ns", INTS, doc="per bucket; 0: not launched"),
+    Field(
+        "allreduce_end_ns",
+        INTS,
+        doc="per bucket; 0: not finished (or failed); UNTIMED_END (-1): succeeded, at a time not recorded yet",
+    ),
+    Field("bucket_bytes", INTS),
+)
+"""The step a rank was in when it hung or failed, as far as it got: the step record it never sent."""
 
 THREAD_STACK = (
     Field("thread", STR, doc="thread name"),
@@ -266,6 +288,14 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("inflight", OBJECTS, item=INFLIGHT),
         Field("stacks", OBJECTS, item=THREAD_STACK),
         Field("message", STR),
+        Field(
+            "partial_step",
+            OBJECT,
+            item=PARTIAL_STEP,
+            required=False,
+            nullable=True,
+            doc="the unfinished step's times so far, when the rank hung inside a step (null between steps)",
+        ),
     ),
     "hang_resolved": (
         Field("step", INT),
@@ -279,6 +309,14 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("message", STR),
         Field("stack", STR),
         Field("fatal", BOOL, doc="the process died of it (uncaught, abort, fatal signal)"),
+        Field(
+            "partial_step",
+            OBJECT,
+            item=PARTIAL_STEP,
+            required=False,
+            nullable=True,
+            doc="the unfinished step's times so far, when it failed inside a step (null between steps)",
+        ),
     ),
     # Something that does not stop training but makes its result wrong: said once per cause and model.
     "warning": (
@@ -593,6 +631,9 @@ def _check_value(path: str, value: Any, field: Field) -> None:
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in value.items()
         ):
             raise RecordError(f"{path}: expected an object of string -> int")
+        return
+    if t == OBJECT:
+        _check_fields(path, value, field.item)
         return
     if not isinstance(value, list):
         raise RecordError(f"{path}: expected {t}, got {type(value).__name__}")

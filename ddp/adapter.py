@@ -80,10 +80,10 @@ from ddpscope.ddp.errors import report_error
 from ddpscope.ddp.groups import global_rank, group_size, pg_name, replica_ranks
 from ddpscope.ddp.outputs import grad_tensors, hook_backward_start
 from ddpscope.ddp.outside_forward import OutsideForward
-from ddpscope.ddp.progress import PROGRESS
+from ddpscope.ddp.progress import PROGRESS, no_step
 from ddpscope.ddp.rank_start import rank_start_record
 from ddpscope.ddp.replicas import ReplicaDigest
-from ddpscope.ddp.step_record import StepTimer
+from ddpscope.ddp.step_record import StepTimer, untimed_end
 
 logger = logging.getLogger(__name__)
 
@@ -283,6 +283,7 @@ class Instrumentation:
             ddp.register_comm_hook(None, self._comm_hook)
         PROGRESS.pending_buckets = self.pending_wire
         PROGRESS.settled = self.settled
+        PROGRESS.partial_step = self.partial_wire
 
     @property
     def reattachable(self) -> bool:
@@ -749,6 +750,32 @@ class Instrumentation:
             out.append({"index": k, "missing": missing, "launched": launched})
         return out
 
+    def partial_wire(self) -> dict[str, Any] | None:
+        """The step in progress (``records.PARTIAL_STEP``, read from the watchdog thread): the timer has
+        forward and backward, the bucket times are still in this adapter's arrays (``_fill_timer``
+        hands them over at the end of backward)."""
+        partial = self.timer.partial()
+        if partial is None or not partial["synced"]:
+            return partial
+        buckets = self.layout.buckets
+        n = len(buckets)
+        ready, launch, done = [0] * n, [0] * n, [0] * n
+        if self._active and self._queued:
+            times, launched, finished, works = self._times, self._launch, self._done, self._works
+            for k, members in enumerate(buckets):
+                got = [times[i] for i in members]
+                launch[k] = launched[k]
+                # torch launches a bucket whose parameters went unused: it was ready then.
+                ready[k] = max(got, default=0) if all(got) else launched[k]
+                done[k] = finished[k] or (untimed_end(works[k]) if launched[k] else 0)
+        partial.update(
+            bucket_ready_ns=ready,
+            allreduce_start_ns=launch,
+            allreduce_end_ns=done,
+            bucket_bytes=list(self._bucket_bytes),
+        )
+        return partial
+
     def _record_buffer_broadcasts(self, ddp: DistributedDataParallel) -> None:
         """Record torch's buffer broadcast (at the start of each forward; under ``Join`` also its final
         model sync), which runs in C++ on the model's group, out of the recorder's sight, and count it
@@ -857,3 +884,5 @@ class Instrumentation:
             PROGRESS.pending_buckets = list
         if PROGRESS.settled == self.settled:
             PROGRESS.settled = set
+        if PROGRESS.partial_step == self.partial_wire:
+            PROGRESS.partial_step = no_step

@@ -78,6 +78,8 @@ def report_error(
             stack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         else:
             step, phase, stack = where
+        # The step it failed in, as far as it got; only while the rank is still where it failed.
+        partial = PROGRESS.step_so_far() if (step, phase) == (PROGRESS.step, PROGRESS.phase) else None
         if len(stack) > MAX_STACK_CHARS:
             # Keep the end: the innermost frames and the message are what a reader needs.
             stack = "...\n" + stack[-MAX_STACK_CHARS:]
@@ -90,6 +92,7 @@ def report_error(
                 "message": str(exc)[:4000] or type(exc).__name__,
                 "stack": stack,
                 "fatal": fatal,
+                "partial_step": partial,
             }
         )
         if fatal if flush is None else flush:

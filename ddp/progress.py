@@ -11,6 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 PHASES = ("idle", "forward", "after_forward", "backward", "allreduce", "optimizer")
+IN_STEP = frozenset({"forward", "after_forward", "backward", "allreduce"})
+"""Phases of a step whose record is not sent yet (it is sent at the end of backward)."""
 """``after_forward``: the model's forward returned and backward has not begun (the loss, metrics: the
 user's own code). No gradient is awaited yet, so a rank stuck there is stuck in its own code."""
 
@@ -32,6 +34,7 @@ class Progress:
         "inflight",
         "pending_buckets",
         "settled",
+        "partial_step",
     )
 
     def __init__(self) -> None:
@@ -55,6 +58,19 @@ class Progress:
         """Set by the engine: (pg, coll_seq) of its asynchronous collectives that have completed but
         that it has not looked at yet (it ends them at its next hook or in its finalizer). A rank
         stuck in its own backward code is not inside those, whatever the recorder still holds."""
+        self.partial_step: Callable[[], dict[str, Any] | None] = no_step
+        """Set by the engine: the step in progress so far (``StepTimer.partial``), or None."""
+
+    def step_so_far(self) -> dict[str, Any] | None:
+        """The unfinished step of a hang or error report: only inside a step (its record is not sent
+        yet) and only the step this rank is in. Never raises: the report matters more."""
+        if self.phase not in IN_STEP:
+            return None
+        try:
+            partial = self.partial_step()
+        except Exception:
+            return None
+        return partial if partial is not None and partial["step"] == self.step else None
 
     def enter(self, phase: str, step: int | None = None) -> None:
         self.phase = phase
@@ -71,6 +87,11 @@ class Progress:
         """A collective ended in an error: an event (the wait is over), but no progress."""
         self.failures += 1
         self.counter += 1
+
+
+def no_step() -> None:
+    """``Progress.partial_step`` when no engine runs a step."""
+    return None
 
 
 PROGRESS = Progress()

@@ -36,7 +36,7 @@ from ddpscope.ddp.drift import FROZEN_AFTER_WRAP
 from ddpscope.ddp.outputs import grad_tensors, hook_backward_start
 from ddpscope.ddp.outside_forward import OutsideForward
 from ddpscope.ddp.progress import PROGRESS
-from ddpscope.ddp.step_record import StepTimer
+from ddpscope.ddp.step_record import StepTimer, untimed_end
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +110,7 @@ class Reducer:
         ]
         PROGRESS.pending_buckets = self.pending_wire
         PROGRESS.settled = self.settled
+        PROGRESS.partial_step = self.partial_wire
 
     # -- layout ----------------------------------------------------------------------------------
 
@@ -380,7 +381,13 @@ class Reducer:
         try:
             if self.active:
                 self.syncs += 1  # counted on every rank alike, also when the round then fails
-                self._finalize_synced()
+                try:
+                    self._finalize_synced()
+                except Exception as exc:
+                    # Said while the rank is still in the step it failed in (a peer died mid all-reduce):
+                    # the record then carries that step so far, of which no step record will come.
+                    errors.report_error(exc, fatal=False)
+                    raise
             else:
                 self.timer.emit()
         finally:
@@ -522,6 +529,18 @@ class Reducer:
             missing = [] if launched else [self.names[i] for i in b.param_indices if not ready[i]]
             out.append({"index": b.index, "missing": missing, "launched": launched})
         return out
+
+    def partial_wire(self) -> dict[str, Any] | None:
+        """The step in progress (``records.PARTIAL_STEP``, read from the watchdog thread). A bucket whose
+        all-reduce succeeded but was not polled yet ends at ``UNTIMED_END``: done, at a time not recorded."""
+        partial = self.timer.partial()
+        if partial is None or not partial["synced"] or not (self.active and self.queued):
+            return partial
+        ends, works = partial["allreduce_end_ns"], self.works
+        for k in range(self.next_done, min(self.next_launch, len(ends))):
+            if not ends[k]:
+                ends[k] = untimed_end(works[k])
+        return partial
 
 
 def _reachable_params(tensors: Sequence[torch.Tensor]) -> set[int]:

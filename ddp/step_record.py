@@ -35,6 +35,7 @@ from typing import Any
 
 from ddpscope import agent
 from ddpscope.agent.clock import now_ns
+from ddpscope.agent.records import UNTIMED_END
 from ddpscope.agent.template import RecordTemplate
 from ddpscope.ddp.collectives import RECORDER, BlockedTime
 
@@ -53,6 +54,15 @@ _HEAD = (
 )
 """The scalar variables of every step template, in value order."""
 _BUCKET_TIMES = ("bucket_ready_ns", "allreduce_start_ns", "allreduce_end_ns")
+
+
+def untimed_end(work: Any) -> int:
+    """``UNTIMED_END`` for a collective ``work`` that completed successfully, else 0 (still in flight, or
+    failed: a failed all-reduce never finished, and its error is the report's own subject)."""
+    try:
+        return UNTIMED_END if work is not None and work.is_completed() and work.is_success() else 0
+    except Exception:
+        return 0
 
 
 class StepTimer:
@@ -148,6 +158,26 @@ class StepTimer:
 
     def is_done(self, index: int) -> bool:
         return self._done[index] != 0
+
+    def partial(self) -> dict[str, Any] | None:
+        """The step in progress as far as it got (``records.PARTIAL_STEP``: times of 0 did not happen
+        yet), for a hang or error report: the step record this rank may never send. None before the
+        first forward. Called from the watchdog thread: each list is copied whole under the GIL, so a
+        time written meanwhile is either in the copy or not, never torn."""
+        if not self._fwd_start:
+            return None
+        synced = self.synced
+        return {
+            "step": self.step,
+            "synced": synced,
+            "forward_start_ns": self._fwd_start,
+            "forward_end_ns": self._fwd_end,
+            "backward_start_ns": self._bwd_start,
+            "bucket_ready_ns": list(self._ready) if synced else [],
+            "allreduce_start_ns": list(self._launch) if synced else [],
+            "allreduce_end_ns": list(self._done) if synced else [],
+            "bucket_bytes": list(self.bucket_bytes) if synced else [],
+        }
 
     def emit(self, unused_parameters: Sequence[str] = (), backward_end_ns: int | None = None) -> None:
         """Emit this iteration's step record (the one ``finish`` returns) through the agent, crash-

@@ -418,6 +418,7 @@ class Watchdog:
         if settled:
             inflight = [c for c in inflight if (c["pg"], c["coll_seq"]) not in settled]
         phase, step = progress.phase, progress.step
+        partial = progress.step_so_far()
         main_frame = current_frames().get(threading.main_thread().ident or -1)
         main_site = None
         if main_frame is not None:
@@ -447,6 +448,7 @@ class Watchdog:
                 # The watchdog's own stack says nothing about the hang.
                 "stacks": thread_stacks(skip_current=threading.current_thread() is self._thread),
                 "message": message,
+                "partial_step": partial,
             }
         )
         # The agent prints urgent records to stderr itself; this line is for the process's own log.

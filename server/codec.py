@@ -53,6 +53,8 @@ class BatchError(ValueError):
 def _field_type(field: wire.Field, owner: str) -> Any:
     if field.type == wire.OBJECTS:
         t: Any = list[_struct(f"{owner}_{field.name}", field.item)]  # type: ignore[misc]
+    elif field.type == wire.OBJECT:
+        t = _struct(f"{owner}_{field.name}", field.item)
     elif field.max_length is not None:
         t = _key_string(field.max_length, field.pattern)
     else:

@@ -333,6 +333,21 @@ class Storage:
         out.sort(key=lambda r: (r["time_ns"], r["rank"], r["seq"]))
         return out
 
+    def stop_reports(self, job: str) -> list[dict[str, Any]]:
+        """The ``hang``, ``hang_resolved``, ``rank_error`` and ``rank_exit`` records of each rank's current
+        incarnation (the stream of its latest ``rank_start``), oldest first: what ``analysis/stops.py``
+        reads. A restarted rank's reports from before the restart describe a step that was run again."""
+        recs = self.fetch_records(job, ["rank_start", "hang", "hang_resolved", "rank_error", "rank_exit"])
+        current = {
+            rank: r["stream"]
+            for rank, r in _latest_by_rank([r for r in recs if r["kind"] == "rank_start"]).items()
+        }
+        return [
+            r
+            for r in recs
+            if r["kind"] != "rank_start" and current.get(r["rank"], r["stream"]) == r["stream"]
+        ]
+
     def load_snapshot(self, job: str) -> JobSnapshot | None:
         """See ``analysis/snapshot.py``."""
         row = self.job_row(job)

@@ -39,7 +39,9 @@
       dl.append(ddp.el("dt", {}, label), ddp.el("dd", {}, value));
     };
     field("rank", it.rank);
-    field("step", it.step);
+    // The step's timeline: for a hang or a crash, where each rank was in the step it never finished.
+    field("step", it.step === null || it.step === undefined ? null
+      : ddp.el("a", { class: "step-link", href: ddp.jobHref(job, "/steps/" + it.step) }, String(it.step)));
     field("collective seq", it.seq);
     field("bucket", it.bucket);
     field("process group", it.pg);

@@ -91,7 +91,7 @@
     });
   }
 
-  function drawSummary(w) {
+  function drawSummary(w, incidents) {
     const box = document.getElementById("summary");
     const ranksReporting = new Set(w.items.filter((i) => i.step === maxStep).map((i) => i.rank)).size;
     let slowest = null;
@@ -111,12 +111,21 @@
       links.append(" · ");
       links.append(ddp.el("a", { id: "slowest-step-link", href: ddp.jobHref(job, "/steps/" + slowest.step) },
         `slowest step (${slowest.step}, ${ddp.fmtSeconds(slowest.step_s)})`));
+    }
+    // A job that hung or crashed inside a step has no record of it: link the step its incidents name.
+    const stoppedIn = Math.max(-1, ...incidents.filter((i) => i.active !== false && Number.isInteger(i.step)).map((i) => i.step));
+    if (stoppedIn > maxStep) {
+      if (links.childNodes.length) links.append(" · ");
+      links.append(ddp.el("a", { id: "stopped-step-link", href: ddp.jobHref(job, "/steps/" + stoppedIn) },
+        `step ${stoppedIn}, where it stopped`));
+    }
+    if (maxStep >= 0) {
       const start = document.getElementById("trace-start");
       const end = document.getElementById("trace-end");
       // Follow the last ten steps until the user picks a range.
       if (!traceRangeEdited) {
         start.value = Math.max(0, maxStep - 9);
-        end.value = maxStep;
+        end.value = Math.max(maxStep, stoppedIn);
       }
       updateTraceLink();
     }
@@ -245,7 +254,7 @@
     // Every figure is awaited before the refresh counts as done (tests and the next poll rely on it).
     const drawing = [];
     if (rows.size) drawing.push(drawHeatmap(w), drawOverlap(w));
-    drawSummary(w);
+    drawSummary(w, incid.ok ? incid.v.items || [] : []);
     if (strag.ok) drawing.push(drawStragglers(strag.v.items || [], strag.v.threshold));
     if (incid.ok) drawIncidents(incid.v.items || []);
     if (unused.ok) drawUnused(unused.v.items || [], unused.v.advice);

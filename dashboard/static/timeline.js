@@ -1,6 +1,8 @@
 // The overlap timeline of one step: one row per rank, a compute lane (forward, backward, bucket-ready
 // ticks) above a communication lane (each bucket's all-reduce from launch to end, the exposed tail in
-// red).
+// red). A rank that hung or failed inside the step (no step record: drawn from its report) has its
+// unfinished spans end at a red mark where the report was written, all-reduces still in flight then in
+// red; a rank that stopped elsewhere (another step, or out of the job) says where instead of drawing.
 //
 // Speed at 64 ranks x 100 buckets: Plotly draws every gap-separated piece of a scatter line as its own
 // SVG <path> (13 000 elements, seconds to draw). So each kind of bar is ONE layout shape whose SVG path
@@ -11,7 +13,13 @@
   const job = ddp.cfg.job;
   const step = Number(ddp.cfg.step);
   const COLORS = { forward: "#9cc0ee", backward: "#1f5fbf", ready: "#111111", allreduce: "#f0a030",
-    allreduce2: "#c77d12", exposed: "rgba(211, 47, 47, 0.55)" };
+    allreduce2: "#c77d12", exposed: "rgba(211, 47, 47, 0.55)", open: "#c62828", stop: "#c62828" };
+
+  // "hung in backward", "failed in allreduce", "exited": a rank's stop in a few words.
+  function stopWords(s) {
+    const phase = s.phase ? ` in ${s.phase.replace("_", " ")}` : "";
+    return `${s.state}${phase}`;
+  }
 
   function paramsText(names) {
     if (!names || !names.length) return "parameters: unknown";
@@ -54,6 +62,8 @@
     const present = new Set(ranks.map((r) => r.rank));
     const allRanks = new Set(present);
     for (let r = 0; r < (worldSize || 0); r++) allRanks.add(r);
+    const elsewhere = new Map((timeline.elsewhere || []).map((e) => [e.rank, e]));
+    for (const r of elsewhere.keys()) allRanks.add(r);
     const rankList = [...allRanks].sort((a, b) => a - b);
     const row = new Map(rankList.map((r, i) => [r, i]));
     const n = rankList.length;
@@ -67,6 +77,9 @@
     const ar = kind("all-reduce", COLORS.allreduce, rowPx * 0.14);
     const ar2 = kind("all-reduce (odd buckets)", COLORS.allreduce2, rowPx * 0.14);
     const tail = kind("exposed tail", COLORS.exposed, rowPx * 0.4);
+    const open = kind("all-reduce still in flight", COLORS.open, rowPx * 0.14);
+    const stop = kind("report of the stop", COLORS.stop, 2.5);
+    const stopNotes = [];
     let lastT = 0;
     for (const r of ranks) {
       const y = row.get(r.rank);
@@ -86,7 +99,11 @@
         if (b.ready !== null && b.ready !== undefined) {
           tick(ready, b.ready, yc - 0.17, yc + 0.17, `${head}<br>ready at ${ddp.fmtSeconds(b.ready)}<br>${names}`);
         }
-        if (b.allreduce && b.allreduce[0] !== null && b.allreduce[1] !== null) {
+        if (b.open && b.allreduce) {
+          const [s, e] = b.allreduce;
+          bar(open, s, e, ym, `${head}<br>all-reduce launched at ${ddp.fmtSeconds(s)}, still in flight ` +
+            `${ddp.fmtSeconds(e - s)} later, when rank ${r.rank} reported<br>${names}`);
+        } else if (b.allreduce && b.allreduce[0] !== null && b.allreduce[1] !== null) {
           const [s, e] = b.allreduce;
           // Alternate buckets by a hair (and a shade) so back-to-back all-reduces read as separate spans.
           const odd = b.index % 2 === 1;
@@ -104,18 +121,30 @@
         bar(tail, lastEnd - exposedS, lastEnd, ym,
           `rank ${r.rank} · exposed communication<br>${ddp.fmtSeconds(exposedS)} after the last gradient`);
       }
-      lastT = Math.max(lastT, lastEnd || 0, r.backward ? r.backward[1] : 0);
+      if (r.state && r.state !== "completed" && r.until !== null && r.until !== undefined) {
+        tick(stop, r.until, yc - 0.3, ym + 0.2, `rank ${r.rank} · ${stopWords(r)} (no step record: from its report)` +
+          `<br>${ddp.plotText(r.message || "")}`);
+        // Left of the mark, over the compute lane: the mark is the figure's right edge.
+        stopNotes.push({ x: r.until, y: yc - 0.3, xref: "x", yref: "y", xanchor: "right", yanchor: "middle",
+          showarrow: false, text: ddp.plotText(stopWords(r)) + " ", font: { color: COLORS.stop },
+          bgcolor: "rgba(255, 255, 255, 0.85)" });
+      }
+      lastT = Math.max(lastT, lastEnd || 0, r.backward ? r.backward[1] : 0, r.forward ? r.forward[1] : 0, r.until || 0);
     }
-    const kinds = [tail, ar, ar2, fwd, bwd, ready];
+    const kinds = [tail, ar, ar2, open, fwd, bwd, ready, stop];
     const silent = rankList.filter((r) => !present.has(r));
-    const annotations = silent.map((r) => ({
-      x: 0, y: row.get(r), xref: "x", yref: "y", xanchor: "left", showarrow: false,
-      text: `rank ${r}: no record for this step (silent or not there yet)`, font: { color: "#c62828" },
+    const annotations = stopNotes.concat(silent.map((r) => {
+      const e = elsewhere.get(r);
+      const text = e
+        ? `rank ${r}: ${stopWords(e)}${e.step !== null && e.step !== undefined ? ` at step ${e.step}` : ""}, not in this step`
+        : `rank ${r}: no record for this step (silent or not there yet)`;
+      return { x: 0, y: row.get(r), xref: "x", yref: "y", xanchor: "left", showarrow: false, font: { color: "#c62828" },
+        text: ddp.plotText(text), hovertext: e ? ddp.plotText(e.message) : undefined };
     }));
     const separators = rankList.slice(1).map((_, i) => `M0,${i + 0.5}H${lastT * 1.02 || 1}`).join("");
     const shapes = [{ type: "path", path: separators || "M0,0", xref: "x", yref: "y", layer: "below", line: { color: "#eef0f3", width: 1 } }]
       .concat(kinds.map(shapeOf));
-    const legend = [fwd, bwd, ready, ar, tail].map(legendTraceOf);
+    const legend = [fwd, bwd, ready, ar, tail].concat(open.segments ? [open] : [], stop.segments ? [stop] : []).map(legendTraceOf);
     const div = document.getElementById("timeline");
     const height = 90 + n * rowPx;
     ddp.fixHeight(div, height);
@@ -133,14 +162,20 @@
     }, { displaylogo: false, responsive: true });
   }
 
-  function drawTable(stepRows, worldSize) {
+  function drawTable(stepRows, worldSize, tl) {
     const table = document.getElementById("ranks");
     const byRank = new Map(stepRows.map((r) => [r.rank, r]));
-    const ranks = new Set(byRank.keys());
+    const stops = new Map((tl.elsewhere || []).concat(tl.ranks.filter((x) => x.state && x.state !== "completed")).map((x) => [x.rank, x]));
+    const ranks = new Set([...byRank.keys(), ...stops.keys()]);
     for (let r = 0; r < (worldSize || 0); r++) ranks.add(r);
     table.querySelector("tbody").replaceChildren(...[...ranks].sort((a, b) => a - b).map((rank) => {
       const r = byRank.get(rank);
-      if (!r) return ddp.el("tr", { class: "silent" }, ddp.el("td", {}, rank), ddp.el("td", { colspan: 6 }, "no record for this step"));
+      const s = stops.get(rank);
+      if (!r) {
+        const text = s ? `${stopWords(s)}${s.step !== undefined && s.step !== null ? ` at step ${s.step}` : ""}: ${s.message || ""}`
+          : "no record for this step";
+        return ddp.el("tr", { class: "silent" }, ddp.el("td", {}, rank), ddp.el("td", { colspan: 6 }, text));
+      }
       return ddp.el("tr", {}, ddp.el("td", {}, rank),
         ...[r.step_s, r.forward_s, r.backward_s, r.comm_s, r.exposed_comm_s].map((v) => ddp.el("td", { class: "num" }, ddp.fmtSeconds(v))),
         ddp.el("td", { class: "num" }, ddp.fmtRatio(r.overlap_ratio)));
@@ -193,14 +228,28 @@
     await draw(tl, buckets, worldSize);
     performance.mark("ddp-drawn");
     window.ddpTimelineRendered = performance.now();
+    const said = [];
+    const stopped = tl.ranks.filter((x) => x.state && x.state !== "completed");
+    if (stopped.length) {
+      said.push(`This step never finished on rank ${stopped.map((x) => `${x.rank} (${stopWords(x)})`).join(", ")}: ` +
+        "drawn from each such rank's own report, up to the red mark.");
+    }
+    const elsewhere = tl.elsewhere || [];
+    if (elsewhere.length) {
+      said.push(elsewhere.map((e) => `Rank ${e.rank} ${stopWords(e)}` +
+        (e.step !== null && e.step !== undefined ? ` at step ${e.step}` : "") + ".").join(" "));
+    }
     const missing = [];
-    for (let r = 0; r < worldSize; r++) if (!tl.ranks.some((x) => x.rank === r)) missing.push(r);
-    ddp.say("message", missing.length ? `No record of this step from rank ${missing.join(", ")} (silent, or not reported yet).` : "");
+    for (let r = 0; r < worldSize; r++) {
+      if (!tl.ranks.some((x) => x.rank === r) && !elsewhere.some((e) => e.rank === r)) missing.push(r);
+    }
+    if (missing.length) said.push(`No record of this step from rank ${missing.join(", ")} (silent, or not reported yet).`);
+    ddp.say("message", said.join(" "));
     const [stepRows] = await Promise.all([
       ddp.apiAll(ddp.jobPath(job, `/steps?start=${step}&end=${step}`)).catch(() => []),
       navigation().catch((e) => console.warn("navigation:", e.message)),
     ]);
-    drawTable(stepRows.filter((r) => r.step === step), worldSize);
+    drawTable(stepRows.filter((r) => r.step === step), worldSize, tl);
     window.ddpTimelineComplete = true;
   }
 

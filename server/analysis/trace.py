@@ -6,24 +6,41 @@ Tracks (``tid``) per rank: 0 ``compute`` (forward, backward), 1 ``all-reduce`` (
 launch, ``buckets.order_wait_ns``, the figure ``/buckets`` and the timeline give: not the launch latency of
 a bucket that had no predecessor to wait for). Timestamps are
 microseconds from the earliest forward start in the trace, on the job's aligned clock.
+
+Where a rank stopped (``stops.py``) is a process-wide instant mark at its report's time: hung, failed
+or exited, with the report's words. The step it hung or failed in, which has no step record, is drawn
+from the report's partial step: its spans still open then end at the mark, named ``(unfinished)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ddpscope.agent.records import UNTIMED_END
 from ddpscope.server.analysis.buckets import order_wait_ns
+from ddpscope.server.analysis.stops import Stop
 from ddpscope.server.rows import StepRow
 
 TRACKS = {0: "compute", 1: "all-reduce", 2: "bucket ready", 3: "order penalty"}
 
 
-def trace_events(job: str, rows: Sequence[StepRow]) -> dict[str, Any]:
+def trace_events(
+    job: str, rows: Sequence[StepRow], stops: Mapping[int, Stop] | None = None
+) -> dict[str, Any]:
+    """The trace of ``rows`` and of the ranks' ``stops`` (the caller picks those of the steps asked for)."""
     events: list[dict[str, Any]] = []
-    if not rows:
+    stops = stops or {}
+    finished = {(r.rank, r.step) for r in rows}
+    unfinished = [
+        s for s in stops.values() if s.partial is not None and (s.rank, s.partial.step) not in finished
+    ]
+    starts = [r.forward_start_ns for r in rows] + [
+        s.partial.forward_start_ns for s in unfinished if s.partial
+    ]
+    if not starts and not stops:
         return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"job": job}}
-    t0 = min(r.forward_start_ns for r in rows)
+    t0 = min(starts) if starts else min(s.time_ns for s in stops.values())
 
     def us(ns: int) -> float:
         return (ns - t0) / 1e3
@@ -41,7 +58,7 @@ def trace_events(job: str, rows: Sequence[StepRow]) -> dict[str, Any]:
             }
         )
 
-    for rank in sorted({r.rank for r in rows}):
+    for rank in sorted({r.rank for r in rows} | set(stops)):
         events.append({"ph": "M", "pid": rank, "name": "process_name", "args": {"name": f"rank {rank}"}})
         events.append({"ph": "M", "pid": rank, "name": "process_sort_index", "args": {"sort_index": rank}})
         for tid, name in TRACKS.items():
@@ -69,4 +86,30 @@ def trace_events(job: str, rows: Sequence[StepRow]) -> dict[str, Any]:
             if waited:
                 ready = r.bucket_ready_ns[i]
                 span(r.rank, 3, f"wait for b{i - 1} b{i}", ready, ready + waited, args)
+    for stop in unfinished:
+        p = stop.partial
+        assert p is not None
+        until = max(stop.time_ns, p.forward_start_ns)
+        about: dict[str, Any] = {"step": p.step, "state": stop.state}
+        span(stop.rank, 0, "forward" + ("" if p.forward_end_ns else " (unfinished)"),
+             p.forward_start_ns, p.forward_end_ns or until, about)  # fmt: skip
+        if p.backward_start_ns:
+            span(stop.rank, 0, "backward (unfinished)", p.backward_start_ns, until, about)
+        for i, (start, end) in enumerate(zip(p.allreduce_start_ns, p.allreduce_end_ns, strict=False)):
+            if start and end != UNTIMED_END:
+                name = f"all-reduce b{i}" + ("" if end else " (unfinished)")
+                span(stop.rank, 1, name, start, end or until, {**about, "bucket": i})
+    for stop in stops.values():
+        phase = f" in {stop.phase}" if stop.phase else ""
+        events.append(
+            {
+                "ph": "i",
+                "s": "p",
+                "pid": stop.rank,
+                "tid": 0,
+                "name": f"{stop.state}{phase}" + ("" if stop.step is None else f" (step {stop.step})"),
+                "ts": us(stop.time_ns),
+                "args": {"state": stop.state, "step": stop.step, "message": stop.message},
+            }
+        )
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"job": job, "t0_ns": t0}}

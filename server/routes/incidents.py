@@ -12,7 +12,7 @@ from ddpscope.server.analysis.incidents import diagnose
 from ddpscope.server.analysis.trace import trace_events
 from ddpscope.server.deps import JobIdDep, StorageDep
 from ddpscope.server.routes._items import JSONResponse, item
-from ddpscope.server.routes.steps import INT64_MAX, INT64_MIN, check_step_range
+from ddpscope.server.routes.steps import INT64_MAX, INT64_MIN, check_step_range, job_stops
 from ddpscope.server.storage import Storage
 
 router = APIRouter(prefix="/api/v1/jobs/{job}", tags=["incidents"])
@@ -45,7 +45,12 @@ def _trace(storage: Storage, job: str, job_id: int, start: int | None, end: int 
         if last is not None and (end if end is not None else last) - TRACE_MAX_STEPS + 1 > 0:
             start = (end if end is not None else last) - TRACE_MAX_STEPS + 1
             truncated = True
-    out = trace_events(job, storage.steps(job_id, start=start, end=end))
+    in_range = {
+        rank: stop
+        for rank, stop in job_stops(storage, job).items()
+        if stop.step is None or (start is None or stop.step >= start) and (end is None or stop.step <= end)
+    }
+    out = trace_events(job, storage.steps(job_id, start=start, end=end), in_range)
     if truncated:
         out["otherData"]["note"] = f"last {TRACE_MAX_STEPS} steps only; pass ?start=&end= for others"
     return JSONResponse(out)

@@ -9,6 +9,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from ddpscope.server.analysis.buckets import bucket_stats
 from ddpscope.server.analysis.steps import page_metrics, page_timings
+from ddpscope.server.analysis.stops import Stop, newest_partial_step, stops
 from ddpscope.server.analysis.stragglers import THRESHOLD, WINDOW_STEPS, stragglers
 from ddpscope.server.analysis.timeline import timeline
 from ddpscope.server.analysis.unused import aggregate_unused, unused_report
@@ -76,12 +77,22 @@ async def steps(
     return await run_in_threadpool(_steps, storage, job_id, rank, start, end, limit, cursor)
 
 
+def job_stops(storage: Storage, job: str) -> dict[int, Stop]:
+    """Where each rank of ``job`` stopped (``analysis/stops.py``), hung ranks up to when last heard from."""
+    row = storage.job_row(job)
+    seen = {r.rank: r.last_seen_ns for r in row.ranks} if row is not None else {}
+    return stops(storage.stop_reports(job), seen)
+
+
 def _timeline(storage: Storage, job: str, job_id: int, step: int | None) -> Response:
+    stopped = job_stops(storage, job)
     if step is None:
-        step = storage.last_step(job_id)
-        if step is None:
+        # The step the job is in: the one it hung or crashed in, when no rank finished it.
+        known = [s for s in (storage.last_step(job_id), newest_partial_step(stopped)) if s is not None]
+        if not known:
             raise HTTPException(404, f"job {job!r} has no step records yet")
-    tl = timeline(step, storage.steps(job_id, start=step, end=step))
+        step = max(known)
+    tl = timeline(step, storage.steps(job_id, start=step, end=step), stopped)
     if tl is None:
         raise HTTPException(404, f"job {job!r} has no records of step {step}")
     return JSONResponse(tl)
@@ -94,7 +105,9 @@ async def get_timeline(
     storage: StorageDep,
     step: Annotated[int | None, Query(ge=INT64_MIN, le=INT64_MAX)] = None,
 ) -> Response:
-    """``ranks``: per rank ``forward``/``backward`` [start, end] s from the step's earliest start, and ``buckets``."""
+    """``ranks``: per rank ``forward``/``backward`` [start, end] s from the step's earliest start, and ``buckets``;
+    for a step a rank hung or failed in, its ``state``, ``until`` and open spans; ``elsewhere``: ranks that
+    stopped in another step or left the job. No ``step``: the latest step, finished or not."""
     return await run_in_threadpool(_timeline, storage, job, job_id, step)
 
 

@@ -27,7 +27,7 @@ from tests.browser.pages import (
     text,
     timeline_kinds,
 )
-from tests.browser.wire import SynthJob, collectives, post, rank_error
+from tests.browser.wire import SynthJob, collectives, post, rank_error, stopped
 from tests.support.collector_proc import CollectorProc as Collector
 from tests.support.synth import synth_job
 
@@ -205,6 +205,48 @@ def test_a_rank_with_no_record_of_the_step_is_named_on_the_timeline(collector: C
     assert any("rank 1: no record" in a["text"] for a in fig["layout"]["annotations"])
     assert timeline_kinds(page)["bucket ready"]["segments"] == 2 * 3
     screenshot(page, "step-silent-rank")
+
+
+def test_the_step_a_job_hung_in_shows_each_ranks_unfinished_spans_and_where_the_others_stopped(
+    collector: Collector, page
+) -> None:
+    job = unique("hung")
+    synth = SynthJob(job, world_size=3, buckets=3)
+    recs = synth.start() + synth.steps(2)
+    recs += [
+        stopped(synth, 0, "hang", phase="allreduce", step=2, partial=synth.partial_step(launched=3, done=2)),
+        stopped(
+            synth,
+            1,
+            "error",
+            phase="backward",
+            step=2,
+            partial=synth.partial_step(launched=1, done=1),
+            message="Connection closed by peer",
+        ),  # fmt: skip
+        stopped(synth, 2, "hang", phase="idle", step=1, partial=None),
+    ]
+    post(collector.url, recs)
+    open_step(page, collector.url, job, 2)
+    message = text(page, "#message")
+    assert "never finished on rank 0 (hung in allreduce), 1 (failed in backward)" in message
+    assert "Rank 2 hung in idle at step 1" in message
+    kinds = timeline_kinds(page)
+    assert kinds["all-reduce still in flight"]["segments"] == 1  # rank 0's bucket 2
+    assert kinds["report of the stop"]["segments"] == 2
+    assert kinds["bucket ready"]["segments"] == 3 + 1
+    fig = figure(page, "timeline")
+    assert fig["layout"]["yaxis"]["ticktext"] == ["rank 0", "rank 1", "rank 2"]
+    notes = [a["text"] for a in fig["layout"]["annotations"]]
+    assert "rank 2: hung in idle at step 1, not in this step" in notes
+    page.wait_for_function("window.ddpTimelineComplete === true", timeout=WAIT_MS)
+    assert "Connection closed by peer" in text(page, "#ranks")
+    screenshot(page, "step-hung")
+    # The job page links the step it stopped in, which no rank finished.
+    open_job(page, collector.url, job)
+    link = page.locator("#stopped-step-link")
+    link.wait_for(timeout=WAIT_MS)
+    assert link.inner_text() == "step 2, where it stopped"
 
 
 def test_a_job_with_no_steps_yet_says_so_and_an_unknown_job_is_a_404_page(collector: Collector, page) -> None:

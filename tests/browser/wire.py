@@ -51,6 +51,17 @@ class SynthJob:
         validate_record(rec)
         return rec
 
+    def partial_step(self, *, launched: int, done: int) -> dict[str, Any]:
+        """The next step so far, as a hang or error report carries it: every bucket ready up to
+        ``launched`` (exclusive) launched, the first ``done`` of them finished."""
+        t0, n = self.clock_ns, self.buckets
+        return {"step": self.next_step, "synced": True, "forward_start_ns": t0, "forward_end_ns": t0 + 20 * MS,
+                "backward_start_ns": t0 + 21 * MS,
+                "bucket_ready_ns": [t0 + (25 + 5 * b) * MS if b < launched else 0 for b in range(n)],
+                "allreduce_start_ns": [t0 + (26 + 5 * b) * MS if b < launched else 0 for b in range(n)],
+                "allreduce_end_ns": [t0 + (28 + 5 * b) * MS if b < done else 0 for b in range(n)],
+                "bucket_bytes": self.bucket_bytes}  # fmt: skip
+
     def start(self, ranks: Iterable[int] | None = None) -> list[dict[str, Any]]:
         """``rank_start`` and the initial ``layout`` of each rank."""
         out = []
@@ -162,3 +173,23 @@ def rank_error(job: SynthJob, rank: int, *, message: str, stack: str, step: int 
     """A fatal exception on ``rank``, as the engine ships it before the process dies."""
     return job._record("rank_error", rank, job.clock_ns, step=step, phase="forward", error_type="ValueError",
                        message=message, stack=stack, fatal=True)  # fmt: skip
+
+
+def stopped(
+    job: SynthJob,
+    rank: int,
+    kind: str,
+    *,
+    phase: str,
+    step: int,
+    partial: dict[str, Any] | None,
+    message: str = "made no progress",
+) -> dict[str, Any]:
+    """A ``hang`` (kind "hang") or ``rank_error`` (kind "error") report of ``rank``, carrying the step it
+    stopped in so far (``partial``, from ``SynthJob.partial_step``) or None between steps."""
+    t = job.clock_ns + 2_000 * MS
+    if kind == "hang":
+        return job._record("hang", rank, t, phase=phase, step=step, stalled_s=2.0, pending_buckets=[], inflight=[],
+                           stacks=[], message=f"rank {rank} {message}", partial_step=partial)  # fmt: skip
+    return job._record("rank_error", rank, t, step=step, phase=phase, error_type="RuntimeError", message=message,
+                       stack="Traceback", fatal=False, partial_step=partial)  # fmt: skip

@@ -181,3 +181,36 @@ def test_collectives_blocked_in_by_another_thread_do_not_count_for_the_training_
     timer.forward_end()
     record = timer.finish()
     assert (record["blocked_forward_ns"], record["blocked_backward_ns"]) == (0, 0)
+
+
+def test_the_step_so_far_has_what_happened_and_zeros_for_what_had_not() -> None:
+    timer = StepTimer(rank=1, bucket_bytes=[400, 100])
+    assert timer.partial() is None  # no step yet
+    timer.forward_start(step=4, t_ns=10)
+    timer.forward_end(t_ns=20)
+    timer.backward_start(t_ns=25)
+    timer.bucket_ready(1, t_ns=30)
+    timer.allreduce_launched(0, coll_seq=5, t_ns=41)
+    partial = timer.partial()
+    assert partial == {
+        "step": 4,
+        "synced": True,
+        "forward_start_ns": 10,
+        "forward_end_ns": 20,
+        "backward_start_ns": 25,
+        "bucket_ready_ns": [0, 30],
+        "allreduce_start_ns": [41, 0],
+        "allreduce_end_ns": [0, 0],
+        "bucket_bytes": [400, 100],
+    }
+    # A copy: the hang report keeps what it saw while the step goes on.
+    timer.allreduce_done(0, t_ns=50)
+    assert partial["allreduce_end_ns"] == [0, 0]
+    hang = stamp({"kind": "hang", "rank": 1, "phase": "backward", "step": 4, "stalled_s": 1.0,
+                  "pending_buckets": [], "inflight": [], "stacks": [], "message": "m", "partial_step": partial})  # fmt: skip
+    assert validate_record(hang) == "hang"
+    # An unsynchronised step all-reduces no bucket: no bucket arrays.
+    timer.forward_start(step=5, synced=False, t_ns=60)
+    assert timer.partial() == {**partial, "step": 5, "synced": False, "forward_start_ns": 60,
+                               "forward_end_ns": 0, "backward_start_ns": 0, "bucket_ready_ns": [],
+                               "allreduce_start_ns": [], "allreduce_end_ns": [], "bucket_bytes": []}  # fmt: skip

@@ -77,6 +77,31 @@ def test_a_busy_rank_without_progress_gets_one_hang_report_naming_bucket_collect
     assert dog.hung and dog.hangs_reported == 1
 
 
+def test_a_hang_inside_a_step_carries_the_step_so_far_and_one_between_steps_does_not(
+    records: Records, parts: tuple[Progress, CollectiveRecorder, ManualClock]
+) -> None:
+    progress, _, clock = parts
+    so_far = {"step": 12, "synced": True, "forward_start_ns": 5, "forward_end_ns": 6, "backward_start_ns": 7,
+              "bucket_ready_ns": [8], "allreduce_start_ns": [9], "allreduce_end_ns": [0], "bucket_bytes": [64]}  # fmt: skip
+    progress.partial_step = lambda: dict(so_far)
+    for phase, step in (("backward", 12), ("idle", 12), ("backward", 13)):
+        dog = make(parts)
+        progress.enter(phase, step=step)
+        dog.check()
+        clock.now += 6.0
+        dog.check()
+    inside, between, other_step = records("hang")
+    assert inside["partial_step"] == so_far
+    # Between steps the last step's record went out already; a partial of another step is stale.
+    assert between["partial_step"] is None and other_step["partial_step"] is None
+
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("boom")
+
+    progress.partial_step = broken
+    assert progress.step_so_far() is None  # the report matters more than its partial step
+
+
 def test_progress_after_a_hang_emits_hang_resolved_with_the_stall_duration(
     records: Records, parts: tuple[Progress, CollectiveRecorder, ManualClock]
 ) -> None:

@@ -321,6 +321,11 @@ def test_a_rank_stuck_before_forward_is_the_culprit_of_its_peers_wait_in_the_buf
     (own,) = j.wait_for("rank 1's own report", lambda inc: [h for h in kind(inc, "hang") if h["rank"] == 1])
     assert own["culprit_ranks"] == [1] and site("stuck") in own["message"], own
     assert j.status() == "hung"
+    # The step it hung in: rank 0 waits in its forward (the broadcast), rank 1 never began it.
+    tl = get_json(f"{j.url}/api/v1/jobs/{j.job}/timeline")
+    assert tl["step"] == FAULT_STEP, tl
+    assert [(r["rank"], r["state"], r["phase"]) for r in tl["ranks"]] == [(0, "hung", "forward")], tl
+    assert [(e["rank"], e["state"], e["phase"]) for e in tl["elsewhere"]] == [(1, "hung", "idle")], tl
 
 
 def test_a_sigkilled_rank_is_the_culprit_and_the_survivors_errors_are_attached(jobs: dict[str, Job]) -> None:
@@ -333,6 +338,15 @@ def test_a_sigkilled_rank_is_the_culprit_and_the_survivors_errors_are_attached(j
     assert [r["rank"] for r in crash[0]["related"]] == [0]
     assert all(0 not in i["culprit_ranks"] for i in incidents), incidents
     assert j.status() == "failed"
+    # The step it died in has no step record: its timeline is the survivor's report of that step so far,
+    # with the all-reduce that the peer's death broke still open.
+    tl = get_json(f"{j.url}/api/v1/jobs/{j.job}/timeline")
+    assert tl["step"] == FAULT_STEP, tl
+    (survivor,) = tl["ranks"]
+    assert (survivor["rank"], survivor["state"], survivor["phase"]) == (0, "failed", "allreduce"), survivor
+    assert any(b["open"] for b in survivor["buckets"]) and "Connection closed" in survivor["message"], (
+        survivor
+    )
 
 
 def test_a_user_all_reduce_issued_on_one_rank_only_names_that_rank_and_its_line(jobs: dict[str, Job]) -> None:
