@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,4 +49,12 @@ def test_the_demo_stops_a_hung_job_with_sigterm_so_only_the_stuck_rank_is_blamed
     assert "status: failed" in out, out  # a hung job ended by a signal did not finish
     assert "culprit: rank 1 (never issued collective" in out, out
     assert "until it exited (sigterm)" in out, out
+    # The step it hung in, which no rank finished: where each rank stopped, and the page that draws it
+    # (rank 0 waits in backward or, once every bucket is launched, in the all-reduce phase).
+    stopped = re.search(
+        r"step (\d+), where it stopped: rank 0 hung in (backward|allreduce), all-reduce of buckets? [\d, ]+ "
+        r"in flight; rank 1 hung in idle at step (\d+): http\S+/steps/(\d+)",
+        out,
+    )
+    assert stopped and stopped[1] == stopped[4] and int(stopped[3]) == int(stopped[1]) - 1, out
     assert "rank_silent" not in out and "went silent" not in out and "None" not in out, out
