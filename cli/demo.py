@@ -19,10 +19,9 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ddpscope.cli.client import Client, CollectorError
-from ddpscope.cli.report import safe
+from ddpscope.cli.report import safe, stopped_step
 
 SCENARIOS = ("healthy", "straggler", "unused", "mismatch", "diverged", "crash", "hang")
 
@@ -203,31 +202,6 @@ def _describe_exit(code: int | None) -> str:
     return f"exit {code}"
 
 
-def stopped_step(client: Client, job: str) -> str | None:
-    """The step the job hung or crashed in, which no rank finished, as the timeline draws it from the
-    ranks' reports: who stopped where, which all-reduces were in flight, and its page. None if none."""
-    with contextlib.suppress(CollectorError):
-        tl = client.get(client.job_path(job, "timeline"))
-        stopped = [r for r in tl.get("ranks", []) if r.get("state", "completed") != "completed"]
-        if not stopped:
-            return None
-
-        def where(x: dict[str, Any]) -> str:
-            return f"{safe(x['state'])} in {safe(x['phase'])}" if x.get("phase") else safe(x["state"])
-
-        said = []
-        for r in stopped:
-            in_flight = [b["index"] for b in r.get("buckets", []) if b.get("open")]
-            buckets = f"bucket{'s' if len(in_flight) > 1 else ''} {', '.join(map(str, in_flight))}"
-            flight = f", all-reduce of {buckets} in flight" if in_flight else ""
-            said.append(f"rank {r['rank']} {where(r)}{flight}")
-        for e in tl.get("elsewhere", []):
-            at = "" if e.get("step") is None else f" at step {e['step']}"
-            said.append(f"rank {e['rank']} {where(e)}{at}")
-        return f"  step {tl['step']}, where it stopped: {'; '.join(said)}: {client.url}/jobs/{job}/steps/{tl['step']}"
-    return None
-
-
 def summarize(client: Client, run: ScenarioRun) -> list[str]:
     """One short paragraph per scenario: what the collector found, from its API."""
     job = run.job
@@ -250,7 +224,10 @@ def summarize(client: Client, run: ScenarioRun) -> list[str]:
     if not incidents and not stragglers:
         lines.append("  nothing wrong found")
     if status in ("hung", "failed") and (stopped := stopped_step(client, job)):
-        lines.append(stopped)
+        where = "; ".join(line for line, _ in stopped.ranks)
+        lines.append(
+            f"  step {stopped.step}, where it stopped: {where}: {client.url}/jobs/{job}/steps/{stopped.step}"
+        )
     lines.append(f"  dashboard: {client.url}/jobs/{job}")
     return lines
 

@@ -10,6 +10,7 @@ import datetime
 import re
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ddpscope.cli.client import Client, CollectorError
@@ -109,6 +110,57 @@ def known_jobs(items: list[dict[str, Any]], shown: int = 10) -> str:
     return names + (f", ... and {rest} more: ddpscope jobs" if rest > 0 else "")
 
 
+@dataclass
+class Stopped:
+    """The step a job hung or crashed in, which no rank finished (the timeline draws it from the ranks'
+    reports): per rank a line saying where it stopped, and the buckets whose all-reduce was in flight."""
+
+    step: int
+    ranks: list[tuple[str, list[int]]]
+
+
+def stopped_step(client: Client, job: str) -> Stopped | None:
+    """``Stopped`` from the collector's timeline of the job's latest step; None when every rank finished it."""
+    try:
+        tl = client.get(client.job_path(job, "timeline"))
+    except CollectorError:
+        return None
+    unfinished = [r for r in tl.get("ranks", []) if r.get("state", "completed") != "completed"]
+    if not unfinished:
+        return None
+
+    def where(x: dict[str, Any]) -> str:
+        return f"{safe(x['state'])} in {safe(x['phase'])}" if x.get("phase") else safe(x["state"])
+
+    ranks = []
+    for r in unfinished:
+        in_flight = [int(b["index"]) for b in r.get("buckets", []) if b.get("open")]
+        names = f"bucket{'s' if len(in_flight) > 1 else ''} {', '.join(map(str, in_flight))}"
+        ranks.append(
+            (
+                f"rank {r['rank']} {where(r)}" + (f", all-reduce of {names} in flight" if in_flight else ""),
+                in_flight,
+            )
+        )
+    for e in tl.get("elsewhere", []):
+        at = "" if e.get("step") is None else f" at step {e['step']}"
+        ranks.append((f"rank {e['rank']} {where(e)}{at}", []))
+    return Stopped(int(tl["step"]), ranks)
+
+
+def _stopped_section(stopped: Stopped, buckets: list[dict[str, Any]]) -> list[str]:
+    out = ["", f"== Where it stopped: step {stopped.step}, which no rank finished"]
+    layout = {b["index"]: b for b in buckets}
+    for line, in_flight in stopped.ranks:
+        out.append(f"- {line}")
+        for k in in_flight:
+            names = [safe(p) for p in layout.get(k, {}).get("parameters", [])]
+            if names:
+                more = f" and {len(names) - 6} more" if len(names) > 6 else ""
+                out.append(f"  bucket {k}: {', '.join(names[:6])}{more}")
+    return out
+
+
 def render_report(client: Client, job: str) -> tuple[str, int]:
     """Return the report text and how many problems it found (active incidents + stragglers)."""
     try:
@@ -159,6 +211,8 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
             out.extend("  | " + line for line in stack)
     if not incidents:
         out.append("none")
+    if info.get("status") in ("hung", "failed") and (stopped := stopped_step(client, job)):
+        out += _stopped_section(stopped, buckets)
 
     out += ["", f"== Stragglers ({sum(1 for s in stragglers if s.get('flagged', True))})"]
     flagged = [s for s in stragglers if s.get("flagged", True)]

@@ -44,6 +44,7 @@ def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             proc.url, synth_job(4, steps=12, buckets=3, job="cli-slow", slow_rank=2, slowdown=1.6, jitter=0.0)
         )
         _post(proc.url, _restarted_job("cli-restarted"))
+        _post(proc.url, _died_mid_step("cli-died"))
         yield proc.url
 
 
@@ -60,6 +61,33 @@ def _restarted_job(job: str) -> list[dict]:
     return [*first, error, *again]
 
 
+def _died_mid_step(job: str) -> list[dict]:
+    """Steps 0-5; in step 6 rank 1 is killed and rank 0 fails in bucket 2's all-reduce (bucket 1's done)."""
+    records = synth_job(2, steps=6, buckets=3, job=job, finished=False)
+    t = max(r["time_ns"] for r in records) + 1000
+    ms = 1_000_000
+    partial = {"step": 6, "synced": True, "forward_start_ns": t, "forward_end_ns": t + ms, "backward_start_ns": t + 2 * ms,
+               "bucket_ready_ns": [0, t + 3 * ms, t + 4 * ms], "allreduce_start_ns": [0, 0, t + 4 * ms],
+               "allreduce_end_ns": [0, 0, 0], "bucket_bytes": [4096] * 3}  # fmt: skip
+    error = {"kind": "rank_error", "job": job, "rank": 0, "stream": f"{job}-r0", "seq": 10_000, "time_ns": t + 9 * ms,
+             "step": 6, "phase": "backward", "error_type": "RuntimeError", "message": "Connection closed by peer",
+             "stack": "Traceback (most recent call last):\nRuntimeError: Connection closed by peer", "fatal": True,
+             "partial_step": partial}  # fmt: skip
+    return [*records, error]
+
+
+def test_report_of_a_job_that_died_mid_step_says_where_each_rank_stopped_and_which_parameters_were_in_flight(
+    collector: str,
+) -> None:
+    out = ddpscope("report", "cli-died", "--url", collector)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "== Where it stopped: step 6, which no rank finished" in out.stdout, out.stdout
+    assert "- rank 0 failed in backward, all-reduce of bucket 2 in flight\n" in out.stdout, out.stdout
+    assert "  bucket 2: layers.0.weight, layers.0.bias\n" in out.stdout, out.stdout
+    # A job that finished has no such section.
+    assert "Where it stopped" not in ddpscope("report", "cli-healthy", "--url", collector).stdout
+
+
 def test_jobs_lists_every_job_with_its_status(collector: str) -> None:
     out = ddpscope("jobs", "--url", collector)
     assert out.returncode == 0, out.stderr
@@ -69,6 +97,7 @@ def test_jobs_lists_every_job_with_its_status(collector: str) -> None:
         "cli-healthy": "finished",
         "cli-slow": "finished",
         "cli-restarted": "finished",
+        "cli-died": "failed",
     }
 
 
