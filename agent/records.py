@@ -133,6 +133,11 @@ THREAD_STACK = (
     Field("stack", STR, doc="formatted Python stack, innermost frame last"),
 )
 
+UNSYNCED_GRADIENTS = "unsynced_gradients"
+"""Gradients a rank's DDP never all-reduced (``ddp/drift.py``): its parameters drift from its peers'."""
+WARNING_CODES = frozenset({UNSYNCED_GRADIENTS})
+"""The ``warning`` record's codes ddpscope's training side sends (each an incident kind at the collector)."""
+
 RECORD_KINDS: dict[str, tuple[Field, ...]] = {
     # Once per rank at start-up and after every (re)configuration.
     "rank_start": (

@@ -21,10 +21,11 @@ from collections.abc import Collection, Sequence
 import torch
 
 from ddpscope.agent import emit
+from ddpscope.agent.records import UNSYNCED_GRADIENTS
 
 logger = logging.getLogger(__name__)
 
-CODE = "unsynced_gradients"
+CODE = UNSYNCED_GRADIENTS
 MAX_NAMES = 200
 """Parameter names carried by a record (a thawed backbone can have thousands)."""
 

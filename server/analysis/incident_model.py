@@ -8,9 +8,30 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpscope.agent.records import WARNING_CODES
 from ddpscope.server.analysis.snapshot import JobSnapshot
 
 Record = Mapping[str, Any]
+
+INCIDENT_KINDS = (
+    frozenset(
+        {
+            "hang",
+            "mismatch",
+            "missing_collective",
+            "rank_error",
+            "rank_crashed",
+            "rank_exited_early",
+            "rank_silent",
+            "job_silent",
+            "unused_parameters",
+            "replicas_diverged",
+            "nonfinite_parameters",
+        }
+    )
+    | WARNING_CODES
+)
+"""Every ``Incident.kind`` the diagnosis makes: its own, and the warning codes (``warning_incidents``)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, Response
 from fastapi.concurrency import run_in_threadpool
 
+from ddpscope.server.analysis.incident_model import INCIDENT_KINDS
 from ddpscope.server.analysis.incidents import diagnose
 from ddpscope.server.analysis.trace import trace_events
 from ddpscope.server.deps import JobIdDep, StorageDep
@@ -27,6 +28,12 @@ def _incidents(storage: Storage, job: str, kind: str | None) -> Response:
         raise HTTPException(404, f"job {job!r} not found")
     found = [item(i) for i in diagnose(snap, time.time())]
     if kind is not None:
+        # A newer agent's warning code is a kind this collector does not list: known if the job has it.
+        if kind not in INCIDENT_KINDS and all(i.get("kind") != kind for i in found):
+            raise HTTPException(
+                400,
+                f"kind {kind!r} is not an incident kind; expected one of {', '.join(sorted(INCIDENT_KINDS))}",
+            )
         found = [i for i in found if i.get("kind") == kind]
     return JSONResponse({"items": found})
 

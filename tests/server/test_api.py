@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -197,6 +199,32 @@ def test_incidents_can_be_filtered_by_kind(client):
     assert found and all(i["kind"] == "unused_parameters" for i in found)
     assert "layers.0.bias" in found[0]["parameters"]
     assert client.get("/api/v1/jobs/synth/incidents?kind=hang").json()["items"] == []
+
+
+def test_an_unknown_incident_kind_is_a_400_that_lists_the_kinds(client):
+    _feed(client, synth_job(2, 4, 2, finished=False))
+    r = client.get("/api/v1/jobs/synth/incidents?kind=hangs")
+    assert r.status_code == 400 and "'hangs' is not an incident kind" in r.json()["detail"]
+    assert "hang, job_silent, mismatch" in r.json()["detail"] and "unsynced_gradients" in r.json()["detail"]
+    # A known kind the job does not have is an empty list, not an error.
+    assert client.get("/api/v1/jobs/synth/incidents?kind=rank_silent").json()["items"] == []
+
+
+def test_every_incident_kind_the_diagnosis_makes_is_listed_for_the_kind_filter():
+    # The kinds written in the diagnosis modules (kind="...", or _error_incident("...")), against the list
+    # the kind filter accepts: a new kind must be added there, or filtering for it would be refused.
+    from ddpscope.server.analysis.incident_model import INCIDENT_KINDS
+
+    root = Path(__file__).resolve().parents[2] / "server" / "analysis"
+    written = set()
+    for path in root.glob("*.py"):
+        text = path.read_text()
+        written |= set(re.findall(r'\bkind="([a-z_]+)"', text)) | set(
+            re.findall(r'_incident\(\s*"([a-z_]+)"', text)
+        )
+        written |= set(re.findall(r'"(rank_crashed|rank_error)" if', text))
+    written.discard("stable")  # numpy's sort kind, not an incident
+    assert written and written <= INCIDENT_KINDS, written - INCIDENT_KINDS
 
 
 def test_metrics_show_active_hangs_until_resolved_and_the_agents_drops(client):
