@@ -301,6 +301,14 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             nullable=True,
             doc="the unfinished step's times so far, when the rank hung inside a step (null between steps)",
         ),
+        Field(
+            "main_cpu_s",
+            FLOAT,
+            required=False,
+            nullable=True,
+            doc="CPU seconds the main thread used during the stall (near 0: blocked, waiting); null where the "
+            "platform cannot tell",
+        ),
     ),
     "hang_resolved": (
         Field("step", INT),

@@ -424,6 +424,7 @@ class Watchdog:
         if main_frame is not None:
             main_site = _user_site(main_frame) or self._recorder.frame_site(main_frame)
         cpu_now, cpu_then = self._main_cpu_s(), self._cpu_at_change
+        main_cpu_s = None if cpu_now is None or cpu_then is None else max(0.0, cpu_now - cpu_then)
         recent = self._recorder.recent(1)
         message = hang_message(
             _rank(),
@@ -435,7 +436,7 @@ class Watchdog:
             main_site,
             recent[-1] if recent else None,
             began=progress.began,
-            main_cpu_s=None if cpu_now is None or cpu_then is None else max(0.0, cpu_now - cpu_then),
+            main_cpu_s=main_cpu_s,
         )
         emit(
             {
@@ -449,6 +450,8 @@ class Watchdog:
                 "stacks": thread_stacks(skip_current=threading.current_thread() is self._thread),
                 "message": message,
                 "partial_step": partial,
+                # Blocked (near 0) or busy: the collector tells a wait in torch's C++ from work by it.
+                "main_cpu_s": None if main_cpu_s is None else round(main_cpu_s, 3),
             }
         )
         # The agent prints urgent records to stderr itself; this line is for the process's own log.

@@ -30,9 +30,10 @@ from ddpscope.server.analysis.incident_model import (
     ranks_phrase,
     where,
 )
+from ddpscope.server.analysis.native_wait import native_wait
 from ddpscope.server.analysis.snapshot import JobSnapshot, RankSteps, p2p_pair
 from ddpscope.server.analysis.status import Liveness
-from ddpscope.server.analysis.stuck import stuck_outside
+from ddpscope.server.analysis.stuck import main_site, stuck_outside
 
 if TYPE_CHECKING:
     from ddpscope.server.analysis.wait_graph import WaitGraph
@@ -670,7 +671,8 @@ def _missing(
             if r in graph.blocked
             else stuck[r].phrase()
             if r in stuck
-            else _quiet_or_alive(live.age_s(r), live.silent_after_s)
+            else _blocked_unrecorded(live.active_hangs.get(r))
+            or _quiet_or_alive(live.age_s(r), live.silent_after_s)
         )
         lst = f"last collective #{last['coll_seq']} {describe(last)}" if last else "no collective recorded"
         done = colls.max_seq.get((r, pg), 0)
@@ -705,6 +707,16 @@ def _missing(
         call_site=", ".join(dict.fromkeys(sites)) or None,
         time_s=wait["start_ns"] / 1e9,
     )
+
+
+def _blocked_unrecorded(hang: Record | None) -> str | None:
+    """ "it is blocked in torch's backward pass ..." for a rank whose hang report shows it waiting in a
+    collective ddpscope does not record (``native_wait``)."""
+    there = native_wait(hang) if hang is not None else None
+    if there is None or hang is None:
+        return None
+    at = f" at {site}" if (site := main_site(hang)) else ""
+    return f"it is blocked in {there.place}{at}, in a collective ddpscope does not record (its hang report)"
 
 
 def _quiet_or_alive(age_s: float | None, silent_after_s: float) -> str:

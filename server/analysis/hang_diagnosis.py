@@ -12,6 +12,10 @@ evidence at the collective the rank waits in:
   never came, or when it is stuck **outside any collective** (a data loader, a forward that never
   returns) while other ranks wait in one.
 
+A rank blocked in a collective ddpscope does not record (``native_wait``: the C++ all-reduce of a DDP
+model it does not observe) has no sequence number to match: it waits for the peers whose own reports
+place them **elsewhere** at that moment (in their own code, or blocked in another collective).
+
 "Every rank issued this collective: the wait is inside the backend" is said only when every member's
 record of that collective is there and none came late.
 
@@ -35,6 +39,7 @@ from ddpscope.server.analysis.incident_model import (
     ranks_phrase,
     record_s,
 )
+from ddpscope.server.analysis.native_wait import NativeWait, native_wait
 from ddpscope.server.analysis.snapshot import JobSnapshot
 from ddpscope.server.analysis.status import Liveness
 from ddpscope.server.analysis.stuck import (
@@ -47,6 +52,7 @@ from ddpscope.server.analysis.stuck import (
     own_code_hangs,
     span_s,
     stuck_outside,
+    wait_spans,
     waiters,
 )
 from ddpscope.server.analysis.wait_graph import WaitGraph
@@ -69,21 +75,55 @@ def hang_incidents(
 ) -> list[Incident]:
     """One incident per (rank, step, phase) hang, the newest report of each."""
     own_code = own_code_hangs(snapshot)
-    waiting = sorted(r for r, h in live.active_hangs.items() if h.get("inflight"))
+    waiting = sorted(r for r, h in live.active_hangs.items() if h.get("inflight") or native_wait(h))
     waiting += sorted(r for seqs in colls.waits.values() for r in seqs if r not in waiting)
+    blocked = _Blocked(snapshot)
+    waits = wait_spans(snapshot)
     out = []
     seen: set[tuple[Any, ...]] = set()
     for h in sorted(snapshot.hangs, key=record_s, reverse=True):
         key = (h["rank"], h.get("step"), h.get("phase"))
-        if key in seen or not is_hang(snapshot, h):
+        if key in seen or not is_hang(snapshot, h, waits):
             # A stall in its own code no peer waited for (every rank evaluating): not a hang.
             continue
         seen.add(key)
         # Where each peer was stuck *while this rank waited*: a later stall of the same peer (another
         # evaluation, after the last step) is not why this one waited.
         stuck = stuck_outside(snapshot, at_s=record_s(h), own_code=own_code) if own_code else {}
-        out.append(_HangReading(h, snapshot, live, colls, stuck).incident(missing, blame, waiting, graph))
+        reading = _HangReading(h, snapshot, live, colls, stuck, blocked)
+        out.append(reading.incident(missing, blame, waiting, graph))
     return out
+
+
+class _Blocked:
+    """The hang reports that show their rank blocked (in a collective, recorded or not, or awaiting
+    gradients), grouped by where, built on first use: each rank blocked in a collective ddpscope does not
+    record looks for the ranks somewhere else, and in a large job nearly all are where it is."""
+
+    def __init__(self, snapshot: JobSnapshot) -> None:
+        self.snapshot = snapshot
+        self._by_place: dict[tuple[NativeWait | None, str | None], list[tuple[float, float, Record]]] = {}
+        self._built = False
+
+    def elsewhere(self, here: tuple[NativeWait | None, str | None], at_s: float) -> dict[int, Record]:
+        """Per rank, its latest blocked report covering ``at_s`` at a place other than ``here``."""
+        if not self._built:
+            self._built = True
+            for h in self.snapshot.hangs:
+                if not in_own_code(h):
+                    there = native_wait(h)
+                    start, end = span_s(self.snapshot, h)
+                    key = (there, main_site(h)) if there is not None else (None, None)
+                    self._by_place.setdefault(key, []).append((start, end, h))
+        out: dict[int, Record] = {}
+        for place, reports in self._by_place.items():
+            if place == here:
+                continue
+            for start, end, report in reports:
+                r = report["rank"]
+                if start <= at_s <= end and (r not in out or record_s(report) > record_s(out[r])):
+                    out[r] = report
+        return out
 
 
 class _HangReading:
@@ -96,8 +136,10 @@ class _HangReading:
         live: Liveness,
         colls: CollectiveIndex,
         stuck: Mapping[int, Stuck],
+        blocked: _Blocked | None = None,
     ) -> None:
         self.h, self.snapshot, self.live, self.colls, self.stuck = h, snapshot, live, colls, stuck
+        self.blocked = blocked
         self.rank: int = h["rank"]
         inflight = sorted(h.get("inflight") or [], key=lambda c: c["start_ns"])
         self.wait: Record | None = None
@@ -105,6 +147,14 @@ class _HangReading:
             c = inflight[0]
             # The collective record has what the compact in-flight entry may lack (call site, step).
             self.wait = {**c, **colls.by_pg.get(c["pg"], {}).get(self.rank, {}).get(c["coll_seq"], {})}
+        self.native = None if inflight else native_wait(h)
+        """Blocked in a collective ddpscope does not record: where."""
+
+    def where(self) -> str | None:
+        """The collective this rank waits in, in words; None when it waits in none."""
+        if self.wait is not None:
+            return f"{describe(self.wait)}, collective #{self.wait['coll_seq']} of group {self.wait['pg']}"
+        return self.native.place if self.native is not None else None
 
     def _end(self) -> tuple[str, float | None]:
         """('active' | 'resolved' | 'sigterm' | 'sigint' | 'died' | 'exited' | 'lost', when it ended;
@@ -141,7 +191,7 @@ class _HangReading:
         """Culprits among the peers of the awaited collective, with why: never issued it, or came late."""
         wait = self.wait
         if wait is None:
-            return {}
+            return self._peers_elsewhere() if self.native is not None else {}
         pg, seq = wait["pg"], wait["coll_seq"]
         why: dict[int, str] = {}
         late_after = max(LATE_AFTER_S, 0.5 * float(self.h.get("stalled_s", 0.0)))
@@ -157,10 +207,41 @@ class _HangReading:
                 why[r] = f"entered collective #{seq} {late:.0f} s late{self._meanwhile(r)}"
         return dict(sorted(why.items()))
 
+    def _peers_elsewhere(self, *, blocked_too: bool = True) -> dict[int, str]:
+        """For a wait in a collective ddpscope does not record: the peers whose reports place them
+        elsewhere at the time of this one, with where. Without a sequence number nothing says who never
+        issued the collective; a peer stuck in its own code or blocked in another one is not in it. A peer
+        blocked at the same place (same machinery, same line of the user's) waits alongside this rank.
+        ``blocked_too=False``: only the peers stuck in their own code (see ``through_past_waits``)."""
+        at_s = record_s(self.h)
+        stuck = self.stuck or stuck_outside(self.snapshot, at_s=at_s)
+        why = {r: st.phrase() for r, st in stuck.items() if r != self.rank}
+        if not blocked_too:
+            return why
+        blocked = self.blocked or _Blocked(self.snapshot)
+        for r, peer in sorted(blocked.elsewhere((self.native, main_site(self.h)), at_s).items()):
+            if r == self.rank or r in why:
+                continue
+            there = native_wait(peer)
+            if there is not None:
+                why[r] = f"blocked in {there.place} at {main_site(peer)} meanwhile"
+            elif peer.get("inflight"):
+                c = min(peer["inflight"], key=lambda x: x["start_ns"])
+                why[r] = (
+                    f"blocked in {describe(c)}, collective #{c['coll_seq']} of group {c['pg']}, meanwhile"
+                )
+            else:  # its buckets wait for gradients: its backward has not got that far
+                why[r] = f"in its own backward at step {peer.get('step')}, still waiting for its gradients"
+        return dict(sorted(why.items()))
+
     def _meanwhile(self, rank: int) -> str:
         stuck = self.stuck.get(rank)
         if stuck:
             return f"; {stuck.phrase()}"
+        report = self.live.active_hangs.get(rank)  # not every report: each waiting rank asks this
+        there = native_wait(report) if report is not None else None
+        if report is not None and there is not None:
+            return f"; blocked in {there.place} at {main_site(report)}, a collective ddpscope does not record"
         if rank not in self.live.last_alive_s:
             # Known only from its peers' point-to-point or group records: stuck or slow before anything
             # ddpscope measures (its set-up, a process group it creates), or never started.
@@ -179,15 +260,19 @@ class _HangReading:
         state, ended_s = self._end()
         duration = self._duration_s(ended_s)
 
-        where = f" in {describe(wait)}, collective #{wait['coll_seq']} of group {wait['pg']}" if wait else ""
+        where = self.where()
         phase = h.get("phase")
         msg = (
-            f"Rank {rank} made no progress for {duration:.0f} s{where} at step {h.get('step')}, phase {phase}"
+            f"Rank {rank} made no progress for {duration:.0f} s{f' in {where}' if where else ''} "
+            f"at step {h.get('step')}, phase {phase}"
         )
-        if phase == "after_forward":
+        native = self.native
+        if phase == "after_forward" and native is None:
             msg += f" ({AFTER_FORWARD}: the loss, or other code of its own)"
         if not wait and site:
             msg += f", main thread at {site}"
+        if native is not None:
+            msg += f", blocked in a collective ddpscope does not record: {native.what}"
 
         why = self._peers_at_wait()
         for inc in missing:
@@ -209,7 +294,7 @@ class _HangReading:
             others = sorted(set(others) | set(waiters(self.snapshot, h)))
         if culprits:
             msg += "; culprit: " + "; ".join(f"rank {r} ({why[r]})" for r in culprits)
-        elif not wait and not pending and others:
+        elif not wait and not pending and native is None and others:
             culprits = [rank]
             msg += (
                 f"; it {'is' if state == 'active' else 'was'} stuck in its own code, outside any collective, "
@@ -237,6 +322,11 @@ class _HangReading:
             )
         elif wait:
             msg += "; every rank issued this collective in time: the wait is inside the backend (network, or a peer stuck in native code)"
+        elif native is not None:
+            msg += (
+                "; no other rank's hang report places it elsewhere meanwhile: look for a rank that is slow, "
+                "stopped or dead, or that skipped this call (its heartbeats, its log)"
+            )
         else:
             msg += "; no collective is in flight: this rank is stuck in its own code (see the main thread's stack)"
         prefix = {
@@ -283,11 +373,20 @@ def through_past_waits(
     for r, reason in why.items():
         report = None if r in keep or depth == 0 else _blocked_report(snapshot, r, at_s)
         theirs = None if report is None else _HangReading(report, snapshot, live, colls, {})
-        held = {} if theirs is None else {q: w for q, w in theirs._peers_at_wait().items() if q != r}
-        if theirs is None or theirs.wait is None or not held:
+        held = {}
+        if theirs is not None:
+            # From a wait ddpscope does not record, only a peer stuck in its own code surely holds it up:
+            # a peer blocked in another collective may be waiting for this very rank.
+            peers = (
+                theirs._peers_at_wait()
+                if theirs.native is None
+                else theirs._peers_elsewhere(blocked_too=False)
+            )
+            held = {q: w for q, w in peers.items() if q != r}
+        where = None if theirs is None else theirs.where()
+        if where is None or not held:
             out.setdefault(r, reason)
             continue
-        where = f"{describe(theirs.wait)}, collective #{theirs.wait['coll_seq']} of group {theirs.wait['pg']}"
         deeper = through_past_waits(held, snapshot, live, colls, at_s, keep=keep | {r}, depth=depth - 1)
         for q, w in deeper.items():
             out.setdefault(q, f"{w}, holding up rank {r} in {where}, so that rank {r} {reason}")
@@ -295,11 +394,11 @@ def through_past_waits(
 
 
 def _blocked_report(snapshot: JobSnapshot, rank: int, at_s: float) -> Record | None:
-    """``rank``'s latest hang report that shows it blocked in a collective at ``at_s``: its stall had
-    begun by then and was not resolved before."""
+    """``rank``'s latest hang report that shows it blocked in a collective (recorded or not) at ``at_s``:
+    its stall had begun by then and was not resolved before."""
     best: Record | None = None
     for h in snapshot.hangs:
-        if h["rank"] != rank or not h.get("inflight"):
+        if h["rank"] != rank or not (h.get("inflight") or native_wait(h)):
             continue
         start, resolved_s = span_s(snapshot, h)
         if not start <= at_s <= resolved_s:

@@ -17,8 +17,8 @@ order of precedence:
 - **running**: otherwise.
 
 A hang report of a rank stuck in its own code (nothing in flight, no bucket pending: a long evaluation, a
-checkpoint write) is a hang only while another rank waits for it in a collective (``stuck.waiters``):
-when every rank is busy in its own code, no rank waits for another and nothing is hung.
+checkpoint write) is a hang only while another rank waits for it in a collective, recorded or not
+(``stuck.waiters``): when every rank is busy in its own code, no rank waits for another and nothing is hung.
 
 ``liveness(snapshot, now_s)`` exposes the same facts per rank for ``incidents.diagnose``. Only events after
 a rank's latest ``rank_start`` count (a restarted rank leaves its old errors behind), and an error after a
@@ -35,7 +35,7 @@ from typing import Any
 
 from ddpscope.server.analysis.incident_model import STOP_SIGNALS
 from ddpscope.server.analysis.snapshot import JobSnapshot, named_ranks, split_restart
-from ddpscope.server.analysis.stuck import is_hang
+from ddpscope.server.analysis.stuck import is_hang, wait_spans
 
 DEFAULT_SILENT_AFTER_S = 10.0
 """A rank with no record for this long is silent: a few heartbeat intervals, so one late heartbeat or a
@@ -234,8 +234,9 @@ def _active_hangs(snapshot: JobSnapshot, live: Liveness, counts: Any) -> dict[in
     for rec in [*snapshot.hang_resolved, *live.exits.values(), *live.fatal.values()]:
         ends[rec["rank"]] = max(ends.get(rec["rank"], float("-inf")), _s(rec))
     active: dict[int, Record] = {}
+    waits = wait_spans(snapshot)
     for h in sorted(snapshot.hangs, key=_s):
-        if counts(h) and _s(h) > ends.get(h["rank"], float("-inf")) and is_hang(snapshot, h):
+        if counts(h) and _s(h) > ends.get(h["rank"], float("-inf")) and is_hang(snapshot, h, waits):
             active[h["rank"]] = h
     return active
 
@@ -244,6 +245,7 @@ def _stopped_hangs(snapshot: JobSnapshot, live: Liveness, counts: Any) -> dict[i
     """Hangs that ended with the rank's SIGTERM exit rather than with progress: a time limit or an
     operator killing a hung job."""
     out: dict[int, Record] = {}
+    waits = wait_spans(snapshot)
     for r, exit_ in live.exits.items():
         if exit_.get("reason") not in STOP_SIGNALS:
             continue
@@ -251,7 +253,10 @@ def _stopped_hangs(snapshot: JobSnapshot, live: Liveness, counts: Any) -> dict[i
         hangs = [
             h
             for h in snapshot.hangs
-            if h["rank"] == r and counts(h) and resolved_s < _s(h) <= _s(exit_) and is_hang(snapshot, h)
+            if h["rank"] == r
+            and counts(h)
+            and resolved_s < _s(h) <= _s(exit_)
+            and is_hang(snapshot, h, waits)
         ]
         if hangs:
             out[r] = max(hangs, key=_s)

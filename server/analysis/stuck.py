@@ -9,6 +9,10 @@ Such a report is a hang only while some peer waits in a collective (``waiters``)
 busy in its own code at once (an evaluation under ``torch.no_grad()`` on ``model.module``, a long
 checkpoint every rank writes) no rank waits for another: the job is working, not hung, however long the
 stretch. The watchdog cannot see progress in user code, so the collector decides.
+
+A report with nothing in flight whose main thread is blocked inside torch's collective machinery
+(``native_wait``: the C++ all-reduce of a DDP model ddpscope does not observe) is a wait, not the
+rank's own code: it is a hang, and it makes the peer it waits for one.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ddpscope.server.analysis.incident_model import Record, phase_words, record_s, user_frame
+from ddpscope.server.analysis.native_wait import main_stack, native_wait
 from ddpscope.server.analysis.snapshot import JobSnapshot
 
 FROM_HANG_REPORT = " (its hang report)"
@@ -43,9 +48,7 @@ class Stuck:
 
 def main_site(hang: Record) -> str | None:
     """file:line where the hanging rank's main thread is, in user code."""
-    stacks = hang.get("stacks") or []
-    main = next((s for s in stacks if s.get("thread") == "MainThread"), stacks[0] if stacks else None)
-    return user_frame(main.get("stack")) if main else None
+    return user_frame(main_stack(hang))
 
 
 def hang_start_s(hang: Record) -> float:
@@ -53,8 +56,9 @@ def hang_start_s(hang: Record) -> float:
 
 
 def in_own_code(hang: Record) -> bool:
-    """The report shows the rank outside any collective, with no gradient awaited: in its own code."""
-    return not hang.get("inflight") and not hang.get("pending_buckets")
+    """The report shows the rank outside any collective, recorded or not, with no gradient awaited: in
+    its own code."""
+    return not hang.get("inflight") and not hang.get("pending_buckets") and native_wait(hang) is None
 
 
 def span_s(snapshot: JobSnapshot, hang: Record) -> tuple[float, float]:
@@ -68,34 +72,40 @@ def span_s(snapshot: JobSnapshot, hang: Record) -> tuple[float, float]:
     return hang_start_s(hang), min(resolved, default=float("inf"))
 
 
-def waiters(snapshot: JobSnapshot, hang: Record) -> list[int]:
-    """The other ranks that reported a wait in a collective (or for gradients) while this rank's stall
-    lasted: the stall held them up."""
+Span = tuple[int, float, float]
+"""(rank, start, end) of a stall (``span_s``)."""
+
+
+def wait_spans(snapshot: JobSnapshot) -> list[Span]:
+    """The stall of every report that shows a wait in a collective, recorded or not (or for gradients):
+    what ``waiters`` compares a stall in a rank's own code with. A caller that asks about every report
+    computes it once (each check of a report costs a look at its stack)."""
+    return [(h["rank"], *span_s(snapshot, h)) for h in snapshot.hangs if not in_own_code(h)]
+
+
+def waiters(snapshot: JobSnapshot, hang: Record, waits: Sequence[Span] | None = None) -> list[int]:
+    """The other ranks that reported a wait in a collective, recorded or not (or for gradients), while
+    this rank's stall lasted: the stall held them up. ``waits``: ``wait_spans(snapshot)``."""
     start, end = span_s(snapshot, hang)
-    out = set()
-    for peer in snapshot.hangs:
-        if peer["rank"] == hang["rank"] or in_own_code(peer):
-            continue
-        peer_start, peer_end = span_s(snapshot, peer)
-        if peer_start < end and start < peer_end:
-            out.add(peer["rank"])
-    return sorted(out)
+    spans = wait_spans(snapshot) if waits is None else waits
+    return sorted({r for r, s, e in spans if r != hang["rank"] and s < end and start < e})
 
 
-def is_hang(snapshot: JobSnapshot, hang: Record) -> bool:
-    """A wait in a collective always is; a stall in the rank's own code only while a peer waits for it."""
-    return not in_own_code(hang) or bool(waiters(snapshot, hang))
+def is_hang(snapshot: JobSnapshot, hang: Record, waits: Sequence[Span] | None = None) -> bool:
+    """A wait in a collective (recorded or not) always is; a stall in the rank's own code only while a
+    peer waits for it. ``waits``: ``wait_spans(snapshot)``."""
+    return not in_own_code(hang) or bool(waiters(snapshot, hang, waits))
 
 
 def own_code_hangs(snapshot: JobSnapshot) -> list[Record]:
-    """The hang reports with nothing in flight and nothing pending, oldest first."""
+    """The hang reports of ranks in their own code (``in_own_code``), oldest first."""
     return [h for h in sorted(snapshot.hangs, key=record_s) if in_own_code(h)]
 
 
 def stuck_outside(
     snapshot: JobSnapshot, at_s: float | None = None, own_code: Sequence[Record] | None = None
 ) -> dict[int, Stuck]:
-    """Per rank, its first hang report with nothing in flight and nothing pending: the rank is stuck in
+    """Per rank, its first hang report in its own code (``in_own_code``): the rank is stuck in
     its own code (a data loader, a forward that never returns). Without ``at_s``, only hangs not since
     resolved; with it, hangs that covered that moment, resolved later or not (a rank asleep in forward
     for 25 s while its peers hit a 10 s timeout moves on afterwards, but it was the cause).

@@ -102,6 +102,28 @@ def test_a_hang_inside_a_step_carries_the_step_so_far_and_one_between_steps_does
     assert progress.step_so_far() is None  # the report matters more than its partial step
 
 
+def test_a_hang_report_says_how_much_cpu_the_main_thread_used_during_the_stall(
+    records: Records, parts: tuple[Progress, CollectiveRecorder, ManualClock]
+) -> None:
+    progress, recorder, clock = parts
+    cpu = [2.0]
+    dog = wd.Watchdog(
+        timeout_s=5.0,
+        heartbeat_s=1.0,
+        progress=progress,
+        recorder=recorder,
+        clock=clock,
+        main_cpu_s=lambda: cpu[0],
+    )
+    progress.enter("after_forward", step=1)
+    dog.check()
+    cpu[0] = 2.25  # blocked, nearly: the collector reads a wait in torch's C++ from this
+    clock.now += 6.0
+    dog.check()
+    (hang,) = records("hang")
+    assert hang["main_cpu_s"] == 0.25
+
+
 def test_progress_after_a_hang_emits_hang_resolved_with_the_stall_duration(
     records: Records, parts: tuple[Progress, CollectiveRecorder, ManualClock]
 ) -> None:

@@ -1,0 +1,108 @@
+"""Ranks blocked in a collective ddpscope does not record, read from the main thread's stack.
+
+ddpscope records the collectives of the model it observes and the user's ``torch.distributed`` calls,
+but not those torch issues in C++ for a model it does not observe: a second model left as plain
+``DistributedDataParallel`` (a GAN's discriminator) all-reduces its gradients from torch's C++ Reducer
+inside ``backward()``, and broadcasts its buffers and its construction state through
+``dist._broadcast_coalesced``. A rank blocked there reports a hang with nothing in flight, as a rank
+stuck in its own code does, and its peers could not tell the two apart: a stall in one rank's own
+code that held its peer up in such an all-reduce made no incident at all.
+
+The stack tells them apart: the main thread's innermost Python frame is in torch's autograd entry
+point or its distributed machinery, and the thread was blocked (it used almost no CPU during the
+stall). Busy there is computing (a long backward), not waiting, and stays the rank's own work.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+Record = Mapping[str, Any]
+
+BLOCKED_CPU_SHARE = 0.1
+"""Below this share of its stall on the CPU, the main thread was blocked, waiting (the line the
+watchdog's "blocked or busy" sentence draws)."""
+
+_LAST_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+_MACHINERY = (
+    (
+        re.compile(r"(?:^|/)torch/autograd/(?:graph|__init__)\.py$"),
+        "torch's backward pass",
+        "torch's C++ Reducer waits there for the gradient all-reduce of a torch DistributedDataParallel "
+        "model ddpscope does not observe (a second model, such as a GAN's discriminator, not passed to "
+        "instrument())",
+    ),
+    (
+        re.compile(r"(?:^|/)torch/nn/parallel/distributed\.py$"),
+        "torch's DistributedDataParallel ({function})",
+        "the buffer broadcast or bucket rebuild of a DistributedDataParallel model ddpscope does not observe",
+    ),
+    (
+        re.compile(r"(?:^|/)torch/distributed/(?:distributed_c10d|c10d_logger|utils)\.py$"),
+        "torch.distributed ({function})",
+        "a collective ddpscope did not record (a DistributedDataParallel constructor's state broadcast, "
+        "or a call through a name imported before ddpscope installed its recorder)",
+    ),
+)
+"""(innermost file, where that is, what waits there). Only calls that block on peers: not
+``torch/distributed/checkpoint`` (file writes every rank makes at once) nor data loading."""
+
+
+@dataclass(frozen=True, slots=True)
+class NativeWait:
+    """Where a rank's main thread is blocked in torch's collective machinery."""
+
+    place: str
+    """``torch's backward pass``, ``torch.distributed (barrier)``, ..."""
+    what: str
+    """Which unrecorded collective usually blocks there."""
+
+
+def native_wait(hang: Record) -> NativeWait | None:
+    """Where the reporting rank is blocked in a collective ddpscope does not record; None when its report
+    shows a recorded wait, a bucket still pending, its own code, or a main thread busy on the CPU."""
+    if hang.get("inflight") or hang.get("pending_buckets"):
+        return None
+    found = _machinery(main_stack(hang))
+    if found is None:
+        return None
+    share = _cpu_share(hang)
+    # Unknown CPU (an agent that cannot read the thread's clock): the stack alone decides.
+    return None if share is not None and share >= BLOCKED_CPU_SHARE else found
+
+
+def main_stack(hang: Record) -> str | None:
+    """The main thread's stack (else the first thread's). A plain loop: every own-code report is asked
+    this about every other one (``stuck.waiters``), and a generator costs three times as much."""
+    stacks = hang.get("stacks")
+    if not stacks:
+        return None
+    for s in stacks:
+        if s.get("thread") == "MainThread":
+            return s.get("stack")
+    return stacks[0].get("stack")
+
+
+@functools.lru_cache(maxsize=4096)
+def _machinery(stack: str | None) -> NativeWait | None:
+    """Cached by stack text: every hang report of a large job is asked about by every other one."""
+    frames = _LAST_FRAME.findall(stack or "")
+    if not frames:
+        return None
+    path, _, function = frames[-1]  # innermost last (traceback order)
+    for pattern, place, what in _MACHINERY:
+        if pattern.search(path):
+            return NativeWait(place.format(function=function), what)
+    return None
+
+
+def _cpu_share(hang: Record) -> float | None:
+    """The main thread's CPU time over the stall (the report's ``main_cpu_s``) as a share of it."""
+    cpu = hang.get("main_cpu_s")
+    stalled = float(hang.get("stalled_s") or 0.0)
+    return None if cpu is None or stalled <= 0 else float(cpu) / stalled
