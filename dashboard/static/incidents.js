@@ -44,7 +44,7 @@
       : ddp.el("a", { class: "step-link", href: ddp.jobHref(job, "/steps/" + it.step) }, String(it.step)));
     field("collective seq", it.seq);
     field("bucket", it.bucket);
-    field("process group", it.pg);
+    field("process group", it.pg && it.group_ranks && it.group_ranks.length ? `${it.pg} (ranks ${it.group_ranks.join(", ")})` : it.pg);
     field("call site", it.call_site ? ddp.el("code", {}, it.call_site) : null);
     if (it.active === false) field("state", "resolved (history, not a current problem)");
     if (it.parameters && it.parameters.length) {

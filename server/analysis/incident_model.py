@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,8 @@ class Incident:
     seq: int | None = None
     """Collective sequence number within ``pg``."""
     pg: str | None = None
+    group_ranks: list[int] = field(default_factory=list)
+    """The global ranks ``pg`` holds, when its records say (not for the default group: every rank)."""
     bucket: int | None = None
     parameters: list[str] = field(default_factory=list)
     culprit_ranks: list[int] = field(default_factory=list)
@@ -62,6 +64,20 @@ class Incident:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def name_groups(incidents: Iterable[Incident], members: Mapping[str, Sequence[int]]) -> None:
+    """Say which ranks a process group holds: on the incident of that group (``group_ranks``) and where its
+    message first names it ("group pg:2" -> "group pg:2 (ranks 0, 2)"). A name like ``pg:2`` says
+    nothing of who is in it, and "rank 1 never issued it" reads differently once one knows rank 3 is not
+    even a member."""
+    for inc in incidents:
+        if inc.pg in members:
+            inc.group_ranks = sorted(members[inc.pg])
+        for pg, ranks in members.items():
+            m = re.search(rf"\bgroup {re.escape(pg)}(?![\w:.-])", inc.message)
+            if m is not None:
+                inc.message = f"{inc.message[: m.end()]} ({ranks_phrase(ranks)}){inc.message[m.end() :]}"
 
 
 def ranks_phrase(ranks: Iterable[int]) -> str:

@@ -69,6 +69,7 @@ from ddpscope.server.analysis.incident_model import (
     describe,
     error_brief,
     first_line,
+    name_groups,
     never_issued,
     position,
     ranks_phrase,
@@ -170,6 +171,7 @@ def diagnose(
     out += warning_incidents(snapshot)
     out += replica_incidents(snapshot)
     out += _before_restart_incidents(previous, restart_s, silent_after_s)
+    name_groups(out, colls.group_ranks)
     out.sort(key=lambda i: (i.time_s if i.time_s is not None else now_s, i.kind, i.rank or 0))
     return out
 

@@ -169,9 +169,11 @@ def test_a_subgroup_call_one_member_never_makes_while_it_waits_in_the_default_gr
         "Deadlock across process groups"
     )
     assert (
-        "rank 0 waits in all_reduce(SUM) [8] float32 at train.py:80, collective #1 of group pg:1 for rank 1"
-        in (deadlock.message)
+        "rank 0 waits in all_reduce(SUM) [8] float32 at train.py:80, collective #1 of group pg:1 (ranks 0, 1) "
+        "for rank 1" in (deadlock.message)
     )
+    # The group's members are said once, where the message first names it, and on the incident.
+    assert deadlock.message.count("(ranks 0, 1)") == 1 and deadlock.group_ranks == [0, 1]
     assert (
         "rank 1 waits in" in deadlock.message
         and "collective #7 of group default for rank 0" in deadlock.message
