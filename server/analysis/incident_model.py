@@ -72,7 +72,7 @@ def name_groups(incidents: Iterable[Incident], members: Mapping[str, Sequence[in
     nothing of who is in it, and "rank 1 never issued it" reads differently once one knows rank 3 is not
     even a member."""
     for inc in incidents:
-        if inc.pg in members:
+        if inc.pg is not None and inc.pg in members:
             inc.group_ranks = sorted(members[inc.pg])
         for pg, ranks in members.items():
             m = re.search(rf"\bgroup {re.escape(pg)}(?![\w:.-])", inc.message)
