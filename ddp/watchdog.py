@@ -54,6 +54,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpscope.agent import emit, emit_durable, get_agent
+from ddpscope.agent.torch_waits import BLOCKED_CPU_SHARE, TorchWait, torch_wait
 from ddpscope.ddp.collectives import RECORDER, CollectiveRecorder, disabled
 from ddpscope.ddp.progress import PROGRESS, Progress
 from ddpscope.ddp.stacks import current_frames, thread_stacks
@@ -76,8 +77,6 @@ _PHASE_WORDS = {
     "allreduce": "all-reduce",
     "optimizer": "the optimizer step",
 }
-BLOCKED_CPU_SHARE = 0.1
-"""Below this share of the stall spent on the CPU, the main thread is called blocked (waiting)."""
 
 
 def _setting(explicit: float | None, attrs: tuple[str, ...], env: str, default: float) -> float:
@@ -158,14 +157,23 @@ def hang_message(
     *,
     began: bool = True,
     main_cpu_s: float | None = None,
+    blocked_in: TorchWait | None = None,
 ) -> str:
     """The sentence of a hang report: where this rank is stuck and what to look at next.
 
     ``began``: a step has begun (else an idle rank is still in set-up); ``main_cpu_s``: CPU seconds the
-    main thread used during the stall, said when no collective is in flight (blocked or busy).
+    main thread used during the stall, said when no collective is in flight (blocked or busy);
+    ``blocked_in``: the torch machinery the main thread's innermost frame is in, if any
+    (``agent/torch_waits.py``): blocked there, the rank waits for a peer in a collective not recorded.
     """
     missing = [name for b in pending for name in b.get("missing", ())]
-    stuck_here = not inflight and not missing
+    waits_unseen = (
+        blocked_in is not None
+        and not inflight
+        and not pending
+        and (main_cpu_s is None or main_cpu_s < BLOCKED_CPU_SHARE * stalled_s)
+    )
+    stuck_here = not inflight and not missing and not waits_unseen
     where = _where(phase, step, began, pending, stuck_here)
     parts = [f"rank {rank} has made no progress for {stalled_s:.1f} s {where}"]
     if inflight:
@@ -185,7 +193,7 @@ def hang_message(
         parts.append(f"its last collective was {last['pg']}#{last['coll_seq']} {last['op']}{at}")
     if main_site:
         parts.append(f"the main thread waits at {main_site}")
-    if main_cpu_s is not None and not inflight:
+    if main_cpu_s is not None and not inflight and not waits_unseen:
         parts.append(_cpu_words(main_cpu_s, stalled_s))
     text = "; ".join(parts) + "."
     if inflight:
@@ -193,6 +201,12 @@ def hang_message(
         text += (
             f" Look for a rank that has not issued {first['pg']}#{first['coll_seq']}: one that is stuck, "
             "dead, or issued a different collective at that sequence number."
+        )
+    elif waits_unseen and blocked_in is not None:
+        text += (
+            f" No collective ddpscope records is in flight, but the main thread is blocked in {blocked_in.place}:"
+            f" {blocked_in.what}. A peer that has not reached that collective holds this rank up (the collector"
+            " names it from the peers' reports)."
         )
     elif missing:
         text += (
@@ -420,9 +434,10 @@ class Watchdog:
         phase, step = progress.phase, progress.step
         partial = progress.step_so_far()
         main_frame = current_frames().get(threading.main_thread().ident or -1)
-        main_site = None
+        main_site = blocked_in = None
         if main_frame is not None:
             main_site = _user_site(main_frame) or self._recorder.frame_site(main_frame)
+            blocked_in = torch_wait(main_frame.f_code.co_filename, main_frame.f_code.co_name)
         cpu_now, cpu_then = self._main_cpu_s(), self._cpu_at_change
         main_cpu_s = None if cpu_now is None or cpu_then is None else max(0.0, cpu_now - cpu_then)
         recent = self._recorder.recent(1)
@@ -437,6 +452,7 @@ class Watchdog:
             recent[-1] if recent else None,
             began=progress.began,
             main_cpu_s=main_cpu_s,
+            blocked_in=blocked_in,
         )
         emit(
             {

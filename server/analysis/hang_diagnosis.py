@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ddpscope.agent.torch_waits import TorchWait
 from ddpscope.server.analysis.collective_diagnosis import CollectiveIndex
 from ddpscope.server.analysis.incident_model import (
     AFTER_FORWARD,
@@ -39,7 +40,7 @@ from ddpscope.server.analysis.incident_model import (
     ranks_phrase,
     record_s,
 )
-from ddpscope.server.analysis.native_wait import NativeWait, native_wait
+from ddpscope.server.analysis.native_wait import native_wait
 from ddpscope.server.analysis.snapshot import JobSnapshot
 from ddpscope.server.analysis.status import Liveness
 from ddpscope.server.analysis.stuck import (
@@ -102,10 +103,10 @@ class _Blocked:
 
     def __init__(self, snapshot: JobSnapshot) -> None:
         self.snapshot = snapshot
-        self._by_place: dict[tuple[NativeWait | None, str | None], list[tuple[float, float, Record]]] = {}
+        self._by_place: dict[tuple[TorchWait | None, str | None], list[tuple[float, float, Record]]] = {}
         self._built = False
 
-    def elsewhere(self, here: tuple[NativeWait | None, str | None], at_s: float) -> dict[int, Record]:
+    def elsewhere(self, here: tuple[TorchWait | None, str | None], at_s: float) -> dict[int, Record]:
         """Per rank, its latest blocked report covering ``at_s`` at a place other than ``here``."""
         if not self._built:
             self._built = True

@@ -18,52 +18,16 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
+
+from ddpscope.agent.torch_waits import BLOCKED_CPU_SHARE, TorchWait, torch_wait
 
 Record = Mapping[str, Any]
 
-BLOCKED_CPU_SHARE = 0.1
-"""Below this share of its stall on the CPU, the main thread was blocked, waiting (the line the
-watchdog's "blocked or busy" sentence draws)."""
-
 _LAST_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
-_MACHINERY = (
-    (
-        re.compile(r"(?:^|/)torch/autograd/(?:graph|__init__)\.py$"),
-        "torch's backward pass",
-        "torch's C++ Reducer waits there for the gradient all-reduce of a torch DistributedDataParallel "
-        "model ddpscope does not observe (a second model, such as a GAN's discriminator, not passed to "
-        "instrument())",
-    ),
-    (
-        re.compile(r"(?:^|/)torch/nn/parallel/distributed\.py$"),
-        "torch's DistributedDataParallel ({function})",
-        "the buffer broadcast or bucket rebuild of a DistributedDataParallel model ddpscope does not observe",
-    ),
-    (
-        re.compile(r"(?:^|/)torch/distributed/(?:distributed_c10d|c10d_logger|utils)\.py$"),
-        "torch.distributed ({function})",
-        "a collective ddpscope did not record (a DistributedDataParallel constructor's state broadcast, "
-        "or a call through a name imported before ddpscope installed its recorder)",
-    ),
-)
-"""(innermost file, where that is, what waits there). Only calls that block on peers: not
-``torch/distributed/checkpoint`` (file writes every rank makes at once) nor data loading."""
 
-
-@dataclass(frozen=True, slots=True)
-class NativeWait:
-    """Where a rank's main thread is blocked in torch's collective machinery."""
-
-    place: str
-    """``torch's backward pass``, ``torch.distributed (barrier)``, ..."""
-    what: str
-    """Which unrecorded collective usually blocks there."""
-
-
-def native_wait(hang: Record) -> NativeWait | None:
+def native_wait(hang: Record) -> TorchWait | None:
     """Where the reporting rank is blocked in a collective ddpscope does not record; None when its report
     shows a recorded wait, a bucket still pending, its own code, or a main thread busy on the CPU."""
     if hang.get("inflight") or hang.get("pending_buckets"):
@@ -89,16 +53,13 @@ def main_stack(hang: Record) -> str | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _machinery(stack: str | None) -> NativeWait | None:
+def _machinery(stack: str | None) -> TorchWait | None:
     """Cached by stack text: every hang report of a large job is asked about by every other one."""
     frames = _LAST_FRAME.findall(stack or "")
     if not frames:
         return None
     path, _, function = frames[-1]  # innermost last (traceback order)
-    for pattern, place, what in _MACHINERY:
-        if pattern.search(path):
-            return NativeWait(place.format(function=function), what)
-    return None
+    return torch_wait(path, function)
 
 
 def _cpu_share(hang: Record) -> float | None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ddpscope import agent
+from ddpscope.agent.torch_waits import torch_wait
 from ddpscope.ddp import watchdog as wd
 from ddpscope.ddp.collectives import CollectiveRecorder
 from ddpscope.ddp.progress import Progress
@@ -122,6 +123,25 @@ def test_a_hang_report_says_how_much_cpu_the_main_thread_used_during_the_stall(
     dog.check()
     (hang,) = records("hang")
     assert hang["main_cpu_s"] == 0.25
+
+
+def test_a_rank_blocked_in_torchs_backward_says_it_waits_for_a_peer_not_that_it_is_stuck_itself() -> None:
+    # A plain torch DDP model's C++ all-reduce: nothing ddpscope records is in flight, and the main thread's
+    # innermost frame is torch's autograd entry point.
+    wait = torch_wait("/venv/site-packages/torch/autograd/graph.py", "_engine_run_backward")
+    assert wait is not None
+    said = wd.hang_message(
+        "0", "after_forward", 3, 6.0, [], [], "train.py:40", main_cpu_s=0.1, blocked_in=wait
+    )
+    assert "blocked in torch's backward pass" in said and "A peer that has not reached" in said
+    assert "this rank itself is stuck" not in said
+    # Busy there is computing (a long backward): its own work, said as before.
+    busy = wd.hang_message(
+        "0", "after_forward", 3, 6.0, [], [], "train.py:40", main_cpu_s=5.0, blocked_in=wait
+    )
+    assert "this rank itself is stuck" in busy and "it is busy" in busy
+    # File writes every rank makes at once are no wait on a peer.
+    assert torch_wait("/venv/site-packages/torch/distributed/checkpoint/state_dict_saver.py", "save") is None
 
 
 def test_progress_after_a_hang_emits_hang_resolved_with_the_stall_duration(
