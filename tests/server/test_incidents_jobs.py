@@ -12,15 +12,13 @@ pid when its test ends (a SIGSTOPped rank included).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +120,8 @@ if __name__ == "__main__":  # pragma: no cover
 import pytest  # noqa: E402
 
 from tests.support.collector_proc import CollectorProc  # noqa: E402
-from tests.support.procs import RankResult, exited_cleanly, free_port, kill_group, rank_env  # noqa: E402
+from tests.support.procs import free_port, kill_group, rank_env  # noqa: E402
+from tests.support.real_job import RealJob, get_json, marked_site  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__)
@@ -150,75 +149,10 @@ left no margin."""
 
 def site(name: str) -> str:
     """``file:line`` of the line marked ``# SITE:<name>`` in this file."""
-    for number, line in enumerate(SCRIPT.read_text().splitlines(), start=1):
-        if line.rstrip().endswith(f"# SITE:{name}"):
-            return f"{SCRIPT.name}:{number}"
-    raise KeyError(name)
+    return marked_site(SCRIPT, name)
 
 
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return json.loads(resp.read())
-
-
-class Job:
-    """A running 2-rank job and what the collector says about it."""
-
-    def __init__(self, url: str, job: str, procs: list[subprocess.Popen[str]], engine: str) -> None:
-        self.url, self.job, self.procs, self.engine = url, job, procs, engine
-        self._stderr: dict[int, str] = {}
-
-    def incidents(self) -> list[dict[str, Any]]:
-        return list(get_json(f"{self.url}/api/v1/jobs/{self.job}/incidents")["items"])
-
-    def status(self) -> str | None:
-        jobs = get_json(f"{self.url}/api/v1/jobs")["items"]
-        return next((j["status"] for j in jobs if j["job"] == self.job), None)
-
-    def wait_for(self, what: str, found: Callable[[list[dict[str, Any]]], Any]) -> Any:
-        """Poll the incidents until ``found(incidents)`` is truthy; fail with what was seen and the logs."""
-        deadline = time.monotonic() + WAIT_S
-        seen: list[dict[str, Any]] = []
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                seen = self.incidents()
-                result = found(seen)
-                if result:
-                    return result
-            time.sleep(0.5)
-        raise AssertionError(f"{what} not diagnosed within {WAIT_S} s; incidents: {seen}\n{self.logs()}")
-
-    def wait_exit(self) -> list[int | None]:
-        deadline = time.monotonic() + EXIT_WAIT_S
-        for p in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        return [p.poll() for p in self.procs]
-
-    def exited_cleanly(self) -> bool:
-        """Every rank exited 0, or with torch's known abort at interpreter exit (``procs.exited_cleanly``)."""
-        codes = self.wait_exit()
-        return all(
-            code is not None and exited_cleanly(RankResult(rank, code, "", self.stderr(rank)))
-            for rank, code in enumerate(codes)
-        )
-
-    def stderr(self, rank: int) -> str:
-        """Rank ``rank``'s whole stderr, once it has ended (read once, then kept)."""
-        if rank not in self._stderr:
-            self._stderr[rank] = self.procs[rank].communicate(timeout=10)[1]
-        return self._stderr[rank]
-
-    def logs(self) -> str:
-        out = ""
-        for rank, p in enumerate(self.procs):
-            kill_group(p)
-            with contextlib.suppress(Exception):
-                out += f"--- rank {rank} rc={p.returncode}\n{self.stderr(rank)[-2500:]}\n"
-        return out
-
-
-def launch(url: str, scenario: str, job_id: str, spool_dir: Path, engine: str = "ddpscope") -> Job:
+def launch(url: str, scenario: str, job_id: str, spool_dir: Path, engine: str = "ddpscope") -> RealJob:
     """Start the 2 ranks of ``scenario`` streaming to ``url`` as job ``job_id``, training with
     ``engine`` ("ddpscope", or "torch": torch's DDP observed by ``instrument()``)."""
     env = {
@@ -241,20 +175,20 @@ def launch(url: str, scenario: str, job_id: str, spool_dir: Path, engine: str = 
         )  # fmt: skip
         for rank in range(2)
     ]
-    return Job(url, job_id, procs, engine)
+    return RealJob(url, job_id, procs, wait_s=WAIT_S, exit_wait_s=EXIT_WAIT_S, engine=engine)
 
 
 @pytest.fixture(scope="module", params=["ddpscope", "torch"])
 def jobs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, Job]]:
+) -> Iterator[dict[str, RealJob]]:
     """Every scenario's job under ddpscope's engine, then (pytest groups the tests by this module-scoped
     parameter, so one batch ends before the next starts) under torch's DDP with ``instrument()``; each
     batch started at once against one real collector (the waits overlap). Tests may add jobs (key
     ``name``) with ``launch``: they are killed here too."""
     engine = request.param
     tmp = tmp_path_factory.mktemp(f"{engine}-jobs")
-    started: dict[str, Job] = {}
+    started: dict[str, RealJob] = {}
     with CollectorProc(f"sqlite:///{tmp / 'ddpscope.db'}", log_path=tmp / "collector.log") as collector:
         url = collector.start()
         try:
@@ -275,7 +209,7 @@ def kind(incidents: list[dict[str, Any]], k: str) -> list[dict[str, Any]]:
     return [i for i in incidents if i["kind"] == k]
 
 
-def test_a_healthy_real_job_gets_no_incident_and_finishes(jobs: dict[str, Job]) -> None:
+def test_a_healthy_real_job_gets_no_incident_and_finishes(jobs: dict[str, RealJob]) -> None:
     j = jobs["healthy"]
     assert j.exited_cleanly(), j.logs()
     j.wait_for("finished", lambda _: j.status() == "finished")
@@ -283,7 +217,7 @@ def test_a_healthy_real_job_gets_no_incident_and_finishes(jobs: dict[str, Job]) 
 
 
 def test_an_extra_forward_on_one_rank_shifts_its_step_numbers_but_raises_nothing(
-    jobs: dict[str, Job],
+    jobs: dict[str, RealJob],
 ) -> None:
     j = jobs["eval_grad"]
     assert j.exited_cleanly(), j.logs()
@@ -291,7 +225,7 @@ def test_an_extra_forward_on_one_rank_shifts_its_step_numbers_but_raises_nothing
     assert j.incidents() == []  # the replica digests are compared at equal sync counts, not step numbers
 
 
-def test_a_sigstopped_rank_is_named_as_the_silent_culprit_of_the_hang(jobs: dict[str, Job]) -> None:
+def test_a_sigstopped_rank_is_named_as_the_silent_culprit_of_the_hang(jobs: dict[str, RealJob]) -> None:
     j = jobs["sigstop"]
     silent = j.wait_for("rank 1 silent", lambda inc: kind(inc, "rank_silent"))
     hangs = j.wait_for("rank 0 hang", lambda inc: [h for h in kind(inc, "hang") if h["rank"] == 0])
@@ -301,7 +235,7 @@ def test_a_sigstopped_rank_is_named_as_the_silent_culprit_of_the_hang(jobs: dict
 
 
 def test_a_rank_stuck_before_forward_is_the_culprit_of_its_peers_wait_in_the_buffer_broadcast(
-    jobs: dict[str, Job],
+    jobs: dict[str, RealJob],
 ) -> None:
     # Under instrument() that broadcast runs in torch's C++: recorded all the same, or no rank would be
     # seen waiting in a collective, and two ranks each stalled "in their own code" are no hang.
@@ -328,7 +262,9 @@ def test_a_rank_stuck_before_forward_is_the_culprit_of_its_peers_wait_in_the_buf
     assert [(e["rank"], e["state"], e["phase"]) for e in tl["elsewhere"]] == [(1, "hung", "idle")], tl
 
 
-def test_a_sigkilled_rank_is_the_culprit_and_the_survivors_errors_are_attached(jobs: dict[str, Job]) -> None:
+def test_a_sigkilled_rank_is_the_culprit_and_the_survivors_errors_are_attached(
+    jobs: dict[str, RealJob],
+) -> None:
     j = jobs["sigkill"]
     j.wait_exit()
     # The survivor's "Connection closed by peer" arrives with or after the crash evidence: wait for both.
@@ -349,14 +285,16 @@ def test_a_sigkilled_rank_is_the_culprit_and_the_survivors_errors_are_attached(j
     )
 
 
-def test_a_user_all_reduce_issued_on_one_rank_only_names_that_rank_and_its_line(jobs: dict[str, Job]) -> None:
+def test_a_user_all_reduce_issued_on_one_rank_only_names_that_rank_and_its_line(
+    jobs: dict[str, RealJob],
+) -> None:
     # gloo aborts one of the ranks on the size mismatch: rank 0's record of its call must still arrive.
     m = jobs["one_rank_only"].wait_for("the extra all_reduce", lambda inc: kind(inc, "mismatch"))
     assert m[0]["culprit_ranks"] == [0], m
     assert (m[0]["call_site"] or "").endswith(site("one_rank_only")), m
 
 
-def test_same_shape_collectives_in_a_different_order_are_flagged(jobs: dict[str, Job]) -> None:
+def test_same_shape_collectives_in_a_different_order_are_flagged(jobs: dict[str, RealJob]) -> None:
     j = jobs["order"]
     m = j.wait_for("the swapped reductions", lambda inc: kind(inc, "mismatch"))
     assert m[0]["culprit_ranks"] == [1] and m[0]["call_site"].endswith(site("max")), m
@@ -365,7 +303,7 @@ def test_same_shape_collectives_in_a_different_order_are_flagged(jobs: dict[str,
     assert j.exited_cleanly(), j.logs()
 
 
-def test_mismatched_shapes_are_flagged_although_gloo_aborts_the_process(jobs: dict[str, Job]) -> None:
+def test_mismatched_shapes_are_flagged_although_gloo_aborts_the_process(jobs: dict[str, RealJob]) -> None:
     m = jobs["shapes"].wait_for("the shape mismatch", lambda inc: kind(inc, "mismatch"))
     assert (
         m[0]["call_site"].endswith(site("shapes")) and "[4]" in m[0]["message"] and "[5]" in m[0]["message"]
@@ -373,7 +311,7 @@ def test_mismatched_shapes_are_flagged_although_gloo_aborts_the_process(jobs: di
     assert m[0]["culprit_ranks"] == [1]
 
 
-def test_parameters_unused_on_one_rank_are_named_with_that_rank(jobs: dict[str, Job]) -> None:
+def test_parameters_unused_on_one_rank_are_named_with_that_rank(jobs: dict[str, RealJob]) -> None:
     u = jobs["unused"].wait_for("aux unused on rank 1", lambda inc: kind(inc, "unused_parameters"))
     assert u[0]["culprit_ranks"] == [1]
     assert sorted(u[0]["parameters"]) == ["aux.bias", "aux.weight"]
@@ -381,7 +319,7 @@ def test_parameters_unused_on_one_rank_are_named_with_that_rank(jobs: dict[str, 
 
 
 def test_parameters_one_rank_skipped_without_find_unused_parameters_are_named_with_that_rank(
-    jobs: dict[str, Job],
+    jobs: dict[str, RealJob],
 ) -> None:
     # The engine raises at the end of that backward on every rank; torch on the skipping rank only, in its
     # next forward, naming parameter indices: the diagnosis is the same.
@@ -393,7 +331,7 @@ def test_parameters_one_rank_skipped_without_find_unused_parameters_are_named_wi
     j.wait_for("failed", lambda _: j.status() == "failed")
 
 
-def test_a_rank_that_exits_cleanly_while_its_peer_trains_on_is_the_culprit(jobs: dict[str, Job]) -> None:
+def test_a_rank_that_exits_cleanly_while_its_peer_trains_on_is_the_culprit(jobs: dict[str, RealJob]) -> None:
     j = jobs["early_exit"]
     j.wait_exit()
     early = j.wait_for("rank 1 exited early", lambda inc: kind(inc, "rank_exited_early"))
@@ -407,7 +345,7 @@ def test_a_rank_that_exits_cleanly_while_its_peer_trains_on_is_the_culprit(jobs:
 
 
 def test_a_checkpoint_loaded_on_one_rank_after_wrapping_is_caught_as_diverged_replicas(
-    jobs: dict[str, Job],
+    jobs: dict[str, RealJob],
 ) -> None:
     j = jobs["diverged"]
     assert j.exited_cleanly(), j.logs()  # nothing fails: the ranks just train different models
@@ -420,7 +358,7 @@ def test_a_checkpoint_loaded_on_one_rank_after_wrapping_is_caught_as_diverged_re
 
 
 def test_a_crashed_job_restarted_under_the_same_id_is_healthy_and_keeps_the_crash_as_history(
-    jobs: dict[str, Job], tmp_path: Path
+    jobs: dict[str, RealJob], tmp_path: Path
 ) -> None:
     crashed = jobs["sigkill"]
     crashed.wait_exit()

@@ -13,13 +13,10 @@ imported only there). Every job has a deadline and every rank is killed by its p
 from __future__ import annotations
 
 import contextlib
-import json
-import subprocess
 import sys
 import time
-import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +104,8 @@ if __name__ == "__main__":  # pragma: no cover
 import pytest  # noqa: E402
 
 from tests.support.collector_proc import CollectorProc  # noqa: E402
-from tests.support.procs import kill_group, started_ranks  # noqa: E402
+from tests.support.procs import started_ranks  # noqa: E402
+from tests.support.real_job import RealJob, marked_site  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__)
@@ -118,52 +116,11 @@ WAIT_S = 150.0
 
 def site(name: str) -> str:
     """``file:line`` of the line marked ``# SITE:<name>`` in this file."""
-    for number, line in enumerate(SCRIPT.read_text().splitlines(), start=1):
-        if line.rstrip().endswith(f"# SITE:{name}"):
-            return f"{SCRIPT.name}:{number}"
-    raise KeyError(name)
-
-
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return json.loads(resp.read())
-
-
-class Job:
-    def __init__(self, url: str, job: str, procs: list[subprocess.Popen[str]]) -> None:
-        self.url, self.job, self.procs = url, job, procs
-
-    def incidents(self) -> list[dict[str, Any]]:
-        return list(get_json(f"{self.url}/api/v1/jobs/{self.job}/incidents")["items"])
-
-    def status(self) -> str | None:
-        jobs = get_json(f"{self.url}/api/v1/jobs")["items"]
-        return next((j["status"] for j in jobs if j["job"] == self.job), None)
-
-    def wait_for(self, what: str, found: Callable[[list[dict[str, Any]]], Any]) -> Any:
-        """Poll the incidents until ``found(incidents)`` is truthy; fail with what was seen and the logs."""
-        deadline = time.monotonic() + WAIT_S
-        seen: list[dict[str, Any]] = []
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                seen = self.incidents()
-                result = found(seen)
-                if result:
-                    return result
-            time.sleep(0.5)
-        raise AssertionError(f"{what} not diagnosed within {WAIT_S} s; incidents: {seen}\n{self.logs()}")
-
-    def logs(self) -> str:
-        out = ""
-        for rank, p in enumerate(self.procs):
-            kill_group(p)
-            with contextlib.suppress(Exception):
-                out += f"--- rank {rank} rc={p.returncode}\n{p.communicate(timeout=10)[1][-2500:]}\n"
-        return out
+    return marked_site(SCRIPT, name)
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[str, str], Job]]:
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[str, str], RealJob]]:
     """Every job started at once against one real collector (the waits overlap); killed at the end."""
     tmp = tmp_path_factory.mktemp("plain-ddp")
     with contextlib.ExitStack() as stack:
@@ -171,7 +128,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[str, s
             CollectorProc(f"sqlite:///{tmp / 'ddpscope.db'}", log_path=tmp / "collector.log")
         )
         url = collector.start()
-        started: dict[tuple[str, str], Job] = {}
+        started: dict[tuple[str, str], RealJob] = {}
         for scenario, engine in JOBS:
             job_id = f"plain-{scenario}-{engine}-{uuid.uuid4().hex[:6]}"
             env = {
@@ -183,7 +140,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[str, s
             }
             # started_ranks kills every rank's process group when the stack unwinds.
             procs = stack.enter_context(started_ranks(SCRIPT, 2, args=[scenario, engine], env=env))
-            started[(scenario, engine)] = Job(url, job_id, procs)
+            started[(scenario, engine)] = RealJob(url, job_id, procs, wait_s=WAIT_S)
         yield started
 
 
@@ -193,7 +150,7 @@ def hangs(incidents: list[dict[str, Any]], rank: int) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("engine", ["torch", "ddpscope"])
 def test_a_rank_stuck_before_the_plain_models_backward_is_named_by_its_peer_waiting_in_torchs_allreduce(
-    jobs: dict[tuple[str, str], Job], engine: str
+    jobs: dict[tuple[str, str], RealJob], engine: str
 ) -> None:
     j = jobs[("stall", engine)]
     (wait,) = j.wait_for("rank 0's wait in the plain all-reduce", lambda inc: hangs(inc, 0))
@@ -208,7 +165,7 @@ def test_a_rank_stuck_before_the_plain_models_backward_is_named_by_its_peer_wait
 
 
 def test_a_timeout_in_the_plain_models_allreduce_is_blamed_on_the_stuck_peer_not_the_waiting_rank(
-    jobs: dict[tuple[str, str], Job],
+    jobs: dict[tuple[str, str], RealJob],
 ) -> None:
     j = jobs[("timeout", "torch")]
     (err,) = j.wait_for(
@@ -219,7 +176,7 @@ def test_a_timeout_in_the_plain_models_allreduce_is_blamed_on_the_stuck_peer_not
 
 
 def test_every_rank_training_only_the_plain_model_for_longer_than_the_hang_timeout_is_no_hang(
-    jobs: dict[tuple[str, str], Job],
+    jobs: dict[tuple[str, str], RealJob],
 ) -> None:
     j = jobs[("plain_phase", "torch")]
     deadline = time.monotonic() + WAIT_S
@@ -228,5 +185,5 @@ def test_every_rank_training_only_the_plain_model_for_longer_than_the_hang_timeo
     assert j.status() == "finished", j.logs()
     assert j.incidents() == [], j.logs()
     # The premise: each rank's watchdog did report the stretch (the agent prints hang reports to stderr).
-    for p in j.procs:
-        assert "has made no progress" in p.communicate(timeout=10)[1]
+    for rank in range(len(j.procs)):
+        assert "has made no progress" in j.stderr(rank)
