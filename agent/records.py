@@ -128,6 +128,16 @@ PARTIAL_STEP = (
 )
 """The step a rank was in when it hung or failed, as far as it got: the step record it never sent."""
 
+STOPPED_IN = Field(
+    "partial_step",
+    OBJECT,
+    item=PARTIAL_STEP,
+    required=False,
+    nullable=True,
+    doc="the unfinished step's times so far, when the rank hung or failed inside a step (null between steps)",
+)
+"""The field of the ``hang`` and ``rank_error`` reports that carries ``PARTIAL_STEP``."""
+
 THREAD_STACK = (
     Field("thread", STR, doc="thread name"),
     Field("stack", STR, doc="formatted Python stack, innermost frame last"),
@@ -293,14 +303,7 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("inflight", OBJECTS, item=INFLIGHT),
         Field("stacks", OBJECTS, item=THREAD_STACK),
         Field("message", STR),
-        Field(
-            "partial_step",
-            OBJECT,
-            item=PARTIAL_STEP,
-            required=False,
-            nullable=True,
-            doc="the unfinished step's times so far, when the rank hung inside a step (null between steps)",
-        ),
+        STOPPED_IN,
         Field(
             "main_cpu_s",
             FLOAT,
@@ -322,14 +325,7 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("message", STR),
         Field("stack", STR),
         Field("fatal", BOOL, doc="the process died of it (uncaught, abort, fatal signal)"),
-        Field(
-            "partial_step",
-            OBJECT,
-            item=PARTIAL_STEP,
-            required=False,
-            nullable=True,
-            doc="the unfinished step's times so far, when it failed inside a step (null between steps)",
-        ),
+        STOPPED_IN,
     ),
     # Something that does not stop training but makes its result wrong: said once per cause and model.
     "warning": (
