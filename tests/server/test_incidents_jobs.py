@@ -35,18 +35,11 @@ def rank_main(scenario: str, steps: int, engine: str) -> None:  # pragma: no cov
     from torch import nn
 
     from ddpscope.agent import get_agent
-    from ddpscope.ddp import DistributedDataParallel, collectives, instrument
-    from ddpscope.ddp.errors import install_error_hooks
-    from ddpscope.ddp.watchdog import start_watchdog
+    from ddpscope.ddp import DistributedDataParallel, instrument
     from tests.support.job_end import destroy_together
+    from tests.support.job_start import start_monitored_rank
 
-    # The engine may do these itself; each is idempotent, and the job must not depend on it.
-    install_error_hooks()
-    collectives.install()
-    start_watchdog()
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
+    rank = start_monitored_rank()
 
     class Net(nn.Module):
         def __init__(self) -> None:

@@ -37,17 +37,11 @@ def rank_main(scenario: str, engine: str) -> None:  # pragma: no cover - runs in
     import torch.distributed as dist
     from torch import nn
 
-    from ddpscope.ddp import DistributedDataParallel, collectives, instrument
-    from ddpscope.ddp.errors import install_error_hooks
-    from ddpscope.ddp.watchdog import start_watchdog
+    from ddpscope.ddp import DistributedDataParallel, instrument
     from tests.support.job_end import destroy_together
+    from tests.support.job_start import start_monitored_rank
 
-    install_error_hooks()
-    collectives.install()
-    start_watchdog()
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
+    rank = start_monitored_rank()
     width = 384 if scenario == "plain_phase" else 16  # real work per step in the long plain stretch
 
     def mlp(out: int) -> nn.Module:
