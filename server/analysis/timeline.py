@@ -7,7 +7,8 @@ A step some ranks never finished (the job hung or crashed in it) is drawn from t
 partial steps (``stops.py``): such a rank's ``state`` is ``hung`` or ``failed``, its spans that were
 still open end at ``until`` (when the report was written), and each bucket all-reduce still in flight
 then is ``open``. Ranks with no record of the step at all, but a report of where they stopped instead
-(another step, or out of the job), are listed in ``elsewhere``.
+(another step, or out of the job), are listed in ``elsewhere``; so is a rank heard from last before the
+step began (``silent``: killed outright, it sent no report).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ddpscope.server.analysis.stops import Stop
 from ddpscope.server.rows import StepRow
 
 COMPLETED = "completed"
+SILENT = "silent"
 
 
 @dataclass(slots=True)
@@ -77,9 +79,15 @@ class Timeline:
     elsewhere: list[Elsewhere] = field(default_factory=list)
 
 
-def timeline(step: int, rows: Sequence[StepRow], stops: Mapping[int, Stop] | None = None) -> Timeline | None:
+def timeline(
+    step: int,
+    rows: Sequence[StepRow],
+    stops: Mapping[int, Stop] | None = None,
+    heard: Mapping[int, tuple[int | None, int]] | None = None,
+) -> Timeline | None:
     """The timeline of ``step`` from its rows (one per rank; extra rows of other steps ignored) and the
-    ranks' stops (``stops.stops``), None when neither has anything of the step."""
+    ranks' stops (``stops.stops``), None when neither has anything of the step. ``heard``: each rank of
+    the job -> (its last step, when it was last heard from)."""
     rows = [r for r in rows if r.step == step]
     done = {r.rank for r in rows}
     stops = stops or {}
@@ -101,9 +109,19 @@ def timeline(step: int, rows: Sequence[StepRow], stops: Mapping[int, Stop] | Non
     present = {r.rank for r in ranks}
     elsewhere = [
         Elsewhere(rank=x.rank, state=x.state, step=x.step, phase=x.phase, message=x.message)
-        for x in sorted(stops.values(), key=lambda x: x.rank)
+        for x in stops.values()
         if x.rank not in present
     ]
+    for rank, (last_step, seen_ns) in (heard or {}).items():
+        # Not heard from since before the step began: not late, gone (a rank still alive beats every few s).
+        if rank not in present and rank not in stops and seen_ns < t0:
+            after = "" if last_step is None else f", after step {last_step}"
+            message = (
+                f"nothing heard from it since {(t0 - seen_ns) / NS:.1f} s before this step began{after}: killed "
+                "outright (SIGKILL, the OOM killer), crashed in native code, or stopped (SIGSTOP, a debugger)"
+            )
+            elsewhere.append(Elsewhere(rank=rank, state=SILENT, step=last_step, phase=None, message=message))
+    elsewhere.sort(key=lambda x: x.rank)
     return Timeline(step=step, t0_ns=t0, ranks=ranks, elsewhere=elsewhere)
 
 

@@ -15,7 +15,7 @@ from ddpscope.server.analysis.timeline import timeline
 from ddpscope.server.analysis.unused import aggregate_unused, unused_report
 from ddpscope.server.deps import JobIdDep, StorageDep
 from ddpscope.server.routes._items import JSONResponse, items
-from ddpscope.server.storage import Storage
+from ddpscope.server.storage import JobRow, Storage
 
 router = APIRouter(prefix="/api/v1/jobs/{job}", tags=["steps"])
 
@@ -77,22 +77,25 @@ async def steps(
     return await run_in_threadpool(_steps, storage, job_id, rank, start, end, limit, cursor)
 
 
-def job_stops(storage: Storage, job: str) -> dict[int, Stop]:
-    """Where each rank of ``job`` stopped (``analysis/stops.py``), hung ranks up to when last heard from."""
-    row = storage.job_row(job)
+def job_stops(storage: Storage, job: str, row: JobRow | None = None) -> dict[int, Stop]:
+    """Where each rank of ``job`` stopped (``analysis/stops.py``), hung ranks up to when last heard from
+    (``row``: the job's row, if the caller has it)."""
+    row = row if row is not None else storage.job_row(job)
     seen = {r.rank: r.last_seen_ns for r in row.ranks} if row is not None else {}
     return stops(storage.stop_reports(job), seen)
 
 
 def _timeline(storage: Storage, job: str, job_id: int, step: int | None) -> Response:
-    stopped = job_stops(storage, job)
+    row = storage.job_row(job)
+    stopped = job_stops(storage, job, row)
     if step is None:
         # The step the job is in: the one it hung or crashed in, when no rank finished it.
         known = [s for s in (storage.last_step(job_id), newest_partial_step(stopped)) if s is not None]
         if not known:
             raise HTTPException(404, f"job {job!r} has no step records yet")
         step = max(known)
-    tl = timeline(step, storage.steps(job_id, start=step, end=step), stopped)
+    heard = {r.rank: (r.last_step, r.last_seen_ns) for r in row.ranks} if row is not None else {}
+    tl = timeline(step, storage.steps(job_id, start=step, end=step), stopped, heard)
     if tl is None:
         raise HTTPException(404, f"job {job!r} has no records of step {step}")
     return JSONResponse(tl)

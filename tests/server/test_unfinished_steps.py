@@ -138,3 +138,25 @@ def test_a_partial_step_the_wire_format_refuses_is_a_422_naming_the_field(client
     bad = _hang(records[0], 0, t0, "backward", 3, {**_partial(t0, 3), "bucket_ready_ns": "soon"})
     r = post(client, [bad])
     assert r.status_code == 422 and "partial_step" in r.text and "bucket_ready_ns" in r.text
+
+
+def test_a_rank_killed_outright_is_named_silent_in_the_step_it_never_reached_and_a_late_one_is_not(
+    client: Any,
+) -> None:
+    records = synth_job(2, 3, 2, finished=False)
+    t0 = max(r["time_ns"] for r in records) + MS
+    base = records[0]
+    error = _report(base, "rank_error", 0, 10_000, t0 + 40 * MS, step=3, phase="allreduce", error_type="RuntimeError",
+                    message="Connection closed by peer", stack="...", fatal=True, partial_step=_partial(t0, 3))  # fmt: skip
+    _feed(client, [*records, error])
+    tl = client.get("/api/v1/jobs/synth/timeline?step=3").json()
+    assert [r["rank"] for r in tl["ranks"]] == [0]
+    (silent,) = tl["elsewhere"]
+    assert (silent["rank"], silent["state"], silent["step"], silent["phase"]) == (1, "silent", 2, None)
+    assert "before this step began, after step 2: killed outright" in silent["message"]
+    # A rank heard from since the step began is late (its record may still come), not gone.
+    beat = _report(
+        base, "heartbeat", 1, 10_000, t0 + 50 * MS, phase="forward", step=3, last_coll_seq=9, pid=1001
+    )
+    _feed(client, [beat])
+    assert client.get("/api/v1/jobs/synth/timeline?step=3").json()["elsewhere"] == []
