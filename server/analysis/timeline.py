@@ -7,8 +7,8 @@ A step some ranks never finished (the job hung or crashed in it) is drawn from t
 partial steps (``stops.py``): such a rank's ``state`` is ``hung`` or ``failed``, its spans that were
 still open end at ``until`` (when the report was written), and each bucket all-reduce still in flight
 then is ``open``. Ranks with no record of the step at all, but a report of where they stopped instead
-(another step, or out of the job), are listed in ``elsewhere``; so is a rank heard from last before the
-step began (``silent``: killed outright, it sent no report).
+(another step, or out of the job), are listed in ``elsewhere``; so is a rank that has sent nothing for
+longer than the collector calls a rank silent (``silent``: killed outright, it sent no report).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ddpscope.agent.records import UNTIMED_END
 from ddpscope.server.analysis.buckets import order_wait_ns
+from ddpscope.server.analysis.status import DEFAULT_SILENT_AFTER_S
 from ddpscope.server.analysis.steps import NS, step_metrics
 from ddpscope.server.analysis.stops import Stop
 from ddpscope.server.rows import StepRow
@@ -84,10 +85,11 @@ def timeline(
     rows: Sequence[StepRow],
     stops: Mapping[int, Stop] | None = None,
     heard: Mapping[int, tuple[int | None, int]] | None = None,
+    now_ns: int = 0,
 ) -> Timeline | None:
     """The timeline of ``step`` from its rows (one per rank; extra rows of other steps ignored) and the
     ranks' stops (``stops.stops``), None when neither has anything of the step. ``heard``: each rank of
-    the job -> (its last step, when it was last heard from)."""
+    the job -> (its last step, when it was last heard from); ``now_ns``: the aligned-clock time now."""
     rows = [r for r in rows if r.step == step]
     done = {r.rank for r in rows}
     stops = stops or {}
@@ -113,12 +115,12 @@ def timeline(
         if x.rank not in present
     ]
     for rank, (last_step, seen_ns) in (heard or {}).items():
-        # Not heard from since before the step began: not late, gone (a rank still alive beats every few s).
-        if rank not in present and rank not in stops and seen_ns < t0:
+        # A live rank's heartbeats come every few seconds: one quiet for longer is gone, not late.
+        if rank not in present and rank not in stops and now_ns - seen_ns > DEFAULT_SILENT_AFTER_S * NS:
             after = "" if last_step is None else f", after step {last_step}"
             message = (
-                f"nothing heard from it since {(t0 - seen_ns) / NS:.1f} s before this step began{after}: killed "
-                "outright (SIGKILL, the OOM killer), crashed in native code, or stopped (SIGSTOP, a debugger)"
+                f"nothing heard from it for {(now_ns - seen_ns) / NS:.0f} s{after}: killed outright (SIGKILL, "
+                "the OOM killer), crashed in native code, or stopped (SIGSTOP, a debugger)"
             )
             elsewhere.append(Elsewhere(rank=rank, state=SILENT, step=last_step, phase=None, message=message))
     elsewhere.sort(key=lambda x: x.rank)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Response
@@ -95,7 +96,7 @@ def _timeline(storage: Storage, job: str, job_id: int, step: int | None) -> Resp
             raise HTTPException(404, f"job {job!r} has no step records yet")
         step = max(known)
     heard = {r.rank: (r.last_step, r.last_seen_ns) for r in row.ranks} if row is not None else {}
-    tl = timeline(step, storage.steps(job_id, start=step, end=step), stopped, heard)
+    tl = timeline(step, storage.steps(job_id, start=step, end=step), stopped, heard, time.time_ns())
     if tl is None:
         raise HTTPException(404, f"job {job!r} has no records of step {step}")
     return JSONResponse(tl)
