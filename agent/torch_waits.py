@@ -21,6 +21,14 @@ BLOCKED_CPU_SHARE = 0.1
 backward, that is computing, not waiting)."""
 
 
+def blocked(cpu_s: float | None, stalled_s: float) -> bool | None:
+    """Whether a main thread that used ``cpu_s`` of CPU during a ``stalled_s`` stall was blocked (True)
+    or busy (False); None when that is unknown (no CPU figure, or no stall)."""
+    if cpu_s is None or stalled_s <= 0:
+        return None
+    return cpu_s < BLOCKED_CPU_SHARE * stalled_s
+
+
 @dataclass(frozen=True, slots=True)
 class TorchWait:
     """Where a rank's main thread is blocked in torch's collective machinery."""

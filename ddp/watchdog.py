@@ -54,7 +54,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpscope.agent import emit, emit_durable, get_agent
-from ddpscope.agent.torch_waits import BLOCKED_CPU_SHARE, TorchWait, torch_wait
+from ddpscope.agent.torch_waits import TorchWait, blocked, torch_wait
 from ddpscope.ddp.collectives import RECORDER, CollectiveRecorder, disabled
 from ddpscope.ddp.progress import PROGRESS, Progress
 from ddpscope.ddp.stacks import current_frames, thread_stacks
@@ -137,7 +137,7 @@ def _where(phase: str, step: int, began: bool, pending: list[dict[str, Any]], st
 def _cpu_words(cpu_s: float, stalled_s: float) -> str:
     """Blocked or busy: the first question about a rank stuck in its own code."""
     used = f"the main thread used {cpu_s:.1f} s of CPU meanwhile"
-    if cpu_s < BLOCKED_CPU_SHARE * stalled_s:
+    if blocked(cpu_s, stalled_s):
         return f"{used}: it is blocked, waiting (on a data loader, a queue, a lock, a file or a socket)"
     return (
         f"{used}: it is busy, not waiting (work longer than the timeout, or a loop that never ends; "
@@ -171,7 +171,7 @@ def hang_message(
         blocked_in is not None
         and not inflight
         and not pending
-        and (main_cpu_s is None or main_cpu_s < BLOCKED_CPU_SHARE * stalled_s)
+        and blocked(main_cpu_s, stalled_s) is not False
     )
     stuck_here = not inflight and not missing and not waits_unseen
     where = _where(phase, step, began, pending, stuck_here)

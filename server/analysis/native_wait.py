@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ddpscope.agent.torch_waits import BLOCKED_CPU_SHARE, TorchWait, torch_wait
+from ddpscope.agent.torch_waits import TorchWait, blocked, torch_wait
 
 Record = Mapping[str, Any]
 
@@ -35,9 +35,8 @@ def native_wait(hang: Record) -> TorchWait | None:
     found = _machinery(main_stack(hang))
     if found is None:
         return None
-    share = _cpu_share(hang)
-    # Unknown CPU (an agent that cannot read the thread's clock): the stack alone decides.
-    return None if share is not None and share >= BLOCKED_CPU_SHARE else found
+    # Unknown CPU (a platform that cannot read the thread's clock): the stack alone decides.
+    return None if blocked(hang.get("main_cpu_s"), float(hang.get("stalled_s") or 0.0)) is False else found
 
 
 def main_stack(hang: Record) -> str | None:
@@ -60,10 +59,3 @@ def _machinery(stack: str | None) -> TorchWait | None:
         return None
     path, _, function = frames[-1]  # innermost last (traceback order)
     return torch_wait(path, function)
-
-
-def _cpu_share(hang: Record) -> float | None:
-    """The main thread's CPU time over the stall (the report's ``main_cpu_s``) as a share of it."""
-    cpu = hang.get("main_cpu_s")
-    stalled = float(hang.get("stalled_s") or 0.0)
-    return None if cpu is None or stalled <= 0 else float(cpu) / stalled
