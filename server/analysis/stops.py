@@ -37,6 +37,11 @@ class Stop:
     partial: StepRow | None
     """The unfinished step, as far as the rank got (times of 0 had not happened)."""
 
+    @property
+    def until_ns(self) -> int:
+        """The right end of the unfinished step's open spans: the report's time, never before the step."""
+        return max(self.time_ns, self.partial.forward_start_ns) if self.partial is not None else self.time_ns
+
 
 def _partial_row(rank: int, wire: Mapping[str, Any]) -> StepRow:
     return StepRow(

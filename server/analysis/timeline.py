@@ -152,7 +152,7 @@ def _completed(r: StepRow, s: Callable[[int], float]) -> RankTimeline:
 def _unfinished(stop: Stop, s: Callable[[int], float]) -> RankTimeline:
     r = stop.partial
     assert r is not None
-    until = max(s(stop.time_ns), s(r.forward_start_ns))
+    until = s(stop.until_ns)
     buckets = []
     for i in range(min(len(r.bucket_ready_ns), len(r.allreduce_start_ns), len(r.allreduce_end_ns))):
         ready, start, end = r.bucket_ready_ns[i], r.allreduce_start_ns[i], r.allreduce_end_ns[i]

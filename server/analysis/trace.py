@@ -89,7 +89,7 @@ def trace_events(
     for stop in unfinished:
         p = stop.partial
         assert p is not None
-        until = max(stop.time_ns, p.forward_start_ns)
+        until = stop.until_ns
         about: dict[str, Any] = {"step": p.step, "state": stop.state}
         span(stop.rank, 0, "forward" + ("" if p.forward_end_ns else " (unfinished)"),
              p.forward_start_ns, p.forward_end_ns or until, about)  # fmt: skip
