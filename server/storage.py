@@ -386,7 +386,10 @@ class Storage:
             rank_last_seen_s={r.rank: r.last_seen_ns / 1e9 for r in row.ranks},
             listening_since_s=self.opened_s,
         )
-        snap.world_size = max(row.world_size, infer_world_size(snap.ranks, snap.rank_last_seen_s))
+        snap.world_size = max(
+            row.world_size,
+            infer_world_size(snap.ranks, snap.rank_last_seen_s, snap.heartbeats, snap.collectives),
+        )
         return snap
 
     def _collective_window(

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ddpscope.server.analysis.incident_model import (
     P2P_OPS,
     ROOTED_OPS,
+    STOP_SIGNALS,
     UNEVEN_DATA_ADVICE,
     Incident,
     Record,
@@ -93,6 +94,9 @@ class CollectiveIndex:
         for c in snapshot.collectives:
             if c.get("end_ns") is None and c["start_ns"] < stuck_before_ns and c["rank"] not in dead:
                 self.waits.setdefault(c["pg"], {}).setdefault(c["rank"], {})[c["coll_seq"]] = c
+        # A rank stopped by a signal while it waited: the wait at that moment is the post-mortem's.
+        for r, c in live.stopped_waits.items():
+            self.waits.setdefault(c["pg"], {}).setdefault(r, {})[c["coll_seq"]] = c
 
     def behind(self, pg: str, seq: int, live: Liveness) -> list[int]:
         """The members of ``pg`` that never issued #``seq``; kept per number, since a thousand ranks
@@ -648,8 +652,9 @@ def _missing(
     since = end_s - min(waiting[r][seq]["start_ns"] for r in waiters) / 1e9
     stuck = stuck_outside(snapshot)
     msg = (
-        f"{capitalized(ranks_phrase(waiters))} {'has' if len(waiters) == 1 else 'have'} waited {since:.0f} s in "
-        f"{describe(wait)}, collective #{seq} of group {pg}; {ranks_phrase(missing)} never issued it"
+        f"{capitalized(ranks_phrase(waiters))} {_waited(waiters, live)} {since:.0f} s in "
+        f"{describe(wait)}, collective #{seq} of group {pg}{_until_stopped(waiters, live)}; "
+        f"{ranks_phrase(missing)} never issued it"
     )
     details = []
     for r in missing:
@@ -707,6 +712,22 @@ def _missing(
         call_site=", ".join(dict.fromkeys(sites)) or None,
         time_s=wait["start_ns"] / 1e9,
     )
+
+
+def _waited(waiters: list[int], live: Liveness) -> str:
+    if all(r in live.stopped_waits for r in waiters):
+        return "waited"  # over: a signal stopped them there
+    return "has waited" if len(waiters) == 1 else "have waited"
+
+
+def _until_stopped(waiters: list[int], live: Liveness) -> str:
+    """ " until it was stopped by SIGTERM" when a signal ended every waiter's wait (the job was cancelled
+    while it waited); else nothing."""
+    reasons = {str(live.exits[r].get("reason")) for r in waiters if r in live.stopped_waits}
+    if len(reasons) != 1 or not all(r in live.stopped_waits for r in waiters):
+        return ""
+    who = "it was" if len(waiters) == 1 else "they were"
+    return f", until {who} stopped by {STOP_SIGNALS[reasons.pop()]}"
 
 
 def _blocked_unrecorded(hang: Record | None) -> str | None:

@@ -486,18 +486,26 @@ def _error_incidents(
     for r in live.crashed:
         last = colls.last(r, "default")
         step = position(snapshot, r)[0]
-        head = (
-            f"Rank {r} stopped reporting with no error and no clean exit{where(snapshot, r)}"
-            if r in live.last_alive_s
-            else f"Rank {r} never reported anything (it died during its set-up, before ddpscope measured it)"
-        )
-        msg = (
-            f"{head}, and "
+        cut_off = (
             f"{ranks_phrase(v['rank'] for v in victims)} then lost "
-            f"{'its connection' if len({v['rank'] for v in victims}) == 1 else 'their connections'} to it: it was killed "
-            "(SIGKILL, the OOM killer), crashed in native code or left through os._exit() (which runs no exit "
-            "hook); check its log, its exit status and the host's kernel log."
+            f"{'its connection' if len({v['rank'] for v in victims}) == 1 else 'their connections'} to it"
         )
+        if r in live.last_alive_s:
+            msg = (
+                f"Rank {r} stopped reporting with no error and no clean exit{where(snapshot, r)}, and {cut_off}: "
+                "it was killed (SIGKILL, the OOM killer), crashed in native code or left through os._exit() "
+                "(which runs no exit hook); check its log, its exit status and the host's kernel log."
+            )
+        else:
+            # Nothing of it ever arrived, not even a heartbeat: ddpscope was not watching it yet, so how it
+            # ended is unknown. An exception or an exit during set-up is likelier than a kill.
+            msg = (
+                f"Rank {r} never reported anything, and {cut_off}: it ended during its set-up, before "
+                "ddpscope watched it (ddpscope starts with the process group when imported before "
+                "init_process_group, else with the DDP model). It may have raised an exception, exited "
+                "(sys.exit, a return from main), been killed (SIGKILL, the OOM killer) or crashed in native "
+                "code; its log and exit status say which."
+            )
         out.append(
             Incident(
                 kind="rank_crashed",
@@ -549,10 +557,12 @@ def _error_incidents(
 def _awaited_before(
     failed: Sequence[Record], snapshot: JobSnapshot, live: Liveness, colls: CollectiveIndex
 ) -> list[tuple[int, Record, dict[int, str]]]:
-    """For each failed rank whose last hang report before its error shows it waiting in a collective:
-    (rank, that collective, the ranks that held it up there, with why): the members that never issued
-    it or, when such a member was itself blocked waiting for another rank then, that rank (see
-    ``through_past_waits``). Empty when none did."""
+    """For each failed rank that was waiting in a collective when it gave up (its last hang report before
+    the error shows it there or, when the error came before any hang report, as a process group's
+    timeout shorter than the hang timeout does, its own record of the collective that failed or was
+    still open): (rank, that collective, the ranks that held it up there, with why): the members that
+    never issued it or, when such a member was itself blocked waiting for another rank then, that rank
+    (see ``through_past_waits``). Empty when none did."""
     out: list[tuple[int, Record, dict[int, str]]] = []
     for v in failed:
         rank = v["rank"]
@@ -561,12 +571,17 @@ def _awaited_before(
             for h in snapshot.hangs
             if h["rank"] == rank and record_s(h) <= record_s(v) and h.get("inflight")
         ]
-        if not reports:
-            continue
-        inflight = min(max(reports, key=record_s)["inflight"], key=lambda x: x["start_ns"])
-        pg, seq = inflight["pg"], inflight["coll_seq"]
-        # The collective record has what the compact in-flight entry may lack (call site, step).
-        c: Record = {**inflight, **colls.by_pg.get(pg, {}).get(rank, {}).get(seq, {})}
+        c: Record
+        if reports:
+            inflight = min(max(reports, key=record_s)["inflight"], key=lambda x: x["start_ns"])
+            pg, seq = inflight["pg"], inflight["coll_seq"]
+            # The collective record has what the compact in-flight entry may lack (call site, step).
+            c = {**inflight, **colls.by_pg.get(pg, {}).get(rank, {}).get(seq, {})}
+        else:
+            gave_up_in = _gave_up_in(rank, record_s(v), colls)
+            if gave_up_in is None:
+                continue
+            c, pg, seq = gave_up_in, gave_up_in["pg"], gave_up_in["coll_seq"]
         never = never_issued(pg, seq)
         missing = {m: never for m in colls.behind(pg, seq, live) if m != rank}
         if missing:
@@ -574,6 +589,19 @@ def _awaited_before(
                 (rank, c, through_past_waits(missing, snapshot, live, colls, record_s(v), keep={rank}))
             )
     return out
+
+
+def _gave_up_in(rank: int, error_s: float, colls: CollectiveIndex) -> Record | None:
+    """The rank's oldest collective that failed, or was still open, when its error came at ``error_s``:
+    what a timeout or a lost connection interrupted."""
+    found: Record | None = None
+    for by_rank in colls.by_pg.values():
+        for c in by_rank.get(rank, {}).values():
+            if c["start_ns"] / 1e9 > error_s + CLOCK_SLACK_S or (c.get("end_ns") is not None and c.get("ok")):
+                continue
+            if found is None or c["start_ns"] < found["start_ns"]:
+                found = c
+    return found
 
 
 def _awaited_phrase(rank: int, c: Record, held: Mapping[int, str]) -> str:

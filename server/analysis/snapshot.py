@@ -253,7 +253,7 @@ def snapshot_from_records(job: str, records: Iterable[Mapping[str, Any]]) -> Job
         agent_stats=_latest(by_kind.get("agent_stats", [])),
         rank_last_seen_s=seen,
     )
-    snap.world_size = infer_world_size(snap.ranks, seen)
+    snap.world_size = infer_world_size(snap.ranks, seen, snap.heartbeats, snap.collectives)
     return snap
 
 
@@ -279,9 +279,18 @@ def _before_start(rec: Mapping[str, Any], start: tuple[str, int] | None) -> bool
     return start is not None and rec.get("stream") != start[0] and rec["time_ns"] < start[1]
 
 
-def infer_world_size(ranks: Mapping[int, Mapping[str, Any]], seen: Iterable[int]) -> int:
+def infer_world_size(
+    ranks: Mapping[int, Mapping[str, Any]],
+    seen: Iterable[int],
+    heartbeats: Mapping[int, Mapping[str, Any]] | None = None,
+    collectives: Iterable[Mapping[str, Any]] = (),
+) -> int:
+    """The job's world size: declared by a ``rank_start`` or, when no rank reached its DDP model (a rank
+    that failed or stalled during set-up), by the heartbeats; else the highest rank heard from or named
+    as a collective's member (a rank that never reported is still one its peers wait for), plus one."""
     declared = max((int(r["world_size"]) for r in ranks.values()), default=0)
-    return declared or (max(seen, default=-1) + 1)
+    beating = max((int(h.get("world_size") or 0) for h in (heartbeats or {}).values()), default=0)
+    return max(declared, beating) or (max({*seen, *named_ranks(collectives)}, default=-1) + 1)
 
 
 def _latest(records: Iterable[Record]) -> dict[int, Record]:

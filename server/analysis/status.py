@@ -5,7 +5,9 @@ order of precedence:
 
 - **failed**: a rank died of an error (a fatal ``rank_error``, a ``rank_exit`` with reason ``'error'``),
   crashed without a word (it stopped reporting, never exited, and its peers then lost their connections),
-  was stopped by SIGTERM while it hung (a scheduler's time limit ending a hung job is not a finish), or
+  was stopped by SIGTERM while it hung (a scheduler's time limit ending a hung job is not a finish) or
+  while it had waited in a collective for ``silent_after_s`` (a hang cancelled before the rank's hang
+  timeout, often minutes, let it report one), or
   the whole job has been quiet without a clean exit for ``dead_after_s`` (killed with all its ranks at
   once, its node lost): nothing will come from it any more, and a dead job must neither read as hung
   nor page as one forever.
@@ -90,6 +92,9 @@ class Liveness:
     """The rank's latest hang report not followed by ``hang_resolved``, an exit or a fatal error."""
     stopped_hangs: dict[int, Record] = field(default_factory=dict)
     """The rank's hang report that was still unresolved when the rank was stopped by SIGTERM."""
+    stopped_waits: dict[int, Record] = field(default_factory=dict)
+    """The rank's oldest collective still open when it was stopped by SIGTERM or SIGINT, if it had been
+    open for ``silent_after_s`` by then: stopped while it waited, whether or not a hang report came."""
     silent: list[int] = field(default_factory=list)
     """Ranks with no record for ``silent_after_s`` (or never seen while others hang), not exited, not
     dead of an error, while another rank is alive or waiting."""
@@ -112,7 +117,8 @@ class Liveness:
     @property
     def failed(self) -> bool:
         errored_exit = any(e.get("reason") == "error" for e in self.exits.values())
-        return bool(self.fatal) or bool(self.crashed) or errored_exit or bool(self.stopped_hangs) or self.dead
+        stopped_stuck = bool(self.stopped_hangs) or bool(self.stopped_waits)
+        return bool(self.fatal) or bool(self.crashed) or errored_exit or stopped_stuck or self.dead
 
     @property
     def hung(self) -> bool:
@@ -222,6 +228,7 @@ def liveness(
         r: h for r, h in _active_hangs(snapshot, live, counts).items() if r not in live.crashed
     }
     live.stopped_hangs = _stopped_hangs(snapshot, live, counts)
+    live.stopped_waits = _stopped_waits(snapshot, live)
     live.silent = _silent(live)
     if live.dead:
         # No hang_resolved or exit will ever come from a dead job: its hangs ended with it.
@@ -260,6 +267,22 @@ def _stopped_hangs(snapshot: JobSnapshot, live: Liveness, counts: Any) -> dict[i
         ]
         if hangs:
             out[r] = max(hangs, key=_s)
+    return out
+
+
+def _stopped_waits(snapshot: JobSnapshot, live: Liveness) -> dict[int, Record]:
+    """Collectives a rank was still waiting in, for ``silent_after_s`` or longer, when a signal stopped
+    it. With the default hang timeout (5 minutes) a job cancelled after a minute of waiting for a stuck
+    peer has no hang report, and its ranks' exits would read as a clean finish."""
+    out: dict[int, Record] = {}
+    for c in snapshot.collectives:
+        exit_ = live.exits.get(c["rank"])
+        if exit_ is None or exit_.get("reason") not in STOP_SIGNALS or c.get("end_ns") is not None:
+            continue
+        if c["start_ns"] <= int(exit_["time_ns"]) - live.silent_after_s * 1e9:
+            before = out.get(c["rank"])
+            if before is None or c["start_ns"] < before["start_ns"]:
+                out[c["rank"]] = c
     return out
 
 

@@ -105,6 +105,41 @@ def test_a_hung_job_stopped_by_sigterm_is_failed_and_keeps_its_hang_and_culprit(
     assert "made no progress for 30 s" in hang.message
 
 
+@pytest.mark.parametrize(
+    ("reason", "signal"), [("sigterm", "SIGTERM"), ("sigint", "SIGINT or an uncaught KeyboardInterrupt")]
+)
+def test_a_job_cancelled_while_a_rank_waited_before_any_hang_report_is_failed_and_keeps_the_culprit(
+    reason: str, signal: str
+) -> None:
+    # The hang timeout (5 minutes by default) had not passed: no hang report, only rank 0's collective
+    # #7 open for 20 s while rank 1, alive and beating, never issued it. Then the job was cancelled.
+    job = started(2)
+    end = job.train(3)
+    job.coll(0, end + 1, 7, site="train.py:57", done=False, step=3)
+    job.heartbeat(1, end + 19, step=2, phase="idle", last=6)
+    for r in range(2):
+        job.exit(r, end + 21, reason=reason, step=3)
+    snap = job.snapshot()
+    assert job_status(snap, end + 30) == "failed"
+    missing = only(diagnose(snap, end + 30), "missing_collective")
+    assert missing.culprit_ranks == [1]
+    assert missing.message.startswith(
+        f"Rank 0 waited 20 s in all_reduce(SUM) [4] float32 at train.py:57, collective #7 of group default, until it was "
+        f"stopped by {signal}; rank 1 never issued it"
+    ), missing.message
+
+
+def test_a_job_cancelled_in_a_short_collective_still_counts_as_finished() -> None:
+    job = started(2)
+    end = job.train(3)
+    for r in range(2):  # a preemption lands while the step's all-reduce runs: no wait to speak of
+        job.coll(r, end + 1, 7, done=False, step=3)
+        job.exit(r, end + 1.2, reason="sigterm", step=3)
+    snap = job.snapshot()
+    assert job_status(snap, end + 5) == "finished"
+    assert not diagnose(snap, end + 5)
+
+
 def test_a_healthy_job_stopped_by_sigterm_counts_as_finished() -> None:
     job = started(2)
     end = job.train(3)
@@ -306,6 +341,26 @@ def test_a_timeout_on_a_rank_waiting_for_a_stopped_peer_blames_that_peer_and_doe
     )
 
 
+def test_a_process_group_timeout_before_any_hang_report_is_blamed_on_the_rank_that_never_issued_it() -> None:
+    # init_process_group(timeout=8 s) under the default 5-minute hang timeout: rank 0 gives up in #7
+    # with no hang report of its own; rank 1, alive and beating, had never issued #7.
+    job = started(2)
+    end = job.train(3)
+    job.coll(0, end + 1, 7, site="train.py:57", done=False, step=3)
+    job.heartbeat(1, end + 8, step=2, phase="idle", last=6)
+    job.error(
+        0, end + 9, "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms for recv", step=3
+    )
+    job.exit(0, end + 9.1, reason="error", step=3)
+    err = only(diagnose(job.snapshot(), end + 10), "rank_error")
+    assert err.culprit_ranks == [1], err.message
+    assert (
+        "the cause is on rank 1: rank 0 was waiting in all_reduce(SUM) [4] float32 at train.py:57, collective #7 "
+        "of group default, which rank 1 never issued" in err.message
+    )
+    assert "killed by the OS" not in err.message
+
+
 def test_different_ops_at_one_number_are_said_to_wait_not_to_give_wrong_results() -> None:
     job = started(2)
     end = job.train(1)
@@ -434,6 +489,17 @@ def test_a_peer_that_entered_late_because_it_waited_for_another_rank_itself_pass
     assert "so that rank 0 entered collective #1 12 s late" in hangs[2].message
 
 
+def test_the_world_size_comes_from_heartbeats_or_named_ranks_when_no_rank_built_its_model() -> None:
+    # No rank_start: rank 1 failed during its set-up, before its DDP model existed.
+    job = JobRecords(0)
+    job.add("heartbeat", 0, T0, phase="idle", step=0, last_coll_seq=0, pid=1000, world_size=4)
+    assert job.snapshot().world_size == 4
+    older = JobRecords(0)  # an agent whose heartbeats carry no world size: the ranks its peers wait for
+    older.heartbeat(0, T0, phase="idle")
+    older.coll(0, T0, 1, op="recv", pg="default:p2p:0-2", done=False)
+    assert older.snapshot().world_size == 3
+
+
 def test_a_rank_that_never_reported_is_named_from_the_pair_its_peer_waits_in() -> None:
     # Rank 0 is stuck before anything is measured (creating process groups in another order than its
     # peers): the collector knows it only from the name of the pair rank 2 sends to.
@@ -499,7 +565,7 @@ def test_a_rank_whose_loop_ended_early_and_lingered_past_its_peers_timeout_is_st
     assert "ranks 0, 2 timed out waiting for it" in early.message and "uneven data" in early.message
 
 
-def test_a_rank_killed_before_it_ever_reported_is_said_to_have_died_in_its_set_up() -> None:
+def test_a_rank_lost_before_it_ever_reported_is_said_to_have_ended_in_its_set_up_however_it_did() -> None:
     # SIGKILLed while building its model: its peers lose the connection in the engine's clock sync.
     job = JobRecords(3)
     for r in (0, 2):
@@ -507,4 +573,10 @@ def test_a_rank_killed_before_it_ever_reported_is_said_to_have_died_in_its_set_u
         job.error(r, T0 + 1, "Connection reset by peer", step=None)
     crashed = only(diagnose(job.snapshot(), T0 + 2), "rank_crashed")
     assert crashed.culprit_ranks == [1]
-    assert "Rank 1 never reported anything (it died during its set-up" in crashed.message
+    assert (
+        "Rank 1 never reported anything, and ranks 0, 2 then lost their connections to it" in crashed.message
+    )
+    # Nothing says how it ended: an exception or an exit during set-up is as likely as a kill.
+    assert "it ended during its set-up, before ddpscope watched it" in crashed.message
+    assert "raised an exception" in crashed.message and "its log and exit status say which" in crashed.message
+    assert "check the host's kernel log" not in crashed.message
