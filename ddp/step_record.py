@@ -37,7 +37,7 @@ from ddpscope import agent
 from ddpscope.agent.clock import now_ns
 from ddpscope.agent.records import UNTIMED_END
 from ddpscope.agent.template import RecordTemplate
-from ddpscope.ddp.collectives import RECORDER, BlockedTime
+from ddpscope.ddp.collectives import RECORDER, BlockedTime, work_failure
 
 MAX_TEMPLATES = 8
 """Step templates kept per timer: one per (ready-order length, unused parameters) seen since the last
@@ -60,7 +60,8 @@ def untimed_end(work: Any) -> int:
     """``UNTIMED_END`` for a collective ``work`` that completed successfully, else 0 (still in flight, or
     failed: a failed all-reduce never finished, and its error is the report's own subject)."""
     try:
-        return UNTIMED_END if work is not None and work.is_completed() and work.is_success() else 0
+        # Not ``work.is_success()``: torch deprecates it with a warning printed into the user's log.
+        return UNTIMED_END if work is not None and work.is_completed() and work_failure(work) is None else 0
     except Exception:
         return 0
 

@@ -144,7 +144,10 @@ def _named(error: Record) -> _Named | None:
     return None
 
 
-_SIGNAL = re.compile(r"\bSIG[A-Z]{2,}\b|fatal signal|killed by signal|abort", re.IGNORECASE)
+_FATAL_SIGNAL = re.compile(r"SIG(?:SEGV|ABRT|FPE|BUS|ILL|KILL)|FatalSignal")
+"""The ``error_type`` of a fatal signal's ``rank_error`` (the shipper reads faulthandler's output after the
+rank died). Only the type says so: an exception's message may name a signal or an abort (a DataLoader
+worker "killed by signal", a ValueError about "SIGMA") and still be an ordinary exception of the rank."""
 
 
 def diagnose(
@@ -417,7 +420,7 @@ def _error_incidents(
             if v["rank"] != p["rank"] and record_s(v) >= record_s(p) - CLOCK_SLACK_S and id(v) not in attached
         ]
         attached.update(id(v) for v in related)
-        crash = bool(_SIGNAL.search(f"{p.get('error_type', '')} {p.get('message', '')}"))
+        crash = bool(_FATAL_SIGNAL.fullmatch(str(p.get("error_type", ""))))
         # A step number above 0 says the rank got past its first step (the snapshot of the processes
         # before a restart has no step records to ask).
         began = p["rank"] in snapshot.steps or (p.get("step") or 0) > 0

@@ -273,11 +273,14 @@ def _stopped_hangs(snapshot: JobSnapshot, live: Liveness, counts: Any) -> dict[i
 def _stopped_waits(snapshot: JobSnapshot, live: Liveness) -> dict[int, Record]:
     """Collectives a rank was still waiting in, for ``silent_after_s`` or longer, when a signal stopped
     it. With the default hang timeout (5 minutes) a job cancelled after a minute of waiting for a stuck
-    peer has no hang report, and its ranks' exits would read as a clean finish."""
+    peer has no hang report, and its ranks' exits would read as a clean finish. A wait that ended in an
+    error is one too: the peer stopped first, and the lost connection ended the wait as the rank left."""
     out: dict[int, Record] = {}
     for c in snapshot.collectives:
         exit_ = live.exits.get(c["rank"])
-        if exit_ is None or exit_.get("reason") not in STOP_SIGNALS or c.get("end_ns") is not None:
+        if exit_ is None or exit_.get("reason") not in STOP_SIGNALS:
+            continue
+        if c.get("end_ns") is not None and c.get("ok"):
             continue
         if c["start_ns"] <= int(exit_["time_ns"]) - live.silent_after_s * 1e9:
             before = out.get(c["rank"])

@@ -129,6 +129,20 @@ def test_a_job_cancelled_while_a_rank_waited_before_any_hang_report_is_failed_an
     ), missing.message
 
 
+def test_a_wait_ended_by_the_lost_connection_as_the_stuck_peer_was_cancelled_first_is_still_a_wait() -> None:
+    job = started(2)
+    end = job.train(3)
+    job.coll(0, end + 1, 7, site="train.py:57", done=False, step=3)
+    job.heartbeat(1, end + 19, step=2, phase="idle", last=6)
+    job.exit(1, end + 21, reason="sigterm", step=2)  # the launcher stops rank 1 first
+    job.add("collective_end", 0, end + 21.05, pg="default", coll_seq=7, end_ns=int((end + 21.05) * 1e9),
+            ok=False, error="Connection closed by peer")  # fmt: skip
+    job.exit(0, end + 21.06, reason="sigterm", step=3)
+    snap = job.snapshot()
+    assert job_status(snap, end + 30) == "failed"
+    assert only(diagnose(snap, end + 30), "missing_collective").culprit_ranks == [1]
+
+
 def test_a_job_cancelled_in_a_short_collective_still_counts_as_finished() -> None:
     job = started(2)
     end = job.train(3)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from ddpscope.agent.records import validate_record
 from ddpscope.server.analysis.incidents import Incident, diagnose
 from ddpscope.server.analysis.snapshot import JobSnapshot, snapshot_from_records
@@ -272,6 +274,26 @@ def test_a_rank_error_is_the_origin_and_its_peers_errors_are_related_not_blamed(
     assert err.rank == 1 and err.culprit_ranks == [1]
     assert [r["rank"] for r in err.related] == [0]
     assert "OutOfMemoryError" in err.message and err.stack and "rank 1" in err.stack
+    assert "rank_crashed" not in kinds(incidents)
+
+
+@pytest.mark.parametrize(
+    ("error_type", "message"),
+    [
+        ("ValueError", "SIGMA must be positive, got -0.5"),
+        ("RuntimeError", "DataLoader worker (pid 4242) is killed by signal: Killed."),
+        ("RuntimeError", "aborting: the batch has no labels"),
+    ],
+)
+def test_an_exception_whose_message_names_a_signal_or_an_abort_is_an_error_not_a_crash(
+    error_type: str, message: str
+) -> None:
+    job = started(2)
+    end = job.train(3)
+    job.error(1, end, message, error_type=error_type)
+    job.error(0, end + 0.02, "Connection closed by peer [127.0.0.1]:4312")
+    incidents = diagnose(job.snapshot(), end + 1)
+    assert only(incidents, "rank_error").culprit_ranks == [1]
     assert "rank_crashed" not in kinds(incidents)
 
 
