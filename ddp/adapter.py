@@ -75,7 +75,7 @@ from ddpscope.ddp.collectives import (
     work_failure,
 )
 from ddpscope.ddp.compile_skip import call_model, runs_model
-from ddpscope.ddp.drift import FROZEN_AFTER_WRAP, UNFINISHED_REDUCTION, FrozenAtWrap
+from ddpscope.ddp.drift import BACKWARD_CUT_SHORT, FROZEN_AFTER_WRAP, UNFINISHED_REDUCTION, FrozenAtWrap
 from ddpscope.ddp.errors import report_error
 from ddpscope.ddp.groups import global_rank, group_size, pg_name, replica_ranks
 from ddpscope.ddp.outputs import grad_tensors, hook_backward_start
@@ -244,6 +244,10 @@ class Instrumentation:
         """A forward through the DDP model (synced or not) awaits its backward."""
         self._forwarding = False
         """torch's forward of a training step is running (its collectives belong to ``self._step``)."""
+        self._cut_short: int | None = None
+        """The step whose backward began and never reached its end, seen at the next forward (an exception
+        in backward that the training loop caught): torch's Reducer raises there, blaming unused
+        parameters."""
         self._outside = OutsideForward(names, self._rank)
         self._watched: dict[int, tuple[Any, PlannedCollective | None]] = {}
         """seq -> (future, plan) of each all-reduce whose end a completion callback is to record; the
@@ -363,6 +367,7 @@ class Instrumentation:
             return
         if self._next_done < self._next_launch:
             self._watch_launched()  # the last backward raised before its end
+        self._cut_short = self._cur if self._armed and self._queued else None
         self._synced = synced = bool(self.ddp.require_backward_grad_sync)
         self._active = False
         self._queued = False
@@ -413,16 +418,19 @@ class Instrumentation:
         """torch's forward raised (the exception goes on to the caller). It is said now, not only if it
         kills the process: a loop that catches it and goes on leaves this rank one synced step behind
         its peers, and this record says why. When torch's unfinished-reduction error comes from
-        parameters frozen after wrapping, a note on the exception (shown in the user's traceback and
-        shipped with the record) says so: torch's advice there is find_unused_parameters."""
+        parameters frozen after wrapping, or from a backward cut short by an exception the loop caught, a
+        note on the exception (shown in the user's traceback and shipped with the record) says so: torch's
+        advice there is find_unused_parameters."""
         self._forwarding = False
-        if UNFINISHED_REDUCTION in str(exc):
-            frozen = [n for p, n in zip(self.params, self._base.names, strict=True) if not p.requires_grad]
-        else:
-            frozen = []
-        if frozen:
+        unfinished = UNFINISHED_REDUCTION in str(exc)
+        if unfinished and self._cut_short is not None:
             with contextlib.suppress(Exception):
-                exc.add_note(f"ddpscope: parameters {FROZEN_AFTER_WRAP.format(names=frozen)}")
+                exc.add_note(f"ddpscope: {BACKWARD_CUT_SHORT.format(step=self._cut_short)}")
+        elif unfinished:
+            frozen = [n for p, n in zip(self.params, self._base.names, strict=True) if not p.requires_grad]
+            if frozen:
+                with contextlib.suppress(Exception):
+                    exc.add_note(f"ddpscope: parameters {FROZEN_AFTER_WRAP.format(names=frozen)}")
         report_error(exc, fatal=False)
 
     # -- backward --------------------------------------------------------------------------------

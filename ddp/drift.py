@@ -39,6 +39,14 @@ FROZEN_AFTER_WRAP = (
 gets no gradient while DDP waits for it (the collector reads "frozen (requires_grad=False) after")."""
 UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
 """torch's Reducer error for a previous backward that left parameters without a gradient."""
+BACKWARD_CUT_SHORT = (
+    "the backward of step {step} began on this rank and never finished (it raised: an exception your "
+    "training loop caught and went on?), so torch's Reducer still waited for the gradients it did not "
+    "produce; the parameters torch lists were not unused. The gradients of step {step} differ across ranks: "
+    "restart from a checkpoint, or let such an exception end the job."
+)
+"""Said on torch's unfinished-reduction error when the previous backward was cut short, where torch's
+advice (find_unused_parameters) is wrong (the collector reads "began on this rank and never finished")."""
 
 
 def shown(names: Sequence[str]) -> str:

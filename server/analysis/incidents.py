@@ -79,7 +79,13 @@ from ddpscope.server.analysis.incident_model import (
     where,
 )
 from ddpscope.server.analysis.replica_divergence import replica_incidents
-from ddpscope.server.analysis.snapshot import JobSnapshot, UnusedParameter, parameter_order, split_restart
+from ddpscope.server.analysis.snapshot import (
+    JobSnapshot,
+    RankSteps,
+    UnusedParameter,
+    parameter_order,
+    split_restart,
+)
 from ddpscope.server.analysis.status import (
     DEFAULT_SILENT_AFTER_S,
     LOST_PEER_ERROR,
@@ -106,6 +112,9 @@ _LAYOUT_DIFFERS = re.compile(r"Ranks \[([\d, ]+)\] differ from rank \d+")
 FROZEN_AFTER_WRAP = "frozen (requires_grad=False) after"
 """What the engines' missing-gradient errors (and ddpscope's note on torch's) say of parameters frozen after
 wrapping (``ddp/drift.py``)."""
+BACKWARD_CUT_SHORT = "began on this rank and never finished"
+"""What ddpscope's note on torch's unfinished-reduction error says when the previous backward raised and
+was caught (``ddp/drift.py``): the parameters torch lists were not unused."""
 _ENGINE_UNUSED = re.compile(
     r"parameters \[([^\]]*)\] in bucket\(s\) \[([^\]]*)\] received no gradient on rank\(s\) \[([^\]]*)\]"
 )
@@ -137,7 +146,7 @@ def _named(error: Record) -> _Named | None:
     if m:
         return _Named(tuple(int(r) for r in re.findall(r"\d+", m.group(1))), ())
     m = _TORCH_UNUSED.search(message)
-    if m:
+    if m and BACKWARD_CUT_SHORT not in f"{message} {error.get('stack') or ''}":  # notes are in the stack
         # Parameter names under TORCH_DISTRIBUTED_DEBUG=INFO, indices otherwise.
         items = [t for t in re.split(r"[,\s]+", m.group(2).strip()) if t]
         return _Named((int(m.group(1)),), tuple(t for t in items if not t.isdigit()) or tuple(items))
@@ -269,7 +278,7 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
         # waiting for the next step's all-reduce: its loop ended when its last step did.
         loop_end_s = mine.last_step_end_ns / 1e9 if mine and reason == "finished" else left_s
         stranded_ranks = [
-            o for o in live.ranks if o != r and _stranded(snapshot, live, o, last, left_s, loop_end_s)
+            o for o in live.ranks if o != r and _stranded(snapshot, live, o, mine, left_s, loop_end_s)
         ]
         if not stranded_ranks:
             continue
@@ -301,6 +310,8 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
                 "caught the exception and skipped that step, so it ran fewer synced steps than its peers. "
                 "Skip a batch on every rank or on none (e.g. all_reduce a skip flag), or let the error end the job."
             )
+        elif skipped := _skipped_backwards(snapshot, r, stranded_ranks):
+            advice = skipped
         after = f" after step {last}" if last is not None else ""
         hung = [o for o in stranded_ranks if o in live.active_hangs]
         timed_out = [
@@ -335,6 +346,30 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
     return out
 
 
+def _skipped_backwards(snapshot: JobSnapshot, r: int, stranded: Sequence[int]) -> str | None:
+    """Why rank ``r`` ran out of batches first, when it ran more forward passes without a backward than the
+    ranks it left behind (a batch skipped after its forward: step numbers count forwards, step records
+    backward passes); None otherwise."""
+
+    def forwards_only(rank: int) -> int | None:
+        steps = snapshot.steps.get(rank)
+        return None if steps is None else steps.last_step + 1 - steps.count
+
+    mine = forwards_only(r)
+    theirs = [n for o in stranded if (n := forwards_only(o)) is not None]
+    if mine is None or not theirs or mine <= max(theirs):
+        return None
+    extra = mine - max(theirs)
+    return (
+        f"It ran {extra} more forward pass{'es' if extra > 1 else ''} without a backward than "
+        f"{ranks_phrase(stranded)} (its step numbers count forwards: its steps 0 to "
+        f"{snapshot.steps[r].last_step} had {snapshot.steps[r].count} backward passes). A batch skipped "
+        "after its forward (a `continue` before backward()) synchronizes nothing, so this rank ran out of "
+        f"batches {extra} gradient sync{'s' if extra > 1 else ''} before its peers. Skip a batch on every rank "
+        "or on none (e.g. all_reduce a skip flag first)."
+    )
+
+
 TEARDOWN_AFTER_S = 0.05
 """A launcher stops the other ranks at least this long after one died (torchrun polls its workers)."""
 
@@ -355,13 +390,17 @@ def _peer_failed_before(live: Liveness, rank: int, stopped_s: float) -> bool:
 
 
 def _stranded(
-    snapshot: JobSnapshot, live: Liveness, o: int, last: int | None, left_s: float, loop_end_s: float
+    snapshot: JobSnapshot, live: Liveness, o: int, mine: RankSteps | None, left_s: float, loop_end_s: float
 ) -> bool:
-    """Rank ``o`` had got as far as a rank that left after step ``last`` at ``left_s`` (its loop ended at
+    """Rank ``o`` had got as far as a rank that left (its steps ``mine``) at ``left_s`` (its loop ended at
     ``loop_end_s``), was still in the job, and then lost its connection to a peer, timed out waiting in
-    a step the other never began, or hung."""
+    a step the other never began, or hung. As far: as high a step number, or as many backward passes
+    (step records): a rank that skipped a backward numbers its steps ahead of the syncs it ran."""
     theirs = snapshot.steps.get(o)
-    if last is not None and (theirs is None or theirs.last_step < last):
+    last = mine.last_step if mine is not None else None
+    if mine is not None and (
+        theirs is None or (theirs.last_step < mine.last_step and theirs.count < mine.count)
+    ):
         return False  # it had not got as far: the other rank leaving is not what stopped it
     other_exit = live.exits.get(o)
     if other_exit is not None and other_exit.get("reason") != "error":
@@ -427,6 +466,9 @@ def _error_incidents(
         where_txt = step_phrase(p.get("step"), p.get("phase"), started=began)
         head = f"Rank {p['rank']} {'died' if p.get('fatal') else 'raised (and kept running)'}{where_txt}"
         msg = f"{head}: {p.get('error_type')}: {first_line(p.get('message', '')).rstrip('.')}"
+        if BACKWARD_CUT_SHORT in str(p.get("stack") or ""):
+            # torch's advice (unused parameters) is wrong here; ddpscope's note on the error says why.
+            msg += f" ({_backward_cut_short(str(p['stack']))})"
         names = _resolved_names(named, snapshot) if named else []
         if named and names != list(named.parameters):
             msg += f" (parameter indices {', '.join(named.parameters)} are {', '.join(names)})"
@@ -605,6 +647,12 @@ def _gave_up_in(rank: int, error_s: float, colls: CollectiveIndex) -> Record | N
             if found is None or c["start_ns"] < found["start_ns"]:
                 found = c
     return found
+
+
+def _backward_cut_short(stack: str) -> str:
+    """ddpscope's note on torch's unfinished-reduction error, from the stack that carries it."""
+    line = next(x for x in stack.splitlines() if BACKWARD_CUT_SHORT in x)
+    return line.strip().removeprefix("|").strip().removeprefix("ddpscope: ").rstrip(".")
 
 
 def _awaited_phrase(rank: int, c: Record, held: Mapping[int, str]) -> str:

@@ -389,6 +389,20 @@ def test_torchs_error_for_a_layer_frozen_after_wrapping_carries_a_note_naming_th
         assert note in error["stack"]  # shipped: the collector's advice reads it
 
 
+def test_torchs_error_after_a_backward_cut_short_by_a_caught_exception_says_the_parameters_were_not_unused(
+    tmp_path: Path,
+) -> None:
+    job = run("cut_short", tmp_path)
+    for rank in (0, 1):
+        assert job.results_json[rank]["caught"] == [1]
+        (note,) = job.results_json[rank]["notes"]
+        assert note.startswith("ddpscope: the backward of step 1 began on this rank and never finished"), note
+        assert "the parameters torch lists were not unused" in note
+        (error,) = [r for r in job.records[rank] if r["kind"] == "rank_error"]
+        assert "Parameter indices which did not receive grad" in error["message"]
+        assert note in error["stack"]  # shipped: the collector reads it instead of torch's advice
+
+
 def test_a_rank_dependent_update_under_torchs_engine_shows_in_the_replica_digests(tmp_path: Path) -> None:
     job = run("replicas", tmp_path)
     digests = [{r["step"]: r for r in job.records[rank] if r["kind"] == "replica_digest"} for rank in (0, 1)]

@@ -579,6 +579,34 @@ def test_a_rank_whose_loop_ended_early_and_lingered_past_its_peers_timeout_is_st
     assert "ranks 0, 2 timed out waiting for it" in early.message and "uneven data" in early.message
 
 
+def test_a_rank_that_skipped_one_backward_ran_out_of_batches_first_and_is_the_early_exit() -> None:
+    # Rank 1 skipped the backward of step 5 (a bad batch, `continue` before backward()): from then on its
+    # step s+1 syncs with rank 0's step s, it finishes its 12 forwards one sync early and exits cleanly,
+    # and rank 0, in its 12th sync, loses the connection. Rank 1 numbers its steps *ahead* of rank 0.
+    job = started(2)
+    end = job.train(5)  # steps 0..4, syncs #1..#10
+    t = end
+    for k in range(6):  # six more syncs each: rank 0's steps 5..10, rank 1's steps 6..11
+        for r, step in ((0, 5 + k), (1, 6 + k)):
+            seqs = [11 + 2 * k, 12 + 2 * k]
+            for seq in seqs:
+                job.coll(r, t, seq, site="ddp/reducer.py:88", step=step, source="engine")
+            job.step(r, t, step, seqs=seqs)
+        t += 0.1
+    job.coll(0, t, 23, site="ddp/reducer.py:88", step=11, source="engine", done=False)
+    job.exit(1, t + 0.01, step=11)
+    job.error(0, t + 0.03, "Connection closed by peer [127.0.0.1]:4312", step=11)
+    job.exit(0, t + 0.04, reason="error", step=11)
+    incidents = diagnose(job.snapshot(), t + 1)
+    early = only(incidents, "rank_exited_early")
+    assert early.culprit_ranks == [1], early.message
+    assert "It ran 1 more forward pass without a backward than rank 0" in early.message
+    assert "its steps 0 to 11 had 11 backward passes" in early.message
+    assert "ran out of batches 1 gradient sync before its peers" in early.message
+    err = only(incidents, "rank_error")
+    assert err.culprit_ranks == [1] and "killed by the OS" not in err.message, err.message
+
+
 def test_a_rank_lost_before_it_ever_reported_is_said_to_have_ended_in_its_set_up_however_it_did() -> None:
     # SIGKILLed while building its model: its peers lose the connection in the engine's clock sync.
     job = JobRecords(3)

@@ -70,6 +70,9 @@ def rank_main(scenario: str, steps: int, engine: str) -> None:  # pragma: no cov
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(8, 16), torch.randn(8, 4)
     for step in range(steps):
+        if step == FAULT_STEP and scenario == "skip_backward" and rank == 1:
+            model(x)  # a bad batch skipped after its forward: this rank runs one gradient sync fewer
+            continue
         if step == FAULT_STEP:
             a, b = torch.ones(4), torch.ones(4)
             if scenario == "sigstop" and rank == 1:
@@ -99,6 +102,8 @@ def rank_main(scenario: str, steps: int, engine: str) -> None:  # pragma: no cov
         optimizer.step()
         if scenario == "eval_grad" and rank == 0 and step == 1:
             model(x)  # an evaluation on rank 0 only that forgot no_grad: its step numbers run one ahead
+    if scenario == "skip_backward" and rank == 1:
+        sys.exit(0)  # its loop is over, one sync before rank 0's
     dist.barrier()
     destroy_together()
 
@@ -129,6 +134,7 @@ SCENARIOS = (
     "unused",
     "skipped",
     "early_exit",
+    "skip_backward",
     "diverged",
     "eval_grad",
 )
@@ -334,6 +340,19 @@ def test_a_rank_that_exits_cleanly_while_its_peer_trains_on_is_the_culprit(jobs:
     j.wait_for("rank 0's lost connection", lambda inc: [i for i in kind(inc, "rank_error") if i["rank"] == 0])
     incidents = j.incidents()
     assert all(i["culprit_ranks"] == [1] for i in incidents), incidents
+    assert j.status() == "failed"
+
+
+def test_a_rank_that_skipped_a_backward_ran_out_of_batches_one_sync_early_and_is_the_culprit(
+    jobs: dict[str, RealJob],
+) -> None:
+    j = jobs["skip_backward"]
+    j.wait_exit()
+    (early,) = j.wait_for("rank 1 exited early", lambda inc: kind(inc, "rank_exited_early"))
+    assert early["culprit_ranks"] == [1], early
+    assert "It ran 1 more forward pass without a backward than rank 0" in early["message"], early
+    j.wait_for("rank 0's lost connection", lambda inc: [i for i in kind(inc, "rank_error") if i["rank"] == 0])
+    assert all(i["culprit_ranks"] == [1] for i in j.incidents()), j.incidents()
     assert j.status() == "failed"
 
 

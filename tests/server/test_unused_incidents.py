@@ -78,6 +78,22 @@ def test_torchs_error_for_parameters_frozen_after_wrapping_on_every_rank_is_one_
     )
 
 
+def test_torchs_error_after_a_backward_cut_short_by_a_caught_exception_names_no_unused_parameters() -> None:
+    # A hook raised halfway through step 2's backward and the loop caught it: torch lists the parameters
+    # that got no gradient, and ddpscope's note on its error says they were not unused.
+    job = started(2)
+    with_parameter_order(job)
+    end = job.train(3)
+    note = "ddpscope: the backward of step 2 began on this rank and never finished (it raised: ...)"
+    job.add("rank_error", 1, end, step=3, phase="forward", error_type="RuntimeError", message=TORCH_ERROR,
+            stack=f"Traceback\n{note}", fatal=True)  # fmt: skip
+    incidents = diagnose(job.snapshot(), end + 1)
+    assert "unused_parameters" not in kinds(incidents), [i.message for i in incidents]
+    err = only(incidents, "rank_error")
+    assert err.culprit_ranks == [1] and not err.parameters
+    assert "(the backward of step 2 began on this rank and never finished (it raised: ...))" in err.message
+
+
 def test_one_skipped_module_spread_over_two_buckets_is_one_incident_with_its_steps() -> None:
     job = started(2)
     t = T0 + 1

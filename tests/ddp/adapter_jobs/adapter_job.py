@@ -24,6 +24,8 @@ Scenarios:
   bypass   rank 0 trains two steps through model.module (torch all-reduces nothing), rank 1 the same two
            under no_sync(); the warnings each rank logged.
   frozen_late  the first layer frozen after instrumenting: the note ddpscope adds to torch's error.
+  cut_short  a hook raises in the backward of step 1 on every rank, the loop catches it and goes on:
+           the note ddpscope adds to torch's error at step 2's forward.
   thawed   the first layer frozen when wrapped and unfrozen after two steps; the warnings, and whether
            the ranks' copies of that layer still agree.
   replicas rank 0 alone steps an LR scheduler after step 2, so the ranks' copies drift apart; a layer is
@@ -328,6 +330,35 @@ def frozen_late(rank: int) -> dict[str, Any]:
         return {"notes": getattr(e, "__notes__", [])}
 
 
+def cut_short(rank: int) -> dict[str, Any]:
+    """An exception in backward that the training loop catches (an OOM-recovery pattern): torch's
+    Reducer then blames unused parameters at the next forward, and ddpscope's note says otherwise."""
+    inner = mlp(3, 16)
+    model = instrument(DDP(inner))
+    caught: list[int] = []
+
+    def explode(grad: torch.Tensor) -> None:
+        raise RuntimeError("out of memory (simulated)")
+
+    try:
+        for step in range(3):
+            out = model(batch(rank, step, 16))
+            # Halfway through backward: the last layer has its gradients, the first never gets them.
+            handle = inner[1].weight.register_hook(explode) if step == 1 else None
+            try:
+                out.sum().backward()
+            except RuntimeError as e:
+                if "out of memory" not in str(e):
+                    raise
+                caught.append(step)
+            finally:
+                if handle is not None:
+                    handle.remove()
+        return {"notes": None, "caught": caught}
+    except RuntimeError as e:
+        return {"notes": getattr(e, "__notes__", []), "caught": caught}
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     _capture.capture(out_dir)
@@ -347,6 +378,7 @@ def main() -> None:
         "bypass": bypass,
         "thawed": thawed,
         "frozen_late": frozen_late,
+        "cut_short": cut_short,
         "replicas": replicas,
     }[scenario](rank)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
