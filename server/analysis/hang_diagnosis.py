@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ddpscope.agent.torch_waits import TorchWait
+from ddpscope.agent.torch_waits import TorchWait, blocked
 from ddpscope.server.analysis.collective_diagnosis import CollectiveIndex
 from ddpscope.server.analysis.incident_model import (
     AFTER_FORWARD,
@@ -297,8 +297,10 @@ class _HangReading:
             msg += "; culprit: " + "; ".join(f"rank {r} ({why[r]})" for r in culprits)
         elif not wait and not pending and native is None and others:
             culprits = [rank]
+            cpu = blocked(h.get("main_cpu_s"), float(h.get("stalled_s") or 0.0))
+            how = "" if cpu is None else "blocked (no CPU), " if cpu else "computing all along, "
             msg += (
-                f"; it {'is' if state == 'active' else 'was'} stuck in its own code, outside any collective, "
+                f"; it {'is' if state == 'active' else 'was'} stuck in its own code, {how}outside any collective, "
                 f"while {ranks_phrase(others)} "
                 + (("waits" if len(others) == 1 else "wait") if state == "active" else "waited")
                 + " for it"

@@ -11,7 +11,9 @@ from ddpscope.server.analysis.status import job_status, liveness
 from tests.server.test_incidents import T0, JobRecords, inflight, kinds, only, started
 
 
-def stuck_hang(job: JobRecords, rank: int, t: float, *, step: int, phase: str, line: int = 12) -> None:
+def stuck_hang(
+    job: JobRecords, rank: int, t: float, *, step: int, phase: str, line: int = 12, cpu_s: float | None = None
+) -> None:
     """A hang report with nothing in flight: the main thread sits in user code (traceback format)."""
     stacks = [
         {"thread": "ddpscope-agent", "stack": '  File "/work/agent/worker.py", line 107, in _run\n'},
@@ -23,7 +25,7 @@ def stuck_hang(job: JobRecords, rank: int, t: float, *, step: int, phase: str, l
         },
     ]
     job.add("hang", rank, t, phase=phase, step=step, stalled_s=5.0, pending_buckets=[], inflight=[],
-            stacks=stacks, message="no progress")  # fmt: skip
+            stacks=stacks, message="no progress", main_cpu_s=cpu_s)  # fmt: skip
 
 
 def waiting_in(job: JobRecords, rank: int, t: float, seq: int, *, step: int) -> None:
@@ -49,6 +51,27 @@ def test_a_rank_stuck_in_its_data_loader_is_the_culprit_of_its_peers_hang_and_of
     missing = only(incidents, "missing_collective")
     assert "stuck between steps after step 2 at /proj/data.py:12" in missing.message
     assert "alive, doing something else" not in missing.message
+
+
+@pytest.mark.parametrize(
+    ("cpu_s", "said"),
+    [
+        (4.9, "at /proj/data.py:12, computing all along (a loop that does not end"),
+        (0.01, "at /proj/data.py:12, blocked, using no CPU (waiting on a lock, I/O, a queue or a sleep)"),
+    ],
+)
+def test_the_peer_a_rank_waits_for_is_said_to_be_computing_or_blocked_from_its_cpu_in_the_stall(
+    cpu_s: float, said: str
+) -> None:
+    job = started(2)
+    end = job.train(3)
+    waiting_in(job, 0, end + 5, 7, step=3)
+    stuck_hang(job, 1, end + 5, step=3, phase="forward", cpu_s=cpu_s)  # 5 s stalled
+    incidents = diagnose(job.snapshot(), end + 6)
+    assert said in only(incidents, "missing_collective").message
+    assert said in next(i for i in incidents if i.kind == "hang" and i.rank == 0).message
+    own = next(i for i in incidents if i.kind == "hang" and i.rank == 1).message
+    assert ("computing all along, outside" if cpu_s > 1 else "blocked (no CPU), outside") in own, own
 
 
 def test_a_rank_stopped_while_stuck_in_its_own_code_is_said_where_it_was_stuck_then_how_it_ended() -> None:
