@@ -293,6 +293,13 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("step", INT),
         Field("last_coll_seq", INT, doc="highest collective sequence number issued (default group)"),
         Field("pid", INT),
+        Field(
+            "world_size",
+            INT,
+            required=False,
+            doc="size of the default process group; absent while there is none (and from older agents). "
+            "Heartbeats begin when the group is created, so this is the job's size before any rank_start",
+        ),
     ),
     # No progress for DDPSCOPE_HANG_TIMEOUT seconds.
     "hang": (

@@ -45,6 +45,14 @@ MAX_STACK_CHARS = 20_000
 _MARK = "__ddpscope_reported__"
 _AGENT_MARK = "_ddpscope_reported"
 _WHERE_MARK = "__ddpscope_where__"
+_fatal = [0]
+"""Fatal errors reported and failing ``sys.exit`` calls noted so far in this process (``fatal_count``)."""
+
+
+def fatal_count() -> int:
+    """How many fatal errors this process has reported, failing ``sys.exit`` calls included (noted when
+    called, reported at exit). The hang watchdog reads it: a wait that ended in one is not resolved."""
+    return _fatal[0]
 
 
 def report_error(
@@ -68,6 +76,8 @@ def report_error(
         # Where an exception was first reported is where it happened: reported again as it ends the
         # process, the rank has since left that phase (an engine error raised at the end of backward).
         step, phase = getattr(exc, _WHERE_MARK, (PROGRESS.step, PROGRESS.phase))
+        if fatal:
+            _fatal[0] += 1
         with contextlib.suppress(AttributeError, TypeError):  # some C exceptions refuse attributes
             setattr(exc, _MARK, (*reported, fatal))
             setattr(exc, _WHERE_MARK, (step, phase))
@@ -156,6 +166,7 @@ def _sys_exit(status: object = None) -> NoReturn:
             stack = "Traceback (most recent call last):\n" + "".join(traceback.format_stack()[:-1])
             stack += f"SystemExit: {status}\n"
             _exit_call[:] = [status, PROGRESS.step, PROGRESS.phase, stack, PROGRESS.counter]
+            _fatal[0] += 1
         except Exception:
             logger.debug("ddpscope could not note sys.exit(%r)", status, exc_info=True)
     exit_ = _previous.get("exit")  # None once uninstalled: a caller kept this wrapper

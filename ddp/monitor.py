@@ -3,29 +3,49 @@
     from ddpscope.ddp import monitor
     monitor.enable()   # recorder patches, rank_error hooks, hang watchdog + heartbeats
 
-The engine and the torch-DDP adapter call it at construction; a job that uses raw
-``torch.distributed`` collectives without either may call it after ``init_process_group``.
+Importing ``ddpscope.ddp`` wraps ``torch.distributed.init_process_group`` (``watch_init_process_group``),
+so a script that imports ddpscope before creating its process group is monitored from the moment the
+group exists: a rank that fails, exits or waits for its peers between ``init_process_group`` and the
+construction of its DDP model is reported too. The engine and the torch-DDP adapter call ``enable`` at
+construction as well (a group created before ddpscope was imported is monitored from there); a job
+that uses raw ``torch.distributed`` collectives may call it after ``init_process_group``.
 Idempotent; with ddpscope disabled it installs nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+from collections.abc import Callable
+from typing import Any
 
 from ddpscope.ddp import collectives, errors, watchdog
 
 logger = logging.getLogger(__name__)
 
+ENV_DISABLED = "DDPSCOPE_DISABLED"
+_WRAPPED = "__ddpscope_init_hook__"
+"""Marks our wrapper of ``init_process_group``: wrapping is idempotent, also across reloads."""
 
-def enable(*, hang_timeout_s: float | None = None, heartbeat_s: float | None = None) -> watchdog.Watchdog:
+
+def enable(
+    *,
+    hang_timeout_s: float | None = None,
+    heartbeat_s: float | None = None,
+    first_heartbeat_s: float = 0.0,
+) -> watchdog.Watchdog:
     """Install the collective recorder and the error hooks, start the watchdog; return the watchdog.
 
     ``hang_timeout_s`` / ``heartbeat_s`` default to ``DDPSCOPE_HANG_TIMEOUT`` / ``DDPSCOPE_HEARTBEAT_S``
-    (through the agent's config). A non-positive value raises ``ValueError``.
+    (through the agent's config). A non-positive value raises ``ValueError``. ``first_heartbeat_s``:
+    how long a newly started watchdog waits before its first heartbeat.
     """
     collectives.install()
     errors.install_error_hooks()
-    return watchdog.start_watchdog(timeout_s=hang_timeout_s, heartbeat_s=heartbeat_s)
+    return watchdog.start_watchdog(
+        timeout_s=hang_timeout_s, heartbeat_s=heartbeat_s, first_heartbeat_s=first_heartbeat_s
+    )
 
 
 def disable(timeout_s: float = 5.0) -> None:
@@ -33,3 +53,55 @@ def disable(timeout_s: float = 5.0) -> None:
     watchdog.stop_watchdog(timeout_s)
     errors.uninstall_error_hooks()
     collectives.uninstall()
+
+
+def _enable_after_init() -> None:
+    """``enable()`` for a process group just created; never raises into the user's call."""
+    try:
+        # The first heartbeat one interval later: a script that configures the agent itself right
+        # after init_process_group (agent.configure(job=..., rank=dist.get_rank())) replaces the
+        # agent enable() made from the environment before that one has sent anything anywhere.
+        enable(first_heartbeat_s=watchdog.heartbeat_setting())
+    except Exception:
+        logger.warning("ddpscope could not start monitoring after init_process_group", exc_info=True)
+
+
+def watch_init_process_group() -> bool:
+    """Wrap ``torch.distributed.init_process_group`` so that ``enable()`` runs once it has returned.
+
+    Idempotent. The wrapper passes every argument through and returns (or raises) what torch does;
+    ddpscope's own failures are logged, never raised. Not installed (False) when ``DDPSCOPE_DISABLED``
+    is set in the environment or torch has no ``torch.distributed``: then torch is left as it is.
+    ``enable()`` itself still reads the agent's configuration when the group is created
+    (``agent.configure(disabled=True)`` before that keeps everything off).
+    """
+    if os.environ.get(ENV_DISABLED, "").strip().lower() in ("1", "true", "yes", "on"):
+        return False  # disabled means free: torch is not touched (agent/config.py reads it alike)
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return False
+        c10d = dist.distributed_c10d
+        original = c10d.init_process_group
+    except (ImportError, AttributeError):
+        return False
+    if getattr(original, _WRAPPED, False):
+        return True
+    wrapped = _wrap(original)
+    c10d.init_process_group = wrapped
+    # ``torch.distributed`` re-exports it: user code calls that name, torch's own helpers the c10d one.
+    if getattr(dist, "init_process_group", None) is original:
+        dist.init_process_group = wrapped
+    return True
+
+
+def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)  # the user's errors pass through as torch raised them
+        _enable_after_init()
+        return result
+
+    setattr(init_process_group, _WRAPPED, True)
+    return init_process_group

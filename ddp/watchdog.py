@@ -29,13 +29,21 @@ meanwhile: none means it is blocked, waiting; a lot means it is busy (long work,
 ends).
 
 Before the first step (``Progress.began`` still false: set-up, model building, loading a checkpoint,
-starting data loader workers, the first batch) an idle rank is not reported; a collective in flight
-still is, as in any phase. Set-up has no step to compare with: it routinely takes longer than a timeout
-tuned for steps (tens of seconds of imports on a loaded machine, minutes to load a large checkpoint),
-and reporting it would page at every start. A rank stuck there is still found: its peers report their
-wait in the first step's all-reduce, and the collector names it from its heartbeats (phase idle, step
-0). Jobs that never enter a phase (raw ``torch.distributed`` without the engine or ``instrument()``)
-are, likewise, reported only inside collectives.
+starting data loader workers, the first batch) an idle rank is not reported. Set-up has no step to
+compare with: it routinely takes longer than a timeout tuned for steps (tens of seconds of imports on a
+loaded machine, minutes to load a large checkpoint), and reporting it would page at every start. A wait
+for the peers is reported all the same: a collective in flight, as in any phase, and a main thread
+blocked for ``timeout_s`` in one call into torch's distributed machinery (``setup_wait.py``): torch's
+``DistributedDataParallel`` constructor, whose shape check and state broadcast run in C++ until every
+rank has constructed its model, or another collective torch issues in C++ (a plain torch DDP model's
+all-reduce inside ``backward()``), with the main thread using under a tenth of that time on the CPU.
+That report says the rank waits for its peers there, not that it is stuck; its ``hang_resolved`` follows
+once the thread has left that call, unless the process reported a fatal error meanwhile (a peer died).
+A rank stuck in its own set-up (a missing file, a checkpoint load, a sleep) is still not reported: the
+peers' waits and its heartbeats (phase idle, step 0) name it. ``import ddpscope.ddp`` before
+``init_process_group`` starts the watchdog as the group is created (``monitor.py``), so this covers the
+DDP construction too. Jobs that never enter a phase (raw ``torch.distributed``, or torch DDP without
+``instrument()``) are reported the same two ways. Heartbeats carry the group's ``world_size``.
 
 It keeps working while the main thread is blocked inside a gloo collective, because gloo releases the
 GIL while it waits. It never raises: a failure in a tick is logged and counted, and the next tick runs.
@@ -51,32 +59,29 @@ import sysconfig
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 from ddpscope.agent import emit, emit_durable, get_agent
-from ddpscope.agent.torch_waits import TorchWait, blocked, torch_wait
+from ddpscope.agent.torch_waits import torch_wait
+from ddpscope.ddp import errors, setup_wait
 from ddpscope.ddp.collectives import RECORDER, CollectiveRecorder, disabled
+from ddpscope.ddp.hang_text import ENV_HANG_TIMEOUT, hang_message
 from ddpscope.ddp.progress import PROGRESS, Progress
 from ddpscope.ddp.stacks import current_frames, thread_stacks
 
 logger = logging.getLogger(__name__)
 
-ENV_HANG_TIMEOUT = "DDPSCOPE_HANG_TIMEOUT"
-"""Seconds without progress before a hang report; default 300."""
 ENV_HEARTBEAT = "DDPSCOPE_HEARTBEAT_S"
 """Seconds between heartbeats; default 2.0."""
 DEFAULT_HANG_TIMEOUT_S = 300.0
 DEFAULT_HEARTBEAT_S = 2.0
 MAX_TICK_S = 0.25
 """Longest sleep between samples: bounds the lateness of a report and of an async collective's end."""
-
-_PHASE_WORDS = {
-    "forward": "forward",
-    "after_forward": "its own code between forward and backward (the loss, or other code after the model's forward)",
-    "backward": "backward",
-    "allreduce": "all-reduce",
-    "optimizer": "the optimizer step",
-}
+RESOLVE_GRACE_S = 1.0
+"""A reported wait in torch's machinery counts as over this long after the main thread left it, unless
+the process reported a fatal error meanwhile: a wait that ends in an exception (a peer died) is not
+resolved, and the error travels up to the excepthook in far less."""
 
 
 def _setting(explicit: float | None, attrs: tuple[str, ...], env: str, default: float) -> float:
@@ -118,107 +123,20 @@ def _rank() -> str:
     return os.environ.get("RANK", "?")
 
 
-def _where(phase: str, step: int, began: bool, pending: list[dict[str, Any]], stuck_here: bool) -> str:
-    """Where the rank is, as the end of "has made no progress for N s ..."."""
-    if pending:
-        first = pending[0]
-        if first.get("launched"):
-            return f"in all-reduce of bucket {first.get('index')} (step {step})"
-        return f"in backward, waiting for gradients of bucket {first.get('index')} (step {step})"
-    if phase != "idle":
-        return f"in {_PHASE_WORDS.get(phase, phase)} (step {step})"
-    if not began:  # only with a collective in flight: an idle rank in set-up is not reported
-        return "before its first step"
-    return f"between steps, after step {step}" + (
-        " (the optimizer step, data loading or its own code)" if stuck_here else ""
-    )
+def _world_size() -> int | None:
+    """The default process group's size, None while there is none (heartbeats carry it: the collector
+    learns a job's size before any rank sends ``rank_start``)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_world_size())
+    except Exception:  # the group is being destroyed on the main thread
+        logger.debug("ddpscope: no world size for the heartbeat", exc_info=True)
+    return None
 
 
-def _cpu_words(cpu_s: float, stalled_s: float) -> str:
-    """Blocked or busy: the first question about a rank stuck in its own code."""
-    used = f"the main thread used {cpu_s:.1f} s of CPU meanwhile"
-    if blocked(cpu_s, stalled_s):
-        return f"{used}: it is blocked, waiting (on a data loader, a queue, a lock, a file or a socket)"
-    return (
-        f"{used}: it is busy, not waiting (work longer than the timeout, or a loop that never ends; "
-        f"if that work is expected, raise {ENV_HANG_TIMEOUT})"
-    )
-
-
-def hang_message(
-    rank: str,
-    phase: str,
-    step: int,
-    stalled_s: float,
-    pending: list[dict[str, Any]],
-    inflight: list[dict[str, Any]],
-    main_site: str | None = None,
-    last: dict[str, Any] | None = None,
-    *,
-    began: bool = True,
-    main_cpu_s: float | None = None,
-    blocked_in: TorchWait | None = None,
-) -> str:
-    """The sentence of a hang report: where this rank is stuck and what to look at next.
-
-    ``began``: a step has begun (else an idle rank is still in set-up); ``main_cpu_s``: CPU seconds the
-    main thread used during the stall, said when no collective is in flight (blocked or busy);
-    ``blocked_in``: the torch machinery the main thread's innermost frame is in, if any
-    (``agent/torch_waits.py``): blocked there, the rank waits for a peer in a collective not recorded.
-    """
-    missing = [name for b in pending for name in b.get("missing", ())]
-    waits_unseen = (
-        blocked_in is not None
-        and not inflight
-        and not pending
-        and blocked(main_cpu_s, stalled_s) is not False
-    )
-    stuck_here = not inflight and not missing and not waits_unseen
-    where = _where(phase, step, began, pending, stuck_here)
-    parts = [f"rank {rank} has made no progress for {stalled_s:.1f} s {where}"]
-    if inflight:
-        shown = [
-            f"{c['pg']}#{c['coll_seq']} {c['op']}" + (f" at {c['call_site']}" if c.get("call_site") else "")
-            for c in inflight[:3]
-        ]
-        more = f" (+{len(inflight) - 3} more)" if len(inflight) > 3 else ""
-        verb = "is" if len(inflight) == 1 else "are"
-        parts.append(f"collective {', '.join(shown)}{more} {verb} in flight")
-    if missing:
-        extra = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
-        parts.append(f"parameters whose gradients never arrived: {', '.join(missing[:10])}{extra}")
-    if last and not inflight:
-        # Where this rank stands in the collective order: peers waiting in a later seq point here.
-        at = f" at {last['call_site']}" if last.get("call_site") else ""
-        parts.append(f"its last collective was {last['pg']}#{last['coll_seq']} {last['op']}{at}")
-    if main_site:
-        parts.append(f"the main thread waits at {main_site}")
-    if main_cpu_s is not None and not inflight and not waits_unseen:
-        parts.append(_cpu_words(main_cpu_s, stalled_s))
-    text = "; ".join(parts) + "."
-    if inflight:
-        first = inflight[0]
-        text += (
-            f" Look for a rank that has not issued {first['pg']}#{first['coll_seq']}: one that is stuck, "
-            "dead, or issued a different collective at that sequence number."
-        )
-    elif waits_unseen and blocked_in is not None:
-        text += (
-            f" No collective ddpscope records is in flight, but the main thread is blocked in {blocked_in.place}:"
-            f" {blocked_in.what}. A peer that has not reached that collective holds this rank up (the collector"
-            " names it from the peers' reports)."
-        )
-    elif missing:
-        text += (
-            " Either the backward pass is still computing or blocked before them (see the main thread's "
-            "stack) or those parameters took no part in this step's forward on this rank."
-        )
-    else:
-        text += (
-            " No collective is in flight: this rank itself is stuck; see the main thread's stack."
-            " Peers waiting in a collective are waiting for it."
-        )
-    return text
+def _main_frame() -> FrameType | None:
+    return current_frames().get(threading.main_thread().ident or -1)
 
 
 def _main_thread_cpu_s() -> float | None:
@@ -294,6 +212,8 @@ class Watchdog:
         recorder: CollectiveRecorder = RECORDER,
         clock: Callable[[], float] = time.monotonic,
         main_cpu_s: Callable[[], float | None] = _main_thread_cpu_s,
+        main_frame: Callable[[], FrameType | None] = _main_frame,
+        world_size: Callable[[], int | None] = _world_size,
     ) -> None:
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
@@ -305,6 +225,8 @@ class Watchdog:
         self._recorder = recorder
         self._clock = clock
         self._main_cpu_s = main_cpu_s
+        self._main_frame = main_frame
+        self._world_size = world_size
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_counter = progress.counter
@@ -314,6 +236,11 @@ class Watchdog:
         """The main thread's CPU time at ``_last_change``: blocked or busy, when a report says where."""
         self._hung = False
         self._next_heartbeat = 0.0
+        self._beats = 0
+        self._known_world_size: int | None = None
+        """The group's size when last seen: a heartbeat sent after ``destroy_process_group`` still says it."""
+        self._torch_waits = setup_wait.Tracker(timeout_s, min(RESOLVE_GRACE_S, timeout_s))
+        """Before the first step: where the main thread waits in torch's machinery, if it does."""
 
     @property
     def running(self) -> bool:
@@ -321,9 +248,10 @@ class Watchdog:
 
     @property
     def hung(self) -> bool:
-        return self._hung
+        return self._hung or self._torch_waits.reported is not None
 
-    def start(self) -> Watchdog:
+    def start(self, first_heartbeat_s: float = 0.0) -> Watchdog:
+        """Start the thread (idempotent); the first heartbeat goes out ``first_heartbeat_s`` from now."""
         if self.running:
             return self
         self._stop.clear()
@@ -331,7 +259,8 @@ class Watchdog:
         self._last_failures = self._progress.failures
         self._last_change = self._clock()
         self._cpu_at_change = self._main_cpu_s()
-        self._next_heartbeat = self._last_change
+        self._next_heartbeat = self._last_change + max(0.0, first_heartbeat_s)
+        self._known_world_size = self._world_size() or self._known_world_size
         thread = threading.Thread(target=self._run, name="ddpscope-watchdog", daemon=True)
         try:
             thread.start()
@@ -350,11 +279,22 @@ class Watchdog:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
         self._thread = None
-        if was_running and self._hung:
-            try:
+        if not was_running:
+            return
+        try:
+            if self._beats == 0:
+                self._heartbeat()  # a process that ends before its first one still says its world size
+            if self._hung:
                 self.check()
-            except Exception:
-                logger.debug("ddpscope watchdog final sample failed", exc_info=True)
+            seen = self._torch_waits.reported
+            if seen is not None and (
+                seen.call is None or setup_wait.call_of(self._main_frame()) != seen.call
+            ):
+                # Stopped at exit (or by the main thread): out of that wait, so it ended, one way or another.
+                self._torch_waits.forget()
+                self._end_torch_wait(seen, self._clock() if seen.left_at is None else seen.left_at)
+        except Exception:
+            logger.debug("ddpscope watchdog final sample failed", exc_info=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -373,17 +313,9 @@ class Watchdog:
         progress = self._progress
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.heartbeat_s
-            # Durable (the ring, ~100 us every 2 s on this thread): a rank killed right after its last
-            # heartbeat still shows when it was last alive, to the second.
-            emit_durable(
-                {
-                    "kind": "heartbeat",
-                    "phase": progress.phase,
-                    "step": progress.step,
-                    "last_coll_seq": progress.last_coll_seq,
-                    "pid": os.getpid(),
-                }
-            )
+            self._heartbeat()
+        if self._torch_waits.seen is not None or not (progress.began or self._hung or progress.inflight):
+            self._check_torch_wait(now)
         # Counter first: Progress.fail() moves failures before the counter, so a counter that shows
         # a failed end comes with its failure.
         counter = progress.counter
@@ -416,6 +348,63 @@ class Watchdog:
             self.hangs_reported += 1
             self._report(stalled_s)
 
+    def _heartbeat(self) -> None:
+        progress = self._progress
+        record: dict[str, Any] = {
+            "kind": "heartbeat",
+            "phase": progress.phase,
+            "step": progress.step,
+            "last_coll_seq": progress.last_coll_seq,
+            "pid": os.getpid(),
+        }
+        world_size = self._known_world_size = self._world_size() or self._known_world_size
+        if world_size is not None:
+            record["world_size"] = world_size
+        self._beats += 1
+        # Durable (the ring, ~100 us every 2 s on this thread): a rank killed right after its last
+        # heartbeat still shows when it was last alive, to the second.
+        emit_durable(record)
+
+    def _check_torch_wait(self, now: float) -> None:
+        """Before the first step, with nothing recorded in flight: report a main thread blocked in one call
+        into torch's distributed machinery for ``timeout_s`` (``setup_wait``), and the end of that wait."""
+        tracker = self._torch_waits
+        frame = self._main_frame()
+        if tracker.reported is not None:
+            over = tracker.over(frame, now)
+            if over is not None and over.left_at is not None:
+                self._end_torch_wait(over, over.left_at)
+            return
+        progress = self._progress
+        if frame is None or progress.began or self._hung or progress.inflight:
+            tracker.forget()  # from the first step on, or in a recorded collective: the usual rule
+            return
+        found = tracker.sample(frame, now, self._main_cpu_s)
+        if found is None:
+            return
+        seen, waited_s, cpu_s = found
+        seen.failures = (errors.fatal_count(), progress.failures)
+        self.hangs_reported += 1
+        recent = self._recorder.recent(1)
+        message = setup_wait.message(
+            _rank(),
+            waited_s,
+            seen.wait,
+            main_site=_user_site(frame) or self._recorder.frame_site(frame),
+            main_cpu_s=cpu_s,
+            last=recent[-1] if recent else None,
+        )
+        self._emit_hang(progress.phase, progress.step, waited_s, [], [], message, None, cpu_s)
+
+    def _end_torch_wait(self, seen: setup_wait.Seen, left_at: float) -> None:
+        hang_s = max(0.0, left_at - seen.since)
+        if (errors.fatal_count(), self._progress.failures) != seen.failures:
+            # It ended in an error (a peer died): the rank_error says so; hang_resolved would call it recovered.
+            logger.warning("ddpscope: rank %s's wait in %s ended in a failure", _rank(), seen.wait.place)
+            return
+        emit_durable({"kind": "hang_resolved", "step": self._progress.step, "hang_s": round(hang_s, 3)})
+        logger.warning("ddpscope: rank %s got out of %s after %.1f s", _rank(), seen.wait.place, hang_s)
+
     def _report(self, stalled_s: float) -> None:
         progress = self._progress
         try:
@@ -433,7 +422,7 @@ class Watchdog:
             inflight = [c for c in inflight if (c["pg"], c["coll_seq"]) not in settled]
         phase, step = progress.phase, progress.step
         partial = progress.step_so_far()
-        main_frame = current_frames().get(threading.main_thread().ident or -1)
+        main_frame = self._main_frame()
         main_site = blocked_in = None
         if main_frame is not None:
             main_site = _user_site(main_frame) or self._recorder.frame_site(main_frame)
@@ -454,6 +443,19 @@ class Watchdog:
             main_cpu_s=main_cpu_s,
             blocked_in=blocked_in,
         )
+        self._emit_hang(phase, step, stalled_s, pending, inflight, message, partial, main_cpu_s)
+
+    def _emit_hang(
+        self,
+        phase: str,
+        step: int,
+        stalled_s: float,
+        pending: list[dict[str, Any]],
+        inflight: list[dict[str, Any]],
+        message: str,
+        partial: dict[str, Any] | None,
+        main_cpu_s: float | None,
+    ) -> None:
         emit(
             {
                 "kind": "hang",
@@ -479,20 +481,26 @@ _lock = threading.Lock()
 _atexit_registered = False
 
 
-def start_watchdog(timeout_s: float | None = None, heartbeat_s: float | None = None) -> Watchdog:
+def heartbeat_setting(heartbeat_s: float | None = None) -> float:
+    """Seconds between heartbeats: ``heartbeat_s``, else the agent's config, ``DDPSCOPE_HEARTBEAT_S``, 2 s."""
+    return _setting(heartbeat_s, ("heartbeat_s", "heartbeat_interval_s"), ENV_HEARTBEAT, DEFAULT_HEARTBEAT_S)
+
+
+def start_watchdog(
+    timeout_s: float | None = None, heartbeat_s: float | None = None, first_heartbeat_s: float = 0.0
+) -> Watchdog:
     """Start this process's watchdog (idempotent) and return it.
 
     ``timeout_s`` / ``heartbeat_s`` default to the agent's config, then ``DDPSCOPE_HANG_TIMEOUT`` /
     ``DDPSCOPE_HEARTBEAT_S``, then 300 s / 2 s. Calling again with different values restarts it.
-    With ``DDPSCOPE_DISABLED=1`` the returned watchdog is never started.
+    A watchdog started here sends its first heartbeat ``first_heartbeat_s`` from now (and, if it is
+    stopped before that, one as it stops). With ``DDPSCOPE_DISABLED=1`` it is never started.
     """
     global _watchdog
     timeout = _setting(
         timeout_s, ("hang_timeout_s", "hang_timeout"), ENV_HANG_TIMEOUT, DEFAULT_HANG_TIMEOUT_S
     )
-    heartbeat = _setting(
-        heartbeat_s, ("heartbeat_s", "heartbeat_interval_s"), ENV_HEARTBEAT, DEFAULT_HEARTBEAT_S
-    )
+    heartbeat = heartbeat_setting(heartbeat_s)
     with _lock:
         current = _watchdog
         if current is not None and current.running:
@@ -501,7 +509,7 @@ def start_watchdog(timeout_s: float | None = None, heartbeat_s: float | None = N
             current.stop()
         _watchdog = Watchdog(timeout_s=timeout, heartbeat_s=heartbeat)
         if not disabled():
-            _watchdog.start()
+            _watchdog.start(first_heartbeat_s)
             global _atexit_registered
             if not _atexit_registered:
                 # Runs before the agent's own exit flush if the agent registered first (atexit is LIFO

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ddpscope import agent
-from ddpscope.ddp import collectives
+from ddpscope.ddp import collectives, monitor
 from ddpscope.ddp.collectives import RECORDER
 from ddpscope.ddp.progress import PROGRESS
 from tests.ddp.watchdog_support import in_memory_records
@@ -33,6 +33,9 @@ def gloo() -> Iterator[None]:
     assert dist.get_world_size() == 1
     yield
     if created:
+        # Creating the group started ddpscope's monitor (ddpscope.ddp wraps init_process_group): its
+        # hooks and watchdog must not outlive this module's tests.
+        monitor.disable()
         dist.destroy_process_group()
 
 

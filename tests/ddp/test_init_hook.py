@@ -1,0 +1,103 @@
+"""Importing ddpscope.ddp wraps torch.distributed.init_process_group: monitoring starts with the group."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+import ddpscope.ddp  # noqa: F401  (the import is what wraps init_process_group)
+from ddpscope.ddp import monitor
+from ddpscope.ddp import watchdog as wd
+from tests.ddp.watchdog_support import Records, in_memory_records
+from tests.support.procs import free_port
+
+
+@pytest.fixture
+def records() -> Iterator[Records]:
+    yield from in_memory_records(rank=0)
+
+
+def test_both_torch_names_are_one_wrapper_with_torchs_signature_and_watching_again_changes_nothing() -> None:
+    wrapper = dist.init_process_group
+    assert dist.distributed_c10d.init_process_group is wrapper
+    assert getattr(wrapper, "__ddpscope_init_hook__", False)
+    original = inspect.unwrap(wrapper)
+    assert original is not wrapper and wrapper.__name__ == "init_process_group"
+    assert inspect.signature(wrapper) == inspect.signature(original)
+    assert "device_id" in inspect.signature(wrapper).parameters
+    assert monitor.watch_init_process_group() and dist.init_process_group is wrapper
+
+
+def test_the_wrapper_passes_every_argument_through_and_then_enables_the_monitor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[Any] = []
+
+    def init_process_group(*args: Any, **kwargs: Any) -> str:
+        calls.append((args, kwargs))
+        return "torch's result"
+
+    monkeypatch.setattr(monitor, "enable", lambda **kw: calls.append(("enable", kw)))
+    wrapped = monitor._wrap(init_process_group)
+    result = wrapped("gloo", timeout=5, device_id=3, world_size=2, rank=1)
+    assert result == "torch's result"
+    assert calls[0] == (("gloo",), {"timeout": 5, "device_id": 3, "world_size": 2, "rank": 1})
+    assert calls[1][0] == "enable" and len(calls) == 2
+
+
+def test_an_error_of_the_users_call_passes_through_unchanged_and_starts_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    enabled: list[object] = []
+    error = ValueError("trying to initialize the default process group twice!")
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        raise error
+
+    monkeypatch.setattr(monitor, "enable", lambda **kw: enabled.append(kw))
+    with pytest.raises(ValueError) as caught:
+        monitor._wrap(init_process_group)("gloo")
+    assert caught.value is error and enabled == []
+
+
+def test_a_failure_of_ddpscope_after_the_group_exists_is_logged_not_raised(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(**kwargs: Any) -> None:
+        raise RuntimeError("ddpscope bug")
+
+    monkeypatch.setattr(monitor, "enable", broken)
+    with caplog.at_level(logging.WARNING, logger="ddpscope"):
+        assert monitor._wrap(lambda: "group made")() == "group made"
+    assert "could not start monitoring after init_process_group" in caplog.text
+
+
+def test_creating_the_default_group_starts_the_error_hooks_the_recorder_and_the_watchdog(
+    records: Records,
+) -> None:
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this test process")
+    monitor.disable()  # whatever an earlier test left running: what follows is the group's doing
+    hook, all_reduce = sys.excepthook, dist.all_reduce
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        dog = wd.get_watchdog()
+        assert dog is not None and dog.running
+        assert any(t.name == "ddpscope-watchdog" for t in threading.enumerate())
+        assert (
+            getattr(sys.excepthook, "__module__", "") == "ddpscope.ddp.errors" and sys.excepthook is not hook
+        )
+        assert dist.all_reduce is not all_reduce
+    finally:
+        monitor.disable()
+        dist.destroy_process_group()
+    # Stopped before its first (deferred) heartbeat, the watchdog sent one on the way out.
+    (beat,) = records("heartbeat")
+    assert beat["world_size"] == 1 and beat["phase"] == "idle"
