@@ -12,10 +12,8 @@ imported only there). Every job has a deadline and every rank is killed by its p
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -97,9 +95,7 @@ if __name__ == "__main__":  # pragma: no cover
 
 import pytest  # noqa: E402
 
-from tests.support.collector_proc import CollectorProc  # noqa: E402
-from tests.support.procs import started_ranks  # noqa: E402
-from tests.support.real_job import RealJob, marked_site  # noqa: E402
+from tests.support.real_job import RealJob, jobs_at_one_collector, marked_site  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__)
@@ -116,25 +112,14 @@ def site(name: str) -> str:
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[str, str], RealJob]]:
     """Every job started at once against one real collector (the waits overlap); killed at the end."""
-    tmp = tmp_path_factory.mktemp("plain-ddp")
-    with contextlib.ExitStack() as stack:
-        collector = stack.enter_context(
-            CollectorProc(f"sqlite:///{tmp / 'ddpscope.db'}", log_path=tmp / "collector.log")
-        )
-        url = collector.start()
-        started: dict[tuple[str, str], RealJob] = {}
-        for scenario, engine in JOBS:
-            job_id = f"plain-{scenario}-{engine}-{uuid.uuid4().hex[:6]}"
-            env = {
-                "DDPSCOPE_URL": url,
-                "DDPSCOPE_JOB": job_id,
-                "DDPSCOPE_HANG_TIMEOUT": str(HANG_TIMEOUT_S),
-                "DDPSCOPE_HEARTBEAT_S": "0.5",
-                "DDPSCOPE_SPOOL_DIR": str(tmp / job_id),
-            }
-            # started_ranks kills every rank's process group when the stack unwinds.
-            procs = stack.enter_context(started_ranks(SCRIPT, 2, args=[scenario, engine], env=env))
-            started[(scenario, engine)] = RealJob(url, job_id, procs, wait_s=WAIT_S)
+    with jobs_at_one_collector(
+        tmp_path_factory.mktemp("plain-ddp"),
+        SCRIPT,
+        JOBS,
+        prefix="plain",
+        hang_timeout_s=HANG_TIMEOUT_S,
+        wait_s=WAIT_S,
+    ) as started:
         yield started
 
 

@@ -8,11 +8,12 @@ import json
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.support.procs import RankResult, exited_cleanly, kill_group
+from tests.support.collector_proc import CollectorProc
+from tests.support.procs import RankResult, exited_cleanly, kill_group, started_ranks
 
 
 def get_json(url: str) -> Any:
@@ -95,3 +96,38 @@ def marked_site(script: Path, name: str) -> str:
         if line.rstrip().endswith(f"# SITE:{name}"):
             return f"{script.name}:{number}"
     raise KeyError(name)
+
+
+@contextlib.contextmanager
+def jobs_at_one_collector(
+    tmp: Path,
+    script: Path,
+    jobs: Iterable[tuple[str, str]],
+    *,
+    prefix: str,
+    hang_timeout_s: float,
+    wait_s: float,
+) -> Iterator[dict[tuple[str, str], RealJob]]:
+    """A real collector on a SQLite file in ``tmp`` and one 2-rank job per (scenario, engine) of ``jobs``
+    (``python script scenario engine``), all started at once (their waits overlap); every rank's process
+    group and the collector are killed when the block ends."""
+    import uuid
+
+    with contextlib.ExitStack() as stack:
+        collector = stack.enter_context(
+            CollectorProc(f"sqlite:///{tmp / 'ddpscope.db'}", log_path=tmp / "collector.log")
+        )
+        url = collector.start()
+        started: dict[tuple[str, str], RealJob] = {}
+        for scenario, engine in jobs:
+            job_id = f"{prefix}-{scenario}-{engine}-{uuid.uuid4().hex[:6]}"
+            env = {
+                "DDPSCOPE_URL": url,
+                "DDPSCOPE_JOB": job_id,
+                "DDPSCOPE_HANG_TIMEOUT": str(hang_timeout_s),
+                "DDPSCOPE_HEARTBEAT_S": "0.5",
+                "DDPSCOPE_SPOOL_DIR": str(tmp / job_id),
+            }
+            procs = stack.enter_context(started_ranks(script, 2, args=[scenario, engine], env=env))
+            started[(scenario, engine)] = RealJob(url, job_id, procs, wait_s=wait_s)
+        yield started
