@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ddpscope.agent.torch_waits import TorchWait, blocked
+from ddpscope.agent.torch_waits import TorchWait
 from ddpscope.server.analysis.collective_diagnosis import CollectiveIndex
 from ddpscope.server.analysis.incident_model import (
     AFTER_FORWARD,
@@ -40,7 +40,7 @@ from ddpscope.server.analysis.incident_model import (
     ranks_phrase,
     record_s,
 )
-from ddpscope.server.analysis.native_wait import native_wait
+from ddpscope.server.analysis.native_wait import main_blocked, native_wait
 from ddpscope.server.analysis.snapshot import JobSnapshot
 from ddpscope.server.analysis.status import Liveness
 from ddpscope.server.analysis.stuck import (
@@ -297,7 +297,7 @@ class _HangReading:
             msg += "; culprit: " + "; ".join(f"rank {r} ({why[r]})" for r in culprits)
         elif not wait and not pending and native is None and others:
             culprits = [rank]
-            cpu = blocked(h.get("main_cpu_s"), float(h.get("stalled_s") or 0.0))
+            cpu = main_blocked(h)
             how = "" if cpu is None else "blocked (no CPU), " if cpu else "computing all along, "
             msg += (
                 f"; it {'is' if state == 'active' else 'was'} stuck in its own code, {how}outside any collective, "

@@ -36,7 +36,13 @@ def native_wait(hang: Record) -> TorchWait | None:
     if found is None:
         return None
     # Unknown CPU (a platform that cannot read the thread's clock): the stack alone decides.
-    return None if blocked(hang.get("main_cpu_s"), float(hang.get("stalled_s") or 0.0)) is False else found
+    return None if main_blocked(hang) is False else found
+
+
+def main_blocked(hang: Record) -> bool | None:
+    """Whether the reporting rank's main thread was blocked (True) or busy (False) during its stall, from
+    the CPU it used (``hang.main_cpu_s``); None when the report does not say."""
+    return blocked(hang.get("main_cpu_s"), float(hang.get("stalled_s") or 0.0))
 
 
 def main_stack(hang: Record) -> str | None:

@@ -20,9 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ddpscope.agent.torch_waits import blocked
 from ddpscope.server.analysis.incident_model import Record, phase_words, record_s, user_frame
-from ddpscope.server.analysis.native_wait import main_stack, native_wait
+from ddpscope.server.analysis.native_wait import main_blocked, main_stack, native_wait
 from ddpscope.server.analysis.snapshot import JobSnapshot
 
 FROM_HANG_REPORT = " (its hang report)"
@@ -39,18 +38,18 @@ class Stuck:
     site: str | None
     """file:line of the main thread's innermost user frame."""
     since_s: float
-    busy: bool | None = None
-    """Its main thread computed through the stall (a loop that does not end, a slow step) rather than
-    waited (a lock, I/O, a sleep, a data loader's queue); None when the report does not say."""
+    blocked: bool | None = None
+    """Its main thread waited through the stall (a lock, I/O, a sleep, a data loader's queue) rather than
+    computed (a loop that does not end, a slow step); None when the report does not say."""
 
     def phrase(self) -> str:
         at = f" at {self.site}" if self.site else ""
         how = (
             ""
-            if self.busy is None
-            else ", computing all along (a loop that does not end, or work far slower than usual)"
-            if self.busy
+            if self.blocked is None
             else ", blocked, using no CPU (waiting on a lock, I/O, a queue or a sleep)"
+            if self.blocked
+            else ", computing all along (a loop that does not end, or work far slower than usual)"
         )
         if self.phase == "idle":
             return f"stuck between steps after step {self.step}{at}{how}{FROM_HANG_REPORT}"
@@ -131,7 +130,5 @@ def stuck_outside(
             continue
         if at_s is not None and not (start <= at_s <= resolved_s):
             continue
-        blocked_then = blocked(h.get("main_cpu_s"), float(h.get("stalled_s") or 0.0))
-        busy = None if blocked_then is None else not blocked_then
-        out[r] = Stuck(r, str(h.get("phase")), h.get("step"), main_site(h), start, busy)
+        out[r] = Stuck(r, str(h.get("phase")), h.get("step"), main_site(h), start, main_blocked(h))
     return out
