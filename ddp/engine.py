@@ -275,7 +275,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         # (the flag comes later): rebuild in any forward then, as torch always does.
         if (synced or joining) and reducer.wants_rebuild():
             self._rebuild_buckets()
-        reducer.prepare_forward(self._step, synced)
+        try:
+            reducer.prepare_forward(self._step, synced)
+        except RuntimeError as exc:
+            report_error(exc, fatal=False)  # a loop that catches it goes on with a rank out of step
+            raise
         self._sync_buffers()
         self.require_forward_param_sync = synced
         if joining:

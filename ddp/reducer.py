@@ -187,6 +187,8 @@ class Reducer:
 
     def prepare_forward(self, step: int, synced: bool) -> None:
         if self.active and self.queued:
+            # The error is this forward's: said at this step, not in the backward it left unfinished.
+            PROGRESS.enter("forward", step)
             raise RuntimeError(
                 f"DistributedDataParallel: the backward of step {self.step} did not finish reducing "
                 "gradients (it raised before its end?). Gradients of that step are inconsistent across "

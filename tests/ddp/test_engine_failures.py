@@ -60,6 +60,17 @@ def test_a_layer_frozen_after_wrapping_is_named_as_the_cause_of_its_missing_grad
         assert error["phase"] == "allreduce"  # where it was raised: the end of backward
 
 
+def test_the_forward_after_a_backward_cut_short_is_refused_and_reported_at_its_own_step(tmp_path) -> None:
+    ranks = run_job("failures.py", 2, ["cut_short"], tmp_path, timeout_s=90)
+    for rank in ranks:
+        assert rank["caught"] == [1]
+        assert "the backward of step 1 did not finish reducing gradients" in rank["message"]
+        (error,) = [r for r in rank["records"] if r["kind"] == "rank_error"]
+        # Raised by step 2's forward, not in the backward of step 1 that the loop walked away from.
+        assert (error["step"], error["phase"]) == (2, "forward")
+        assert error["fatal"] is False
+
+
 def test_the_watchdog_sees_the_phase_and_the_parameters_each_pending_bucket_still_waits_for(tmp_path) -> None:
     ranks = run_job("failures.py", 2, ["progress"], tmp_path, timeout_s=90)
     for rank in ranks:

@@ -10,6 +10,8 @@ Usage: failures.py SCENARIO OUTDIR
 - ``bypass``: rank 0 trains two steps through ``model.module`` (no all-reduce), while rank 1 accumulates
   under ``no_sync()`` (no all-reduce either, so the collectives stay aligned); the warnings each rank logged.
 - ``frozen_late``: a layer frozen on every rank after wrapping; the engine's error.
+- ``cut_short``: a hook raises in the backward of step 1 on every rank and the loop catches it; the next
+  forward's error, and where the rank said it was.
 - ``thawed``: a layer frozen when wrapped is unfrozen after two steps; the warnings, and whether the
   ranks' copies of that layer still agree.
 - ``replicas``: rank 0 alone steps an LR scheduler after step 2, so the ranks' copies drift apart; a layer
@@ -104,6 +106,36 @@ def frozen_late(rank: int) -> dict[str, Any]:
         return {"message": None}
     except RuntimeError as e:
         return {"message": str(e)}
+
+
+def cut_short(rank: int) -> dict[str, Any]:
+    """An exception in backward that the training loop catches (an OOM-recovery pattern): the engine
+    refuses the next forward, whose gradients would be averaged with a step the peers never finished."""
+    torch.manual_seed(0)
+    module = Branchy()
+    model = DistributedDataParallel(module)
+    caught: list[int] = []
+
+    def explode(grad: torch.Tensor) -> None:
+        raise RuntimeError("out of memory (simulated)")
+
+    try:
+        for step in range(3):
+            out = model(torch.randn(4, 8))
+            # Halfway through backward: the head has its gradients, the trunk never gets them.
+            handle = module.trunk.weight.register_hook(explode) if step == 1 else None
+            try:
+                out.sum().backward()
+            except RuntimeError as e:
+                if "out of memory" not in str(e):
+                    raise
+                caught.append(step)
+            finally:
+                if handle is not None:
+                    handle.remove()
+        return {"message": None, "caught": caught}
+    except RuntimeError as e:
+        return {"message": str(e), "caught": caught}
 
 
 def progress(rank: int) -> dict[str, Any]:
@@ -209,6 +241,7 @@ def main() -> None:
         "bypass": bypass,
         "thawed": thawed,
         "frozen_late": frozen_late,
+        "cut_short": cut_short,
         "replicas": replicas,
     }[SCENARIO](rank)
     agent.get_agent().force_flush(5.0)
