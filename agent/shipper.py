@@ -11,7 +11,10 @@ its acknowledged position) on disk; the next shipper of the same job adopts such
 Cost on the training host: the shipper runs at a lower priority (``NICE``), ships at most once per
 ``ship_interval_s`` while records flow (at once for an urgent wake-up: hang reports, flushes) and
 backs off to one look every ``IDLE_MAX_S`` when there is nothing to send. Once the writer is gone
-it also reads the writer's write-ahead ring (``ring.py``) and ships the records the spool lacked.
+it also reads the writer's write-ahead ring (``ring.py``) and ships the records the spool lacked, and
+so it does, once, whenever a live writer has been quiet for ``QUIET_WRITER_S`` (stopped by SIGSTOP, a
+thread holding the GIL, a starved worker): the last records of a frozen rank would otherwise wait in
+its ring until it dies, and the collector would show where it was a few steps before it froze.
 
 Delivery is at-least-once (a batch is acknowledged only after a 2xx); the collector deduplicates by
 (job, rank, stream, seq). Drops made here (spool over its cap, damaged frames, refused batches) are
@@ -63,6 +66,10 @@ NICE = 10
 IDLE_MAX_S = 2.0
 """Longest look-free sleep with nothing to send (a rank that died with a forked child holding the
 pipe open, so no end-of-file comes, is still noticed this soon)."""
+QUIET_WRITER_S = 5.0
+"""A live writer that has not woken the shipper for this long is frozen or starved (its heartbeats
+alone wake the shipper every few seconds): its ring is read for records the spool lacks. Well under
+the collector's 10 s silent threshold, so a rank called silent shows where it really stopped."""
 RECENT_SEQS = 4 * ring.SLOTS
 """How many ``seq`` of the latest spool records are kept: the ring holds only the latest
 ``ring.SLOTS``, so four times that covers every ring record the spool carried."""
@@ -143,6 +150,13 @@ class Shipper:
         self.eof = writer_pid is None
         self.crash_checked = False
         self.ring_checked = False
+        self.woken_at = time.monotonic()
+        """When the writer last woke this shipper (or it started)."""
+        self.quiet_checked = False
+        """The ring was read during the writer's current quiet spell (``QUIET_WRITER_S``)."""
+        self.from_ring: set[Any] = set()
+        """``seq`` of the records shipped from a live writer's ring: its spool carries them later,
+        and they are not sent again (the collector would drop them as duplicates anyway)."""
         self.backlog = False
         """The last chunk was full: more is waiting, ship again without pausing."""
         self.recent: deque[Any] = deque(maxlen=RECENT_SEQS)
@@ -176,6 +190,8 @@ class Shipper:
             if not data:
                 self.eof = True
                 return
+            self.woken_at = time.monotonic()
+            self.quiet_checked = False
             if not urgent_only or spool.WAKE_URGENT in data:
                 return
 
@@ -229,9 +245,22 @@ class Shipper:
                 if not done and not self.backlog:
                     self.wait(interval, urgent_only=True)
             elif state == "drained":
+                if not done and self.frozen_writer():
+                    continue
                 # Nothing to send: look less and less often; the writer's wake-up ends the sleep.
                 self.wait(idle_s)
                 idle_s = min(IDLE_MAX_S, idle_s * 2)
+
+    def frozen_writer(self) -> bool:
+        """True when a live writer has been quiet for ``QUIET_WRITER_S`` and its ring held records the
+        spool lacks, now queued to ship (read once per quiet spell)."""
+        if self.quiet_checked or time.monotonic() - self.woken_at < QUIET_WRITER_S:
+            return False
+        self.quiet_checked = True
+        records = self.unsent_ring_records()
+        self.from_ring.update(r.get("seq") for r in records)
+        self.extra += records
+        return bool(records)
 
     def ship_once(self, writer_done: bool) -> tuple[str, float]:
         attempt = self.attempt or self.next_attempt(writer_done)
@@ -282,6 +311,8 @@ class Shipper:
         self.backlog = sum(len(p) for p in chunk.payloads) >= MAX_POST_BYTES // 2
         records = [record for payload in chunk.payloads for record in spool.decode_batch(payload)]
         self.remember(records)
+        if self.from_ring:
+            records = self.skip_shipped_from_ring(records)
         records = self.older.keep(records, self.dropped)
         # The whole chunk in one encoder call (``encode_records``): per record, this transcoding
         # is most of the shipper's CPU.
@@ -300,15 +331,25 @@ class Shipper:
         body = batch_body([items, *extra_lines])
         return Attempt(body, chunk.end, shipped, extra_lines, extras, stats)
 
+    def skip_shipped_from_ring(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The spool's records minus those already shipped from the writer's ring while it was quiet;
+        once the spool has passed them all, nothing is filtered any more."""
+        shipped = self.from_ring
+        kept = [r for r in records if r.get("seq") not in shipped]
+        if records and max((r.get("seq") or 0) for r in records) >= max(s or 0 for s in shipped):
+            shipped.clear()
+        return kept
+
     def remember(self, records: list[dict[str, Any]]) -> None:
         # Only the last ``recent.maxlen`` seqs count; the set is built once, when the ring is read.
         self.recent.extend([r.get("seq") for r in records[-RECENT_SEQS:]])
 
     def unsent_ring_records(self) -> list[dict[str, Any]]:
-        """Records of the dead writer's write-ahead ring that the spool did not carry: those it
-        emitted right before it died (e.g. the collective gloo aborted in), oldest first."""
+        """Records of the writer's write-ahead ring that the spool did not carry (nor an earlier read
+        of the ring): those it emitted right before it died (e.g. the collective gloo aborted in) or
+        froze, oldest first."""
         own = self.meta.get("stream")
-        recent = set(self.recent)
+        recent = set(self.recent) | self.from_ring
         records = [
             r
             for r in ring.read_ring(self.dir, self.prefix)

@@ -148,6 +148,28 @@ def test_collectives_made_durable_then_spooled_at_exit_are_not_sent_twice(
     assert collector.duplicates == 0, "the ring's copies of records the spool carried stay unsent"
 
 
+def test_a_frozen_ranks_last_records_leave_its_write_ahead_ring_while_it_is_stopped_and_only_once(
+    collector, spool_dir, started
+) -> None:
+    env = child_env(collector.url, spool_dir, "frozen", DDPSCOPE_FLUSH_INTERVAL_S="60")
+    p = start(started, "kill_ringed", 10, env)
+    wait_ready(p)
+    os.kill(p.pid, signal.SIGSTOP)  # as a debugger, a GIL held in C code or a stopped job would
+    try:
+        # Only in the ring (the worker's round is 60 s away): read once the rank was quiet for 5 s.
+        ok = collector.wait_for(lambda c: len(c.of_kind("collective")) == 10, 20)
+        assert ok, (len(collector.of_kind("collective")), logs(spool_dir))
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+    # Woken again and stopped cleanly, the rank spools the same records at exit: not sent twice.
+    os.kill(p.pid, signal.SIGTERM)
+    p.wait(20)
+    assert collector.wait_for(lambda c: bool(c.of_kind("rank_exit")), 20), logs(spool_dir)
+    assert wait_shippers_gone(spool_dir, 20)
+    assert collective_seqs(collector) == list(range(1, 11))
+    assert collector.duplicates == 0
+
+
 def test_sigterm_flushes_and_reports_rank_exit_sigterm(collector, spool_dir, started) -> None:
     p = start(started, "sigterm", 50, child_env(collector.url, spool_dir, "termed"))
     wait_ready(p)
