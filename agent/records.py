@@ -145,7 +145,9 @@ THREAD_STACK = (
 
 UNSYNCED_GRADIENTS = "unsynced_gradients"
 """Gradients a rank's DDP never all-reduced (``ddp/drift.py``): its parameters drift from its peers'."""
-WARNING_CODES = frozenset({UNSYNCED_GRADIENTS})
+JOB_IDS_DIFFER = "job_ids_differ"
+"""Ranks of one torch job report under different job ids (``ddp/job_check.py``): each id a job of its own."""
+WARNING_CODES = frozenset({UNSYNCED_GRADIENTS, JOB_IDS_DIFFER})
 """The ``warning`` record's codes ddpscope's training side sends (each an incident kind at the collector)."""
 
 RECORD_KINDS: dict[str, tuple[Field, ...]] = {
@@ -170,6 +172,12 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             BOOL,
             required=False,
             doc="torch's static_graph=True: parameters unused in every iteration are handled without find_unused_parameters",
+        ),
+        Field(
+            "hang_timeout_s",
+            FLOAT,
+            required=False,
+            doc="the rank's hang timeout (DDPSCOPE_HANG_TIMEOUT, its watchdog's); absent from older agents",
         ),
     ),
     # The bucket layout, at start-up ("initial") and whenever buckets are rebuilt ("rebuilt").

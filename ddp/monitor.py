@@ -9,6 +9,8 @@ group exists: a rank that fails, exits or waits for its peers between ``init_pro
 construction of its DDP model is reported too. The engine and the torch-DDP adapter call ``enable`` at
 construction as well (a group created before ddpscope was imported is monitored from there); a job
 that uses raw ``torch.distributed`` collectives may call it after ``init_process_group``.
+Once a default process group exists, it also starts ``job_check`` (once per group): the ranks compare,
+through the group's store and off the training thread, the job ids they report under.
 Idempotent; with ddpscope disabled it installs nothing.
 """
 
@@ -20,7 +22,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ddpscope.ddp import collectives, errors, watchdog
+from ddpscope.ddp import collectives, errors, job_check, watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -39,17 +41,21 @@ def enable(
 
     ``hang_timeout_s`` / ``heartbeat_s`` default to ``DDPSCOPE_HANG_TIMEOUT`` / ``DDPSCOPE_HEARTBEAT_S``
     (through the agent's config). A non-positive value raises ``ValueError``. ``first_heartbeat_s``:
-    how long a newly started watchdog waits before its first heartbeat.
+    how long a newly started watchdog waits before its first heartbeat, and the job id check before
+    it says this rank's id.
     """
     collectives.install()
     errors.install_error_hooks()
-    return watchdog.start_watchdog(
+    dog = watchdog.start_watchdog(
         timeout_s=hang_timeout_s, heartbeat_s=heartbeat_s, first_heartbeat_s=first_heartbeat_s
     )
+    job_check.start(delay_s=first_heartbeat_s)  # returns at once, never raises
+    return dog
 
 
 def disable(timeout_s: float = 5.0) -> None:
     """Undo ``enable`` (tests; a process that stops being a rank)."""
+    job_check.stop()
     watchdog.stop_watchdog(timeout_s)
     errors.uninstall_error_hooks()
     collectives.uninstall()

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ddpscope.ddp import watchdog
 from ddpscope.ddp.groups import pg_name
 
 
@@ -42,6 +43,13 @@ def ddpscope_version() -> str:
         return importlib.metadata.version("ddpscope")
     except importlib.metadata.PackageNotFoundError:
         return "0+unknown"
+
+
+def _hang_timeout_s() -> float:
+    """The hang timeout this rank's watchdog runs with (``monitor.enable(hang_timeout_s=...)`` may have
+    set it), else the one it would start with: the collector compares it across ranks."""
+    current = watchdog.get_watchdog()
+    return float(current.timeout_s) if current is not None else watchdog.hang_timeout_setting()
 
 
 def rank_start_record(
@@ -79,4 +87,5 @@ def rank_start_record(
         "clock_error_ns": clock.error_ns,
         "process_group": pg_name(group),
         "static_graph": bool(static_graph),
+        "hang_timeout_s": _hang_timeout_s(),
     }

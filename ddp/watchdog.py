@@ -486,6 +486,12 @@ def heartbeat_setting(heartbeat_s: float | None = None) -> float:
     return _setting(heartbeat_s, ("heartbeat_s", "heartbeat_interval_s"), ENV_HEARTBEAT, DEFAULT_HEARTBEAT_S)
 
 
+def hang_timeout_setting(timeout_s: float | None = None) -> float:
+    """Seconds without progress before a hang report: ``timeout_s``, else the agent's config,
+    ``DDPSCOPE_HANG_TIMEOUT``, 300 s. What ``start_watchdog`` uses and ``rank_start`` reports."""
+    return _setting(timeout_s, ("hang_timeout_s", "hang_timeout"), ENV_HANG_TIMEOUT, DEFAULT_HANG_TIMEOUT_S)
+
+
 def start_watchdog(
     timeout_s: float | None = None, heartbeat_s: float | None = None, first_heartbeat_s: float = 0.0
 ) -> Watchdog:
@@ -497,9 +503,7 @@ def start_watchdog(
     stopped before that, one as it stops). With ``DDPSCOPE_DISABLED=1`` it is never started.
     """
     global _watchdog
-    timeout = _setting(
-        timeout_s, ("hang_timeout_s", "hang_timeout"), ENV_HANG_TIMEOUT, DEFAULT_HANG_TIMEOUT_S
-    )
+    timeout = hang_timeout_setting(timeout_s)
     heartbeat = heartbeat_setting(heartbeat_s)
     with _lock:
         current = _watchdog

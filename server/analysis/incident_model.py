@@ -27,6 +27,7 @@ INCIDENT_KINDS = (
             "unused_parameters",
             "replicas_diverged",
             "nonfinite_parameters",
+            "settings_differ",
         }
     )
     | WARNING_CODES

@@ -37,6 +37,8 @@
   (``warning_incidents``); the same warning from several ranks is one incident.
 - ``replicas_diverged`` and ``nonfinite_parameters``: the ranks' copies of the model compared through their
   ``replica_digest`` records (``replica_divergence``).
+- ``settings_differ``: ranks whose ``rank_start`` disagree on settings that must agree (versions, world
+  size, hang timeout, how the model is wrapped), the odd ones as culprits (``rank_settings``).
 
 After a restart under the same job id (torchrun ``--max-restarts``), the previous processes' incidents
 are kept with ``active=False``, their message starting "Before the ranks restarted"; the job's status
@@ -78,6 +80,7 @@ from ddpscope.server.analysis.incident_model import (
     user_frame,
     where,
 )
+from ddpscope.server.analysis.rank_settings import settings_incidents
 from ddpscope.server.analysis.replica_divergence import replica_incidents
 from ddpscope.server.analysis.snapshot import (
     JobSnapshot,
@@ -163,6 +166,7 @@ def diagnose(
     snapshot: JobSnapshot, now_s: float, *, silent_after_s: float = DEFAULT_SILENT_AFTER_S
 ) -> list[Incident]:
     """Every incident in the job at ``now_s`` (aligned-clock seconds), oldest first."""
+    settings = settings_incidents(snapshot)  # the whole snapshot: it sets aside ranks not restarted yet
     snapshot, previous = split_restart(snapshot)
     restart_s = min((record_s(s) for s in snapshot.ranks.values()), default=now_s)
     live = liveness(snapshot, now_s, silent_after_s=silent_after_s)
@@ -182,6 +186,7 @@ def diagnose(
     out += _unused_incidents(snapshot, live)
     out += warning_incidents(snapshot)
     out += replica_incidents(snapshot)
+    out += settings
     out += _before_restart_incidents(previous, restart_s, silent_after_s)
     name_groups(out, colls.group_ranks)
     out.sort(key=lambda i: (i.time_s if i.time_s is not None else now_s, i.kind, i.rank or 0))

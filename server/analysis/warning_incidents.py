@@ -2,15 +2,23 @@
 result wrong, such as gradients a rank's DDP never all-reduced (its parameters drift from its peers').
 
 The training side says each once per cause and model, in words without the rank; the same warning from
-several ranks is one incident naming them all. The incident's kind is the warning's ``code``.
+several ranks is one incident naming them all. The incident's kind is the warning's ``code``. Its culprits
+are the ranks that said it, but for ``job_ids_differ`` (``ddp/job_check.py``): every rank whose job ids
+differ from a peer's says it, under its own job id, and the ranks at fault are those the message calls
+"Probably misconfigured: ranks 1, 4-6" (the others said it too, in the job of the majority).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from ddpscope.agent.records import JOB_IDS_DIFFER
 from ddpscope.server.analysis.incident_model import Incident, capitalized, ranks_phrase, record_s
 from ddpscope.server.analysis.snapshot import JobSnapshot
+
+_MISCONFIGURED = re.compile(r"Probably misconfigured: ranks? ([0-9][0-9, -]*)")
+MAX_RANKS = 1 << 17
 
 
 def warning_incidents(snapshot: JobSnapshot) -> list[Incident]:
@@ -33,9 +41,25 @@ def warning_incidents(snapshot: JobSnapshot) -> list[Incident]:
                 rank=first["rank"],
                 step=min(steps) if steps else None,
                 parameters=parameters,
-                culprit_ranks=ranks,
+                culprit_ranks=_misconfigured(message) if code == JOB_IDS_DIFFER else ranks,
                 call_site=first.get("call_site"),
                 time_s=record_s(first),
             )
         )
     return out
+
+
+def _misconfigured(message: str) -> list[int]:
+    """The ranks ``ranks 1, 4-6`` in the job id warning's "Probably misconfigured: ..." (none if absent).
+    At most ``MAX_RANKS`` of them: the message comes from the network, and "0-99999999" must not cost a
+    list of a hundred million."""
+    m = _MISCONFIGURED.search(message)
+    ranks: set[int] = set()
+    for part in m.group(1).split(",") if m else ():
+        low, _, high = part.strip().partition("-")
+        if low.isdigit() and (not high or high.isdigit()) and max(len(low), len(high)) < 10:
+            first = int(low)
+            ranks.update(range(first, min(int(high or low), first + MAX_RANKS) + 1))
+        if len(ranks) > MAX_RANKS:
+            break
+    return sorted(ranks)[:MAX_RANKS]

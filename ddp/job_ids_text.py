@@ -1,0 +1,112 @@
+"""The words of the job id check (``job_check.py``): each rank's claim, where its id came from, and the
+warning when the ranks' claims differ, the same on every rank for the same claims."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from ddpscope.agent.config import default_job_id, sanitized_job_id
+
+MAX_IDS_NAMED = 8
+"""Job ids a message lists (a launch where every rank derived its own id could have thousands)."""
+SOURCES = {
+    "DDPSCOPE_JOB": "DDPSCOPE_JOB",
+    "TORCHELASTIC_RUN_ID": "TORCHELASTIC_RUN_ID",
+    "SLURM": "SLURM_JOB_ID",
+    "launcher": "derived from MASTER_ADDR/MASTER_PORT and the launcher's pid",
+    "code": "set in the script (configure(job=...))",
+    "unknown": "set in the script, or generated at random",
+}
+"""Where a claimed id came from (``id_source``), as the message says it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The job id one rank reports under, where it came from (a ``SOURCES`` key) and the rank's host."""
+
+    job: str
+    source: str = "unknown"
+    host: str = ""
+
+    def encode(self) -> bytes:
+        return json.dumps({"job": self.job, "source": self.source, "host": self.host}).encode()
+
+    @staticmethod
+    def decode(raw: bytes) -> Claim:
+        value = json.loads(raw)
+        return Claim(str(value["job"]), str(value.get("source", "unknown")), str(value.get("host", "")))
+
+
+def id_source(job: str, environ: Mapping[str, str]) -> str:
+    """Which setting gave this process ``job`` (a ``SOURCES`` key), read as ``agent/config.py`` reads them."""
+    explicit = environ.get("DDPSCOPE_JOB")
+    if explicit:
+        return "DDPSCOPE_JOB" if job in (explicit, sanitized_job_id(explicit)) else "code"
+    derived = default_job_id(environ)
+    if job != derived:
+        # Random when nothing in the environment names the launch: then two calls disagree.
+        return "code" if derived == default_job_id(environ) else "unknown"
+    if environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
+        return "TORCHELASTIC_RUN_ID"
+    return "SLURM" if derived.startswith("slurm-") else "launcher"
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """``rank 3``, ``ranks 0, 2`` or ``ranks 0-511, 513-1023`` (runs of three or more as ranges)."""
+    rs = sorted(set(ranks))
+    parts: list[str] = []
+    start = 0
+    for i in range(1, len(rs) + 1):
+        if i == len(rs) or rs[i] != rs[i - 1] + 1:
+            run = rs[start:i]
+            parts += [f"{run[0]}-{run[-1]}"] if len(run) > 2 else [str(r) for r in run]
+            start = i
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(parts)
+
+
+def job_ids_message(claims: Mapping[int, Claim], world_size: int, waited_s: float) -> str | None:
+    """The warning (written without the rank: the collector adds who said it) when ``claims`` name more
+    than one job id; None when they agree. The same claims give the same words on every rank, so the
+    collector folds the ranks of one job that said it into one incident."""
+    by_job: dict[str, list[int]] = {}
+    for rank, claim in sorted(claims.items()):
+        by_job.setdefault(claim.job, []).append(rank)
+    if len(by_job) < 2:
+        return None
+    # Most ranks first; on a tie the id of the lowest rank (rank 0's, when it said) is the job's.
+    order = sorted(by_job, key=lambda job: (-len(by_job[job]), by_job[job][0]))
+    odd = sorted(r for job in order[1:] for r in by_job[job])
+    tie = len(by_job[order[0]]) == len(by_job[order[1]])
+    ids = []
+    for job in order[:MAX_IDS_NAMED]:
+        sources = sorted({SOURCES.get(claims[r].source, "?") for r in by_job[job]})
+        ids.append(f"{job!r} ({ranks_text(by_job[job])}; {' or '.join(sources)})")
+    if len(order) > MAX_IDS_NAMED:
+        ids.append(f"{len(order) - MAX_IDS_NAMED} more")
+    hosts = sorted({claims[r].host for r in odd if claims[r].host})
+    on = f" on {', '.join(hosts)}" if 0 < len(hosts) <= 3 else ""
+    first = by_job[order[0]][0]
+    why = f"as many ranks use each id; rank {first}'s is taken as the job's" if tie else "the fewer ranks"
+    text = (
+        f"the ranks of this torch job report to ddpscope under {len(order)} job ids: "
+        f"{', '.join(ids[:-1])} and {ids[-1]}. Probably misconfigured: {ranks_text(odd)}{on} ({why}). "
+    )
+    missing = sorted(set(range(world_size)) - set(claims))
+    if missing:
+        text += f"{capital(ranks_text(missing))} had said nothing after {waited_s:.0f} s. "
+    text += (
+        "Each id is a job of its own at the collector, whose diagnosis calls the other ids' ranks silent or "
+        "never seen. Give every rank the same DDPSCOPE_JOB, or unset it on every rank and let torchrun's "
+        "TORCHELASTIC_RUN_ID name the job."
+    )
+    if any(c.source == "launcher" for c in claims.values()):
+        text += (
+            " Ranks on several hosts, or each under its own launcher, derive different ids: set DDPSCOPE_JOB."
+        )
+    return text
+
+
+def capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
