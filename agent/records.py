@@ -308,6 +308,13 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             doc="size of the default process group; absent while there is none (and from older agents). "
             "Heartbeats begin when the group is created, so this is the job's size before any rank_start",
         ),
+        Field(
+            "silent_s",
+            FLOAT,
+            required=False,
+            doc="seconds since the previous heartbeat, when over twice the interval: the watchdog's thread "
+            "could not run (the main thread held the GIL, the process was stopped); absent otherwise",
+        ),
     ),
     # No progress for DDPSCOPE_HANG_TIMEOUT seconds.
     "hang": (

@@ -236,6 +236,8 @@ class Watchdog:
         """The main thread's CPU time at ``_last_change``: blocked or busy, when a report says where."""
         self._hung = False
         self._next_heartbeat = 0.0
+        self._last_beat = 0.0
+        """When the last heartbeat was sent (``_clock``)."""
         self._beats = 0
         self._known_world_size: int | None = None
         """The group's size when last seen: a heartbeat sent after ``destroy_process_group`` still says it."""
@@ -360,6 +362,12 @@ class Watchdog:
         world_size = self._known_world_size = self._world_size() or self._known_world_size
         if world_size is not None:
             record["world_size"] = world_size
+        now = self._clock()
+        if self._beats and now - self._last_beat > 2 * self.heartbeat_s:
+            # This thread could not run (the GIL held, the process stopped): the collector keeps only a
+            # rank's latest heartbeat, and this one, sent as the rank is freed, would hide the silence.
+            record["silent_s"] = round(now - self._last_beat, 3)
+        self._last_beat = now
         self._beats += 1
         # Durable (the ring, ~100 us every 2 s on this thread): a rank killed right after its last
         # heartbeat still shows when it was last alive, to the second.

@@ -186,8 +186,9 @@ class StorageCollector(Collector):
             g["straggler"].add_metric(labels, float(flagged.get(rank, False)))
             g["seen"].add_metric(labels, live.last_alive_s.get(rank, 0.0))
             # 'sigterm' and 'sigint' count: a cancelled or preempted job is 'finished' for the API too, not a
-            # failure; but not a rank stopped while it hung or waited (the API's 'failed'): its silence pages.
-            stuck = rank in live.stopped_hangs or rank in live.stopped_waits
+            # failure; but not a rank stopped while it hung, waited or was silent (the API's 'failed'): its
+            # silence pages.
+            stuck = rank in live.stopped_hangs or rank in live.stopped_waits or rank in live.stopped_silent
             finished = exit_ is not None and exit_.get("reason") != "error" and not stuck
             g["finished"].add_metric(labels, float(finished))
             ms = metrics_by_rank.get(rank)

@@ -210,8 +210,9 @@ def _silent_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int, st
         out.append(
             Incident(
                 kind="rank_silent",
-                message=f"{head} {waiting}: it is stopped (SIGSTOP, a debugger), deadlocked (e.g. a data "
-                f"loader) or cut off from the collector; dump its stack (py-spy dump --pid <pid>).",
+                message=f"{head} {waiting}: it is stopped (SIGSTOP, a debugger), its Python thread holds the "
+                "GIL (a regex backtracking, a C extension call that keeps it), it is deadlocked (e.g. a data "
+                "loader) or cut off from the collector; dump its stack (py-spy dump --native --pid <pid>).",
                 rank=r,
                 step=position(snapshot, r)[0],
                 culprit_ranks=[r],
@@ -219,6 +220,10 @@ def _silent_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int, st
             )
         )
         blame.setdefault(r, "went silent")
+    for r, quiet_s in sorted(live.stopped_silent.items()):
+        if r not in live.silent:  # a rank still silent now was told above
+            out.append(_stopped_silent_incident(snapshot, live, r, quiet_s))
+            blame.setdefault(r, "went silent")
     if live.lost:
         quiet_s = live.now_s - max(live.last_alive_s.values(), default=live.now_s)
         msg = (
@@ -259,6 +264,37 @@ def _silent_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int, st
     return out
 
 
+def _stopped_silent_incident(snapshot: JobSnapshot, live: Liveness, r: int, quiet_s: float) -> Incident:
+    """A rank that had been silent for ``silent_after_s`` when a signal stopped it (``stopped_silent``): its
+    exit must not make it look like a healthy rank cancelled with the rest."""
+    exit_ = live.exits.get(r)
+    if exit_ is not None:
+        head = (
+            f"Rank {r} sent nothing for {record_s(exit_) - quiet_s:.0f} s{where(snapshot, r)} until it was "
+            f"stopped by {STOP_SIGNALS[str(exit_.get('reason'))]}"
+        )
+    else:
+        stopped = {o: e for o, e in live.exits.items() if e.get("reason") in STOP_SIGNALS}
+        first = min(stopped.values(), key=record_s)
+        head = (
+            f"Rank {r} had sent nothing for {record_s(first) - quiet_s:.0f} s{where(snapshot, r)} when "
+            f"{ranks_phrase(stopped)} {'was' if len(stopped) == 1 else 'were'} stopped by "
+            f"{STOP_SIGNALS[str(first.get('reason'))]}, and it never reported an exit (killed after the "
+            "signal, by SIGKILL, or still frozen)"
+        )
+    return Incident(
+        kind="rank_silent",
+        message=f"{head}: not even its heartbeat thread ran, so its Python thread held the GIL (a regex "
+        "backtracking, a C extension call that keeps it) or the process was frozen (SIGSTOP, a debugger), "
+        "and it was no healthy rank cancelled with its job. While such a rank is silent, py-spy dump --native "
+        "--pid <pid> shows where it is.",
+        rank=r,
+        step=position(snapshot, r)[0],
+        culprit_ranks=[r],
+        time_s=quiet_s,
+    )
+
+
 def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int, str]) -> list[Incident]:
     """A rank that left cleanly (its loop ended, or SIGTERM) while peers that had got as far as it had
     were still training, and those peers then failed or hung waiting for it. (Ranks that finish at
@@ -271,6 +307,8 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
         stopped = reason in STOP_SIGNALS
         if not (stopped or reason == "finished") or (stopped and other_cause):
             continue
+        if r in live.stopped_silent:
+            continue  # silent before it was stopped: that is its incident (rank_silent), not the stop
         left_s = record_s(exit_)
         if stopped and _peer_failed_before(live, r, left_s):
             # The launcher's teardown: a peer died (even of a timeout waiting for this rank) and torchrun

@@ -5,9 +5,11 @@ order of precedence:
 
 - **failed**: a rank died of an error (a fatal ``rank_error``, a ``rank_exit`` with reason ``'error'``),
   crashed without a word (it stopped reporting, never exited, and its peers then lost their connections),
-  was stopped by SIGTERM while it hung (a scheduler's time limit ending a hung job is not a finish) or
+  was stopped by SIGTERM while it hung (a scheduler's time limit ending a hung job is not a finish),
   while it had waited in a collective for ``silent_after_s`` (a hang cancelled before the rank's hang
-  timeout, often minutes, let it report one), or
+  timeout, often minutes, let it report one) or while it had been silent for ``silent_after_s`` (its
+  Python thread held the GIL, or it was frozen: stopping it does not make it a finish; a rank that
+  never reported an exit counts when its peers' stop found it that long silent), or
   the whole job has been quiet without a clean exit for ``dead_after_s`` (killed with all its ranks at
   once, its node lost): nothing will come from it any more, and a dead job must neither read as hung
   nor page as one forever.
@@ -42,6 +44,11 @@ from ddpscope.server.analysis.stuck import is_hang, wait_spans
 DEFAULT_SILENT_AFTER_S = 10.0
 """A rank with no record for this long is silent: a few heartbeat intervals, so one late heartbeat or a
 slow batch upload is not mistaken for a stopped process."""
+STOP_BURST_S = 1.0
+"""What a rank sends within this long before its ``rank_exit`` may be sent *because* it was stopped, not
+before: the signal frees a rank whose Python thread held the GIL, and its starved threads (the watchdog's
+overdue heartbeat, an async collective's end) run before or while the handler emits the exit; a rank
+blocked in C is flushed by the SIGTERM watcher 0.5 s after the signal (``sigterm_watcher.GRACE_S``)."""
 DEFAULT_DEAD_AFTER_S = 120.0
 """A job none of whose ranks has sent anything for this long, without every rank exiting cleanly, is
 dead (failed): 60 missed heartbeats, twice the time DDPRankSilent waits, and longer than the shipper's
@@ -95,6 +102,10 @@ class Liveness:
     stopped_waits: dict[int, Record] = field(default_factory=dict)
     """The rank's oldest collective still open when it was stopped by SIGTERM or SIGINT, if it had been
     open for ``silent_after_s`` by then: stopped while it waited, whether or not a hang report came."""
+    stopped_silent: dict[int, float] = field(default_factory=dict)
+    """Ranks that had sent nothing for ``silent_after_s`` when a signal stopped them, with when each fell
+    quiet (aligned-clock seconds): by their own ``rank_exit`` (``_quiet_before_stop``), or, for a rank
+    that never reported an exit (killed after the signal, or still frozen), by its peers' stop."""
     silent: list[int] = field(default_factory=list)
     """Ranks with no record for ``silent_after_s`` (or never seen while others hang), not exited, not
     dead of an error, while another rank is alive or waiting."""
@@ -117,7 +128,7 @@ class Liveness:
     @property
     def failed(self) -> bool:
         errored_exit = any(e.get("reason") == "error" for e in self.exits.values())
-        stopped_stuck = bool(self.stopped_hangs) or bool(self.stopped_waits)
+        stopped_stuck = bool(self.stopped_hangs) or bool(self.stopped_waits) or bool(self.stopped_silent)
         return bool(self.fatal) or bool(self.crashed) or errored_exit or stopped_stuck or self.dead
 
     @property
@@ -229,6 +240,7 @@ def liveness(
     }
     live.stopped_hangs = _stopped_hangs(snapshot, live, counts)
     live.stopped_waits = _stopped_waits(snapshot, live)
+    live.stopped_silent = _stopped_silent(snapshot, live)
     live.silent = _silent(live)
     if live.dead:
         # No hang_resolved or exit will ever come from a dead job: its hangs ended with it.
@@ -286,6 +298,44 @@ def _stopped_waits(snapshot: JobSnapshot, live: Liveness) -> dict[int, Record]:
             before = out.get(c["rank"])
             if before is None or c["start_ns"] < before["start_ns"]:
                 out[c["rank"]] = c
+    return out
+
+
+def _stopped_silent(snapshot: JobSnapshot, live: Liveness) -> dict[int, float]:
+    """Ranks silent for ``silent_after_s`` when they were stopped, and when they fell quiet. A rank whose
+    Python thread holds the GIL (a regex backtracking, a C extension that keeps it) or that is frozen
+    (SIGSTOP) sends nothing, and is ``rank_silent`` while it lasts; once a scheduler's time limit or
+    scancel stops it, its exit alone would read as a cancelled job's and lose the culprit.
+
+    Heartbeats tell, as they are the one record a live rank sends every few seconds whatever it does. A
+    rank that reported its stop counts when its latest heartbeat came that long before its exit, or came
+    with the stop (within ``STOP_BURST_S``) saying its thread could not run for that long before
+    (``silent_s``): the collector keeps a rank's latest heartbeat only, and the one a starved watchdog sends
+    as the signal frees the GIL replaces the one from before the silence. A rank that never reported an
+    exit (SIGKILLed after the SIGTERM it could not handle, or still frozen) counts when its last record came
+    that long before the first of its peers' stops."""
+    out: dict[int, float] = {}
+    stops: list[float] = []
+    for r, exit_ in live.exits.items():
+        if exit_.get("reason") not in STOP_SIGNALS:
+            continue
+        stopped_s = _s(exit_)
+        stops.append(stopped_s)
+        beat = snapshot.heartbeats.get(r)
+        if beat is None or beat.get("stream") != exit_.get("stream"):
+            continue  # no watchdog in that process, or the beat is an earlier process's
+        quiet_s = _s(beat)
+        if stopped_s - quiet_s <= STOP_BURST_S:
+            quiet_s -= float(beat.get("silent_s") or 0.0)
+        if stopped_s - quiet_s >= live.silent_after_s:
+            out[r] = quiet_s
+    if stops:
+        first_stop_s = min(stops)
+        for r in live.ranks:
+            seen = live.last_alive_s.get(r)
+            gone = r in live.exits or r in live.fatal or r in live.crashed
+            if not gone and seen is not None and first_stop_s - seen >= live.silent_after_s:
+                out[r] = seen
     return out
 
 

@@ -193,6 +193,21 @@ def test_heartbeats_follow_the_configured_interval_with_phase_step_and_sequence(
     assert {(b["phase"], b["step"], b["last_coll_seq"]) for b in beats} == {("optimizer", 9, 1)}
 
 
+def test_a_heartbeat_after_its_thread_could_not_run_says_for_how_long(
+    records: Records, parts: tuple[Progress, CollectiveRecorder, ManualClock]
+) -> None:
+    _, _, clock = parts
+    dog = make(parts)
+    for _ in range(3):  # on time: no silent_s
+        dog.check()
+        clock.now += 1.0
+    clock.now += 14.0  # the main thread held the GIL (or the process was stopped): no tick ran
+    dog.check()
+    beats = records("heartbeat")
+    assert ["silent_s" in b for b in beats] == [False, False, False, True]
+    assert beats[-1]["silent_s"] == pytest.approx(15.0)  # from the heartbeat at 2 s to the one at 17 s
+
+
 def test_a_rank_stuck_outside_collectives_names_its_last_collective(
     records: Records, parts: tuple[Progress, CollectiveRecorder, ManualClock]
 ) -> None:
