@@ -662,6 +662,8 @@ def _missing(
         state = (
             graph.state(r)  # blocked elsewhere until it was stopped: where matters more than how it ended
             if r in live.stopped_hangs and r in graph.blocked
+            else _silent_when_stopped(r, live)
+            if r in live.stopped_silent
             else f"{stuck[r].phrase()}, until {_exited(live.exits[r])}"
             if r in live.exits and r in stuck
             else _exited(live.exits[r])
@@ -749,6 +751,17 @@ def _quiet_or_alive(age_s: float | None, silent_after_s: float) -> str:
             f"{silent_after_s:.0f} s): stopped, frozen or cut off, or its records are late"
         )
     return "it is alive, doing something else"
+
+
+def _silent_when_stopped(r: int, live: Liveness) -> str:
+    """A missing rank that had sent nothing, heartbeats included, for ``silent_after_s`` when it (or, if it
+    never said, its peers) was stopped (``Liveness.stopped_silent``): how it ended is not what matters."""
+    exit_ = live.exits.get(r)
+    stops = [float(e["time_ns"]) / 1e9 for e in live.exits.values() if e.get("reason") in STOP_SIGNALS]
+    stopped_s = float(exit_["time_ns"]) / 1e9 if exit_ is not None else min(stops, default=live.now_s)
+    quiet_s = stopped_s - live.stopped_silent[r]
+    how = f"it was stopped ({exit_.get('reason')})" if exit_ is not None else "its peers were stopped"
+    return f"it had sent nothing for {quiet_s:.0f} s, heartbeats included, when {how} (see its rank_silent)"
 
 
 def _exited(rank_exit: Record) -> str:

@@ -70,7 +70,11 @@ def test_a_rank_silent_when_it_was_stopped_fails_the_job_and_keeps_its_rank_sile
     assert "held the GIL" in silent.message and "py-spy dump --native" in silent.message
     # Rank 0 waited for it in the next all-reduce, beating all along: it is no silent rank, and its wait
     # names rank 1.
-    assert only(incidents, "missing_collective").culprit_ranks == [1]
+    missing = only(incidents, "missing_collective")
+    assert missing.culprit_ranks == [1]
+    assert (
+        "it had sent nothing for 15 s, heartbeats included, when it was stopped (sigterm)" in missing.message
+    )
     assert "rank_exited_early" not in kinds(incidents)
 
 
@@ -171,7 +175,9 @@ def test_a_silent_rank_that_never_reported_its_exit_is_named_when_its_peers_were
     assert silent.culprit_ranks == [1]
     assert silent.message.startswith("Rank 1 had sent nothing for 15 s (last ")
     assert "when rank 0 was stopped by SIGTERM, and it never reported an exit" in silent.message
-    assert only(incidents, "missing_collective").culprit_ranks == [1]
+    missing = only(incidents, "missing_collective")
+    assert missing.culprit_ranks == [1]
+    assert "it had sent nothing for 15 s, heartbeats included, when its peers were stopped" in missing.message
 
 
 def test_a_peers_hang_report_ended_by_the_stop_names_the_silent_rank() -> None:
