@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpscope.server.analysis.incident_model import Incident, Record, ranks_phrase, record_s
-from ddpscope.server.analysis.snapshot import JobSnapshot, split_restart
+from ddpscope.server.analysis.snapshot import PER_PROCESS, JobSnapshot, split_restart
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,25 +130,12 @@ def current_starts(snapshot: JobSnapshot) -> dict[int, Record]:
     current, _ = split_restart(snapshot)
     if current is snapshot:
         return dict(snapshot.ranks)
-    kept = {id(r) for name in _PER_PROCESS_LISTS for r in getattr(current, name)}
+    kept = {id(r) for name in PER_PROCESS for r in getattr(current, name)}
     kept |= {id(h) for h in current.heartbeats.values()}
-    earlier = [r for name in _PER_PROCESS_LISTS for r in getattr(snapshot, name) if id(r) not in kept]
+    earlier = [r for name in PER_PROCESS for r in getattr(snapshot, name) if id(r) not in kept]
     earlier += [h for h in snapshot.heartbeats.values() if id(h) not in kept]
     end_ns = max((int(r["time_ns"]) for r in earlier), default=None)
     return {rank: s for rank, s in snapshot.ranks.items() if end_ns is None or int(s["time_ns"]) > end_ns}
-
-
-_PER_PROCESS_LISTS = (
-    "layouts",
-    "hangs",
-    "hang_resolved",
-    "rank_errors",
-    "rank_exits",
-    "warnings",
-    "digests",
-    "collectives",
-)
-"""The record lists ``split_restart`` divides between a rank's earlier and current processes."""
 
 
 def _all_differences(starts: Mapping[int, Record]) -> list[_Difference]:

@@ -150,7 +150,7 @@ def merge_collectives(
     return merged
 
 
-_PER_PROCESS = (
+PER_PROCESS = (
     "layouts",
     "hangs",
     "hang_resolved",
@@ -181,9 +181,7 @@ def split_restart(snapshot: JobSnapshot) -> tuple[JobSnapshot, JobSnapshot | Non
 
     def side(old: bool) -> dict[str, Any]:
         """The per-process fields of one side of the restart, as JobSnapshot keyword arguments."""
-        out: dict[str, Any] = {
-            f: [r for r in getattr(snapshot, f) if earlier(r) == old] for f in _PER_PROCESS
-        }
+        out: dict[str, Any] = {f: [r for r in getattr(snapshot, f) if earlier(r) == old] for f in PER_PROCESS}
         out["heartbeats"] = {r: h for r, h in snapshot.heartbeats.items() if earlier(h) == old}
         return out
 
@@ -195,7 +193,7 @@ def split_restart(snapshot: JobSnapshot) -> tuple[JobSnapshot, JobSnapshot | Non
         return current, None
     previous = JobSnapshot(job=snapshot.job, world_size=snapshot.world_size, **older)
     seen = previous.rank_last_seen_s
-    for rec in [*previous.heartbeats.values(), *(r for f in _PER_PROCESS for r in older[f])]:
+    for rec in [*previous.heartbeats.values(), *(r for f in PER_PROCESS for r in older[f])]:
         seen[rec["rank"]] = max(seen.get(rec["rank"], 0.0), rec["time_ns"] / 1e9)
     return current, previous
 
