@@ -4,10 +4,11 @@ warning when the ranks' claims differ, the same on every rank for the same claim
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ddpscope.agent.config import default_job_id, sanitized_job_id
+from ddpscope.agent.rank_spans import ranks_text
 
 MAX_IDS_NAMED = 8
 """Job ids a message lists (a launch where every rank derived its own id could have thousands)."""
@@ -51,19 +52,6 @@ def id_source(job: str, environ: Mapping[str, str]) -> str:
     if environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
         return "TORCHELASTIC_RUN_ID"
     return "SLURM" if derived.startswith("slurm-") else "launcher"
-
-
-def ranks_text(ranks: Iterable[int]) -> str:
-    """``rank 3``, ``ranks 0, 2`` or ``ranks 0-511, 513-1023`` (runs of three or more as ranges)."""
-    rs = sorted(set(ranks))
-    parts: list[str] = []
-    start = 0
-    for i in range(1, len(rs) + 1):
-        if i == len(rs) or rs[i] != rs[i - 1] + 1:
-            run = rs[start:i]
-            parts += [f"{run[0]}-{run[-1]}"] if len(run) > 2 else [str(r) for r in run]
-            start = i
-    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(parts)
 
 
 def job_ids_message(claims: Mapping[int, Claim], world_size: int, waited_s: float) -> str | None:

@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ddpscope.server.analysis.incident_model import Incident, Record, ranks_phrase, record_s
+from ddpscope.agent.rank_spans import ranks_text
+from ddpscope.server.analysis.incident_model import Incident, Record, record_s
 from ddpscope.server.analysis.snapshot import PER_PROCESS, JobSnapshot, split_restart
 
 
@@ -170,13 +171,13 @@ def _differences(starts: Mapping[int, Record], field: str, per_group: bool) -> l
 def _describe(d: _Difference) -> str:
     """``hang_timeout_s is 8 on rank 0 but 300 on ranks 1-3``, the group when not the default one, and
     how a tie was settled. "but" and "and" between the values: commas already separate ranks."""
-    first, *others = (f"{_value(v)} on {_ranks(rs)}" for v, rs in d.holders.items())
+    first, *others = (f"{_value(v)} on {ranks_text(rs)}" for v, rs in d.holders.items())
     text = f"{d.field} is {first} but {' and '.join(others)}"
     if d.group != "default":
         text += f" in group {d.group}"
     if d.reference is not None:
         text += (
-            f" (a tie: {_ranks(d.odd)}, which "
+            f" (a tie: {ranks_text(d.odd)}, which "
             f"{'differs' if len(d.odd) == 1 else 'differ'} from rank {d.reference}, "
             f"{'is' if len(d.odd) == 1 else 'are'} named)"
         )
@@ -187,24 +188,6 @@ def _value(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.15g}"  # 300.0 reads 300, 0.1 stays 0.1
     return str(value)
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    """``ranks_phrase`` with runs of three or more written as a span (``ranks 1-3, 7``): a setting
-    that differs on one rank of 64 names the other 63 in a few characters."""
-    rs = sorted(set(ranks))
-    if len(rs) < 3:
-        return ranks_phrase(rs)
-    parts: list[str] = []
-    start = prev = rs[0]
-    for r in [*rs[1:], None]:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        parts.append(f"{start}-{prev}" if prev - start >= 2 else ", ".join(map(str, range(start, prev + 1))))
-        if r is not None:
-            start = prev = r
-    return "ranks " + ", ".join(parts)
 
 
 def _or(words: Sequence[str]) -> str:

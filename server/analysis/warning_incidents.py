@@ -13,12 +13,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ddpscope.agent.rank_spans import parse_ranks
 from ddpscope.agent.records import JOB_IDS_DIFFER
 from ddpscope.server.analysis.incident_model import Incident, capitalized, ranks_phrase, record_s
 from ddpscope.server.analysis.snapshot import JobSnapshot
 
 _MISCONFIGURED = re.compile(r"Probably misconfigured: ranks? ([0-9][0-9, -]*)")
-MAX_RANKS = 1 << 17
 
 
 def warning_incidents(snapshot: JobSnapshot) -> list[Incident]:
@@ -50,16 +50,6 @@ def warning_incidents(snapshot: JobSnapshot) -> list[Incident]:
 
 
 def _misconfigured(message: str) -> list[int]:
-    """The ranks ``ranks 1, 4-6`` in the job id warning's "Probably misconfigured: ..." (none if absent).
-    At most ``MAX_RANKS`` of them: the message comes from the network, and "0-99999999" must not cost a
-    list of a hundred million."""
+    """The ranks ``ranks 1, 4-6`` in the job id warning's "Probably misconfigured: ..." (none if absent)."""
     m = _MISCONFIGURED.search(message)
-    ranks: set[int] = set()
-    for part in m.group(1).split(",") if m else ():
-        low, _, high = part.strip().partition("-")
-        if low.isdigit() and (not high or high.isdigit()) and max(len(low), len(high)) < 10:
-            first = int(low)
-            ranks.update(range(first, min(int(high or low), first + MAX_RANKS) + 1))
-        if len(ranks) > MAX_RANKS:
-            break
-    return sorted(ranks)[:MAX_RANKS]
+    return parse_ranks(m.group(1)) if m else []

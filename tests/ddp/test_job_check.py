@@ -22,7 +22,7 @@ from ddpscope import agent
 from ddpscope.agent.records import JOB_IDS_DIFFER, validate_record
 from ddpscope.ddp import job_check, monitor
 from ddpscope.ddp.job_check import JobCheck
-from ddpscope.ddp.job_ids_text import Claim, id_source, job_ids_message, ranks_text
+from ddpscope.ddp.job_ids_text import Claim, id_source, job_ids_message
 from tests.ddp.watchdog_support import Records, in_memory_records
 from tests.support.procs import free_port, kill_group
 
@@ -295,12 +295,6 @@ def test_the_setting_an_id_came_from_is_named(environ: dict[str, str], job: str 
     from ddpscope.agent.config import default_job_id
 
     assert id_source(job or default_job_id(environ), environ) == source
-
-
-def test_ranks_are_listed_with_runs_of_three_or_more_as_ranges() -> None:
-    assert ranks_text([3]) == "rank 3"
-    assert ranks_text([2, 0]) == "ranks 0, 2"
-    assert ranks_text([0, 1, 2, 3, 5, 7, 8, 9, 11, 12]) == "ranks 0-3, 5, 7-9, 11, 12"
 
 
 def test_a_launch_where_every_rank_derived_its_own_id_is_told_in_bounded_words() -> None:

@@ -4,9 +4,10 @@ The real 2-rank jobs are in ``test_job_ids_differ_jobs.py``."""
 
 from __future__ import annotations
 
+from ddpscope.agent.rank_spans import MAX_PARSED_RANKS
 from ddpscope.server.analysis.incidents import diagnose
 from ddpscope.server.analysis.status import job_status
-from ddpscope.server.analysis.warning_incidents import MAX_RANKS, _misconfigured
+from ddpscope.server.analysis.warning_incidents import _misconfigured
 from tests.server.test_incidents import JobRecords
 
 T0 = 1_700_000_000.0
@@ -40,5 +41,5 @@ def test_the_misconfigured_ranks_are_read_as_written_and_a_forged_range_costs_li
     ]  # fmt: skip
     assert _misconfigured("Probably misconfigured: rank 12 (as many ranks use each id; ...)") == [12]
     assert _misconfigured("no such phrase") == []
-    assert len(_misconfigured("Probably misconfigured: ranks 0-999999999, 5")) == MAX_RANKS
+    assert len(_misconfigured("Probably misconfigured: ranks 0-999999999, 5")) == MAX_PARSED_RANKS
     assert _misconfigured("Probably misconfigured: ranks " + "9" * 5000 + ", 3") == [3]
