@@ -299,6 +299,17 @@ class Poster:
         self._rfile: Any = None
 
     def post(self, body: bytes) -> Outcome:
+        reused = self._sock is not None
+        outcome = self._post_once(body)
+        if reused and outcome.status is None:
+            # A collector closes a kept-alive connection that sat idle (uvicorn after 5 s: a rank quiet
+            # for a while, a SIGSTOP, a held GIL), and the first POST on it then fails without saying
+            # anything of the collector. Once more on a new connection: ingest is idempotent, and a
+            # collector that is really down refuses the connection at once.
+            outcome = self._post_once(body)
+        return outcome
+
+    def _post_once(self, body: bytes) -> Outcome:
         try:
             sock = self._sock or self._connect()
             # Head and body in one send: no Nagle / delayed-ACK stall between two small writes.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 from ddpscope.agent.transport import Poster
 
@@ -12,8 +13,12 @@ class RawServer:
     """A loopback server that answers each request with the next scripted raw bytes (None: hang up
     instead), closing the connection after an HTTP/1.0 answer or ``Connection: close``."""
 
-    def __init__(self, answers: list[bytes | None]) -> None:
+    def __init__(self, answers: list[bytes | None], idle_close_after: frozenset[int] = frozenset()) -> None:
         self.answers = answers
+        self.idle_close_after = idle_close_after
+        """Indexes of answers after which the server closes the connection unannounced, as a server's
+        keep-alive timeout does."""
+        self.answered = 0
         self.requests: list[bytes] = []
         self.connections = 0
         self.sock = socket.create_server(("127.0.0.1", 0))
@@ -34,8 +39,11 @@ class RawServer:
                     if answer is None:
                         break
                     conn.sendall(answer)
+                    self.answered += 1
                     if answer.startswith(b"HTTP/1.0") or b"connection: close" in answer.lower():
                         break  # as a server that answers so would: hang up
+                    if self.answered - 1 in self.idle_close_after:
+                        break
 
     @staticmethod
     def _request(conn: socket.socket) -> bytes | None:
@@ -87,6 +95,18 @@ def test_a_hang_up_or_garbage_is_a_transient_failure_and_the_next_post_reconnect
     assert hung_up.retry and hung_up.status is None and "RemoteDisconnected" in hung_up.detail
     assert garbage.retry and garbage.status is None and "ProtocolError" in garbage.detail
     assert ok.ok and server.connections == 3
+
+
+def test_a_kept_alive_connection_the_collector_closed_while_idle_is_replaced_without_a_failure() -> None:
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+    server = RawServer([ok, ok, ok], idle_close_after=frozenset({0, 1}))
+    poster = Poster(server.url, None, 5.0)
+    for i in range(3):
+        outcome = poster.post(b"x%d" % i)
+        assert outcome.ok, outcome
+        time.sleep(0.05)  # the server has closed the connection by the next post
+    assert server.connections == 3 and len(server.requests) == 3
+    poster.close()
 
 
 def test_an_unreachable_collector_is_a_transient_failure() -> None:
