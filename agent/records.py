@@ -356,8 +356,9 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             "code",
             STR,
             max_length=64,
-            doc="what is wrong, for the incident's kind: 'unsynced_gradients' (gradients DDP did not "
-            "all-reduce, so this rank's parameters drift from its peers')",
+            doc="what is wrong, for the incident's kind (WARNING_CODES): 'unsynced_gradients' (gradients DDP "
+            "did not all-reduce, so this rank's parameters drift from its peers') or 'job_ids_differ' (ranks "
+            "of one torch job report under different job ids)",
         ),
         Field("message", STR, doc="what happened and what to do, without the rank (the collector adds it)"),
         Field("parameters", STRS, required=False, doc="the parameters concerned, by name"),
