@@ -757,9 +757,7 @@ def _silent_when_stopped(r: int, live: Liveness) -> str:
     """A missing rank that had sent nothing, heartbeats included, for ``silent_after_s`` when it (or, if it
     never said, its peers) was stopped (``Liveness.stopped_silent``): how it ended is not what matters."""
     exit_ = live.exits.get(r)
-    stops = [float(e["time_ns"]) / 1e9 for e in live.exits.values() if e.get("reason") in STOP_SIGNALS]
-    stopped_s = float(exit_["time_ns"]) / 1e9 if exit_ is not None else min(stops, default=live.now_s)
-    quiet_s = stopped_s - live.stopped_silent[r]
+    quiet_s = (live.stopped_at_s(r) or live.now_s) - live.stopped_silent[r]
     how = f"it was stopped ({exit_.get('reason')})" if exit_ is not None else "its peers were stopped"
     return f"it had sent nothing for {quiet_s:.0f} s, heartbeats included, when {how} (see its rank_silent)"
 

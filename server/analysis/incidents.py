@@ -268,16 +268,17 @@ def _stopped_silent_incident(snapshot: JobSnapshot, live: Liveness, r: int, quie
     """A rank that had been silent for ``silent_after_s`` when a signal stopped it (``stopped_silent``): its
     exit must not make it look like a healthy rank cancelled with the rest."""
     exit_ = live.exits.get(r)
+    silent_s = (live.stopped_at_s(r) or live.now_s) - quiet_s
     if exit_ is not None:
         head = (
-            f"Rank {r} sent nothing for {record_s(exit_) - quiet_s:.0f} s{where(snapshot, r)} until it was "
+            f"Rank {r} sent nothing for {silent_s:.0f} s{where(snapshot, r)} until it was "
             f"stopped by {STOP_SIGNALS[str(exit_.get('reason'))]}"
         )
     else:
         stopped = {o: e for o, e in live.exits.items() if e.get("reason") in STOP_SIGNALS}
         first = min(stopped.values(), key=record_s)
         head = (
-            f"Rank {r} had sent nothing for {record_s(first) - quiet_s:.0f} s{where(snapshot, r)} when "
+            f"Rank {r} had sent nothing for {silent_s:.0f} s{where(snapshot, r)} when "
             f"{ranks_phrase(stopped)} {'was' if len(stopped) == 1 else 'were'} stopped by "
             f"{STOP_SIGNALS[str(first.get('reason'))]}, and it never reported an exit (killed after the "
             "signal, by SIGKILL, or still frozen)"

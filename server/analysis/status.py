@@ -152,6 +152,14 @@ class Liveness:
         with time alone, only with new records, e.g. a restarted rank)."""
         return self.failed or self.finished
 
+    def stopped_at_s(self, rank: int) -> float | None:
+        """When a signal (SIGTERM, SIGINT) stopped the rank: its own exit says so, or, for a rank that never
+        reported an exit, the first of its peers' stops; None when no rank was stopped."""
+        exit_ = self.exits.get(rank)
+        if exit_ is not None:
+            return _s(exit_) if exit_.get("reason") in STOP_SIGNALS else None
+        return min((_s(e) for e in self.exits.values() if e.get("reason") in STOP_SIGNALS), default=None)
+
     def seen_until_s(self, rank: int) -> float:
         """How far the rank's story runs: now, or its last sign of life once the whole job went quiet
         (killed, stopped), or its exit: a wait or a hang ended then, it does not keep growing."""
@@ -315,12 +323,10 @@ def _stopped_silent(snapshot: JobSnapshot, live: Liveness) -> dict[int, float]:
     exit (SIGKILLed after the SIGTERM it could not handle, or still frozen) counts when its last record came
     that long before the first of its peers' stops."""
     out: dict[int, float] = {}
-    stops: list[float] = []
     for r, exit_ in live.exits.items():
-        if exit_.get("reason") not in STOP_SIGNALS:
+        stopped_s = live.stopped_at_s(r)
+        if stopped_s is None:
             continue
-        stopped_s = _s(exit_)
-        stops.append(stopped_s)
         beat = snapshot.heartbeats.get(r)
         if beat is None or beat.get("stream") != exit_.get("stream"):
             continue  # no watchdog in that process, or the beat is an earlier process's
@@ -329,13 +335,12 @@ def _stopped_silent(snapshot: JobSnapshot, live: Liveness) -> dict[int, float]:
             quiet_s -= float(beat.get("silent_s") or 0.0)
         if stopped_s - quiet_s >= live.silent_after_s:
             out[r] = quiet_s
-    if stops:
-        first_stop_s = min(stops)
-        for r in live.ranks:
-            seen = live.last_alive_s.get(r)
-            gone = r in live.exits or r in live.fatal or r in live.crashed
-            if not gone and seen is not None and first_stop_s - seen >= live.silent_after_s:
-                out[r] = seen
+    for r in live.ranks:
+        seen = live.last_alive_s.get(r)
+        gone = r in live.exits or r in live.fatal or r in live.crashed
+        peers_stopped_s = None if gone else live.stopped_at_s(r)
+        if peers_stopped_s is not None and seen is not None and peers_stopped_s - seen >= live.silent_after_s:
+            out[r] = seen
     return out
 
 
