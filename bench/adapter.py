@@ -219,10 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         started = time.monotonic()
-        # No collector listens on a fresh free port: the shipper keeps the records in the spool.
+        # No collector listens on a fresh free port: the shipper keeps the records in the spool, and
+        # gives up at once when its rank exits instead of retrying for ten minutes into a deleted folder.
         env = {
             "DDPSCOPE_SPOOL_DIR": os.path.join(tmp, "spool"),
             "DDPSCOPE_URL": f"http://127.0.0.1:{free_port()}",
+            "DDPSCOPE_SHIPPER_LINGER_S": "0",
         }
         runs = run_module_ranks(
             "bench.adapter",
