@@ -279,9 +279,9 @@ def test_a_sigkilled_rank_is_the_culprit_and_the_survivors_errors_are_attached(
     assert tl["step"] == FAULT_STEP, tl
     (survivor,) = tl["ranks"]
     assert (survivor["rank"], survivor["state"], survivor["phase"]) == (0, "failed", "allreduce"), survivor
-    assert any(b["open"] for b in survivor["buckets"]) and "Connection closed" in survivor["message"], (
-        survivor
-    )
+    assert any(b["open"] for b in survivor["buckets"]), survivor
+    # gloo words a SIGKILLed peer either way, depending on whether its socket saw the FIN or an RST.
+    assert any(lost in survivor["message"] for lost in ("Connection closed", "Connection reset")), survivor
 
 
 def test_a_user_all_reduce_issued_on_one_rank_only_names_that_rank_and_its_line(
