@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "failure_jobs"))
 import _capture  # noqa: E402  (the failure jobs' JSON-lines exporter, shared)
 
 from ddpscope.ddp.adapter import instrument, instrumentation  # noqa: E402
+from tests.support.cut_short import train_through_a_caught_backward_failure  # noqa: E402
 from tests.support.job_end import destroy_together  # noqa: E402
 
 STEPS = 6
@@ -335,28 +336,11 @@ def cut_short(rank: int) -> dict[str, Any]:
     Reducer then blames unused parameters at the next forward, and ddpscope's note says otherwise."""
     inner = mlp(3, 16)
     model = instrument(DDP(inner))
-    caught: list[int] = []
-
-    def explode(grad: torch.Tensor) -> None:
-        raise RuntimeError("out of memory (simulated)")
-
-    try:
-        for step in range(3):
-            out = model(batch(rank, step, 16))
-            # Halfway through backward: the last layer has its gradients, the first never gets them.
-            handle = inner[1].weight.register_hook(explode) if step == 1 else None
-            try:
-                out.sum().backward()
-            except RuntimeError as e:
-                if "out of memory" not in str(e):
-                    raise
-                caught.append(step)
-            finally:
-                if handle is not None:
-                    handle.remove()
-        return {"notes": None, "caught": caught}
-    except RuntimeError as e:
-        return {"notes": getattr(e, "__notes__", []), "caught": caught}
+    # Halfway through backward: the last layer has its gradients, the first never gets them.
+    error, caught = train_through_a_caught_backward_failure(
+        model, lambda step: batch(rank, step, 16), inner[1].weight
+    )
+    return {"notes": None if error is None else getattr(error, "__notes__", []), "caught": caught}
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ from torch import nn
 
 from ddpscope import agent
 from ddpscope.ddp import DistributedDataParallel
+from tests.support.cut_short import train_through_a_caught_backward_failure
 from tests.support.job_end import destroy_together
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "failure_jobs"))
@@ -114,28 +115,11 @@ def cut_short(rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     module = Branchy()
     model = DistributedDataParallel(module)
-    caught: list[int] = []
-
-    def explode(grad: torch.Tensor) -> None:
-        raise RuntimeError("out of memory (simulated)")
-
-    try:
-        for step in range(3):
-            out = model(torch.randn(4, 8))
-            # Halfway through backward: the head has its gradients, the trunk never gets them.
-            handle = module.trunk.weight.register_hook(explode) if step == 1 else None
-            try:
-                out.sum().backward()
-            except RuntimeError as e:
-                if "out of memory" not in str(e):
-                    raise
-                caught.append(step)
-            finally:
-                if handle is not None:
-                    handle.remove()
-        return {"message": None, "caught": caught}
-    except RuntimeError as e:
-        return {"message": str(e), "caught": caught}
+    # Halfway through backward: the head has its gradients, the trunk never gets them.
+    error, caught = train_through_a_caught_backward_failure(
+        model, lambda step: torch.randn(4, 8), module.trunk.weight
+    )
+    return {"message": None if error is None else str(error), "caught": caught}
 
 
 def progress(rank: int) -> dict[str, Any]:
