@@ -147,7 +147,10 @@ UNSYNCED_GRADIENTS = "unsynced_gradients"
 """Gradients a rank's DDP never all-reduced (``ddp/drift.py``): its parameters drift from its peers'."""
 JOB_IDS_DIFFER = "job_ids_differ"
 """Ranks of one torch job report under different job ids (``ddp/job_check.py``): each id a job of its own."""
-WARNING_CODES = frozenset({UNSYNCED_GRADIENTS, JOB_IDS_DIFFER})
+NONFINITE_LOSS = "nonfinite_loss"
+"""The gradient a rank's loss sent into its model's output was NaN or Inf (``ddp/nonfinite.py``): said when
+a run of such steps begins, and again (with ``finite_again_step``) when it ends."""
+WARNING_CODES = frozenset({UNSYNCED_GRADIENTS, JOB_IDS_DIFFER, NONFINITE_LOSS})
 """The ``warning`` record's codes ddpscope's training side sends (each an incident kind at the collector)."""
 
 RECORD_KINDS: dict[str, tuple[Field, ...]] = {
@@ -357,12 +360,27 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             STR,
             max_length=64,
             doc="what is wrong, for the incident's kind (WARNING_CODES): 'unsynced_gradients' (gradients DDP "
-            "did not all-reduce, so this rank's parameters drift from its peers') or 'job_ids_differ' (ranks "
-            "of one torch job report under different job ids)",
+            "did not all-reduce, so this rank's parameters drift from its peers'), 'job_ids_differ' (ranks "
+            "of one torch job report under different job ids) or 'nonfinite_loss' (the gradient the rank's "
+            "loss sent into its model's output was NaN or Inf, from ``step`` on)",
         ),
         Field("message", STR, doc="what happened and what to do, without the rank (the collector adds it)"),
         Field("parameters", STRS, required=False, doc="the parameters concerned, by name"),
         Field("call_site", STR, nullable=True, required=False, doc="file:line of the user's call at fault"),
+        Field(
+            "syncs",
+            INT,
+            required=False,
+            doc="'nonfinite_loss': synchronised backwards the rank had completed before ``step``'s backward, "
+            "which ranks share whatever forwards each ran without syncing (see replica_digest)",
+        ),
+        Field(
+            "finite_again_step",
+            INT,
+            required=False,
+            doc="'nonfinite_loss': the first step after ``step`` whose loss gradient was finite again; sent "
+            "in a second warning when the run of non-finite steps ends, absent while it lasts",
+        ),
     ),
     # A fingerprint of the rank's copy of the model (ddp/replicas.py), at the start of a training forward
     # on a schedule of sync counts every rank shares; the collector compares the ranks' digests of one count.

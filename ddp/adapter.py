@@ -78,6 +78,7 @@ from ddpscope.ddp.compile_skip import call_model, runs_model
 from ddpscope.ddp.drift import BACKWARD_CUT_SHORT, FROZEN_AFTER_WRAP, UNFINISHED_REDUCTION, FrozenAtWrap
 from ddpscope.ddp.errors import report_error
 from ddpscope.ddp.groups import global_rank, group_size, pg_name, replica_ranks
+from ddpscope.ddp.nonfinite import LossWatch
 from ddpscope.ddp.outputs import grad_tensors, hook_backward_start
 from ddpscope.ddp.outside_forward import OutsideForward
 from ddpscope.ddp.progress import PROGRESS, no_step
@@ -249,6 +250,8 @@ class Instrumentation:
         in backward that the training loop caught): torch's Reducer raises there, blaming unused
         parameters."""
         self._outside = OutsideForward(names, self._rank)
+        self._losses = LossWatch(self._rank)
+        """Says when the gradient the loss sends into the model's output turns NaN or Inf, and back."""
         self._watched: dict[int, tuple[Any, PlannedCollective | None]] = {}
         """seq -> (future, plan) of each all-reduce whose end a completion callback is to record; the
         callback or the end of backward, whichever pops it first (atomic under the GIL), records it.
@@ -440,6 +443,7 @@ class Instrumentation:
         first sign of backward."""
         if not self._queued:
             self._begin_backward()
+        self._losses.check(grad, self._cur, self._syncs)
 
     def _begin_backward(self) -> None:
         self._queued = True
@@ -687,6 +691,7 @@ class Instrumentation:
         except Exception:
             logger.warning("ddpscope: building the step record failed", exc_info=True)
         finally:
+            self._losses.backward_done()
             self._active = False
             self._queued = False
             self._armed = False

@@ -33,6 +33,7 @@ from ddpscope.ddp.buckets import Bucket, ParamSpec, assign_buckets, build_bucket
 from ddpscope.ddp.collectives import RECORDER, dtype_name
 from ddpscope.ddp.cuda_timing import CudaBucketEvents
 from ddpscope.ddp.drift import FROZEN_AFTER_WRAP
+from ddpscope.ddp.nonfinite import LossWatch
 from ddpscope.ddp.outputs import grad_tensors, hook_backward_start
 from ddpscope.ddp.outside_forward import OutsideForward
 from ddpscope.ddp.progress import PROGRESS
@@ -94,6 +95,8 @@ class Reducer:
         self.syncs = 0
         """Synchronised backwards finalized: all-reduce rounds, the same count on every rank."""
         self.outside = OutsideForward(self.names, rank)
+        self.losses = LossWatch(rank)
+        """Says when the gradient the loss sends into the model's output turns NaN or Inf, and back."""
         self.ready_log: list[int] | None = None
         """Parameter indices in gradient-ready order, recorded in synced backwards until the rebuild."""
         self.log_complete = False
@@ -225,6 +228,7 @@ class Reducer:
         first sign of backward."""
         if not self.queued:
             self._begin_backward()
+        self.losses.check(grad, self.step, self.syncs)
 
     def _begin_backward(self) -> None:
         self.queued = True
@@ -393,6 +397,7 @@ class Reducer:
             else:
                 self.timer.emit()
         finally:
+            self.losses.backward_done()
             if self.active and self.find_unused:
                 self.window_used = bytearray(len(self.params))  # the accumulation window ends here
             self.active = False
