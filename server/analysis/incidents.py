@@ -35,6 +35,8 @@
   engine's "did not receive grad" error; grouped by ranks and bucket.
 - a ``warning`` record's code, e.g. ``unsynced_gradients``: gradients a rank's DDP never all-reduced
   (``warning_incidents``); the same warning from several ranks is one incident.
+- ``nonfinite_loss``: the rank whose loss went NaN or Inf first, before DDP's all-reduce spread it to every
+  rank, and whether the ranks recovered (``nonfinite``).
 - ``replicas_diverged`` and ``nonfinite_parameters``: the ranks' copies of the model compared through their
   ``replica_digest`` records (``replica_divergence``).
 - ``settings_differ``: ranks whose ``rank_start`` disagree on settings that must agree (versions, world
@@ -80,6 +82,7 @@ from ddpscope.server.analysis.incident_model import (
     user_frame,
     where,
 )
+from ddpscope.server.analysis.nonfinite import nonfinite_incidents
 from ddpscope.server.analysis.rank_settings import settings_incidents
 from ddpscope.server.analysis.replica_divergence import replica_incidents
 from ddpscope.server.analysis.snapshot import (
@@ -185,6 +188,7 @@ def diagnose(
     out += hang_incidents(snapshot, live, colls, missing, blame, graph)
     out += _unused_incidents(snapshot, live)
     out += warning_incidents(snapshot)
+    out += nonfinite_incidents(snapshot)
     out += replica_incidents(snapshot)
     out += settings
     out += _before_restart_incidents(previous, restart_s, silent_after_s)

@@ -8,7 +8,8 @@ Two incidents come from them:
   tie, nobody is singled out). Looked for only when the newest comparison still differs: replicas that agree
   again (the state broadcast at the end of torch's ``Join``, a checkpoint reloaded on every rank) are healthy.
 - ``nonfinite_parameters``: a parameter's norm became NaN or infinite. DDP's all-reduce spreads one rank's
-  NaN gradient to every rank, so this names the parameters and the steps between which it happened.
+  NaN gradient to every rank, so this names the parameters and the steps between which it happened; when a
+  rank's loss went NaN or Inf first, the ``nonfinite_loss`` incident names that rank, and this one says so.
 
 Neither changes the job's status: the job runs on, producing a wrong model.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
+from ddpscope.agent.records import NONFINITE_LOSS
 from ddpscope.server.analysis.incident_model import Incident, Record, capitalized, ranks_phrase, record_s
 from ddpscope.server.analysis.snapshot import JobSnapshot
 
@@ -40,6 +42,7 @@ def replica_incidents(snapshot: JobSnapshot) -> list[Incident]:
         model = (int(d["model"]), tuple(d.get("replicas") or ()))
         by_model.setdefault(model, {}).setdefault(int(d["syncs"]), {})[int(d["rank"])] = d
     names = _Names(snapshot)
+    loss_said = any(w["code"] == NONFINITE_LOSS for w in snapshot.warnings)
     out: list[Incident] = []
     for _, moments in sorted(by_model.items()):
         ordered = []
@@ -47,7 +50,7 @@ def replica_incidents(snapshot: JobSnapshot) -> list[Incident]:
             digests = _comparable(moments[syncs])
             ordered.append((int(digests[min(digests)]["step"]), digests))
         out += _diverged(ordered, names)
-        out += _nonfinite(ordered, names)
+        out += _nonfinite(ordered, names, loss_said)
     return out
 
 
@@ -196,7 +199,10 @@ def _diverged_incident(
     )
 
 
-def _nonfinite(ordered: list[tuple[int, dict[int, Record]]], names: _Names) -> list[Incident]:
+def _nonfinite(
+    ordered: list[tuple[int, dict[int, Record]]], names: _Names, loss_said: bool
+) -> list[Incident]:
+    """``loss_said``: some rank said its loss went NaN or Inf (``nonfinite.py``), which names the origin."""
     last_finite: int | None = None
     for step, digests in ordered:
         bad: dict[int, list[int]] = {}
@@ -214,8 +220,13 @@ def _nonfinite(ordered: list[tuple[int, dict[int, Record]]], names: _Names) -> l
         params = names.of(digests[ranks[0]], sorted(bad))
         shown = _shown(params)
         since = f"between steps {last_finite} and {step}" if last_finite is not None else f"by step {step}"
+        origin = (
+            "the nonfinite_loss incident names the rank whose loss went first"
+            if loss_said
+            else "the origin can be any rank"
+        )
         where = "on every rank: DDP's all-reduce spreads one rank's non-finite gradient to all of them, so " \
-            "the origin can be any rank" if everyone else f"on {ranks_phrase(ranks)} only"  # fmt: skip
+            f"{origin}" if everyone else f"on {ranks_phrase(ranks)} only"  # fmt: skip
         message = (
             f"Parameters became {' or '.join(sorted(kinds))} {since}: {shown}, {where}. Every later step "
             "trains on garbage. Look at the loss and the gradients of those steps (a learning rate too high, "

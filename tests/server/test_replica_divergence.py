@@ -163,6 +163,23 @@ def test_parameters_gone_nan_on_every_rank_are_dated_without_blaming_a_rank() ->
     assert n.step == 8 and n.parameters == ["enc.weight", "head.weight"] and n.culprit_ranks == []
     assert n.message.startswith("Parameters became NaN between steps 4 and 8")
     assert "spreads one rank's non-finite gradient" in n.message
+    assert "so the origin can be any rank" in n.message
+
+
+def test_parameters_gone_nan_after_a_ranks_nan_loss_point_at_the_incident_that_names_it() -> None:
+    job = started(2)
+    with_order(job)
+    nan = [-1.0, -1.0, 0.5]
+    digests(job, {0: {0: HEALTHY, 1: HEALTHY}, 4: {0: HEALTHY, 1: HEALTHY}, 8: {0: nan, 1: nan}})
+    message = "the gradient its loss sent into the model's output was NaN or Inf at step 6."
+    job.add("warning", 1, T0 + 1.65, step=6, syncs=6, code="nonfinite_loss", message=message)
+    incidents = diagnose(job.snapshot(), T0 + 10)
+    n = only(incidents, "nonfinite_parameters")
+    assert (
+        n.culprit_ranks == []
+        and "the nonfinite_loss incident names the rank whose loss went first" in n.message
+    )
+    assert only(incidents, "nonfinite_loss").culprit_ranks == [1]
 
 
 def test_an_infinite_norm_on_one_rank_only_names_that_rank() -> None:

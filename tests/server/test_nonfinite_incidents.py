@@ -1,0 +1,168 @@
+"""``nonfinite_loss`` warnings as one incident: the rank whose loss went NaN or Inf first (by sync count, else
+by step), the ranks that followed, and whether they recovered. The real 2-rank jobs are in
+``test_nonfinite_jobs.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddpscope.server.analysis.incidents import Incident, diagnose
+from ddpscope.server.analysis.status import job_status
+from ddpscope.server.analysis.warning_incidents import warning_incidents
+from tests.server.test_incidents import JobRecords
+
+T0 = 1_700_000_000.0
+NOW = T0 + 5
+BEGAN = (
+    "the gradient its loss sent into the model's output was NaN or Inf (a NaN or Inf loss or model output)."
+)
+ENDED = "its loss gradient was finite again."
+"""What ``ddp/nonfinite.py`` writes, near enough: the collector reads the fields, never the text."""
+
+
+def started(world: int) -> JobRecords:
+    job = JobRecords(world=world)
+    for rank in range(world):
+        job.start(rank, T0)
+        job.heartbeat(rank, T0 + 1)
+    return job
+
+
+def nan(
+    job: JobRecords, rank: int, t: float, step: int, syncs: int | None = None, *, again: int | None = None
+) -> None:
+    """A run of non-finite steps beginning at ``step`` (after ``syncs`` synced backwards), or, with ``again``,
+    ending at that step."""
+    fields: dict[str, Any] = {} if syncs is None else {"syncs": syncs}
+    if again is not None:
+        fields["finite_again_step"] = again
+    job.add("warning", rank, t, step=step, code="nonfinite_loss", message=ENDED if again else BEGAN, **fields)
+
+
+def only(job: JobRecords) -> Incident:
+    (inc,) = [i for i in diagnose(job.snapshot(), NOW) if i.kind == "nonfinite_loss"]
+    return inc
+
+
+def test_one_rank_first_is_the_culprit_and_the_others_follow() -> None:
+    job = started(4)
+    for rank in (0, 1, 2):  # their warnings reached the collector first: the sync count decides, not the time
+        nan(job, rank, T0 + 2, 121, 121)
+    nan(job, 3, T0 + 2.5, 120, 120)
+    inc = only(job)
+    assert (inc.rank, inc.step, inc.culprit_ranks, inc.time_s) == (3, 120, [3], T0 + 2.5)
+    assert inc.message == (
+        "Rank 3's loss was NaN or Inf at step 120 (the gradient it sent into its model's output was not finite) "
+        "while ranks 0, 1, 2's were still finite: its batch or its forward made it. DDP's all-reduce averaged it "
+        "into every rank's gradients; ranks 0, 1, 2 followed from step 121. The loss has not been finite since "
+        "on ranks 0, 1, 2, 3: the parameters are NaN or Inf and training on is wasted. Look at rank 3's batch "
+        "of step 120 and at the forward and loss on it (a log or division near zero, an overflow in float16); "
+        "restart from a checkpoint taken before step 120."
+    )
+
+
+def test_a_recovered_episode_says_a_loss_scaler_skipped_it_and_only_the_ranks_still_nan_are_named() -> None:
+    job = started(2)
+    nan(job, 1, T0 + 2, 3, 3)
+    nan(job, 1, T0 + 2.1, 3, 3, again=4)
+    inc = only(job)
+    assert (inc.rank, inc.step, inc.culprit_ranks) == (1, 3, [1])
+    assert "while rank 0's was still finite" in inc.message
+    assert "followed" not in inc.message and "restart" not in inc.message
+    assert "not been finite since" not in inc.message
+    assert (
+        "Every rank's loss was finite again from step 4 (a loss scaler such as torch.amp.GradScaler skips such "
+        "a step and lowers its scale: harmless if rare)." in inc.message
+    )
+    job = started(2)  # rank 1 recovers at step 6, but rank 0 followed at step 4 and never recovered
+    nan(job, 1, T0 + 2, 3, 3)
+    nan(job, 0, T0 + 2.05, 4, 4)
+    nan(job, 1, T0 + 2.1, 3, 3, again=6)
+    inc = only(job)
+    assert (inc.rank, inc.culprit_ranks) == (1, [1])
+    assert "rank 0 followed from step 4. The loss has not been finite since on rank 0:" in inc.message
+    assert "finite again" not in inc.message
+
+
+def test_every_rank_at_once_is_something_they_share_not_one_ranks_batch() -> None:
+    job = started(3)
+    for rank in (2, 0, 1):
+        nan(job, rank, T0 + 2 + rank / 10, 50, 50)
+    inc = only(job)
+    assert (inc.rank, inc.step, inc.culprit_ranks, inc.time_s) == (0, 50, [0, 1, 2], T0 + 2)
+    assert inc.message.startswith(
+        "Every rank's loss was NaN or Inf from step 50 at once (the same synchronised backward): not one "
+        "rank's data but something they share: parameters already non-finite"
+    )
+    assert "Look at" not in inc.message
+    assert inc.message.endswith("Restart from a checkpoint taken before step 50.")
+
+
+def test_some_ranks_at_once_while_another_was_finite_are_the_culprits() -> None:
+    job = started(3)  # rank 2 never said anything: its loss stayed finite
+    for rank in (1, 0):
+        nan(job, rank, T0 + 2, 50, 50)
+    inc = only(job)
+    assert (inc.rank, inc.step, inc.culprit_ranks) == (0, 50, [0, 1])
+    assert inc.message.startswith(
+        "Ranks 0, 1's loss was NaN or Inf at step 50 (the gradients they sent into their models' outputs were "
+        "not finite) while rank 2's was still finite: their batches or their forwards made it."
+    )
+    assert "Look at ranks 0, 1's batches of step 50" in inc.message
+
+
+def test_ranks_whose_step_numbers_differ_are_compared_by_syncs() -> None:
+    job = started(2)
+    nan(job, 1, T0 + 2, 100, 51)  # a lower step, but one sync later
+    nan(job, 0, T0 + 2.5, 200, 50)
+    inc = only(job)
+    assert (inc.rank, inc.step, inc.culprit_ranks) == (0, 200, [0])
+    assert "rank 1 followed from step 100" in inc.message
+
+
+def test_records_without_syncs_are_compared_by_step() -> None:
+    job = started(2)
+    nan(job, 0, T0 + 2, 8)
+    nan(job, 1, T0 + 2.5, 7)
+    nan(job, 1, T0 + 2.6, 7, again=9)
+    nan(job, 0, T0 + 2.7, 8, again=9)
+    inc = only(job)
+    assert (inc.rank, inc.step, inc.culprit_ranks, inc.time_s) == (1, 7, [1], T0 + 2.5)
+    assert "rank 0 followed from step 8" in inc.message
+    assert "Every rank's loss was finite again from step 9" in inc.message
+    assert "later episode" not in inc.message
+
+
+def test_a_later_episode_is_counted_in_the_same_incident() -> None:
+    job = started(2)
+    nan(job, 1, T0 + 2, 3, 3)
+    nan(job, 1, T0 + 2.1, 3, 3, again=4)
+    nan(job, 0, T0 + 3, 40, 40)  # after every rank recovered: a new episode, not a follower
+    nan(job, 0, T0 + 3.1, 40, 40, again=41)
+    nan(job, 1, T0 + 4, 90, 90)
+    inc = only(job)
+    assert (inc.rank, inc.step, inc.culprit_ranks) == (1, 3, [1])
+    assert "followed" not in inc.message
+    assert "Every rank's loss was finite again from step 4" in inc.message
+    assert "2 later episodes began at steps 40, 90." in inc.message
+
+
+def test_the_generic_warning_path_makes_no_second_incident_of_these_warnings() -> None:
+    job = started(2)
+    nan(job, 1, T0 + 2, 3, 3)
+    nan(job, 0, T0 + 2.1, 4, 4)
+    job.add("warning", 0, T0 + 2.2, step=4, code="unsynced_gradients", message="gradients not all-reduced.")
+    assert [i.kind for i in warning_incidents(job.snapshot())] == ["unsynced_gradients"]
+    kinds = sorted(i.kind for i in diagnose(job.snapshot(), NOW))
+    assert kinds == ["nonfinite_loss", "unsynced_gradients"]
+
+
+def test_the_job_status_is_what_it_was_without_the_warnings() -> None:
+    job = JobRecords(world=2)
+    for rank in (0, 1):
+        job.start(rank, T0)
+    t = job.train(5)
+    before = job_status(job.snapshot(), t)
+    nan(job, 1, t - 0.3, 2, 2)
+    nan(job, 0, t - 0.2, 3, 3)
+    assert before == job_status(job.snapshot(), t) == "running"
