@@ -1,0 +1,59 @@
+"""A rank of a 2-rank job whose rank 1 gets a batch with a NaN in it at step NAN_STEP (DDPSCOPE_URL,
+DDPSCOPE_JOB from the env; TRAIN_ENGINE=torch: torch's DDP observed by ``instrument()``).
+
+    python nan_batch.py spread|skipped
+
+``spread``: the loop steps the optimizer as usual, so the NaN the all-reduce averaged into every rank's
+gradients is in every rank's parameters from then on: rank 0's loss is NaN from the next step. ``skipped``:
+the loop skips the optimizer step when the (all-reduced, so the same on every rank) gradients are not
+finite, as a loss scaler does: every rank is finite again from the next step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpscope import agent
+from ddpscope.ddp import DistributedDataParallel, instrument
+from tests.support.job_end import destroy_together
+
+STEPS = 8
+NAN_STEP = 3
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    if os.environ.get("TRAIN_ENGINE") == "torch":
+        model: nn.Module = instrument(nn.parallel.DistributedDataParallel(net))
+    else:
+        model = DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    torch.manual_seed(1 + rank)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x = torch.randn(8, 16)
+        if rank == 1 and step == NAN_STEP:
+            x[2, 5] = float("nan")  # one bad sample in this rank's batch
+        loss = (model(x) - 1).square().mean()
+        loss.backward()
+        finite = all(bool(p.grad.isfinite().all()) for p in model.parameters() if p.grad is not None)
+        if finite or mode == "spread":
+            opt.step()
+    agent.emit({"kind": "rank_exit", "step": STEPS - 1, "reason": "finished"})
+    agent.get_agent().force_flush(10.0)
+    destroy_together()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

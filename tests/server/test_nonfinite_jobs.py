@@ -1,0 +1,90 @@
+"""Real 2-rank gloo jobs whose rank 1 gets a batch with a NaN at step 3, under ddpscope's engine and under
+torch's DDP with ``instrument()`` (``jobs/nan_batch.py``). DDP's all-reduce puts the NaN in rank 0's
+gradients too, so every rank's log reads ``loss: nan``; the collector's ``nonfinite_loss`` incident names
+rank 1 and step 3, and says whether the ranks recovered: not when the loop steps the optimizer on the NaN
+(``spread``), yes when it skips that step as a loss scaler does (``skipped``).
+
+Every rank and the collector are killed by process group when the module's jobs are done."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.collector_proc import CollectorProc
+from tests.support.procs import started_ranks
+from tests.support.real_job import RealJob
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).parent / "jobs" / "nan_batch.py"
+JOBS = (("ddpscope", "spread"), ("torch", "spread"), ("torch", "skipped"))
+WAIT_S = 150.0
+"""Deadline for the diagnosis: 6 ranks import torch at once on 2 cores first."""
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[str, str], RealJob]]:
+    """One job per (engine, mode), started at once against one real collector; killed at the end."""
+    tmp = tmp_path_factory.mktemp("nonfinite")
+    with contextlib.ExitStack() as stack:
+        collector = stack.enter_context(
+            CollectorProc(f"sqlite:///{tmp / 'ddpscope.db'}", log_path=tmp / "collector.log")
+        )
+        url = collector.start()
+        started: dict[tuple[str, str], RealJob] = {}
+        for engine, mode in JOBS:
+            job_id = f"nan-{engine}-{mode}-{uuid.uuid4().hex[:6]}"
+            env = {
+                "DDPSCOPE_URL": url,
+                "DDPSCOPE_JOB": job_id,
+                "DDPSCOPE_SPOOL_DIR": str(tmp / job_id),
+                "TRAIN_ENGINE": engine,
+            }
+            procs = stack.enter_context(started_ranks(SCRIPT, 2, args=[mode], env=env))
+            started[engine, mode] = RealJob(url, job_id, procs, wait_s=WAIT_S, engine=engine)
+        yield started
+
+
+def nonfinite_loss(incidents: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [i for i in incidents if i["kind"] == "nonfinite_loss"]
+
+
+def finished(j: RealJob) -> str | None:
+    deadline = time.monotonic() + WAIT_S
+    while j.status() != "finished" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return j.status()
+
+
+@pytest.mark.parametrize("engine", ["ddpscope", "torch"])
+def test_the_rank_whose_batch_held_a_nan_is_named_with_its_step_though_every_rank_went_nan(
+    jobs: dict[tuple[str, str], RealJob], engine: str
+) -> None:
+    j = jobs[engine, "spread"]
+    assert j.exited_cleanly(), j.logs()
+    assert finished(j) == "finished"  # a NaN stops nothing: the job runs on, on garbage
+    (inc,) = j.wait_for("rank 1's NaN loss", nonfinite_loss)
+    assert (inc["rank"], inc["step"], inc["culprit_ranks"]) == (1, 3, [1]), inc
+    message = inc["message"]
+    assert "step 3" in message and "rank 0" in message.lower(), inc  # rank 0 followed, from step 4
+    assert "not been finite since" in message, inc
+    # The parameters' digests see the NaN too, on every rank; the loss incident is the one that names rank 1.
+    kinds = {i["kind"] for i in j.incidents()}
+    assert kinds <= {"nonfinite_loss", "nonfinite_parameters"}, j.incidents()
+
+
+def test_a_nan_step_the_loop_skipped_is_said_to_have_recovered(jobs: dict[tuple[str, str], RealJob]) -> None:
+    j = jobs["torch", "skipped"]
+    assert j.exited_cleanly(), j.logs()
+    assert finished(j) == "finished"
+    (inc,) = j.wait_for("rank 1's skipped NaN step", nonfinite_loss)
+    assert (inc["rank"], inc["step"], inc["culprit_ranks"]) == (1, 3, [1]), inc
+    assert "finite again from step 4" in inc["message"], inc
+    # The optimizer never took the NaN: every rank's parameters stayed finite.
+    assert [i["kind"] for i in j.incidents()] == ["nonfinite_loss"], j.incidents()
