@@ -23,7 +23,7 @@ from pathlib import Path
 from ddpscope.cli.client import Client, CollectorError
 from ddpscope.cli.report import safe, stopped_step
 
-SCENARIOS = ("healthy", "straggler", "unused", "mismatch", "diverged", "crash", "hang")
+SCENARIOS = ("healthy", "straggler", "unused", "mismatch", "diverged", "nan", "crash", "hang")
 
 DESCRIPTIONS = {
     "healthy": "a healthy job: no incident expected",
@@ -31,6 +31,7 @@ DESCRIPTIONS = {
     "unused": "the last rank stops using a layer at step 6 (find_unused_parameters=False)",
     "mismatch": "the last rank issues two same-shape all-reduces in the opposite order",
     "diverged": "the last rank loads a checkpoint after wrapping at step 6 (if rank == ...: load_state_dict)",
+    "nan": "the last rank's batch holds a NaN at step 6 (a corrupt sample)",
     "crash": "the last rank is SIGKILLed at step 6",
     "hang": "the last rank stops before forward at step 6 (a stuck data loader)",
 }

@@ -3,7 +3,8 @@
 Run by ``ddpscope demo`` as ``python -m ddpscope.cli.scenario_job --scenario NAME --steps N`` in each
 rank's own process (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and DDPSCOPE_* set by the launcher).
 The faults are real ones, not simulated records: a slow rank, a parameter that gets no gradient, two
-collectives issued in a different order, a rank killed by SIGKILL, a rank that stops issuing work.
+collectives issued in a different order, a rank killed by SIGKILL, a rank that stops issuing work, a batch
+with a NaN in it.
 """
 
 from __future__ import annotations
@@ -86,9 +87,14 @@ def main() -> None:
             else:
                 dist.all_reduce(a, op=dist.ReduceOp.SUM)
                 dist.all_reduce(b, op=dist.ReduceOp.MAX)
+        batch = x
+        if step == FAULT_STEP and rank == unlucky and scenario == "nan":
+            # One corrupt sample on one rank: its loss is NaN, and the all-reduce carries it to every rank.
+            batch = x.clone()
+            batch[0, 0] = float("nan")
         optimizer.zero_grad(set_to_none=True)
         started = time.perf_counter()
-        out = ddp(x)
+        out = ddp(batch)
         forward_s.append(time.perf_counter() - started - model.slow_s)
         loss = nn.functional.cross_entropy(out, y)
         loss.backward()

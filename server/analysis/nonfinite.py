@@ -146,10 +146,13 @@ def _origin_sentence(origin: list[int], step: int, others: list[int], episode: l
     )
     if not others:
         return f"{text}: {'its batch or its forward' if one else 'their batches or their forwards'} made it."
+    still_finite = (
+        f"{ranks_phrase(others)}'s was" if len(others) == 1 else f"the losses of {ranks_phrase(others)} were"
+    )
+    made = "its batch or its forward" if one else "their batches or their forwards"
     text += (
-        f" while {ranks_phrase(others)}'s {'was' if len(others) == 1 else 'were'} still finite: "
-        f"{'its batch or its forward' if one else 'their batches or their forwards'} made it. DDP's all-reduce "
-        "averaged it into every rank's gradients"
+        f" while {still_finite} still finite: {made} made it. DDP's all-reduce averaged it into every rank's "
+        "gradients"
     )
     followed: dict[int, int] = {}  # rank -> the step its first run of the episode began
     for run in episode:

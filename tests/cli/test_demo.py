@@ -41,6 +41,18 @@ def test_the_demo_of_a_checkpoint_loaded_on_one_rank_prints_the_diverged_replica
 
 
 @pytest.mark.slow
+def test_the_demo_of_a_nan_batch_on_one_rank_names_that_rank_though_every_rank_went_nan(
+    tmp_path: Path,
+) -> None:
+    code, out = run_demo(tmp_path, "nan")
+    assert code == 0, out
+    assert "status: finished" in out, out  # nothing fails: the job trains on NaN
+    assert "[nonfinite_loss] Rank 1's loss was NaN or Inf at step 6" in out, out
+    assert "rank 0 followed from step 7" in out and "has not been finite since on ranks 0, 1" in out, out
+    assert "so the nonfinite_loss incident names the rank whose loss went first" in out, out
+
+
+@pytest.mark.slow
 def test_the_demo_stops_a_hung_job_with_sigterm_so_only_the_stuck_rank_is_blamed(tmp_path: Path) -> None:
     code, out = run_demo(tmp_path, "hang")
     assert code == 0, out
