@@ -59,6 +59,8 @@ class LossWatch:
         self._step_bad = False
         self._pending: deque[tuple[torch.Tensor, Any, int, int]] = deque()
         """CUDA: (pinned host flag, event, step, syncs) of checks whose answer is still on its way."""
+        self._spare: list[torch.Tensor] = []
+        """CUDA: pinned host flags read already, to be written again (a pinned allocation is not free)."""
 
     def check(self, grad: Any, step: int, syncs: int) -> None:
         """From the output-gradient hook of step ``step``'s backward, after ``syncs`` synchronised backwards:
@@ -88,7 +90,7 @@ class LossWatch:
         total = _sum(grads[0])
         for g in grads[1:]:
             total = total + _sum(g).to(total.device)  # NaN and Inf survive the addition too
-        flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+        flag = self._spare.pop() if self._spare else torch.empty((), dtype=torch.bool, pin_memory=True)
         flag.copy_(total.isfinite(), non_blocking=True)
         event = torch.cuda.Event()
         event.record()
@@ -98,6 +100,7 @@ class LossWatch:
         while self._pending and self._pending[0][1].query():
             flag, _, step, syncs = self._pending.popleft()
             self._observe(bool(flag), step, syncs)
+            self._spare.append(flag)
 
     def _observe(self, finite: bool, step: int, syncs: int) -> None:
         if step != self._step:
