@@ -131,7 +131,10 @@ class LossWatch:
             )
             logger.warning("ddpscope: rank %d: %s", self._rank, message)
         else:
-            message = f"its loss gradient was finite again from step {finite_again_step}, after NaN or Inf from step {step}."
+            message = (
+                f"its loss gradient was finite again from step {finite_again_step}, after NaN or Inf from step "
+                f"{step}."
+            )
             logger.info("ddpscope: rank %d: %s", self._rank, message)
         record: dict[str, Any] = {
             "kind": "warning",

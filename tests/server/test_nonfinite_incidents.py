@@ -53,8 +53,9 @@ def test_one_rank_first_is_the_culprit_and_the_others_follow() -> None:
     assert (inc.rank, inc.step, inc.culprit_ranks, inc.time_s) == (3, 120, [3], T0 + 2.5)
     assert inc.message == (
         "Rank 3's loss was NaN or Inf at step 120 (the gradient it sent into its model's output was not finite) "
-        "while the losses of ranks 0, 1, 2 were still finite: its batch or its forward made it. DDP's all-reduce averaged it "
-        "into every rank's gradients; ranks 0, 1, 2 followed from step 121. The loss has not been finite since "
+        "while the losses of ranks 0, 1, 2 were still finite: its batch or its forward made it. DDP's all-reduce "
+        "averaged it into every rank's gradients; ranks 0, 1, 2 followed from step 121. The loss has not been "
+        "finite since "
         "on ranks 0, 1, 2, 3: the parameters are NaN or Inf and training on is wasted. Look at rank 3's batch "
         "of step 120 and at the forward and loss on it (a log or division near zero, an overflow in float16); "
         "restart from a checkpoint taken before step 120."
