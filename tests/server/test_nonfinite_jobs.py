@@ -8,46 +8,27 @@ Every rank and the collector are killed by process group when the module's jobs 
 
 from __future__ import annotations
 
-import contextlib
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.collector_proc import CollectorProc
-from tests.support.procs import started_ranks
-from tests.support.real_job import RealJob
+from tests.support.real_job import RealJob, jobs_at_one_collector
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).parent / "jobs" / "nan_batch.py"
-JOBS = (("ddpscope", "spread"), ("torch", "spread"), ("torch", "skipped"))
+JOBS = (("spread", "ddpscope"), ("spread", "torch"), ("skipped", "torch"))
 WAIT_S = 150.0
 """Deadline for the diagnosis: 6 ranks import torch at once on 2 cores first."""
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[str, str], RealJob]]:
-    """One job per (engine, mode), started at once against one real collector; killed at the end."""
+    """One job per (mode, engine), started at once against one real collector; killed at the end."""
     tmp = tmp_path_factory.mktemp("nonfinite")
-    with contextlib.ExitStack() as stack:
-        collector = stack.enter_context(
-            CollectorProc(f"sqlite:///{tmp / 'ddpscope.db'}", log_path=tmp / "collector.log")
-        )
-        url = collector.start()
-        started: dict[tuple[str, str], RealJob] = {}
-        for engine, mode in JOBS:
-            job_id = f"nan-{engine}-{mode}-{uuid.uuid4().hex[:6]}"
-            env = {
-                "DDPSCOPE_URL": url,
-                "DDPSCOPE_JOB": job_id,
-                "DDPSCOPE_SPOOL_DIR": str(tmp / job_id),
-                "TRAIN_ENGINE": engine,
-            }
-            procs = stack.enter_context(started_ranks(SCRIPT, 2, args=[mode], env=env))
-            started[engine, mode] = RealJob(url, job_id, procs, wait_s=WAIT_S, engine=engine)
+    with jobs_at_one_collector(tmp, SCRIPT, JOBS, prefix="nan", hang_timeout_s=300, wait_s=WAIT_S) as started:
         yield started
 
 
@@ -66,7 +47,7 @@ def finished(j: RealJob) -> str | None:
 def test_the_rank_whose_batch_held_a_nan_is_named_with_its_step_though_every_rank_went_nan(
     jobs: dict[tuple[str, str], RealJob], engine: str
 ) -> None:
-    j = jobs[engine, "spread"]
+    j = jobs["spread", engine]
     assert j.exited_cleanly(), j.logs()
     assert finished(j) == "finished"  # a NaN stops nothing: the job runs on, on garbage
     (inc,) = j.wait_for("rank 1's NaN loss", nonfinite_loss)
@@ -80,7 +61,7 @@ def test_the_rank_whose_batch_held_a_nan_is_named_with_its_step_though_every_ran
 
 
 def test_a_nan_step_the_loop_skipped_is_said_to_have_recovered(jobs: dict[tuple[str, str], RealJob]) -> None:
-    j = jobs["torch", "skipped"]
+    j = jobs["skipped", "torch"]
     assert j.exited_cleanly(), j.logs()
     assert finished(j) == "finished"
     (inc,) = j.wait_for("rank 1's skipped NaN step", nonfinite_loss)

@@ -1,7 +1,9 @@
 """A rank of a 2-rank job whose rank 1 gets a batch with a NaN in it at step NAN_STEP (DDPSCOPE_URL,
-DDPSCOPE_JOB from the env; TRAIN_ENGINE=torch: torch's DDP observed by ``instrument()``).
+DDPSCOPE_JOB from the env).
 
-    python nan_batch.py spread|skipped
+    python nan_batch.py spread|skipped ddpscope|torch
+
+The engine: ddpscope's, or torch's DDP observed by ``instrument()``.
 
 ``spread``: the loop steps the optimizer as usual, so the NaN the all-reduce averaged into every rank's
 gradients is in every rank's parameters from then on: rank 0's loss is NaN from the next step. ``skipped``:
@@ -27,13 +29,13 @@ NAN_STEP = 3
 
 
 def main() -> None:
-    mode = sys.argv[1]
+    mode, engine = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    if os.environ.get("TRAIN_ENGINE") == "torch":
+    if engine == "torch":
         model: nn.Module = instrument(nn.parallel.DistributedDataParallel(net))
     else:
         model = DistributedDataParallel(net)
