@@ -50,9 +50,8 @@ class LossWatch:
         self._rank = rank
         self._run: tuple[int, int] | None = None
         """(step, syncs) where the current run of non-finite steps began; None while finite."""
-        self._said = False
-        """The current run's beginning was said (not beyond ``MAX_RUNS``)."""
         self._runs = 0
+        """Runs begun, the current one included: those beyond ``MAX_RUNS`` are not said."""
         self._step = -1
         """The step checked last, and whether any of its gradients was non-finite (a model with several
         outputs is checked once per output): a run ends only when a whole step was finite."""
@@ -111,16 +110,15 @@ class LossWatch:
             self._step_bad = True
             if self._run is None:
                 self._run = (step, syncs)
-                self._said = self._runs < MAX_RUNS
                 self._runs += 1
-                if self._said:
+                if self._runs <= MAX_RUNS:
                     self._say(step, syncs, None)
 
     def _end(self, finite_step: int) -> None:
         assert self._run is not None
         start, start_syncs = self._run
         self._run = None
-        if self._said:
+        if self._runs <= MAX_RUNS:  # its beginning was said
             self._say(start, start_syncs, finite_step)
 
     def _say(self, step: int, syncs: int, finite_again_step: int | None) -> None:
