@@ -53,6 +53,10 @@ DDPSCOPE_RETRY_MAX_S = "DDPSCOPE_RETRY_MAX_S"
 DDPSCOPE_SHIPPER_LINGER_S = "DDPSCOPE_SHIPPER_LINGER_S"
 """How long the shipper keeps retrying after its rank is gone; then the spool stays on disk for the
 next agent of the same job. Default 600."""
+DDPSCOPE_CHECK_GRADIENTS = "DDPSCOPE_CHECK_GRADIENTS"
+"""``1`` (or true/yes/on): both engines check every gradient bucket for NaN and Inf before its all-reduce,
+to name the rank, bucket and parameters where a NaN arose inside backward (``ddp/nonfinite.py``). A
+debugging mode: one pass over all gradients a step (~25 us per MiB on this machine's CPU). Default unset."""
 DDPSCOPE_NOTICE_AFTER_S = "DDPSCOPE_NOTICE_AFTER_S"
 """Seconds the collector may accept nothing (unreachable, busy, failing) before the rank's stderr
 gets one line about it (read by the shipper). A wrong URL or a refused batch is told at once.
@@ -159,6 +163,8 @@ class Config:
     """Retry window of the shipper after its rank is gone."""
     stats_interval_s: float = 5.0
     """Seconds between ``agent_stats`` records (also sent on every flush when counts changed)."""
+    check_gradients: bool = False
+    """Check every gradient bucket for NaN and Inf before its all-reduce (read by ddp/)."""
     validate: bool = True
     """Check each record against the wire format in the worker: one bad record would otherwise make
     the collector reject its whole batch."""
@@ -180,6 +186,7 @@ class Config:
             "hang_timeout_s": _env(env, DDPSCOPE_HANG_TIMEOUT, float, 300.0, _positive),
             "heartbeat_s": _env(env, DDPSCOPE_HEARTBEAT_S, float, 2.0, _positive),
             "disabled": _env(env, DDPSCOPE_DISABLED, _parse_bool, False),
+            "check_gradients": _env(env, DDPSCOPE_CHECK_GRADIENTS, _parse_bool, False),
             "max_queue": _env(env, DDPSCOPE_QUEUE_SIZE, int, 100_000, _positive),
             "spool_max_bytes": int(_env(env, DDPSCOPE_SPOOL_MAX_MB, float, 256.0, _positive) * 2**20),
             "flush_interval_s": _env(env, DDPSCOPE_FLUSH_INTERVAL_S, float, 0.02, _positive),
@@ -288,6 +295,7 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("spool_dir", lambda v: isinstance(v, (str, os.PathLike)) and bool(str(v)), "a directory path"),
     ("disabled", lambda v: isinstance(v, bool), "a bool"),
     ("validate", lambda v: isinstance(v, bool), "a bool"),
+    ("check_gradients", lambda v: isinstance(v, bool), "a bool"),
     ("max_queue", lambda v: type(v) is int and v > 0, "an int > 0"),
     ("max_batch", lambda v: type(v) is int and v > 0, "an int > 0"),
     ("spool_max_bytes", lambda v: type(v) is int and v >= 4096, "an int >= 4096"),

@@ -150,7 +150,10 @@ JOB_IDS_DIFFER = "job_ids_differ"
 NONFINITE_LOSS = "nonfinite_loss"
 """The gradient a rank's loss sent into its model's output was NaN or Inf (``ddp/nonfinite.py``): said when
 a run of such steps begins, and again (with ``finite_again_step``) when it ends."""
-WARNING_CODES = frozenset({UNSYNCED_GRADIENTS, JOB_IDS_DIFFER, NONFINITE_LOSS})
+NONFINITE_GRADIENT = "nonfinite_gradient"
+"""With ``DDPSCOPE_CHECK_GRADIENTS``: a rank's gradients were NaN or Inf before their all-reduce while its loss
+was finite (``ddp/nonfinite.py``), with the bucket and the parameters; said as ``nonfinite_loss`` is."""
+WARNING_CODES = frozenset({UNSYNCED_GRADIENTS, JOB_IDS_DIFFER, NONFINITE_LOSS, NONFINITE_GRADIENT})
 """The ``warning`` record's codes ddpscope's training side sends (each an incident kind at the collector)."""
 
 RECORD_KINDS: dict[str, tuple[Field, ...]] = {
@@ -181,6 +184,13 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             FLOAT,
             required=False,
             doc="the rank's hang timeout (DDPSCOPE_HANG_TIMEOUT, its watchdog's); absent from older agents",
+        ),
+        Field(
+            "check_gradients",
+            BOOL,
+            required=False,
+            doc="DDPSCOPE_CHECK_GRADIENTS: the rank checks its gradient buckets for NaN and Inf before their "
+            "all-reduce (sends 'nonfinite_gradient' warnings); absent from older agents",
         ),
     ),
     # The bucket layout, at start-up ("initial") and whenever buckets are rebuilt ("rebuilt").
@@ -361,24 +371,40 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             max_length=64,
             doc="what is wrong, for the incident's kind (WARNING_CODES): 'unsynced_gradients' (gradients DDP "
             "did not all-reduce, so this rank's parameters drift from its peers'), 'job_ids_differ' (ranks "
-            "of one torch job report under different job ids) or 'nonfinite_loss' (the gradient the rank's "
-            "loss sent into its model's output was NaN or Inf, from ``step`` on)",
+            "of one torch job report under different job ids), 'nonfinite_loss' (the gradient the rank's "
+            "loss sent into its model's output was NaN or Inf, from ``step`` on) or 'nonfinite_gradient' "
+            "(with DDPSCOPE_CHECK_GRADIENTS: the rank's gradients were NaN or Inf before their all-reduce while "
+            "its loss was finite, from ``step`` on)",
         ),
         Field("message", STR, doc="what happened and what to do, without the rank (the collector adds it)"),
-        Field("parameters", STRS, required=False, doc="the parameters concerned, by name"),
+        Field(
+            "parameters",
+            STRS,
+            required=False,
+            doc="the parameters concerned, by name ('nonfinite_gradient': those of ``bucket`` whose gradient was "
+            "not finite, nearest the output first, at most 8)",
+        ),
+        Field(
+            "bucket",
+            INT,
+            required=False,
+            doc="'nonfinite_gradient': the first bucket of the step whose gradients were not finite, by index",
+        ),
         Field("call_site", STR, nullable=True, required=False, doc="file:line of the user's call at fault"),
         Field(
             "syncs",
             INT,
             required=False,
-            doc="'nonfinite_loss': synchronised backwards the rank had completed before ``step``'s backward, "
+            doc="'nonfinite_loss', 'nonfinite_gradient': synchronised backwards the rank had completed before "
+            "``step``'s backward, "
             "which ranks share whatever forwards each ran without syncing (see replica_digest)",
         ),
         Field(
             "finite_again_step",
             INT,
             required=False,
-            doc="'nonfinite_loss': the first step after ``step`` whose loss gradient was finite again; sent "
+            doc="'nonfinite_loss', 'nonfinite_gradient': the first step after ``step`` whose loss gradient (or "
+            "gradients) was finite again; sent "
             "in a second warning when the run of non-finite steps ends, absent while it lasts",
         ),
     ),

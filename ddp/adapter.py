@@ -78,7 +78,7 @@ from ddpscope.ddp.compile_skip import call_model, runs_model
 from ddpscope.ddp.drift import BACKWARD_CUT_SHORT, FROZEN_AFTER_WRAP, UNFINISHED_REDUCTION, FrozenAtWrap
 from ddpscope.ddp.errors import report_error
 from ddpscope.ddp.groups import global_rank, group_size, pg_name, replica_ranks
-from ddpscope.ddp.nonfinite import LossWatch
+from ddpscope.ddp.nonfinite import GradientWatch, LossWatch, gradient_check_enabled
 from ddpscope.ddp.outputs import grad_tensors, hook_backward_start
 from ddpscope.ddp.outside_forward import OutsideForward
 from ddpscope.ddp.progress import PROGRESS, no_step
@@ -252,6 +252,8 @@ class Instrumentation:
         self._outside = OutsideForward(names, self._rank)
         self._losses = LossWatch(self._rank)
         """Says when the gradient the loss sends into the model's output turns NaN or Inf, and back."""
+        self._gradients = GradientWatch(self._rank, self._losses) if gradient_check_enabled() else None
+        """With ``DDPSCOPE_CHECK_GRADIENTS``: says when a bucket's gradients turn NaN or Inf, and back."""
         self._watched: dict[int, tuple[Any, PlannedCollective | None]] = {}
         """seq -> (future, plan) of each all-reduce whose end a completion callback is to record; the
         callback or the end of backward, whichever pops it first (atomic under the GIL), records it.
@@ -489,6 +491,8 @@ class Instrumentation:
                 and (tensors[0].is_floating_point() or tensors[0].is_complex())
             )
             if bucket:
+                if self._gradients is not None:
+                    self._check_bucket(k, tensors[0])
                 plan = self._plan(k, tensors[0])
                 seq = RECORDER.begin_planned(plan, self._cur)
             else:
@@ -627,6 +631,8 @@ class Instrumentation:
         elif step is None:
             seq = RECORDER.begin(self._pg, "all_reduce", (buf,), reduce_op="SUM", source="engine", step=step)
         else:
+            if self._gradients is not None and self._active:
+                self._check_bucket(k, buf)
             plan = self._plan(k, buf)
             seq = RECORDER.begin_planned(plan, step)
         # The user's own collectives are this bucket's reduction, recorded once above.
@@ -637,6 +643,17 @@ class Instrumentation:
         if bucket.is_last() and not self.detached:
             PROGRESS.enter("allreduce")  # nothing of a detached model's would ever return it to idle
         return fut.then(functools.partial(self._on_reduced, k, seq, plan))
+
+    def _check_bucket(self, k: int, flat: torch.Tensor) -> None:
+        """Bucket k's gradients, about to be all-reduced, checked for NaN and Inf: the non-finite ones are
+        named from the parameters' own ``.grad``, which torch copies into the bucket and leaves as they
+        are until the end of backward."""
+        assert self._gradients is not None
+        params, names = self.params, self._base.names
+        indices = self.layout.buckets[k] if k < len(self.layout.buckets) else []
+        self._gradients.bucket(
+            self._cur, self._syncs, k, flat, lambda: [(i, names[i], params[i].grad) for i in indices]
+        )
 
     def _plan(self, k: int, buf: torch.Tensor) -> PlannedCollective:
         """Bucket k's all-reduce plan, made the first time a bucket of this index, size and dtype is
@@ -692,6 +709,8 @@ class Instrumentation:
             logger.warning("ddpscope: building the step record failed", exc_info=True)
         finally:
             self._losses.backward_done()
+            if self._active and self._gradients is not None:
+                self._gradients.backward_done()
             self._active = False
             self._queued = False
             self._armed = False

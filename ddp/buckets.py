@@ -168,6 +168,10 @@ class Bucket:
         self._own_refs = _storage_refs(self._storage)
         """How many references this bucket itself holds to its memory (the buffer, its views, its loans)."""
 
+    def named_gradients(self) -> list[tuple[int, str, torch.Tensor]]:
+        """Each parameter's (index, name, gradient in this buffer), for naming the non-finite ones."""
+        return list(zip(self.param_indices, self.names, self.views, strict=True))
+
     def lend(self, pos: int) -> torch.Tensor:
         """The reduced gradient at ``pos`` as a tensor of its own on this buffer's memory.
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ddpscope.ddp import watchdog
 from ddpscope.ddp.groups import pg_name
+from ddpscope.ddp.nonfinite import gradient_check_enabled
 
 
 class ClockEstimate(Protocol):
@@ -88,4 +89,5 @@ def rank_start_record(
         "process_group": pg_name(group),
         "static_graph": bool(static_graph),
         "hang_timeout_s": _hang_timeout_s(),
+        "check_gradients": gradient_check_enabled(),
     }

@@ -33,7 +33,7 @@ from ddpscope.ddp.buckets import Bucket, ParamSpec, assign_buckets, build_bucket
 from ddpscope.ddp.collectives import RECORDER, dtype_name
 from ddpscope.ddp.cuda_timing import CudaBucketEvents
 from ddpscope.ddp.drift import FROZEN_AFTER_WRAP
-from ddpscope.ddp.nonfinite import LossWatch
+from ddpscope.ddp.nonfinite import GradientWatch, LossWatch, gradient_check_enabled
 from ddpscope.ddp.outputs import grad_tensors, hook_backward_start
 from ddpscope.ddp.outside_forward import OutsideForward
 from ddpscope.ddp.progress import PROGRESS
@@ -97,6 +97,8 @@ class Reducer:
         self.outside = OutsideForward(self.names, rank)
         self.losses = LossWatch(rank)
         """Says when the gradient the loss sends into the model's output turns NaN or Inf, and back."""
+        self.gradients = GradientWatch(rank, self.losses) if gradient_check_enabled() else None
+        """With ``DDPSCOPE_CHECK_GRADIENTS``: says when a bucket's gradients turn NaN or Inf, and back."""
         self.ready_log: list[int] | None = None
         """Parameter indices in gradient-ready order, recorded in synced backwards until the rebuild."""
         self.log_complete = False
@@ -333,6 +335,8 @@ class Reducer:
             bucket = self.buckets[k]
             if bucket.status is not None:
                 self._write_status(bucket.status)
+            if self.gradients is not None:
+                self.gradients.bucket(self.step, self.syncs, k, bucket.buffer, bucket.named_gradients)
             seq = RECORDER.begin_planned(self.plans[k], self.step)
             self.works[k] = self._pg_obj.allreduce([bucket.buffer], self._sum)
             self.seqs[k] = seq
@@ -398,6 +402,8 @@ class Reducer:
                 self.timer.emit()
         finally:
             self.losses.backward_done()
+            if self.active and self.gradients is not None:
+                self.gradients.backward_done()
             if self.active and self.find_unused:
                 self.window_used = bytearray(len(self.params))  # the accumulation window ends here
             self.active = False
