@@ -36,7 +36,9 @@
 - a ``warning`` record's code, e.g. ``unsynced_gradients``: gradients a rank's DDP never all-reduced
   (``warning_incidents``); the same warning from several ranks is one incident.
 - ``nonfinite_loss``: the rank whose loss went NaN or Inf first, before DDP's all-reduce spread it to every
-  rank, and whether the ranks recovered (``nonfinite``).
+  rank, and whether the ranks recovered (``nonfinite``); with ``DDPSCOPE_CHECK_GRADIENTS``,
+  ``nonfinite_gradient``: the same of gradients that went NaN or Inf inside backward, with the bucket and
+  the parameters.
 - ``replicas_diverged`` and ``nonfinite_parameters``: the ranks' copies of the model compared through their
   ``replica_digest`` records (``replica_divergence``).
 - ``settings_differ``: ranks whose ``rank_start`` disagree on settings that must agree (versions, world

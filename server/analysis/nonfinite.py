@@ -1,25 +1,28 @@
-"""``nonfinite_loss`` warnings as one incident: the rank whose loss went NaN or Inf first, and whether the
-ranks recovered.
+"""``nonfinite_loss`` and ``nonfinite_gradient`` warnings as incidents: the rank whose loss, or whose gradients
+inside backward, went NaN or Inf first, and whether the ranks recovered.
 
 DDP averages the ranks' gradients, so one rank's NaN or Inf loss is in every rank's gradients after that
 step's all-reduce, and in every rank's parameters after the optimizer step: from then on every rank logs
 ``loss: nan``, and no log says where it began. Each rank says when a run of steps whose loss gradient is not
 finite begins, and again when it ends (``finite_again_step``), with its count of synchronised backwards
-(``syncs``, see ``ddp/nonfinite.py``), which the ranks share even when their step numbers differ.
+(``syncs``, see ``ddp/nonfinite.py``), which the ranks share even when their step numbers differ. With
+``DDPSCOPE_CHECK_GRADIENTS`` a rank says the same of its gradients before their all-reduce, in steps whose
+loss was finite, with the bucket and the parameters.
 
-The rule: runs are compared by ``syncs`` (by ``step`` when any run lacks it). The first episode begins at the
-smallest; the ranks whose run begins there are its origin and the culprits, and the ranks whose run begins
-later in the episode followed (the all-reduce reached them). When every rank of the job began at once, it is
-nothing one rank's batch did but something the ranks share. An episode lasts while any of its runs has not
-ended; runs that begin after every rank recovered are later episodes, counted in the same incident. The
-incident changes nothing in the job's status: the job runs on.
+The rule, for each kind: runs are compared by ``syncs`` (by ``step`` when any run lacks it). The first episode
+begins at the smallest; the ranks whose run begins there are its origin and the culprits, and the ranks whose
+run begins later in the episode followed (the all-reduce reached them). When every rank of the job began at
+once, it is nothing one rank's batch did but something the ranks share; for the loss, a gradient run that
+began no later says which rank's backward made the parameters NaN. An episode lasts while any of its runs
+has not ended; runs that begin after every rank recovered are later episodes, counted in the same incident.
+The incidents change nothing in the job's status: the job runs on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddpscope.agent.records import NONFINITE_LOSS
+from ddpscope.agent.records import NONFINITE_GRADIENT, NONFINITE_LOSS
 from ddpscope.server.analysis.incident_model import Incident, Record, capitalized, ranks_phrase, record_s
 from ddpscope.server.analysis.snapshot import JobSnapshot
 
@@ -50,9 +53,13 @@ class _Run:
 
 
 def nonfinite_incidents(snapshot: JobSnapshot) -> list[Incident]:
-    runs = _runs(snapshot)
-    if not runs:
-        return []
+    grads = _runs(snapshot, NONFINITE_GRADIENT)
+    out = _gradient_incident(snapshot, grads)
+    return _loss_incident(snapshot, _runs(snapshot, NONFINITE_LOSS), grads) + out
+
+
+def _episodes(runs: list[_Run]) -> tuple[list[list[_Run]], bool]:
+    """The runs grouped into episodes in order, and whether they were compared by sync count."""
     by_syncs = all(r.syncs is not None for r in runs)
     episodes: list[list[_Run]] = []
     end = float("-inf")
@@ -62,19 +69,39 @@ def nonfinite_incidents(snapshot: JobSnapshot) -> list[Incident]:
             end = float("-inf")
         episodes[-1].append(run)
         end = max(end, run.end(by_syncs))
+    return episodes, by_syncs
+
+
+def _job_ranks(snapshot: JobSnapshot) -> list[int]:
+    return sorted(set(range(snapshot.world_size)) | set(snapshot.ranks) | set(snapshot.rank_last_seen_s))
+
+
+def _later(episodes: list[list[_Run]]) -> str | None:
+    if len(episodes) < 2:
+        return None
+    later = [e[0].step for e in episodes[1:]]
+    steps = ", ".join(map(str, later[:MAX_LISTED])) + (" and later" if len(later) > MAX_LISTED else "")
+    plural = "s" if len(later) > 1 else ""
+    return f"{len(later)} later episode{plural} began at step{plural} {steps}."
+
+
+def _loss_incident(snapshot: JobSnapshot, runs: list[_Run], grads: list[_Run]) -> list[Incident]:
+    if not runs:
+        return []
+    episodes, by_syncs = _episodes(runs)
     first = episodes[0]
     lead = first[0]
     origin = sorted({r.rank for r in first if r.at(by_syncs) == lead.at(by_syncs)})
-    ranks = sorted(set(range(snapshot.world_size)) | set(snapshot.ranks) | set(snapshot.rank_last_seen_s))
+    ranks = _job_ranks(snapshot)
     at_once = len(ranks) > 1 and set(origin) >= set(ranks)
     still = sorted({r.rank for r in first if r.finite_again_step is None})
+    restart_step = lead.step
     if at_once:
         when = "the same synchronised backward" if by_syncs else "the same step"
+        cause, restart_step = _shared_cause(snapshot, lead, grads, by_syncs)
         parts = [
             f"Every rank's loss was NaN or Inf from step {lead.step} at once ({when}): not one rank's data but "
-            "something they share: parameters already non-finite (an update from infinite gradients of an "
-            "operation in backward, such as sqrt or norm at zero), the learning rate, or the same bad data on "
-            "every rank."
+            f"something they share: {cause}"
         ]
     else:
         parts = [_origin_sentence(origin, lead.step, [r for r in ranks if r not in origin], first)]
@@ -89,12 +116,10 @@ def nonfinite_incidents(snapshot: JobSnapshot) -> list[Incident]:
             f"Every rank's loss was finite again from step {again} (a loss scaler such as "
             "torch.amp.GradScaler skips such a step and lowers its scale: harmless if rare)."
         )
-    if len(episodes) > 1:
-        later = [e[0].step for e in episodes[1:]]
-        steps = ", ".join(map(str, later[:MAX_LISTED])) + (" and later" if len(later) > MAX_LISTED else "")
-        plural = "s" if len(later) > 1 else ""
-        parts.append(f"{len(later)} later episode{plural} began at step{plural} {steps}.")
-    restart = f"restart from a checkpoint taken before step {lead.step}"
+    later = _later(episodes)
+    if later:
+        parts.append(later)
+    restart = f"restart from a checkpoint taken before step {restart_step}"
     if not at_once:
         one = len(origin) == 1
         parts.append(
@@ -116,11 +141,120 @@ def nonfinite_incidents(snapshot: JobSnapshot) -> list[Incident]:
     ]
 
 
-def _runs(snapshot: JobSnapshot) -> list[_Run]:
-    """Every run, its beginning and end warnings paired (same rank, step and syncs)."""
+def _shared_cause(snapshot: JobSnapshot, lead: _Run, grads: list[_Run], by_syncs: bool) -> tuple[str, int]:
+    """What every rank's loss going NaN at once comes from, as far as the gradient checks tell, and the step a
+    checkpoint to restart from must predate."""
+    earlier = [g for g in grads if g.at(by_syncs) <= lead.at(by_syncs)]
+    if earlier:
+        first = min(g.at(by_syncs) for g in earlier)
+        began = [g for g in earlier if g.at(by_syncs) == first]
+        return (
+            f"parameters an update made NaN or Inf: {ranks_phrase(g.rank for g in began)}'s gradients were NaN "
+            f"or Inf inside backward at step {began[0].step} (the {NONFINITE_GRADIENT} incident names the "
+            "parameters).",
+            min(g.step for g in began),
+        )
+    checked = bool(snapshot.ranks) and all(s.get("check_gradients") for s in snapshot.ranks.values())
+    if checked:
+        return (
+            "parameters the optimizer's update made NaN or Inf (no rank's gradients were NaN or Inf before "
+            "their all-reduce: DDPSCOPE_CHECK_GRADIENTS was on), the learning rate, or the same bad data on "
+            "every rank.",
+            lead.step,
+        )
+    return (
+        "parameters already non-finite (an update from infinite gradients of an operation in backward, such as "
+        "sqrt or norm at zero), the learning rate, or the same bad data on every rank. To find the rank and "
+        "the parameters whose gradients went NaN or Inf first, run again from a checkpoint taken before step "
+        f"{lead.step} with DDPSCOPE_CHECK_GRADIENTS=1 (every gradient bucket checked before its all-reduce).",
+        lead.step,
+    )
+
+
+def _gradient_incident(snapshot: JobSnapshot, runs: list[_Run]) -> list[Incident]:
+    """Ranks whose gradients went NaN or Inf inside backward while their losses were finite (only ranks with
+    ``DDPSCOPE_CHECK_GRADIENTS`` say so)."""
+    if not runs:
+        return []
+    episodes, by_syncs = _episodes(runs)
+    first = episodes[0]
+    lead = first[0]
+    origin = sorted({r.rank for r in first if r.at(by_syncs) == lead.at(by_syncs)})
+    ranks = _job_ranks(snapshot)
+    at_once = len(ranks) > 1 and set(origin) >= set(ranks)
+    one = len(origin) == 1
+    where = _bucket_phrase(lead)
+    if at_once:
+        parts = [
+            f"Every rank's gradients were NaN or Inf before their all-reduce at step {lead.step} at once, while "
+            "their losses were finite: not one rank's data but something they share, such as a parameter "
+            f"under a sqrt or norm that reached zero, or the same bad data on every rank.{where}"
+        ]
+    else:
+        others = [r for r in ranks if r not in origin]
+        whose = "its" if one else "their"
+        text = (
+            f"{capitalized(ranks_phrase(origin))}'s gradients were NaN or Inf before their all-reduce at step "
+            f"{lead.step} while {whose} loss{'' if one else 'es'} {'was' if one else 'were'} finite"
+        )
+        if others:
+            text += f" and {ranks_phrase(others)}'s gradients were finite"
+        parts = [
+            f"{text}: {whose} backward made them.{where} DDP's all-reduce averaged them into every rank's "
+            f"gradients{_followed(origin, first)}."
+        ]
+    still = sorted({r.rank for r in first if r.finite_again_step is None})
+    if still:
+        parts.append(
+            f"The gradients have not been finite since on {ranks_phrase(still)}: the parameters are NaN or Inf "
+            f"and training on is wasted; restart from a checkpoint taken before step {lead.step}."
+        )
+    else:
+        again = max(r.finite_again_step or r.step for r in first)
+        parts.append(
+            f"The gradients were finite again from step {again} (a loss scaler such as torch.amp.GradScaler "
+            "skips such a step and lowers its scale: harmless if rare)."
+        )
+    later = _later(episodes)
+    if later:
+        parts.append(later)
+    subject = "one rank" if at_once else ranks_phrase(origin)
+    parts.append(
+        f"To find the line, run {subject}'s step {lead.step} again on the same batch under "
+        "torch.autograd.detect_anomaly(), which names the forward operation whose backward made the first NaN."
+    )
+    return [
+        Incident(
+            kind=NONFINITE_GRADIENT,
+            message=" ".join(parts),
+            rank=lead.rank,
+            step=lead.step,
+            culprit_ranks=ranks if at_once else origin,
+            time_s=record_s(lead.record),
+        )
+    ]
+
+
+def _bucket_phrase(run: _Run) -> str:
+    """Where rank ``run.rank`` saw it first: the bucket and its non-finite parameters, nearest the output first."""
+    bucket = run.record.get("bucket")
+    names = list(run.record.get("parameters") or [])
+    if bucket is None:
+        return ""
+    text = f" First on rank {run.rank}, in bucket {bucket}"
+    if not names:
+        return text + "."
+    return (
+        f"{text}: {', '.join(names)} (nearest the output first: the operation that made it lies between "
+        f"{names[0]}'s layer and the loss)."
+    )
+
+
+def _runs(snapshot: JobSnapshot, code: str) -> list[_Run]:
+    """Every run of warnings ``code``, its beginning and end warnings paired (same rank, step and syncs)."""
     runs: dict[tuple[int, int, int | None], _Run] = {}
     for w in snapshot.warnings:
-        if w["code"] != NONFINITE_LOSS or w.get("step") is None:
+        if w["code"] != code or w.get("step") is None:
             continue
         syncs = int(w["syncs"]) if w.get("syncs") is not None else None
         key = (int(w["rank"]), int(w["step"]), syncs)
@@ -154,6 +288,11 @@ def _origin_sentence(origin: list[int], step: int, others: list[int], episode: l
         f" while {still_finite} still finite: {made} made it. DDP's all-reduce averaged it into every rank's "
         "gradients"
     )
+    return text + _followed(origin, episode) + "."
+
+
+def _followed(origin: list[int], episode: list[_Run]) -> str:
+    """ "; rank 0 followed from step 4", for the ranks of ``episode`` outside ``origin`` (or "")."""
     followed: dict[int, int] = {}  # rank -> the step its first run of the episode began
     for run in episode:
         if run.rank not in origin:
@@ -162,9 +301,9 @@ def _origin_sentence(origin: list[int], step: int, others: list[int], episode: l
     for rank, s in followed.items():
         by_step.setdefault(s, []).append(rank)
     if len(by_step) > MAX_LISTED:
-        text += f"; {ranks_phrase(followed)} followed from steps {min(by_step)} to {max(by_step)}"
-    elif by_step:
-        groups = [f"{ranks_phrase(rs)} from step {s}" for s, rs in sorted(by_step.items())]
-        groups[0] = groups[0].replace(" from step", " followed from step")
-        text += "; " + ", ".join(groups[:-1]) + (" and " if len(groups) > 1 else "") + groups[-1]
-    return text + "."
+        return f"; {ranks_phrase(followed)} followed from steps {min(by_step)} to {max(by_step)}"
+    if not by_step:
+        return ""
+    groups = [f"{ranks_phrase(rs)} from step {s}" for s, rs in sorted(by_step.items())]
+    groups[0] = groups[0].replace(" from step", " followed from step")
+    return "; " + ", ".join(groups[:-1]) + (" and " if len(groups) > 1 else "") + groups[-1]

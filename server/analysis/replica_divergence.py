@@ -9,7 +9,8 @@ Two incidents come from them:
   again (the state broadcast at the end of torch's ``Join``, a checkpoint reloaded on every rank) are healthy.
 - ``nonfinite_parameters``: a parameter's norm became NaN or infinite. DDP's all-reduce spreads one rank's
   NaN gradient to every rank, so this names the parameters and the steps between which it happened; when a
-  rank's loss went NaN or Inf first, the ``nonfinite_loss`` incident names that rank, and this one says so.
+  rank's loss (or, with ``DDPSCOPE_CHECK_GRADIENTS``, its gradients) went NaN or Inf first, the
+  ``nonfinite_loss`` (``nonfinite_gradient``) incident names that rank, and this one says so.
 
 Neither changes the job's status: the job runs on, producing a wrong model.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from ddpscope.agent.records import NONFINITE_LOSS
+from ddpscope.agent.records import NONFINITE_GRADIENT, NONFINITE_LOSS
 from ddpscope.server.analysis.incident_model import Incident, Record, capitalized, ranks_phrase, record_s
 from ddpscope.server.analysis.snapshot import JobSnapshot
 
@@ -42,7 +43,7 @@ def replica_incidents(snapshot: JobSnapshot) -> list[Incident]:
         model = (int(d["model"]), tuple(d.get("replicas") or ()))
         by_model.setdefault(model, {}).setdefault(int(d["syncs"]), {})[int(d["rank"])] = d
     names = _Names(snapshot)
-    loss_said = any(w["code"] == NONFINITE_LOSS for w in snapshot.warnings)
+    said = {w["code"] for w in snapshot.warnings} & {NONFINITE_LOSS, NONFINITE_GRADIENT}
     out: list[Incident] = []
     for _, moments in sorted(by_model.items()):
         ordered = []
@@ -50,7 +51,7 @@ def replica_incidents(snapshot: JobSnapshot) -> list[Incident]:
             digests = _comparable(moments[syncs])
             ordered.append((int(digests[min(digests)]["step"]), digests))
         out += _diverged(ordered, names)
-        out += _nonfinite(ordered, names, loss_said)
+        out += _nonfinite(ordered, names, said)
     return out
 
 
@@ -199,10 +200,9 @@ def _diverged_incident(
     )
 
 
-def _nonfinite(
-    ordered: list[tuple[int, dict[int, Record]]], names: _Names, loss_said: bool
-) -> list[Incident]:
-    """``loss_said``: some rank said its loss went NaN or Inf (``nonfinite.py``), which names the origin."""
+def _nonfinite(ordered: list[tuple[int, dict[int, Record]]], names: _Names, said: set[str]) -> list[Incident]:
+    """``said``: the warning codes by which some rank said its loss or its gradients went NaN or Inf
+    (``nonfinite.py``): their incidents name the origin."""
     last_finite: int | None = None
     for step, digests in ordered:
         bad: dict[int, list[int]] = {}
@@ -220,11 +220,12 @@ def _nonfinite(
         params = names.of(digests[ranks[0]], sorted(bad))
         shown = _shown(params)
         since = f"between steps {last_finite} and {step}" if last_finite is not None else f"by step {step}"
-        origin = (
-            "the nonfinite_loss incident names the rank whose loss went first"
-            if loss_said
-            else "the origin can be any rank"
-        )
+        if NONFINITE_GRADIENT in said:
+            origin = "the nonfinite_gradient incident names the rank whose gradients went first"
+        elif NONFINITE_LOSS in said:
+            origin = "the nonfinite_loss incident names the rank whose loss went first"
+        else:
+            origin = "the origin can be any rank"
         where = "on every rank: DDP's all-reduce spreads one rank's non-finite gradient to all of them, so " \
             f"{origin}" if everyone else f"on {ranks_phrase(ranks)} only"  # fmt: skip
         message = (

@@ -6,7 +6,8 @@ several ranks is one incident naming them all. The incident's kind is the warnin
 are the ranks that said it, but for ``job_ids_differ`` (``ddp/job_check.py``): every rank whose job ids
 differ from a peer's says it, under its own job id, and the ranks at fault are those the message calls
 "Probably misconfigured: ranks 1, 4-6" (the others said it too, in the job of the majority).
-``nonfinite_loss`` warnings are not grouped here: ``nonfinite.py`` compares the ranks' runs to find the first.
+``nonfinite_loss`` and ``nonfinite_gradient`` warnings are not grouped here: ``nonfinite.py`` compares the
+ranks' runs to find the first.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import re
 from typing import Any
 
 from ddpscope.agent.rank_spans import parse_ranks
-from ddpscope.agent.records import JOB_IDS_DIFFER, NONFINITE_LOSS
+from ddpscope.agent.records import JOB_IDS_DIFFER, NONFINITE_GRADIENT, NONFINITE_LOSS
 from ddpscope.server.analysis.incident_model import Incident, capitalized, ranks_phrase, record_s
 from ddpscope.server.analysis.snapshot import JobSnapshot
 
@@ -25,7 +26,10 @@ _MISCONFIGURED = re.compile(r"Probably misconfigured: ranks? ([0-9][0-9, -]*)")
 def warning_incidents(snapshot: JobSnapshot) -> list[Incident]:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for w in snapshot.warnings:
-        if w["code"] == NONFINITE_LOSS:  # one incident of every rank's runs (nonfinite_incidents)
+        if w["code"] in (
+            NONFINITE_LOSS,
+            NONFINITE_GRADIENT,
+        ):  # one incident of every rank's runs (nonfinite_incidents)
             continue
         groups.setdefault((str(w["code"]), str(w["message"])), []).append(dict(w))
     out = []

@@ -167,3 +167,101 @@ def test_the_job_status_is_what_it_was_without_the_warnings() -> None:
     nan(job, 1, t - 0.3, 2, 2)
     nan(job, 0, t - 0.2, 3, 3)
     assert before == job_status(job.snapshot(), t) == "running"
+
+
+def bad_gradients(
+    job: JobRecords,
+    rank: int,
+    t: float,
+    step: int,
+    syncs: int,
+    *,
+    again: int | None = None,
+    parameters: tuple[str, ...] = ("proj.weight",),
+) -> None:
+    """With DDPSCOPE_CHECK_GRADIENTS: rank ``rank``'s gradients in bucket 1 were NaN before their all-reduce."""
+    fields: dict[str, Any] = {"syncs": syncs}
+    if again is None:
+        fields.update(bucket=1, parameters=list(parameters))
+    else:
+        fields["finite_again_step"] = again
+    job.add(
+        "warning", rank, t, step=step, code="nonfinite_gradient", message="its gradients were NaN.", **fields
+    )
+
+
+def checking_gradients(job: JobRecords) -> JobRecords:
+    for r in job.records:
+        if r["kind"] == "rank_start":
+            r["check_gradients"] = True
+    return job
+
+
+def incident(job: JobRecords, kind: str) -> Incident:
+    (inc,) = [i for i in diagnose(job.snapshot(), NOW) if i.kind == kind]
+    return inc
+
+
+def test_a_nan_made_inside_one_ranks_backward_names_that_rank_its_bucket_and_parameters() -> None:
+    job = checking_gradients(started(3))
+    bad_gradients(job, 1, T0 + 2, 30, 30, parameters=("proj.weight", "embed.weight"))
+    for rank in (0, 1, 2):  # the optimizer step put it in every rank's parameters
+        nan(job, rank, T0 + 2.5, 31, 31)
+    inc = incident(job, "nonfinite_gradient")
+    assert (inc.rank, inc.step, inc.culprit_ranks, inc.time_s) == (1, 30, [1], T0 + 2)
+    assert inc.message.startswith(
+        "Rank 1's gradients were NaN or Inf before their all-reduce at step 30 while its loss was finite and "
+        "ranks 0, 2's gradients were finite: its backward made them. First on rank 1, in bucket 1: proj.weight, "
+        "embed.weight (nearest the output first: the operation that made it lies between proj.weight's layer "
+        "and the loss). DDP's all-reduce averaged them into every rank's gradients."
+    )
+    assert "have not been finite since on rank 1" in inc.message
+    assert "restart from a checkpoint taken before step 30" in inc.message
+    assert inc.message.endswith(
+        "To find the line, run rank 1's step 30 again on the same batch under torch.autograd.detect_anomaly(), "
+        "which names the forward operation whose backward made the first NaN."
+    )
+    loss = incident(job, "nonfinite_loss")  # every rank at once, one step later: it points back
+    assert loss.culprit_ranks == [0, 1, 2]
+    assert (
+        "something they share: parameters an update made NaN or Inf: rank 1's gradients were NaN or Inf inside "
+        "backward at step 30 (the nonfinite_gradient incident names the parameters)." in loss.message
+    )
+    assert loss.message.endswith("Restart from a checkpoint taken before step 30.")  # not 31: it began at 30
+
+
+def test_every_rank_at_once_without_the_gradient_check_says_how_to_find_the_rank() -> None:
+    job = started(2)
+    for rank in (0, 1):
+        nan(job, rank, T0 + 2, 50, 50)
+    message = incident(job, "nonfinite_loss").message
+    assert (
+        "run again from a checkpoint taken before step 50 with DDPSCOPE_CHECK_GRADIENTS=1 (every gradient bucket "
+        "checked before its all-reduce)." in message
+    )
+    job = checking_gradients(started(2))  # the check was on and found nothing before: not backward's doing
+    for rank in (0, 1):
+        nan(job, rank, T0 + 2, 50, 50)
+    message = incident(job, "nonfinite_loss").message
+    assert (
+        "no rank's gradients were NaN or Inf before their all-reduce: DDPSCOPE_CHECK_GRADIENTS was on"
+        in message
+    )
+    assert "DDPSCOPE_CHECK_GRADIENTS=1" not in message
+
+
+def test_gradients_every_rank_made_at_once_and_recovered_from_are_something_they_share() -> None:
+    job = checking_gradients(started(2))
+    for rank in (0, 1):
+        bad_gradients(job, rank, T0 + 2, 7, 7)
+        bad_gradients(job, rank, T0 + 2.1, 7, 7, again=8)
+    inc = incident(job, "nonfinite_gradient")
+    assert (inc.rank, inc.step, inc.culprit_ranks) == (0, 7, [0, 1])
+    assert inc.message.startswith(
+        "Every rank's gradients were NaN or Inf before their all-reduce at step 7 at once, while their losses "
+        "were finite: not one rank's data but something they share"
+    )
+    assert "The gradients were finite again from step 8" in inc.message
+    assert "run one rank's step 7 again" in inc.message
+    assert [i.kind for i in diagnose(job.snapshot(), NOW)] == ["nonfinite_gradient"]
+    assert warning_incidents(job.snapshot()) == []

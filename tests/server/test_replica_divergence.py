@@ -180,6 +180,10 @@ def test_parameters_gone_nan_after_a_ranks_nan_loss_point_at_the_incident_that_n
         and "the nonfinite_loss incident names the rank whose loss went first" in n.message
     )
     assert only(incidents, "nonfinite_loss").culprit_ranks == [1]
+    # With DDPSCOPE_CHECK_GRADIENTS, a NaN made inside rank 0's backward the step before is the origin named.
+    job.add("warning", 0, T0 + 1.6, step=5, syncs=5, code="nonfinite_gradient", bucket=0, message="NaN.")
+    n = only(diagnose(job.snapshot(), T0 + 10), "nonfinite_parameters")
+    assert "the nonfinite_gradient incident names the rank whose gradients went first" in n.message
 
 
 def test_an_infinite_norm_on_one_rank_only_names_that_rank() -> None:
