@@ -2,14 +2,16 @@
 torch's DDP with ``instrument()`` (``jobs/nan_batch.py``). DDP's all-reduce puts the NaN in rank 0's
 gradients too, so every rank's log reads ``loss: nan``; the collector's ``nonfinite_loss`` incident names
 rank 1 and step 3, and says whether the ranks recovered: not when the loop steps the optimizer on the NaN
-(``spread``), yes when it skips that step as a loss scaler does (``skipped``).
+(``spread``), yes when it skips that step as a loss scaler does (``skipped``). With ``DDPSCOPE_CHECK_GRADIENTS``,
+a NaN rank 1's backward makes while its loss is finite (``backward``) is traced to rank 1, its bucket and the
+parameter, and the NaN loss every rank has one step later points back at it.
 
 Every rank and the collector are killed by process group when the module's jobs are done."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,13 @@ from tests.support.real_job import RealJob, jobs_at_one_collector
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).parent / "jobs" / "nan_batch.py"
-JOBS = (("spread", "ddpscope"), ("spread", "torch"), ("skipped", "torch"))
+JOBS = (
+    ("spread", "ddpscope"),
+    ("spread", "torch"),
+    ("skipped", "torch"),
+    ("backward", "ddpscope"),
+    ("backward", "torch"),
+)
 WAIT_S = 150.0
 """Deadline for the diagnosis: 6 ranks import torch at once on 2 cores first."""
 
@@ -69,3 +77,23 @@ def test_a_nan_step_the_loop_skipped_is_said_to_have_recovered(jobs: dict[tuple[
     assert "finite again from step 4" in inc["message"], inc
     # The optimizer never took the NaN: every rank's parameters stayed finite.
     assert [i["kind"] for i in j.incidents()] == ["nonfinite_loss"], j.incidents()
+
+
+@pytest.mark.parametrize("engine", ["ddpscope", "torch"])
+def test_a_nan_one_ranks_backward_made_under_a_finite_loss_is_traced_to_its_rank_and_parameter(
+    jobs: dict[tuple[str, str], RealJob], engine: str
+) -> None:
+    j = jobs["backward", engine]
+    assert j.exited_cleanly(), j.logs()
+    assert finished(j) == "finished"
+
+    def kind(name: str) -> Callable[[list[dict[str, Any]]], list[dict[str, Any]]]:
+        return lambda incidents: [i for i in incidents if i["kind"] == name]
+
+    (grads,) = j.wait_for("rank 1's NaN gradients", kind("nonfinite_gradient"))
+    assert (grads["rank"], grads["step"], grads["culprit_ranks"]) == (1, 3, [1]), grads
+    assert "First on rank 1, in bucket 0: proj.weight (nearest the output first" in grads["message"], grads
+    assert "rank 0's gradients were finite" in grads["message"], grads
+    (loss,) = j.wait_for("every rank's NaN loss", nonfinite_loss)
+    assert (loss["step"], loss["culprit_ranks"]) == (4, [0, 1]), loss
+    assert "rank 1's gradients were NaN or Inf inside backward at step 3" in loss["message"], loss

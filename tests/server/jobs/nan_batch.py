@@ -1,14 +1,17 @@
 """A rank of a 2-rank job whose rank 1 gets a batch with a NaN in it at step NAN_STEP (DDPSCOPE_URL,
-DDPSCOPE_JOB from the env).
+DDPSCOPE_JOB from the env), or whose rank 1's backward makes one.
 
-    python nan_batch.py spread|skipped ddpscope|torch
+    python nan_batch.py spread|skipped|backward ddpscope|torch
 
 The engine: ddpscope's, or torch's DDP observed by ``instrument()``.
 
 ``spread``: the loop steps the optimizer as usual, so the NaN the all-reduce averaged into every rank's
 gradients is in every rank's parameters from then on: rank 0's loss is NaN from the next step. ``skipped``:
 the loop skips the optimizer step when the (all-reduced, so the same on every rank) gradients are not
-finite, as a loss scaler does: every rank is finite again from the next step.
+finite, as a loss scaler does: every rank is finite again from the next step. ``backward``: with
+``DDPSCOPE_CHECK_GRADIENTS``, rank 1's batch holds a row of zeros at NAN_STEP, whose feature norm is 0: its loss
+is finite, but the norm's backward divides 0 by 0 into ``proj.weight``'s gradient (and the optimizer steps, so
+every rank's loss is NaN from the next step).
 """
 
 from __future__ import annotations
@@ -28,13 +31,29 @@ STEPS = 8
 NAN_STEP = 3
 
 
+class Normed(nn.Module):
+    """Logits plus each sample's feature norm, written by hand as the square root of a sum of squares: its
+    backward divides 0 by 0 at a zero feature vector (``torch.linalg.vector_norm``'s returns 0 there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 32, bias=False)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return self.head(torch.relu(h)) + h.square().sum(dim=1, keepdim=True).sqrt()
+
+
 def main() -> None:
     mode, engine = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
+    if mode == "backward":
+        agent.configure(check_gradients=True)  # DDPSCOPE_CHECK_GRADIENTS=1, the rest from the env
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    net = Normed() if mode == "backward" else nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     if engine == "torch":
         model: nn.Module = instrument(nn.parallel.DistributedDataParallel(net))
     else:
@@ -45,11 +64,14 @@ def main() -> None:
         opt.zero_grad()
         x = torch.randn(8, 16)
         if rank == 1 and step == NAN_STEP:
-            x[2, 5] = float("nan")  # one bad sample in this rank's batch
+            if mode == "backward":
+                x[2] = 0.0  # a finite loss, a NaN gradient
+            else:
+                x[2, 5] = float("nan")  # one bad sample in this rank's batch
         loss = (model(x) - 1).square().mean()
         loss.backward()
         finite = all(bool(p.grad.isfinite().all()) for p in model.parameters() if p.grad is not None)
-        if finite or mode == "spread":
+        if finite or mode != "skipped":
             opt.step()
     agent.emit({"kind": "rank_exit", "step": STEPS - 1, "reason": "finished"})
     agent.get_agent().force_flush(10.0)
