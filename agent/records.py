@@ -192,6 +192,9 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             doc="DDPSCOPE_CHECK_GRADIENTS: the rank checks its gradient buckets for NaN and Inf before their "
             "all-reduce (sends 'nonfinite_gradient' warnings); absent from older agents",
         ),
+        Field("host_cpus", INT, required=False, doc="the host's CPUs (os.cpu_count())"),
+        Field("cpus_allowed", INT, required=False, doc="the CPUs the rank's affinity allows it"),
+        Field("threads", INT, required=False, doc="the rank's intra-op threads (torch.get_num_threads())"),
     ),
     # The bucket layout, at start-up ("initial") and whenever buckets are rebuilt ("rebuilt").
     "layout": (

@@ -90,4 +90,18 @@ def rank_start_record(
         "static_graph": bool(static_graph),
         "hang_timeout_s": _hang_timeout_s(),
         "check_gradients": gradient_check_enabled(),
+        **_cpu_share(),
     }
+
+
+def _cpu_share() -> dict[str, int]:
+    """What this rank may compute with: the host's CPUs, those its affinity allows, its intra-op threads. The
+    collector adds up the ranks of a host to tell a host with more threads than cores, where ranks take turns
+    on the cores and the slowest turn reads as a straggler."""
+    out: dict[str, int] = {"threads": int(torch.get_num_threads())}
+    cpus = os.cpu_count()
+    if cpus:
+        out["host_cpus"] = cpus
+    if hasattr(os, "sched_getaffinity"):
+        out["cpus_allowed"] = len(os.sched_getaffinity(0))
+    return out

@@ -3,6 +3,7 @@ and on one aligned clock."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -42,6 +43,9 @@ def test_rank_start_reports_the_configuration_and_a_clock_estimate_within_its_er
         (start,) = of_kind(rank["unused"]["records"], "rank_start")
         assert start["engine"] == "ddpscope" and start["world_size"] == 2 and start["backend"] == "gloo"
         assert start["find_unused_parameters"] is True and start["bucket_cap_mb"] == 25.0
+        # What the collector needs to tell a host with more threads than cores (ranks run OMP_NUM_THREADS=1).
+        assert start["threads"] == 1 and start["host_cpus"] == os.cpu_count() and start["cpus_allowed"] >= 1
+        assert start["check_gradients"] is False
         if rank["unused"]["rank"] == 0:
             assert (start["clock_offset_ns"], start["clock_error_ns"]) == (0, 0)
         else:
