@@ -218,6 +218,8 @@ def summarize(client: Client, run: ScenarioRun) -> list[str]:
     for s in stragglers:
         phase = f" (mostly {s['phase'].replace('_', ' ')})" if s.get("phase") else ""
         lines.append(f"  straggler: rank {s['rank']} is {s['slowdown']:.2f}x slower than the others{phase}")
+        if s.get("contention"):
+            lines.append(f"      but {safe(s['contention'])}")
     for inc in incidents:
         lines.append(f"  [{safe(inc.get('kind'))}] {safe(inc.get('message'))}")
         if inc.get("call_site"):

@@ -222,6 +222,8 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
             f"- rank {s['rank']}: {s['slowdown']:.2f}x slower than the median of the others "
             f"in {s.get('steps_flagged')} recent steps{phase}"
         )
+        if s.get("contention"):
+            out.append(f"  but {safe(s['contention'])}")
     if not flagged:
         out.append("none: no rank is consistently slower than the others")
 

@@ -171,8 +171,11 @@
           line: { dash: "dash", color: "#c62828", width: 1 } }] : []),
     });
     const flagged = items.filter((i) => (i.flagged ?? (i.steps_flagged ?? 0) > 0));
+    // A crowded host's note (more compute threads than cores) is said once, after the ranks it concerns.
+    const notes = [...new Set(flagged.map((i) => i.contention).filter(Boolean))];
     ddp.say("stragglers-msg", flagged.length
       ? "Flagged: " + flagged.map((i) => `rank ${i.rank} (${(i.slowdown ?? 0).toFixed(2)}× slower${i.phase ? " in " + i.phase.replace("_", " ") : ""}, ${i.steps_flagged ?? "?"} steps)`).join(", ")
+        + notes.map((n) => `. But ${n}.`).join("")
       : "No rank is flagged as a straggler.");
     return drawn;
   }

@@ -69,6 +69,8 @@ class Straggler:
     """Median ratio of the time from the previous backward end to this forward start."""
     wait_s: float
     """Median time from the last bucket ready to backward end (all-reduce wait), seconds."""
+    contention: str | None = None
+    """A flagged rank's host has more compute threads than cores (``host_load``): what that means, or None."""
 
 
 PHASES = ("forward", "backward", "between_steps")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Response
 from fastapi.concurrency import run_in_threadpool
 
 from ddpscope.server.analysis.buckets import bucket_stats
+from ddpscope.server.analysis.host_load import with_contention
 from ddpscope.server.analysis.steps import page_metrics, page_timings
 from ddpscope.server.analysis.stops import Stop, newest_partial_step, stops
 from ddpscope.server.analysis.stragglers import THRESHOLD, WINDOW_STEPS, stragglers
@@ -130,21 +131,34 @@ async def buckets(
     return await run_in_threadpool(_buckets, storage, job, job_id, steps)
 
 
-def _stragglers(storage: Storage, job_id: int, threshold: float, window: int) -> Response:
+def _stragglers(storage: Storage, job: str, job_id: int, threshold: float, window: int) -> Response:
     page = storage.recent_step_page(job_id, window + 1)  # each step's predecessor: between-steps time
     found = stragglers(page_timings(page), threshold=threshold, window=window)
+    if any(s.flagged for s in found):
+        found = with_contention(found, _latest_starts(storage.fetch_records(job, ["rank_start"])))
     return items(found, threshold=threshold, window=window)
+
+
+def _latest_starts(starts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each rank's latest ``rank_start`` (a restarted rank sends one per incarnation)."""
+    latest: dict[int, dict[str, Any]] = {}
+    for r in starts:
+        if r["rank"] not in latest or r["time_ns"] >= latest[r["rank"]]["time_ns"]:
+            latest[r["rank"]] = r
+    return list(latest.values())
 
 
 @router.get("/stragglers")
 async def get_stragglers(
+    job: str,
     job_id: JobIdDep,
     storage: StorageDep,
     threshold: Annotated[float, Query(gt=0, le=10)] = THRESHOLD,
     window: Annotated[int, Query(ge=3, le=1000)] = WINDOW_STEPS,
 ) -> Response:
-    """Every rank: ``slowdown`` (compute over the median of the others), ``steps_flagged``, ``flagged``, ``phase``."""
-    return await run_in_threadpool(_stragglers, storage, job_id, threshold, window)
+    """Every rank: ``slowdown`` (compute over the median of the others), ``steps_flagged``, ``flagged``, ``phase``,
+    and ``contention`` when a flagged rank's host has more compute threads than cores."""
+    return await run_in_threadpool(_stragglers, storage, job, job_id, threshold, window)
 
 
 def _unused(storage: Storage, job: str, job_id: int) -> Response:

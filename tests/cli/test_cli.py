@@ -43,9 +43,20 @@ def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         _post(
             proc.url, synth_job(4, steps=12, buckets=3, job="cli-slow", slow_rank=2, slowdown=1.6, jitter=0.0)
         )
+        _post(
+            proc.url, _crowded(synth_job(4, steps=12, buckets=3, job="cli-crowded", slow_rank=1, jitter=0.0))
+        )
         _post(proc.url, _restarted_job("cli-restarted"))
         _post(proc.url, _died_mid_step("cli-died"))
         yield proc.url
+
+
+def _crowded(records: list[dict]) -> list[dict]:
+    """The job's 4 ranks, of one thread each, on one host of 2 CPUs (as ``make demo`` runs them)."""
+    for r in records:
+        if r["kind"] == "rank_start":
+            r.update(host="node-1", host_cpus=2, cpus_allowed=2, threads=1)
+    return records
 
 
 def _restarted_job(job: str) -> list[dict]:
@@ -96,6 +107,7 @@ def test_jobs_lists_every_job_with_its_status(collector: str) -> None:
     assert {j["job"]: j["status"] for j in listed} == {
         "cli-healthy": "finished",
         "cli-slow": "finished",
+        "cli-crowded": "finished",
         "cli-restarted": "finished",
         "cli-died": "failed",
     }
@@ -123,6 +135,16 @@ def test_report_names_the_straggler_and_exits_one(collector: str) -> None:
     out = ddpscope("report", "cli-slow", "--url", collector)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "rank 2: 1.6" in out.stdout and "slower than the median of the others" in out.stdout
+    assert "take turns on the cores" not in out.stdout  # its agents said nothing of their host's CPUs
+
+
+def test_a_straggler_on_a_host_with_more_threads_than_cores_is_told_so(collector: str) -> None:
+    out = ddpscope("report", "cli-crowded", "--url", collector)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "- rank 1: 1.50x slower" in out.stdout
+    assert (
+        "  but host node-1 runs 4 ranks wanting 4 CPUs on 2: the ranks take turns on the cores" in out.stdout
+    )
 
 
 def test_report_of_an_unknown_job_exits_four_and_lists_the_known_ones(collector: str) -> None:
