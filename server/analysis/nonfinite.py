@@ -72,8 +72,19 @@ def _episodes(runs: list[_Run]) -> tuple[list[list[_Run]], bool]:
     return episodes, by_syncs
 
 
-def _job_ranks(snapshot: JobSnapshot) -> list[int]:
-    return sorted(set(range(snapshot.world_size)) | set(snapshot.ranks) | set(snapshot.rank_last_seen_s))
+def _first_episode(
+    snapshot: JobSnapshot, runs: list[_Run]
+) -> tuple[list[list[_Run]], bool, _Run, list[int], list[int], bool, list[int]]:
+    """The episodes and how they were compared, then of the first: the run that led it, its origin ranks, the
+    job's ranks, whether every one of them began at once, and the ranks that have not recovered."""
+    episodes, by_syncs = _episodes(runs)
+    first = episodes[0]
+    lead = first[0]
+    origin = sorted({r.rank for r in first if r.at(by_syncs) == lead.at(by_syncs)})
+    ranks = sorted(set(range(snapshot.world_size)) | set(snapshot.ranks) | set(snapshot.rank_last_seen_s))
+    at_once = len(ranks) > 1 and set(origin) >= set(ranks)
+    still = sorted({r.rank for r in first if r.finite_again_step is None})
+    return episodes, by_syncs, lead, origin, ranks, at_once, still
 
 
 def _later(episodes: list[list[_Run]]) -> str | None:
@@ -88,13 +99,8 @@ def _later(episodes: list[list[_Run]]) -> str | None:
 def _loss_incident(snapshot: JobSnapshot, runs: list[_Run], grads: list[_Run]) -> list[Incident]:
     if not runs:
         return []
-    episodes, by_syncs = _episodes(runs)
+    episodes, by_syncs, lead, origin, ranks, at_once, still = _first_episode(snapshot, runs)
     first = episodes[0]
-    lead = first[0]
-    origin = sorted({r.rank for r in first if r.at(by_syncs) == lead.at(by_syncs)})
-    ranks = _job_ranks(snapshot)
-    at_once = len(ranks) > 1 and set(origin) >= set(ranks)
-    still = sorted({r.rank for r in first if r.finite_again_step is None})
     restart_step = lead.step
     if at_once:
         when = "the same synchronised backward" if by_syncs else "the same step"
@@ -176,12 +182,8 @@ def _gradient_incident(snapshot: JobSnapshot, runs: list[_Run]) -> list[Incident
     ``DDPSCOPE_CHECK_GRADIENTS`` say so)."""
     if not runs:
         return []
-    episodes, by_syncs = _episodes(runs)
+    episodes, _, lead, origin, ranks, at_once, still = _first_episode(snapshot, runs)
     first = episodes[0]
-    lead = first[0]
-    origin = sorted({r.rank for r in first if r.at(by_syncs) == lead.at(by_syncs)})
-    ranks = _job_ranks(snapshot)
-    at_once = len(ranks) > 1 and set(origin) >= set(ranks)
     one = len(origin) == 1
     where = _bucket_phrase(lead)
     if at_once:
@@ -203,7 +205,6 @@ def _gradient_incident(snapshot: JobSnapshot, runs: list[_Run]) -> list[Incident
             f"{text}: {whose} backward made them.{where} DDP's all-reduce averaged them into every rank's "
             f"gradients{_followed(origin, first)}."
         ]
-    still = sorted({r.rank for r in first if r.finite_again_step is None})
     if still:
         parts.append(
             f"The gradients have not been finite since on {ranks_phrase(still)}: the parameters are NaN or Inf "
