@@ -135,7 +135,7 @@ def test_report_names_the_straggler_and_exits_one(collector: str) -> None:
     out = ddpscope("report", "cli-slow", "--url", collector)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "rank 2: 1.6" in out.stdout and "slower than the median of the others" in out.stdout
-    assert "take turns on the cores" not in out.stdout  # its agents said nothing of their host's CPUs
+    assert "share cores" not in out.stdout  # its agents said nothing of their host's CPUs
 
 
 def test_a_straggler_on_a_host_with_more_threads_than_cores_is_told_so(collector: str) -> None:
@@ -143,7 +143,8 @@ def test_a_straggler_on_a_host_with_more_threads_than_cores_is_told_so(collector
     assert out.returncode == 1, out.stdout + out.stderr
     assert "- rank 1: 1.50x slower" in out.stdout
     assert (
-        "  but host node-1 runs 4 ranks wanting 4 CPUs on 2: the ranks take turns on the cores" in out.stdout
+        "  but host node-1 runs 4 ranks wanting 4 CPUs on 2: ranks that share cores are slowed unevenly"
+        in out.stdout
     )
 
 

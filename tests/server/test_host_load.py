@@ -1,5 +1,5 @@
 """Hosts whose ranks want more CPUs than they have (``server/analysis/host_load.py``): a straggler there says
-that the ranks take turns on the cores, since the remedy is the host's load, not the rank."""
+that ranks sharing cores are slowed unevenly by the sharing, since the remedy is the host's load, not the rank."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ def test_four_single_thread_ranks_on_two_cores_crowd_their_host() -> None:
     assert sorted(crowded) == [0, 1, 2, 3]
     host = crowded[2]
     assert (host.host, host.ranks, host.wanted, host.cpus) == ("node-1", (0, 1, 2, 3), 4, 2)
-    assert host.note().startswith("host node-1 runs 4 ranks wanting 4 CPUs on 2: the ranks take turns")
+    assert host.note().startswith(
+        "host node-1 runs 4 ranks wanting 4 CPUs on 2: ranks that share cores are slowed"
+    )
 
 
 def test_ranks_pinned_to_a_core_each_want_one_cpu_whatever_their_threads() -> None:
