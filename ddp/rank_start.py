@@ -96,8 +96,8 @@ def rank_start_record(
 
 def _cpu_share() -> dict[str, int]:
     """What this rank may compute with: the host's CPUs, those its affinity allows, its intra-op threads. The
-    collector adds up the ranks of a host to tell a host with more threads than cores, where ranks take turns
-    on the cores and the slowest turn reads as a straggler."""
+    collector adds up the ranks of a host to tell a host with more threads than cores, where sharing the cores
+    slows ranks unevenly and a rank can read as a straggler that is not slow itself."""
     out: dict[str, int] = {"threads": int(torch.get_num_threads())}
     cpus = os.cpu_count()
     if cpus:

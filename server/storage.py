@@ -340,7 +340,7 @@ class Storage:
         recs = self.fetch_records(job, ["rank_start", "hang", "hang_resolved", "rank_error", "rank_exit"])
         current = {
             rank: r["stream"]
-            for rank, r in _latest_by_rank([r for r in recs if r["kind"] == "rank_start"]).items()
+            for rank, r in latest_by_rank([r for r in recs if r["kind"] == "rank_start"]).items()
         }
         return [
             r
@@ -359,14 +359,14 @@ class Storage:
         by_kind: dict[str, list[dict[str, Any]]] = {}
         for r in recs:
             by_kind.setdefault(r["kind"], []).append(r)
-        current = {r["stream"] for r in _latest_by_rank(by_kind.get("rank_start", [])).values()}
+        current = {r["stream"] for r in latest_by_rank(by_kind.get("rank_start", [])).values()}
         colls, ends = self._collective_window(job, row.id, current)
         steps = {
             r.rank: RankSteps(r.rank, r.step_records, r.last_step, r.last_step_end_ns or 0)
             for r in row.ranks
             if r.last_step is not None
         }
-        latest = _latest_by_rank
+        latest = latest_by_rank
         snap = JobSnapshot(
             job=job,
             world_size=0,
@@ -469,7 +469,9 @@ def _latest_attempt(t: Any, restarts: dict[int, tuple[str, int]]) -> Any:
     )
 
 
-def _latest_by_rank(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+def latest_by_rank(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Each rank's latest of ``records`` (as ``fetch_records`` returns them, ordered by time): a restarted rank
+    sends a ``rank_start`` per incarnation."""
     out: dict[int, dict[str, Any]] = {}
     for r in records:  # ordered by time_ns: the last one wins
         out[r["rank"]] = r

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Response
 from fastapi.concurrency import run_in_threadpool
@@ -17,7 +17,7 @@ from ddpscope.server.analysis.timeline import timeline
 from ddpscope.server.analysis.unused import aggregate_unused, unused_report
 from ddpscope.server.deps import JobIdDep, StorageDep
 from ddpscope.server.routes._items import JSONResponse, items
-from ddpscope.server.storage import JobRow, Storage
+from ddpscope.server.storage import JobRow, Storage, latest_by_rank
 
 router = APIRouter(prefix="/api/v1/jobs/{job}", tags=["steps"])
 
@@ -135,17 +135,8 @@ def _stragglers(storage: Storage, job: str, job_id: int, threshold: float, windo
     page = storage.recent_step_page(job_id, window + 1)  # each step's predecessor: between-steps time
     found = stragglers(page_timings(page), threshold=threshold, window=window)
     if any(s.flagged for s in found):
-        found = with_contention(found, _latest_starts(storage.fetch_records(job, ["rank_start"])))
+        found = with_contention(found, latest_by_rank(storage.fetch_records(job, ["rank_start"])).values())
     return items(found, threshold=threshold, window=window)
-
-
-def _latest_starts(starts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each rank's latest ``rank_start`` (a restarted rank sends one per incarnation)."""
-    latest: dict[int, dict[str, Any]] = {}
-    for r in starts:
-        if r["rank"] not in latest or r["time_ns"] >= latest[r["rank"]]["time_ns"]:
-            latest[r["rank"]] = r
-    return list(latest.values())
 
 
 @router.get("/stragglers")
