@@ -87,6 +87,15 @@ def _first_episode(
     return episodes, by_syncs, lead, origin, ranks, at_once, still
 
 
+def _finite_again(subject: str, episode: list[_Run]) -> str:
+    """The sentence for an episode every rank recovered from, from the step the last of them did."""
+    again = max(r.finite_again_step or r.step for r in episode)
+    return (
+        f"{subject} finite again from step {again} (a loss scaler such as torch.amp.GradScaler skips such a step "
+        "and lowers its scale: harmless if rare)."
+    )
+
+
 def _later(episodes: list[list[_Run]]) -> str | None:
     if len(episodes) < 2:
         return None
@@ -117,11 +126,7 @@ def _loss_incident(snapshot: JobSnapshot, runs: list[_Run], grads: list[_Run]) -
             "training on is wasted."
         )
     else:
-        again = max(r.finite_again_step or r.step for r in first)
-        parts.append(
-            f"Every rank's loss was finite again from step {again} (a loss scaler such as "
-            "torch.amp.GradScaler skips such a step and lowers its scale: harmless if rare)."
-        )
+        parts.append(_finite_again("Every rank's loss was", first))
     later = _later(episodes)
     if later:
         parts.append(later)
@@ -211,11 +216,7 @@ def _gradient_incident(snapshot: JobSnapshot, runs: list[_Run]) -> list[Incident
             f"and training on is wasted; restart from a checkpoint taken before step {lead.step}."
         )
     else:
-        again = max(r.finite_again_step or r.step for r in first)
-        parts.append(
-            f"The gradients were finite again from step {again} (a loss scaler such as torch.amp.GradScaler "
-            "skips such a step and lowers its scale: harmless if rare)."
-        )
+        parts.append(_finite_again("The gradients were", first))
     later = _later(episodes)
     if later:
         parts.append(later)
