@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ddpscope.ddp import errors
 from ddpscope.ddp.buckets import Bucket, ParamSpec, assign_buckets, build_buckets, size_limits
-from ddpscope.ddp.collectives import RECORDER, dtype_name
+from ddpscope.ddp.collectives import RECORDER, dtype_name, work_failure
 from ddpscope.ddp.cuda_timing import CudaBucketEvents
 from ddpscope.ddp.drift import FROZEN_AFTER_WRAP
 from ddpscope.ddp.nonfinite import GradientWatch, LossWatch, gradient_check_enabled
@@ -368,7 +368,13 @@ class Reducer:
     def _poll(self) -> None:
         while self.next_done < self.next_launch:
             k = self.next_done
-            if not self.works[k].is_completed():
+            work = self.works[k]
+            if not work.is_completed():
+                return
+            if work_failure(work) is not None:
+                # A peer died: gloo completes the work at once, failed. Left to the finalizer, whose
+                # wait raises it into backward() as torch's Reducer does; marked done here, it was
+                # never waited, and this rank went on training alone on its own gradients.
                 return
             self._done(k)
 

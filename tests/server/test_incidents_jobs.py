@@ -79,7 +79,7 @@ def rank_main(scenario: str, steps: int, engine: str) -> None:  # pragma: no cov
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif scenario == "stuck" and rank == 1:
                 time.sleep(300)  # alive, beating, stuck (a deadlocked data loader)  # SITE:stuck
-            elif scenario == "sigkill" and rank == 1:
+            elif scenario in ("sigkill", "retry") and rank == 1:
                 get_agent().force_flush(2.0)
                 os.kill(os.getpid(), signal.SIGKILL)
             elif scenario == "one_rank_only" and rank == 0:
@@ -97,6 +97,18 @@ def rank_main(scenario: str, steps: int, engine: str) -> None:  # pragma: no cov
             elif scenario == "diverged" and rank == 0:
                 # A checkpoint loaded on rank 0 only, after wrapping: DDP broadcast the state long ago.
                 net.load_state_dict({k: v + 0.01 for k, v in net.state_dict().items()})
+        if scenario == "retry" and step >= FAULT_STEP:
+            # The survivor catches its peer's loss and retries the step (an elastic-style loop); DDP
+            # must fail every retry, as no peer is left to average with, and the loop gives up.
+            try:
+                optimizer.zero_grad(set_to_none=True)
+                nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+                print(f"step {step}: synced with a dead peer", flush=True)
+            except RuntimeError:
+                print(f"step {step}: failed, retrying", flush=True)
+                time.sleep(0.3)
+            continue
         optimizer.zero_grad(set_to_none=True)
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
@@ -104,6 +116,8 @@ def rank_main(scenario: str, steps: int, engine: str) -> None:  # pragma: no cov
             model(x)  # an evaluation on rank 0 only that forgot no_grad: its step numbers run one ahead
     if scenario == "skip_backward" and rank == 1:
         sys.exit(0)  # its loop is over, one sync before rank 0's
+    if scenario == "retry":
+        sys.exit(1)  # every retry failed: the loop gives up
     dist.barrier()
     destroy_together()
 
@@ -128,6 +142,7 @@ SCENARIOS = (
     "sigstop",
     "stuck",
     "sigkill",
+    "retry",
     "one_rank_only",
     "order",
     "shapes",
@@ -282,6 +297,27 @@ def test_a_sigkilled_rank_is_the_culprit_and_the_survivors_errors_are_attached(
     assert any(b["open"] for b in survivor["buckets"]), survivor
     # gloo words a SIGKILLed peer either way, depending on whether its socket saw the FIN or an RST.
     assert any(lost in survivor["message"] for lost in ("Connection closed", "Connection reset")), survivor
+
+
+def test_a_survivor_that_retries_after_its_peer_was_killed_fails_every_retry_and_blames_the_killed_rank(
+    jobs: dict[str, RealJob],
+) -> None:
+    j = jobs["retry"]
+    j.wait_exit()
+    out = j.procs[0].communicate(timeout=10)[0]
+    # Every step after the peer died failed on the survivor: none synced with nobody (ddpscope's engine
+    # once marked a failed all-reduce done when it polled it, and trained on alone).
+    assert "synced with a dead peer" not in out, out
+    assert out.count("failed, retrying") == 3, out
+    crash = j.wait_for("rank 1 crashed", lambda inc: [c for c in kind(inc, "rank_crashed") if c["related"]])
+    incidents = j.incidents()
+    assert crash[0]["culprit_ranks"] == [1], incidents
+    # The lost connections the loop caught, and its giving up (sys.exit(1)), are the crash's victims.
+    related = crash[0]["related"]
+    assert {r["rank"] for r in related} == {0}, related
+    assert any(r["error_type"] == "SystemExit" for r in related), related
+    assert all(0 not in i["culprit_ranks"] for i in incidents), incidents
+    assert j.status() == "failed"
 
 
 def test_a_user_all_reduce_issued_on_one_rank_only_names_that_rank_and_its_line(
