@@ -254,6 +254,8 @@ class Instrumentation:
         """Says when the gradient the loss sends into the model's output turns NaN or Inf, and back."""
         self._gradients = GradientWatch(self._rank, self._losses) if gradient_check_enabled() else None
         """With ``DDPSCOPE_CHECK_GRADIENTS``: says when a bucket's gradients turn NaN or Inf, and back."""
+        self._failure_reported: int | None = None
+        """The step whose failed bucket all-reduce was reported (``_report_bucket_failure``)."""
         self._watched: dict[int, tuple[Any, PlannedCollective | None]] = {}
         """seq -> (future, plan) of each all-reduce whose end a completion callback is to record; the
         callback or the end of backward, whichever pops it first (atomic under the GIL), records it.
@@ -595,10 +597,26 @@ class Instrumentation:
         """The ``collective_end`` of an all-reduce recorded with ``plan`` (None: recorded in full)."""
         if error is not None:
             RECORDER.end(self._pg, seq, ok=False, error=error)
+            if plan is not None:
+                self._report_bucket_failure(error)
         elif plan is None:
             RECORDER.end(self._pg, seq, ok=True)
         else:
             RECORDER.end_planned(plan, seq)
+
+    def _report_bucket_failure(self, error: str) -> None:
+        """A bucket all-reduce of this step failed (a peer died, a timeout): torch's finalizer raises it
+        into ``backward()`` from C++, where ddpscope cannot report it as the engine reports its own, and a
+        loop that catches it and retries (elastic-style) would leave no trace of it. Said once per step,
+        as a non-fatal ``rank_error``: the collector then knows this rank lost its peer, and blames the
+        peer. If the exception also ends the process, the excepthook reports that as well (fatal)."""
+        step = self._cur
+        if self._failure_reported == step:
+            return
+        self._failure_reported = step
+        failure = RuntimeError(error)
+        failure.add_note(f"ddpscope: a gradient all-reduce of torch's DDP failed at step {step}")
+        report_error(failure, fatal=False)
 
     def _adopt_comm_hook(self, state: object, hook: CommHook) -> None:
         """``ddp.register_comm_hook(state, hook)`` called after ``instrument()``: the hook goes through
