@@ -41,6 +41,9 @@
   the parameters.
 - ``replicas_diverged`` and ``nonfinite_parameters``: the ranks' copies of the model compared through their
   ``replica_digest`` records (``replica_divergence``).
+- ``models_differ``: ranks whose models list their parameters in different orders (same shapes, so
+  torch's constructor accepts them and DDP averages different layers together), from their ``layout``
+  records (``model_order``).
 - ``settings_differ``: ranks whose ``rank_start`` disagree on settings that must agree (versions, world
   size, hang timeout, how the model is wrapped), the odd ones as culprits (``rank_settings``).
 
@@ -84,6 +87,7 @@ from ddpscope.server.analysis.incident_model import (
     user_frame,
     where,
 )
+from ddpscope.server.analysis.model_order import model_incidents
 from ddpscope.server.analysis.nonfinite import nonfinite_incidents
 from ddpscope.server.analysis.rank_settings import settings_incidents
 from ddpscope.server.analysis.replica_divergence import replica_incidents
@@ -161,6 +165,10 @@ def _named(error: Record) -> _Named | None:
     return None
 
 
+_IN_TORCH_DISTRIBUTED = re.compile(r"torch[/\\](?:distributed|nn[/\\]parallel)[/\\]")
+"""A frame of torch.distributed or of torch's DDP (whose constructor broadcasts the model's state through
+``torch/distributed/utils.py``): a fatal signal there is gloo's abort on a collective the ranks disagree on."""
+
 _FATAL_SIGNAL = re.compile(r"SIG(?:SEGV|ABRT|FPE|BUS|ILL|KILL)|FatalSignal")
 """The ``error_type`` of a fatal signal's ``rank_error`` (the shipper reads faulthandler's output after the
 rank died). Only the type says so: an exception's message may name a signal or an abort (a DataLoader
@@ -192,6 +200,7 @@ def diagnose(
     out += warning_incidents(snapshot)
     out += nonfinite_incidents(snapshot)
     out += replica_incidents(snapshot)
+    out += model_incidents(snapshot)
     out += settings
     out += _before_restart_incidents(previous, restart_s, silent_after_s)
     name_groups(out, colls.group_ranks)
@@ -553,7 +562,7 @@ def _error_incidents(
             msg += ". Every rank listed raised it itself: the cause is in code they all run; start from the stack"
         else:
             msg += ". This rank is the origin: start from its stack"
-        if aborted_on is None and crash and "distributed_c10d" in (p.get("stack") or ""):
+        if aborted_on is None and crash and _IN_TORCH_DISTRIBUTED.search(p.get("stack") or ""):
             site = user_frame(p.get("stack"))
             msg += (
                 f"; it died inside a torch.distributed call{f' at {site}' if site else ''}: gloo aborts when "

@@ -73,8 +73,18 @@ MONITORED_BARRIER = re.compile(r"\bRanks? ([\d, ]+) failed to pass monitoredBarr
 (its own timeout follows in the message, but the error is a diagnosis, not a victim's)."""
 
 
+AFTER_PEER_LOSS = "after_peer_loss"
+"""Set by ``liveness`` on a copy of an error that a rank raised after it had lost a peer (see
+``is_secondary``)."""
+
+
 def is_secondary(error: Mapping[str, Any]) -> bool:
-    """True for an error caused by a peer (lost connection, timeout), not by this rank itself."""
+    """True for an error caused by a peer (lost connection, timeout), not by this rank itself; also for
+    any error the rank raised after one such (``AFTER_PEER_LOSS``): a loop that caught the lost connection
+    and gave up (``sys.exit(1)``, its own exception) or retried the step (torch's next forward refuses,
+    blaming unused parameters) fails because of the peer, not of its own code."""
+    if error.get(AFTER_PEER_LOSS):
+        return True
     text = f"{error.get('error_type', '')}: {error.get('message', '')}"
     return bool(SECONDARY_ERROR.search(text)) and not MONITORED_BARRIER.search(text)
 
@@ -220,6 +230,8 @@ def liveness(
     for e in sorted(snapshot.rank_exits, key=_s):
         if counts(e):
             live.exits[e["rank"]] = e
+    peer_lost: set[int] = set()
+    """Ranks that have reported a lost connection or a timeout (in their current process)."""
     for err in sorted(snapshot.rank_errors, key=_s):
         if not counts(err):
             continue
@@ -230,6 +242,10 @@ def liveness(
             # Already dead of an earlier error: a later one (an abort while exiting, the same exception
             # reported again) is the same death, not a new cause.
             continue
+        if err["rank"] in peer_lost and not is_secondary(err):
+            err = {**err, AFTER_PEER_LOSS: True}
+        elif is_secondary(err):
+            peer_lost.add(err["rank"])
         live.errors.append(err)
         if err.get("fatal"):
             live.fatal.setdefault(err["rank"], err)

@@ -248,6 +248,35 @@ def test_a_killed_rank_is_the_culprit_and_the_survivors_connection_errors_are_at
     assert "SIGKILL" in crash.message
 
 
+def test_a_survivor_that_caught_the_lost_connection_and_then_gave_up_is_a_victim_not_an_origin() -> None:
+    job = started(2)
+    end = job.train(5)
+    # Rank 1 is SIGKILLed; rank 0's loop catches each failed backward and retries: the next forward is
+    # refused by torch (unfinished reduction), the retry fails again, and the loop gives up.
+    lost = "[../gloo/transport/tcp/pair.cc:598] Connection reset by peer"
+    job.error(0, end + 0.03, lost, fatal=False, step=5)
+    job.error(0, end + 0.4, "Expected to have finished reduction in the prior iteration", fatal=False, step=6)
+    job.error(0, end + 0.8, "sys.exit(1): exit status 1", error_type="SystemExit", step=6)
+    incidents = diagnose(job.snapshot(), end + 1.5)
+    crash = only(incidents, "rank_crashed")
+    assert crash.culprit_ranks == [1]
+    assert [r["error_type"] for r in crash.related] == ["RuntimeError", "RuntimeError", "SystemExit"]
+    assert kinds(incidents) == ["rank_crashed"], incidents
+    assert job_status(job.snapshot(), end + 1.5) == "failed"
+
+
+def test_an_error_a_rank_raised_before_it_lost_a_peer_is_still_its_own() -> None:
+    job = started(2)
+    end = job.train(3)
+    job.error(1, end, "CUDA out of memory. Tried to allocate 2.00 GiB", error_type="OutOfMemoryError",
+              fatal=False)  # fmt: skip
+    job.error(1, end + 0.5, "Connection closed by peer [127.0.0.1]:4312", step=4)
+    job.error(0, end + 0.48, "boom: a bug on rank 0", error_type="ValueError", step=4)
+    incidents = diagnose(job.snapshot(), end + 1)
+    origins = {i.rank for i in incidents if i.kind == "rank_error" and "origin" in i.message}
+    assert origins == {0, 1}, incidents
+
+
 def test_a_rank_killed_a_few_fast_steps_in_is_placed_by_its_durable_collectives() -> None:
     # Its step records and later heartbeats were still in the process when it was SIGKILLed (they leave
     # in rounds); its collective records were written before each call and reached the collector.
@@ -725,6 +754,23 @@ def test_a_crash_names_the_users_line_it_died_in() -> None:
     crash = only(diagnose(job.snapshot(), end + 1), "rank_crashed")
     assert crash.rank == 0 and crash.call_site == "/home/me/proj/train.py:82"
     assert "died inside a torch.distributed call at /home/me/proj/train.py:82" in crash.message
+
+
+def test_a_crash_in_torchs_ddp_constructor_broadcast_says_the_ranks_disagree_on_a_collective() -> None:
+    # A layer in float64 on one rank: torch's DDP constructor broadcasts the state through
+    # torch/distributed/utils.py (no distributed_c10d frame) and gloo aborts on the size.
+    dump = FAULTHANDLER_DUMP.replace(
+        '"/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce',
+        '"/venv/lib/python3.11/site-packages/torch/distributed/utils.py", line 321 in _sync_module_states\n'
+        '  File "/venv/lib/python3.11/site-packages/torch/nn/parallel/distributed.py", line 898 in __init__',
+    )
+    job = started(2)
+    end = job.train(2)
+    job.add("rank_error", 0, end, step=None, phase="unknown", error_type="SIGABRT",
+            message="Fatal Python error: Aborted", stack=dump, fatal=True)  # fmt: skip
+    job.error(1, end + 0.02, "Connection reset by peer")
+    crash = only(diagnose(job.snapshot(), end + 1), "rank_crashed")
+    assert "died inside a torch.distributed call at /home/me/proj/train.py:82" in crash.message, crash.message
 
 
 def test_a_rank_aborted_by_gloo_on_a_size_mismatch_points_at_the_rank_that_issued_the_wrong_size() -> None:
