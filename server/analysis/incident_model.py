@@ -28,6 +28,7 @@ INCIDENT_KINDS = (
             "replicas_diverged",
             "nonfinite_parameters",
             "settings_differ",
+            "models_differ",
         }
     )
     | WARNING_CODES
