@@ -10,6 +10,7 @@ import datetime
 import re
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,9 @@ def _rank_process(rank: int, processes: dict[int, dict[str, Any]]) -> str:
     return f"{rank} (pid {proc['pid']} on {safe(proc.get('host'))})"
 
 
-def _overlap_section(steps: list[dict[str, Any]]) -> list[str]:
+def _overlap_section(steps: list[dict[str, Any]], stragglers: Sequence[int] = ()) -> list[str]:
+    """The overlap table and a verdict; ``stragglers``: the flagged ranks, whose peers' exposed
+    communication is mostly time spent waiting for them, not a bucket layout to tune."""
     synced = [s for s in steps if s.get("comm_s")]
     if not steps:
         return ["No step records yet."]
@@ -81,12 +84,21 @@ def _overlap_section(steps: list[dict[str, Any]]) -> list[str]:
         overlap_all = statistics.median(s["overlap_ratio"] for s in synced)
         exposed = statistics.median(s["exposed_comm_s"] for s in synced)
         step = statistics.median(s["step_s"] for s in synced)
-        verdict = (
-            "communication is mostly hidden behind backward"
-            if overlap_all >= 0.5
-            else "most all-reduce time is exposed after backward: consider smaller buckets "
-            "(bucket_cap_mb) or a model whose backward is long enough to hide it"
-        )
+        if overlap_all >= 0.5:
+            verdict = "communication is mostly hidden behind backward"
+        elif stragglers:
+            slow = ", ".join(str(r) for r in stragglers)
+            verdict = (
+                f"most all-reduce time is exposed after backward, and the other ranks spend it waiting for "
+                f"straggler rank{'s' if len(stragglers) > 1 else ''} {slow} (see Stragglers): make "
+                f"{'them' if len(stragglers) > 1 else 'it'} as fast as the others first; smaller buckets "
+                "would not shorten that wait"
+            )
+        else:
+            verdict = (
+                "most all-reduce time is exposed after backward: consider smaller buckets "
+                "(bucket_cap_mb) or a model whose backward is long enough to hide it"
+            )
         lines.append(
             f"Overall: median overlap {overlap_all:.0%}, exposed comm {_fmt_s(exposed)} "
             f"({exposed / step:.0%} of the step): {verdict}."
@@ -227,7 +239,8 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
     if not flagged:
         out.append("none: no rank is consistently slower than the others")
 
-    out += ["", "== Overlap of communication with backward"] + _overlap_section(steps)
+    out += ["", "== Overlap of communication with backward"]
+    out += _overlap_section(steps, [int(s["rank"]) for s in flagged])
 
     out += ["", f"== Unused parameters ({len(unused)})"]
     for u in unused:

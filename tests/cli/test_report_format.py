@@ -51,6 +51,20 @@ def test_the_overlap_table_reads_step_times_of_synchronised_steps_only() -> None
     assert rest[0] == "3 no_sync() step(s) (no all-reduce) are left out of the medians."
 
 
+def test_exposed_communication_beside_a_straggler_is_blamed_on_it_not_on_the_bucket_size() -> None:
+    from ddpscope.cli.report import _overlap_section
+
+    # Rank 1 loads its batches slowly: rank 0 waits for it after its own backward, every step.
+    fast = {"rank": 0, "synced": True, "step_s": 0.035, "comm_s": 0.031, "exposed_comm_s": 0.030}
+    slow = {"rank": 1, "synced": True, "step_s": 0.005, "comm_s": 0.002, "exposed_comm_s": 0.001}
+    steps = [{**fast, "overlap_ratio": 0.03}, {**slow, "overlap_ratio": 0.1}] * 4
+    plain = _overlap_section(steps)[-1]
+    assert "consider smaller buckets" in plain
+    blamed = _overlap_section(steps, [1])[-1]
+    assert "waiting for straggler rank 1 (see Stragglers)" in blamed, blamed
+    assert "consider smaller buckets" not in blamed
+
+
 # A real faulthandler dump of a rank gloo aborted (a size mismatch): the abort came from a gloo thread,
 # so no thread is "Current" and the newest Python thread, ddpscope's watchdog, comes first.
 ABORT_DUMP = """Fatal Python error: Aborted
