@@ -77,9 +77,11 @@ def mismatch_message(per_rank: Sequence[Sequence[str]]) -> str:
             "collectives each rank issues (bucket sizes, the unused-parameter bitmap, buffer broadcasts), and "
             "ranks that issue different ones abort in gloo or reduce unrelated gradients together."
         )
+    # Positions count from the first parameter, as module.parameters() does: the setting lines come first.
+    settings = sum(1 for line in per_rank[0] if line.startswith(_SETTING))
     return (
         f"DistributedDataParallel: the ranks do not wrap the same model. Ranks {differing} differ from "
-        f"rank 0 at position {pos} of the parameter list: {shown}. Every rank must build the same model "
+        f"rank 0 at position {pos - settings} of the parameter list: {shown}. Every rank must build the same model "
         "(same parameter names, shapes, dtypes, requires_grad and order) before wrapping it."
     )
 

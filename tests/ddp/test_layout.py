@@ -47,6 +47,19 @@ def test_a_constructor_argument_that_differs_is_named_before_any_parameter() -> 
     assert "rank 0 has bucket_cap_mb=None; rank 2 has bucket_cap_mb=4.0" in message
 
 
+def test_the_position_of_a_differing_parameter_counts_parameters_only_not_the_settings_before_them() -> None:
+    settings = {"bucket_cap_mb": 25, "find_unused_parameters": False, "broadcast_buffers": True}
+    models = [
+        nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)),
+        nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)),
+    ]
+    models[1][1].double()
+    lines = [describe(m.named_parameters(), settings=settings) for m in models]
+    message = mismatch_message(lines)
+    # module.parameters() of rank 1: 0.weight, 0.bias, 1.weight (float64): position 2.
+    assert "at position 2 of the parameter list: rank 0 has parameter 1.weight float32[2, 2]" in message
+
+
 def test_identical_lists_have_no_difference() -> None:
     with pytest.raises(ValueError):
         first_difference([["a"], ["a"]])
