@@ -22,6 +22,7 @@ the end of that backward. No rank writes gradients from that step: never a silen
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,6 +51,11 @@ REMEDY = (
 
 class UnreducedGradientsError(RuntimeError):
     """Some rank produced no gradient for some parameters while ``find_unused_parameters=False``."""
+
+
+class MisalignedCollectivesError(RuntimeError):
+    """A bucket all-reduce came back with values no rank sent in its status slots: another rank paired it
+    with a different collective of the same size (gloo pairs collectives by order, not by purpose)."""
 
 
 class Reducer:
@@ -440,6 +446,12 @@ class Reducer:
         status = self.buckets[-1].status
         if status is not None:
             flags = status.tolist()
+            if not self._status_consistent(flags):
+                self._device_times()
+                self.timer.emit(unused)
+                misaligned = MisalignedCollectivesError(self._misaligned_message(flags))
+                errors.report_error(misaligned)
+                raise misaligned
             bad_ranks = [r for r in range(self.world_size) if flags[r]]
             if bad_ranks:
                 self._device_times()
@@ -493,6 +505,35 @@ class Reducer:
                     copies_from.append(view)
         if copies_to:
             torch._foreach_copy_(copies_to, copies_from)
+
+    def _status_consistent(self, flags: list[float]) -> bool:
+        """Whether the summed status slots are what the ranks' own slots can add up to: each rank writes
+        1 only into its own rank slot (so this rank's slot holds exactly what it sent) and 1 into the
+        slot of each parameter it missed, so no parameter slot exceeds the number of failed ranks. Sums
+        that break this came from a different collective another rank paired with this all-reduce."""
+        world = self.world_size
+        if not all(math.isfinite(f) and f == int(f) for f in flags):
+            return False
+        ranks, per_param = flags[:world], flags[world:]
+        if any(f not in (0, 1) for f in ranks) or ranks[self.rank] != (1 if self.failed else 0):
+            return False
+        failed = sum(ranks)
+        if any(not 0 <= f <= failed for f in per_param) or any(per_param[i] < 1 for i in self.failed):
+            return False
+        return failed == 0 or any(per_param)
+
+    def _misaligned_message(self, flags: list[float]) -> str:
+        last = len(self.buckets) - 1
+        return (
+            f"DistributedDataParallel (rank {self.rank}, step {self.step}): the gradient all-reduce of bucket "
+            f"{last} (collective #{self.seqs[last]} of group {self.pg}) came back with sums in its status slots "
+            f"that the {self.world_size} ranks cannot have sent (this rank's own slot holds "
+            f"{flags[self.rank]!r}, it sent {1 if self.failed else 0}): another rank paired it with a different "
+            "collective of the same size. The ranks no longer issue the same collectives in the same order "
+            "(a collective some ranks skip or add, an uneven number of batches without torch's Join), so "
+            "this step's averaged gradients are wrong and were not written. ddpscope's collector names the "
+            "rank and the line that differ (its mismatch incident)."
+        )
 
     def _failure_message(self, bad_ranks: list[int], per_param: list[float]) -> str:
         names = [self.names[i] for i, c in enumerate(per_param) if c]

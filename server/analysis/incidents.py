@@ -556,6 +556,13 @@ def _error_incidents(
                 "(see the mismatch incident): gloo kills the rank that receives data of an unexpected size, "
                 f"whichever side issued the wrong collective; the cause is on {ranks_phrase(culprits)}"
             )
+        elif (paired := _misaligned_by(p, mismatches)) is not None:
+            # The engine found its bucket all-reduce paired with another collective: the mismatch's doing.
+            culprits = list(paired.culprit_ranks)
+            msg += (
+                f". It was paired with another rank's different collective (see the mismatch incident at "
+                f"collective #{paired.seq} of group {paired.pg}); the cause is on {ranks_phrase(culprits)}"
+            )
         elif named and p["rank"] not in culprits:
             msg += f". The cause is on {ranks_phrase(culprits)}"
         elif others and not named:
@@ -656,6 +663,17 @@ def _error_incidents(
         )
         out.append(_error_incident("rank_error", first, msg, left[1:], culprits=culprits))
     return out
+
+
+def _misaligned_by(error: Record, mismatches: Sequence[Incident]) -> Incident | None:
+    """The mismatch behind the engine's ``MisalignedCollectivesError`` (its bucket all-reduce came back
+    holding another collective's values): the first one found before the error, if any."""
+    if error.get("error_type") != "MisalignedCollectivesError":
+        return None
+    before = [
+        m for m in mismatches if m.seq is not None and (m.time_s or 0.0) <= record_s(error) + CLOCK_SLACK_S
+    ]
+    return min(before, key=lambda m: m.time_s or 0.0, default=None)
 
 
 def _awaited_before(

@@ -789,6 +789,23 @@ def test_a_rank_aborted_by_gloo_on_a_size_mismatch_points_at_the_rank_that_issue
     assert "origin" not in crash.message
 
 
+def test_the_engines_misaligned_collectives_error_is_blamed_on_the_mismatchs_culprit() -> None:
+    # Rank 1 all-reduced a metric where rank 0 all-reduced its last bucket (the same size): rank 0's
+    # engine found its status slots holding the metric's values and raised.
+    job = started(2)
+    end = job.train(2)
+    job.coll(0, end, 5, shapes=[[170]], site="ddp/reducer.py:88", step=2, source="engine")
+    job.coll(1, end, 5, shapes=[[170]], site="train.py:83")
+    job.error(0, end + 0.01, "DistributedDataParallel (rank 0, step 2): the gradient all-reduce of bucket 0 ...",
+              error_type="MisalignedCollectivesError", step=2)  # fmt: skip
+    incidents = diagnose(job.snapshot(), end + 1)
+    mismatch = only(incidents, "mismatch")
+    error = only(incidents, "rank_error")
+    assert mismatch.culprit_ranks == [1] and error.culprit_ranks == [1], incidents
+    assert "see the mismatch incident at collective #5 of group default" in error.message
+    assert "origin" not in error.message
+
+
 def test_an_exception_names_the_innermost_line_of_user_code() -> None:
     job = started(2)
     end = job.train(2)

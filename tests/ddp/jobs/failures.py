@@ -10,6 +10,8 @@ Usage: failures.py SCENARIO OUTDIR
 - ``bypass``: rank 0 trains two steps through ``model.module`` (no all-reduce), while rank 1 accumulates
   under ``no_sync()`` (no all-reduce either, so the collectives stay aligned); the warnings each rank logged.
 - ``frozen_late``: a layer frozen on every rank after wrapping; the engine's error.
+- ``misaligned``: rank 1 all-reduces a metric of the last bucket's size where rank 0 runs a backward; the
+  engine's error on rank 0.
 - ``cut_short``: a hook raises in the backward of step 1 on every rank and the loop catches it; the next
   forward's error, and where the rank said it was.
 - ``thawed``: a layer frozen when wrapped is unfrozen after two steps; the warnings, and whether the
@@ -93,6 +95,29 @@ def missing_grad(rank: int) -> dict[str, Any]:
     module.zero_grad(set_to_none=True)
     model(x).sum().backward()
     out["after_ok"] = True
+    return out
+
+
+def misaligned(rank: int) -> dict[str, Any]:
+    """After two healthy steps, rank 1 all-reduces a metric of exactly the last bucket's size (its
+    parameters and status slots) where rank 0 runs its next backward: gloo pairs the two silently."""
+    torch.manual_seed(0)
+    module = Branchy()
+    model = DistributedDataParallel(module)
+    x = torch.randn(4, 8)
+    for _ in range(2):  # the second forward broadcasts the rebuilt bucket order: a collective of its own
+        model(x).sum().backward()
+    assert len(model.bucket_layout) == 1, model.bucket_layout
+    params = list(module.parameters())
+    out: dict[str, Any] = {"error": None}
+    if rank == 1:
+        # The status slots: one per rank, one per parameter (find_unused_parameters=False).
+        dist.all_reduce(torch.ones(sum(p.numel() for p in params) + dist.get_world_size() + len(params)))
+        return out
+    try:
+        model(x).sum().backward()
+    except RuntimeError as e:
+        out["error"], out["message"] = type(e).__name__, str(e)
     return out
 
 
@@ -226,6 +251,7 @@ def main() -> None:
         "thawed": thawed,
         "frozen_late": frozen_late,
         "cut_short": cut_short,
+        "misaligned": misaligned,
         "replicas": replicas,
     }[SCENARIO](rank)
     agent.get_agent().force_flush(5.0)
