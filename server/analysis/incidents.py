@@ -646,7 +646,9 @@ def _error_incidents(
             for r in culprits:
                 blame.setdefault(r, f"was {stuck[r].phrase()}")
         elif culprits:
-            cause = f"the cause is on {ranks_phrase(culprits)} (see the other incidents)"
+            # A failed rank blamed elsewhere (the odd side of a mismatch) failed of its own doing.
+            own = " itself" if {v["rank"] for v in left} >= set(culprits) else ""
+            cause = f"the cause is on {ranks_phrase(culprits)}{own} (see the other incidents)"
         elif awaited := _awaited_before(left, snapshot, live, colls):
             # What the failed ranks were waiting in when they gave up: a timeout's cause.
             culprits = sorted({r for _, _, held in awaited for r in held})
