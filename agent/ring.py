@@ -36,6 +36,7 @@ template``, the template and prefix copied first, the integers last as above.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import marshal
@@ -164,8 +165,15 @@ class WriteAheadRing:
         size = (slots + table_entries) * slot_bytes
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # Blocks reserved now, not a sparse file: a page of a mapping the filesystem cannot back
+            # (a full disk or tmpfs) is a SIGBUS in the training process at the first write to it, not
+            # an error. A full filesystem fails here (OSError: ENOSPC) and the caller goes without a ring.
+            os.posix_fallocate(fd, 0, size)
             self._map: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_WRITE)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            raise
         finally:
             os.close(fd)  # the mapping keeps the file alive
         self._next = itertools.count()

@@ -16,6 +16,7 @@ durability needs; a power loss of the node may lose the last second.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import marshal
 import os
@@ -291,9 +292,16 @@ class SpoolWriter:
         if self.disk_bytes + self.size + len(data) > self.hard_cap_bytes and not over_cap:
             return False
         view = memoryview(data)
-        while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
+        try:
+            while view:
+                written = os.write(self._fd, view)
+                view = view[written:]
+        except OSError:
+            # A full disk mid-frame: cut the torn part off, so the next frame starts where the shipper
+            # expects one (O_APPEND writes at the new end).
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self.size)
+            raise
         self.size += len(data)
         return True
 

@@ -87,6 +87,8 @@ class SpoolExporter:
         self._checked_at = 0.0
         self._started_at = 0.0
         self._closed = False
+        self._write_errors: set[int | None] = set()
+        """errnos of the spool write failures already said (``export``)."""
         self.dropped: collections.Counter[str] = collections.Counter()
         """Records this exporter did not hand to the shipper: 'spool_full:kind', 'unserializable:kind'."""
         self._crash: IO[str] | None = None
@@ -170,7 +172,22 @@ class SpoolExporter:
             batch, payload = good, spool.encode_batch(good)
         # agent_stats (sent alone) passes the cap: otherwise the drops of a full spool go unreported.
         stats_only = all(record.get("kind") == "agent_stats" for record in batch)
-        if batch and not self._writer.append(payload, over_cap=stats_only):
+        try:
+            written = not batch or self._writer.append(payload, over_cap=stats_only)
+        except OSError as e:
+            # The disk is full or gone: these records are lost, counted, and said once per kind of error.
+            if e.errno not in self._write_errors:
+                self._write_errors.add(e.errno)
+                logger.warning(
+                    "ddpscope: cannot write the spool in %s (%s): records are dropped (and counted) until "
+                    "it can; free space there or point DDPSCOPE_SPOOL_DIR at a disk with room",
+                    self.spool_dir,
+                    e,
+                )
+            for record in batch:
+                self.dropped[f"spool_error:{record.get('kind')}"] += 1
+            return ExportResult.FAILURE
+        if not written:
             for record in batch:
                 self.dropped[f"spool_full:{record.get('kind')}"] += 1
             return ExportResult.FAILURE
