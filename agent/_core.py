@@ -301,21 +301,48 @@ class Agent:
 
             cfg = self.config
             rank = "x" if cfg.rank is None else str(cfg.rank)
-            self._exporter = SpoolExporter(
-                spool_dir=cfg.spool_dir,
-                prefix=f"r{rank}-{self.stream}",
-                meta={"job": cfg.job, "rank": self._rank, "stream": self.stream},
-                ingest_url=cfg.ingest_url,
-                token=cfg.token,
-                spool_max_bytes=cfg.spool_max_bytes,
-                http_timeout_s=cfg.http_timeout_s,
-                retry_max_backoff_s=cfg.retry_max_backoff_s,
-                linger_s=cfg.shipper_linger_s,
-            )
+            try:
+                self._exporter = SpoolExporter(
+                    spool_dir=cfg.spool_dir,
+                    prefix=f"r{rank}-{self.stream}",
+                    meta={"job": cfg.job, "rank": self._rank, "stream": self.stream},
+                    ingest_url=cfg.ingest_url,
+                    token=cfg.token,
+                    spool_max_bytes=cfg.spool_max_bytes,
+                    http_timeout_s=cfg.http_timeout_s,
+                    retry_max_backoff_s=cfg.retry_max_backoff_s,
+                    linger_s=cfg.shipper_linger_s,
+                )
+            except OSError as e:
+                self._exporter = self._direct_exporter(e)
+                # Nothing to make durable: emit_durable must not wait for a POST on the training thread.
+                self._persists = False
         if self._write_ahead is None:
             self._write_ahead = getattr(self._exporter, "write_ahead", None)
             self._write_ahead_templated = getattr(self._exporter, "write_ahead_templated", None)
         return self._exporter
+
+    def _direct_exporter(self, error: OSError) -> Any:
+        """The spool cannot be written (a directory that is not writable, a full disk): records go straight
+        to the collector from the worker thread instead, said once. They lose their crash durability
+        (what is not yet sent when the process dies is lost) but still arrive."""
+        from ddpscope.agent.transport import HttpExporter
+
+        cfg = self.config
+        logger.warning(
+            "ddpscope: cannot use the spool directory %s (%s); sending records straight to the collector at %s "
+            "instead, without the spool's crash durability (records not yet sent when this process dies are "
+            "lost). Point DDPSCOPE_SPOOL_DIR at a writable directory with free space.",
+            cfg.spool_dir,
+            error,
+            cfg.ingest_url,
+        )
+        return HttpExporter(
+            cfg.ingest_url,
+            token=cfg.token,
+            timeout_s=cfg.http_timeout_s,
+            retry_max_backoff_s=cfg.retry_max_backoff_s,
+        )
 
     def _export_items(self, items: list[tuple[int, Any]]) -> None:
         batch = []

@@ -451,6 +451,10 @@ class HttpExporter:
     disk is available. ``export`` retries within ``export_timeout_s`` and then gives up (RETRY).
     """
 
+    crash_durable = False
+    """Records live in memory until sent: the agent never makes the training thread wait to persist
+    them (``emit_durable``)."""
+
     def __init__(
         self,
         ingest_url: str,
