@@ -14,6 +14,7 @@ import logging
 import os
 import tempfile
 import unicodedata
+import urllib.parse
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -181,14 +182,24 @@ class Config:
             if name not in names:
                 raise ValueError(f"{name}: unknown agent setting; expected one of {sorted(names)}")
         values: dict[str, Any] = {
-            "url": _env(env, DDPSCOPE_URL, str, DEFAULT_URL, lambda v: v.startswith(("http://", "https://"))),
+            "url": _env(env, DDPSCOPE_URL, str, DEFAULT_URL, _valid_url, _URL_RULE),
             "token": env.get(DDPSCOPE_TOKEN) or None,
             "hang_timeout_s": _env(env, DDPSCOPE_HANG_TIMEOUT, float, 300.0, _positive),
             "heartbeat_s": _env(env, DDPSCOPE_HEARTBEAT_S, float, 2.0, _positive),
             "disabled": _env(env, DDPSCOPE_DISABLED, _parse_bool, False),
             "check_gradients": _env(env, DDPSCOPE_CHECK_GRADIENTS, _parse_bool, False),
             "max_queue": _env(env, DDPSCOPE_QUEUE_SIZE, int, 100_000, _positive),
-            "spool_max_bytes": int(_env(env, DDPSCOPE_SPOOL_MAX_MB, float, 256.0, _positive) * 2**20),
+            "spool_max_bytes": int(
+                _env(
+                    env,
+                    DDPSCOPE_SPOOL_MAX_MB,
+                    float,
+                    256.0,
+                    lambda v: v * 2**20 >= 4096,
+                    "at least 0.004 (4 KiB)",
+                )
+                * 2**20
+            ),
             "flush_interval_s": _env(env, DDPSCOPE_FLUSH_INTERVAL_S, float, 0.02, _positive),
             "http_timeout_s": _env(env, DDPSCOPE_HTTP_TIMEOUT_S, float, 10.0, _positive),
             "retry_max_backoff_s": _env(env, DDPSCOPE_RETRY_MAX_S, float, 5.0, _positive),
@@ -246,7 +257,9 @@ def _env(
     parse: Callable[[str], Any],
     default: Any,
     ok: Callable[[Any], bool] = lambda _v: True,
+    rule: str = "",
 ) -> Any:
+    """``name`` parsed and checked, else ``default`` with a warning (saying what ``rule`` it breaks)."""
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -256,8 +269,25 @@ def _env(
             return value
     except ValueError:
         pass  # falls through to the warning: a bad env value must not stop training
-    logger.warning("ddpscope: ignoring %s=%r (invalid); using the default %r", name, raw, default)
+    why = f"it must be {rule}" if rule else "invalid"
+    logger.warning("ddpscope: ignoring %s=%r (%s); using the default %r", name, raw, why, default)
     return default
+
+
+_URL_RULE = "an http:// or https:// URL with a host and a valid port, e.g. http://collector:8321"
+
+
+def _valid_url(value: Any) -> bool:
+    """An http(s) URL that the shipper's HTTP client can open: a scheme, a host, a port in range. (A
+    shipper that cannot parse its URL dies at start-up, and its records wait in the spool unsent.)"""
+    if not isinstance(value, str):
+        return False
+    try:
+        parts = urllib.parse.urlsplit(value)
+        parts.port  # noqa: B018  (raises ValueError for a port out of range or not a number)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
 _JOB_RULE = f"1-{MAX_JOB_LENGTH} characters, no '/', no control characters, not '.' or '..'"
@@ -290,7 +320,7 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         _JOB_RULE,
     ),
     ("rank", lambda v: v is None or (type(v) is int and v >= 0), "None or an int >= 0"),
-    ("url", lambda v: isinstance(v, str) and v.startswith(("http://", "https://")), "an http(s) URL"),
+    ("url", _valid_url, _URL_RULE),
     ("token", lambda v: v is None or isinstance(v, str), "None or a string"),
     ("spool_dir", lambda v: isinstance(v, (str, os.PathLike)) and bool(str(v)), "a directory path"),
     ("disabled", lambda v: isinstance(v, bool), "a bool"),

@@ -58,6 +58,13 @@ def test_an_explicit_argument_beats_the_environment() -> None:
         ("DDPSCOPE_DISABLED", "maybe", "disabled", False),
         ("DDPSCOPE_URL", "collector:8321", "url", "http://127.0.0.1:8321"),
         ("DDPSCOPE_QUEUE_SIZE", "1.5", "max_queue", 100_000),
+        # URLs the shipper's HTTP client cannot open: it died at start-up, its records left unsent.
+        ("DDPSCOPE_URL", "http://[bad", "url", "http://127.0.0.1:8321"),
+        ("DDPSCOPE_URL", "http://127.0.0.1:99999", "url", "http://127.0.0.1:8321"),
+        ("DDPSCOPE_URL", "http://127.0.0.1:abc", "url", "http://127.0.0.1:8321"),
+        ("DDPSCOPE_URL", "127.0.0.1:8400", "url", "http://127.0.0.1:8321"),
+        # Below the spool's 4 KiB floor: every emit once raised (the agent could not be built).
+        ("DDPSCOPE_SPOOL_MAX_MB", "0.001", "spool_max_bytes", 256 * 2**20),
     ],
 )
 def test_a_bad_environment_value_warns_and_falls_back_to_the_default(
@@ -67,6 +74,12 @@ def test_a_bad_environment_value_warns_and_falls_back_to_the_default(
         cfg = Config.from_env({"DDPSCOPE_JOB": "j", name: value})
     assert getattr(cfg, field) == default
     assert name in caplog.text
+
+
+def test_a_url_without_a_scheme_is_refused_with_what_a_url_must_look_like(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="ddpscope.agent.config"):
+        Config.from_env({"DDPSCOPE_JOB": "j", "DDPSCOPE_URL": "collector:8321"})
+    assert "it must be an http:// or https:// URL with a host and a valid port" in caplog.text
 
 
 @pytest.mark.parametrize(
