@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import and_, func, or_, select, true
+from sqlalchemy.exc import DBAPIError
 
 from ddpscope.agent.records import RECORD_KINDS
 from ddpscope.server import schema
@@ -94,6 +95,10 @@ class Storage:
         """This collector's start: liveness gives ranks last heard before it time to catch up."""
         self.dialect = engines.dialect
         self._writer = BatchWriter(engines.dialect)
+        self.write_failure: tuple[float, str] | None = None
+        """(when, why) of the last batch the database refused to write (a full disk, a lock held
+        elsewhere, a file deleted under it), until a batch is written again: ``/healthz`` reports it,
+        since the database may still answer reads."""
         self._job_ids: dict[str, int] = {}
         self._deferred: dict[str, int] = {}
         self._deferred_lock = threading.Lock()
@@ -119,9 +124,17 @@ class Storage:
                 result = self._writer.write(conn, records, time.time_ns())
                 for name, n in sorted(deferred.items()):
                     bump(conn, self.dialect, name, n)
-        except BaseException:
+        except BaseException as e:
             self.defer_count_many(deferred)
+            if isinstance(e, (DBAPIError, OSError)):
+                # The driver's own words (sqlite3's "database or disk is full"), not SQLAlchemy's wrapper.
+                cause = getattr(e, "orig", None) or e
+                self.write_failure = (
+                    time.time(),
+                    str(cause).strip().splitlines()[0][:300] or type(cause).__name__,
+                )
             raise
+        self.write_failure = None
         self.engines.committed()
         return result
 

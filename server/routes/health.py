@@ -1,8 +1,9 @@
-"""``/healthz`` (the database answers) and ``/metrics`` (Prometheus exposition, read at scrape time)."""
+"""``/healthz`` (the database answers, and took the last write) and ``/metrics`` (Prometheus exposition, read at scrape time)."""
 
 from __future__ import annotations
 
 import logging
+import time
 
 from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.concurrency import run_in_threadpool
@@ -24,6 +25,14 @@ async def healthz(storage: StorageDep) -> dict[str, str]:
         ok = False
     if not ok:
         raise HTTPException(503, "database does not answer; check --db and that the database is up")
+    failure = storage.write_failure
+    if failure is not None:
+        # It answers reads but refuses writes (a full disk, a lock held elsewhere): ingest fails.
+        raise HTTPException(
+            503,
+            f"the database answers but refused the last write {time.time() - failure[0]:.0f} s ago "
+            f"({failure[1]}); ingest fails until a write succeeds: free disk space or release the lock",
+        )
     return {"status": "ok", "database": storage.dialect}
 
 

@@ -13,6 +13,7 @@ import logging
 import anyio.to_thread
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
+from sqlalchemy.exc import DBAPIError
 
 from ddpscope.server.body import BadEncoding, BodyTooLarge, decode_content, read_limited
 from ddpscope.server.codec import BatchError, decode_batch
@@ -78,5 +79,14 @@ async def ingest(request: Request, storage: StorageDep, settings: SettingsDep) -
     except BatchError as e:
         status = 400 if str(e).startswith("body is not valid JSON") else 422
         raise await _reject(storage, "invalid", status, str(e)) from None
+    except (DBAPIError, OSError) as e:
+        # Nothing of the batch is stored (one transaction); the agent keeps it and retries.
+        why = storage.write_failure[1] if storage.write_failure else type(e).__name__
+        logger.warning("ingest: the database refused a batch: %s", why)
+        raise HTTPException(
+            503,
+            f"the collector cannot write its database ({why}); nothing of this batch was stored: retry later",
+            headers={"Retry-After": str(settings.retry_after_s)},
+        ) from None
     finally:
         gate.leave()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sqlite3
 import subprocess
 import sys
 
@@ -77,6 +78,29 @@ def test_a_real_server_ingests_gzip_batches_and_answers_the_api(db_url):
         assert len(httpx.get(f"{url}/api/v1/jobs/synth/steps").json()["items"]) == 12
         metrics = httpx.get(f"{url}/metrics").text
         assert f"ddpscope_ingested_records_total {float(len(records))}" in metrics
+
+
+def test_a_database_that_refuses_writes_answers_503_and_healthz_says_so_until_a_write_succeeds(tmp_path):
+    db = tmp_path / "c.db"
+    first, second = by_rank(synth_job(2, 3, 2, finished=False)).values()
+    with live_collector(f"sqlite:///{db}") as url:
+        assert _send(url, first).status_code == 200
+        # Another process holds the write lock (as a full disk, it refuses every write; reads still work).
+        lock = sqlite3.connect(db, timeout=1, isolation_level=None)
+        lock.execute("BEGIN EXCLUSIVE")
+        try:
+            refused = _send(url, second)  # after the collector's 10 s busy timeout
+            health = httpx.get(f"{url}/healthz", timeout=30)
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+        assert refused.status_code == 503, refused.text
+        assert "cannot write its database (database is locked)" in refused.json()["detail"]
+        assert int(refused.headers["retry-after"]) > 0
+        assert health.status_code == 503 and "refused the last write" in health.json()["detail"], health.text
+        assert _send(url, second).status_code == 200
+        assert httpx.get(f"{url}/healthz").status_code == 200
+        assert len(httpx.get(f"{url}/api/v1/jobs/synth/steps").json()["items"]) == 6
 
 
 @pytest.mark.postgres
