@@ -449,8 +449,7 @@ class Notices:
                     "stopped getting through "
                     f"(last: {self.last}). They wait in {sh.dir}; a shipper retries for "
                     f"{sh.s['linger_s']:.0f} s after this rank's exit (log: "
-                    f"{os.path.join(sh.dir, sh.prefix + '.shipper.log')}); start a collector (ddpscope serve) "
-                    "or check DDPSCOPE_URL."
+                    f"{os.path.join(sh.dir, sh.prefix + '.shipper.log')}); {_advice(outcome)}."
                 ),
                 PENDING_SUFFIX,
             )
@@ -464,8 +463,7 @@ class Notices:
             self.tell(
                 f"the collector at {sh.ingest_url} has accepted nothing for {now - self.failing_since:.0f} s "
                 f"(last: {self.last}). Records wait in {sh.dir} and are sent when it answers (retried "
-                f"while this rank runs and {sh.s['linger_s']:.0f} s after); check DDPSCOPE_URL, or start a "
-                "collector: ddpscope serve."
+                f"while this rank runs and {sh.s['linger_s']:.0f} s after); {_advice(outcome)}."
             )
 
     def refused(self, outcome: Outcome) -> None:
@@ -493,6 +491,14 @@ class Notices:
         # After its rank is gone (or for an adopted orphan) nobody is left to read it: the log has it.
         if sh.writer_pid is not None and not sh.writer_done() and not tell_writer(sh.writer_pid, line):
             _write_notice(sh.dir, sh.prefix, line)
+
+
+def _advice(outcome: Outcome) -> str:
+    """What to do about a collector that keeps failing: one that answers with a server error is up but
+    cannot store (its database is full or locked), not missing."""
+    if outcome.status is not None and outcome.status >= 500:
+        return "the collector is up but fails to store them: see its log and its /healthz"
+    return "start a collector (ddpscope serve) or check DDPSCOPE_URL"
 
 
 def describe(outcome: Outcome) -> str:

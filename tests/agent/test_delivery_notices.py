@@ -121,6 +121,13 @@ def test_only_answers_no_ddpscope_collector_gives_on_ingest_count_as_a_wrong_url
     assert not any(wrong_url(outcome(s)) for s in (None, 400, 401, 413, 422, 429, 500, 503))
 
 
+def test_a_collector_answering_server_errors_is_said_to_be_up_but_failing_to_store_not_missing() -> None:
+    from ddpscope.agent.shipper import _advice
+
+    assert "see its log and its /healthz" in _advice(Outcome(False, True, 503, None, "database is locked"))
+    assert "start a collector" in _advice(Outcome(False, True, None, None, "ConnectionRefusedError"))
+
+
 def test_a_url_answering_404_keeps_every_record_tells_the_rank_once_and_a_corrected_url_delivers_them(
     not_a_collector, spool_dir, started
 ) -> None:
