@@ -25,6 +25,9 @@ async def healthz(storage: StorageDep) -> dict[str, str]:
         ok = False
     if not ok:
         raise HTTPException(503, "database does not answer; check --db and that the database is up")
+    problem = storage.engines.file_problem()
+    if problem is not None:
+        raise HTTPException(503, problem)
     failure = storage.write_failure
     if failure is not None:
         # It answers reads but refuses writes (a full disk, a lock held elsewhere): ingest fails.

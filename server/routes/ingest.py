@@ -56,6 +56,9 @@ async def ingest(request: Request, storage: StorageDep, settings: SettingsDep) -
             401,
             "missing or wrong bearer token: send 'Authorization: Bearer <token>' (DDPSCOPE_TOKEN)",
         )
+    problem = storage.engines.file_problem()
+    if problem is not None:
+        raise HTTPException(503, problem, headers={"Retry-After": str(settings.retry_after_s)})
     gate: IngestGate = request.app.state.ingest_gate
     if not gate.try_enter():
         storage.defer_count("rejected_batches:overloaded")

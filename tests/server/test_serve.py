@@ -103,6 +103,21 @@ def test_a_database_that_refuses_writes_answers_503_and_healthz_says_so_until_a_
         assert len(httpx.get(f"{url}/api/v1/jobs/synth/steps").json()["items"]) == 6
 
 
+def test_a_database_file_deleted_under_the_collector_is_refused_and_said_instead_of_acknowledged(tmp_path):
+    db = tmp_path / "c.db"
+    first, second = by_rank(synth_job(2, 3, 2, finished=False)).values()
+    with live_collector(f"sqlite:///{db}") as url:
+        assert _send(url, first).status_code == 200
+        for path in tmp_path.glob("c.db*"):
+            path.unlink()  # SQLite would go on writing into the unlinked file, lost at the restart
+        refused = _send(url, second)
+        assert (
+            refused.status_code == 503 and "was deleted while the collector ran" in refused.json()["detail"]
+        )
+        health = httpx.get(f"{url}/healthz")
+        assert health.status_code == 503 and "restart the collector" in health.json()["detail"]
+
+
 @pytest.mark.postgres
 def test_two_collector_processes_share_one_postgresql(pg_server):
     db = pg_server.create_database("shared")
