@@ -24,8 +24,12 @@ class CollectorError(RuntimeError):
 
 def url_problem(url: str) -> str | None:
     """What is wrong with a collector base URL, or None: a usage error said before any request."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018  (raises ValueError for a port out of range or not a number)
+    except ValueError as e:
+        return f"--url {url!r} is not a valid URL ({e}): give the collector's base URL, such as {DEFAULT_URL}"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
         return (
             f"--url {url!r} is not an http(s) URL: give the collector's base URL, such as "
             f"{DEFAULT_URL} (the address `ddpscope serve` prints)"

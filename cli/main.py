@@ -46,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("job")
     export = sub.add_parser("export", parents=[common], help="write a job's Perfetto trace")
     export.add_argument("job")
-    export.add_argument("-o", "--output", required=True, help="trace file to write (open in ui.perfetto.dev)")
+    export.add_argument(
+        "-o", "--output", required=True, help="trace file to write (open in ui.perfetto.dev); - for stdout"
+    )
     export.add_argument("--start", type=int, help="first step")
     export.add_argument("--end", type=int, help="last step")
     jobs = sub.add_parser("jobs", parents=[common], help="list jobs")
@@ -60,22 +62,35 @@ def _export(client: Client, args: argparse.Namespace) -> int:
     if args.start is not None and args.end is not None and args.start > args.end:
         print(f"ddpscope export: --start {args.start} is after --end {args.end}", file=sys.stderr)
         return EXIT_USAGE
+    to_stdout = args.output == "-"
     folder = os.path.dirname(os.path.abspath(args.output))
-    if os.path.isdir(args.output) or not os.path.isdir(folder):
+    if not to_stdout and (os.path.isdir(args.output) or not os.path.isdir(folder)):
         what = "is a directory" if os.path.isdir(args.output) else f"is in {folder}, which does not exist"
         print(f"ddpscope export: -o {args.output} {what}: give a file path to write", file=sys.stderr)
         return EXIT_USAGE
     path = client.job_path(args.job, "trace")
     params = [f"{k}={v}" for k, v in (("start", args.start), ("end", args.end)) if v is not None]
-    data = client.get_bytes(path + ("?" + "&".join(params) if params else ""))
     try:
-        with open(args.output, "wb") as f:
-            f.write(data)
-    except OSError as e:
-        print(f"ddpscope export: cannot write {args.output} ({e.strerror})", file=sys.stderr)
-        return EXIT_USAGE
+        data = client.get_bytes(path + ("?" + "&".join(params) if params else ""))
+    except CollectorError as e:
+        if e.status != 404:
+            raise
+        from ddpscope.cli.report import safe, unknown_job
+
+        print(f"ddpscope export: {safe(unknown_job(client, args.job))}", file=sys.stderr)
+        return EXIT_UNKNOWN_JOB
     events = len(json.loads(data).get("traceEvents", []))
-    print(f"wrote {args.output}: {events} trace events (open it in https://ui.perfetto.dev)")
+    if to_stdout:  # `-o -`: the trace on stdout, for a pipe; the summary on stderr
+        sys.stdout.buffer.write(data)
+    else:
+        try:
+            with open(args.output, "wb") as f:
+                f.write(data)
+        except OSError as e:
+            print(f"ddpscope export: cannot write {args.output} ({e.strerror})", file=sys.stderr)
+            return EXIT_USAGE
+    summary = f"wrote {'stdout' if to_stdout else args.output}: {events} trace events (open it in https://ui.perfetto.dev)"
+    print(summary, file=sys.stderr if to_stdout else sys.stdout)
     if not events:
         print(
             f"ddpscope export: job {args.job} has no step records"

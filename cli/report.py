@@ -52,9 +52,20 @@ def _rank_process(rank: int, processes: dict[int, dict[str, Any]]) -> str:
     return f"{rank} (pid {proc['pid']} on {safe(proc.get('host'))})"
 
 
-def _overlap_section(steps: list[dict[str, Any]], stragglers: Sequence[int] = ()) -> list[str]:
+def _fmt_bytes(n: float) -> str:
+    return f"{n:.0f} B" if n < 1024 else f"{n / 1024:.0f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
+
+
+SMALL_BUCKET_BYTES = 1 << 20
+"""Below this median bucket size, splitting buckets further adds per-call cost rather than overlap."""
+
+
+def _overlap_section(
+    steps: list[dict[str, Any]], stragglers: Sequence[int] = (), bucket_bytes: Sequence[int] = ()
+) -> list[str]:
     """The overlap table and a verdict; ``stragglers``: the flagged ranks, whose peers' exposed
-    communication is mostly time spent waiting for them, not a bucket layout to tune."""
+    communication is mostly time spent waiting for them, not a bucket layout to tune; ``bucket_bytes``:
+    the layout's bucket sizes, already too small to split further when their median is small."""
     synced = [s for s in steps if s.get("comm_s")]
     if not steps:
         return ["No step records yet."]
@@ -93,6 +104,13 @@ def _overlap_section(steps: list[dict[str, Any]], stragglers: Sequence[int] = ()
                 f"straggler rank{'s' if len(stragglers) > 1 else ''} {slow} (see Stragglers): make "
                 f"{'them' if len(stragglers) > 1 else 'it'} as fast as the others first; smaller buckets "
                 "would not shorten that wait"
+            )
+        elif bucket_bytes and (median_bytes := statistics.median(bucket_bytes)) < SMALL_BUCKET_BYTES:
+            verdict = (
+                f"most all-reduce time is exposed after backward, although the {len(bucket_bytes)} "
+                f"bucket{'s are' if len(bucket_bytes) > 1 else ' is'} already small (median "
+                f"{_fmt_bytes(median_bytes)}): smaller ones would only add per-call cost; the backward "
+                "is too short to hide the communication (more work per rank and step hides more)"
             )
         else:
             verdict = (
@@ -173,6 +191,13 @@ def _stopped_section(stopped: Stopped, buckets: list[dict[str, Any]]) -> list[st
     return out
 
 
+def unknown_job(client: Client, job: str) -> LookupError:
+    """The error for a job the collector does not know, listing the jobs it does."""
+    return LookupError(
+        f"no job {safe(job)!r} at the collector (known jobs: {known_jobs(client.items('/api/v1/jobs'))})"
+    )
+
+
 def render_report(client: Client, job: str) -> tuple[str, int]:
     """Return the report text and how many problems it found (active incidents + stragglers)."""
     try:
@@ -180,9 +205,7 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
     except CollectorError as e:
         if e.status != 404:
             raise
-        raise LookupError(
-            f"no job {safe(job)!r} at the collector (known jobs: {known_jobs(client.items('/api/v1/jobs'))})"
-        ) from None
+        raise unknown_job(client, job) from None
     processes = {int(r["rank"]): r for r in info.get("ranks", [])}
     out = [
         f"ddpscope report for job {safe(job)}",
@@ -240,7 +263,8 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
         out.append("none: no rank is consistently slower than the others")
 
     out += ["", "== Overlap of communication with backward"]
-    out += _overlap_section(steps, [int(s["rank"]) for s in flagged])
+    sizes = [int(b["bytes"]) for b in buckets if isinstance(b.get("bytes"), int)]
+    out += _overlap_section(steps, [int(s["rank"]) for s in flagged], sizes)
 
     out += ["", f"== Unused parameters ({len(unused)})"]
     for u in unused:

@@ -164,6 +164,27 @@ def test_export_writes_a_perfetto_trace_of_the_requested_steps(collector: str, t
     assert events and {e.get("pid") for e in events if e.get("ph") == "X"} >= {0, 1}
 
 
+def test_export_of_an_unknown_job_exits_four_and_lists_the_known_ones(collector: str, tmp_path: Path) -> None:
+    out = ddpscope("export", "no/such job", "-o", str(tmp_path / "t.json"), "--url", collector)
+    assert out.returncode == 4, out.stderr
+    assert "no job 'no/such job'" in out.stderr and "cli-healthy" in out.stderr
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_export_to_dash_writes_the_trace_to_stdout(collector: str, tmp_path: Path) -> None:
+    out = ddpscope("export", "cli-healthy", "-o", "-", "--url", collector)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["traceEvents"]
+    assert "wrote stdout" in out.stderr
+
+
+@pytest.mark.parametrize("url", ["http://[bad", "http://127.0.0.1:abc", "http://127.0.0.1:99999", "http://"])
+def test_a_url_that_cannot_be_parsed_is_a_usage_error_not_a_traceback(url: str) -> None:
+    out = ddpscope("jobs", "--url", url)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr and "--url" in out.stderr
+
+
 def test_an_unreachable_collector_exits_three_with_what_to_do() -> None:
     out = ddpscope("jobs", "--url", f"http://127.0.0.1:{free_port()}")
     assert out.returncode == 3

@@ -65,6 +65,17 @@ def test_exposed_communication_beside_a_straggler_is_blamed_on_it_not_on_the_buc
     assert "consider smaller buckets" not in blamed
 
 
+def test_exposed_communication_with_buckets_already_small_does_not_advise_smaller_ones() -> None:
+    from ddpscope.cli.report import _overlap_section
+
+    step = {"rank": 0, "synced": True, "step_s": 0.010, "comm_s": 0.006, "exposed_comm_s": 0.005}
+    verdict = _overlap_section([{**step, "overlap_ratio": 0.1}], [], [80] * 3000)[-1]
+    assert "the 3000 buckets are already small (median 80 B)" in verdict, verdict
+    assert "consider smaller buckets" not in verdict
+    big = _overlap_section([{**step, "overlap_ratio": 0.1}], [], [25 << 20])[-1]
+    assert "consider smaller buckets" in big
+
+
 # A real faulthandler dump of a rank gloo aborted (a size mismatch): the abort came from a gloo thread,
 # so no thread is "Current" and the newest Python thread, ddpscope's watchdog, comes first.
 ABORT_DUMP = """Fatal Python error: Aborted
