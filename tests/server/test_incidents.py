@@ -745,31 +745,24 @@ Thread 0x00007fc040c87b80 (most recent call first):
 """
 
 
-def test_a_crash_names_the_users_line_it_died_in() -> None:
-    job = started(2)
-    end = job.train(2)
-    job.add("rank_error", 0, end, step=None, phase="unknown", error_type="SIGABRT",
-            message="Fatal Python error: Aborted", stack=FAULTHANDLER_DUMP, fatal=True)  # fmt: skip
-    job.error(1, end + 0.02, "Connection reset by peer")
-    crash = only(diagnose(job.snapshot(), end + 1), "rank_crashed")
-    assert crash.rank == 0 and crash.call_site == "/home/me/proj/train.py:82"
-    assert "died inside a torch.distributed call at /home/me/proj/train.py:82" in crash.message
+# A layer in float64 on one rank under torch's DDP: its constructor broadcasts the state through
+# torch/distributed/utils.py (no distributed_c10d frame) and gloo aborts on the size.
+CONSTRUCTOR_DUMP = FAULTHANDLER_DUMP.replace(
+    '"/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce',
+    '"/venv/lib/python3.11/site-packages/torch/distributed/utils.py", line 321 in _sync_module_states\n'
+    '  File "/venv/lib/python3.11/site-packages/torch/nn/parallel/distributed.py", line 898 in __init__',
+)
 
 
-def test_a_crash_in_torchs_ddp_constructor_broadcast_says_the_ranks_disagree_on_a_collective() -> None:
-    # A layer in float64 on one rank: torch's DDP constructor broadcasts the state through
-    # torch/distributed/utils.py (no distributed_c10d frame) and gloo aborts on the size.
-    dump = FAULTHANDLER_DUMP.replace(
-        '"/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce',
-        '"/venv/lib/python3.11/site-packages/torch/distributed/utils.py", line 321 in _sync_module_states\n'
-        '  File "/venv/lib/python3.11/site-packages/torch/nn/parallel/distributed.py", line 898 in __init__',
-    )
+@pytest.mark.parametrize("dump", [FAULTHANDLER_DUMP, CONSTRUCTOR_DUMP], ids=["collective", "ddp_constructor"])
+def test_a_crash_inside_torch_distributed_names_the_users_line_it_died_in(dump: str) -> None:
     job = started(2)
     end = job.train(2)
     job.add("rank_error", 0, end, step=None, phase="unknown", error_type="SIGABRT",
             message="Fatal Python error: Aborted", stack=dump, fatal=True)  # fmt: skip
     job.error(1, end + 0.02, "Connection reset by peer")
     crash = only(diagnose(job.snapshot(), end + 1), "rank_crashed")
+    assert crash.rank == 0 and crash.call_site == "/home/me/proj/train.py:82"
     assert "died inside a torch.distributed call at /home/me/proj/train.py:82" in crash.message, crash.message
 
 
