@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,8 +22,37 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux default 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port nothing listens on, for a rank's store or a collector to bind later.
+
+    Chosen below the kernel's ephemeral range: a port from ``bind(0)`` lies in that range, where every
+    outgoing connection (gloo's pairs, HTTP clients, other jobs' stores) takes its source port, so it
+    could be taken between this check and the rank's own bind (EADDRINUSE in torch's TCPStore, seen with
+    15 two-rank jobs started at once). Never the same port twice in one test process."""
+    low = max(1024, _ephemeral_low() - 12_000)
+    for _ in range(200):
+        port = random.randrange(low, _ephemeral_low())
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    with socket.socket() as s:  # a crowded range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
