@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from ddpscope.agent.rank_spans import ranks_text
 from ddpscope.server.analysis.incident_model import Incident, record_s
+from ddpscope.server.analysis.rank_settings import differences
 from ddpscope.server.analysis.snapshot import JobSnapshot
 
 ADVICE = (
@@ -34,33 +35,29 @@ ADVICE = (
 def model_incidents(snapshot: JobSnapshot) -> list[Incident]:
     """One ``models_differ`` incident per process group whose ranks' parameter orders differ, else none."""
     orders = _first_orders(snapshot)
-    groups: dict[str, dict[int, tuple[str, ...]]] = {}
-    for rank, (order, _) in sorted(orders.items()):
-        start = snapshot.ranks.get(rank) or {}
-        groups.setdefault(str(start.get("process_group") or "default"), {})[rank] = order
+    # The ranks' orders as settings of their DDP group, compared as ``rank_settings`` compares its own.
+    as_settings = {
+        rank: {
+            "parameter_order": order,
+            "process_group": (snapshot.ranks.get(rank) or {}).get("process_group"),
+        }
+        for rank, (order, _) in orders.items()
+    }
     out = []
-    for group, by_rank in sorted(groups.items()):
-        holders: dict[tuple[str, ...], list[int]] = {}
-        for rank, order in by_rank.items():
-            holders.setdefault(order, []).append(rank)
-        if len(holders) < 2:
-            continue
-        # The most common order is the reference; on a tie, the lowest rank's (rank 0's, usually).
-        reference = max(holders, key=lambda o: (len(holders[o]), -holders[o][0]))
-        others = [o for o in holders if o != reference]
-        odd = sorted(r for o in others for r in holders[o])
-        parts = "; ".join(_difference(reference, holders[reference], o, holders[o]) for o in others)
-        where = "" if group == "default" else f" in group {group}"
+    for d in differences(as_settings, "parameter_order", per_group=True):
+        reference, others = d.right, [o for o in d.holders if o != d.right]
+        parts = "; ".join(_difference(reference, d.holders[reference], o, d.holders[o]) for o in others)
+        where = "" if d.group == "default" else f" in group {d.group}"
         at = _first_position(reference, others[0])
         out.append(
             Incident(
                 kind="models_differ",
                 message=f"The ranks' models list their parameters in different orders{where}: {parts}. {ADVICE}",
-                rank=odd[0] if len(odd) == 1 else None,
-                culprit_ranks=odd,
+                rank=d.odd[0] if len(d.odd) == 1 else None,
+                culprit_ranks=d.odd,
                 # The two parameters DDP pairs wrongly at the first position that differs.
                 parameters=[] if at is None else [reference[at], others[0][at]],
-                time_s=max(orders[r][1] for r in by_rank),
+                time_s=max(orders[r][1] for rs in d.holders.values() for r in rs),
             )
         )
     return out

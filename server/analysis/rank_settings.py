@@ -78,10 +78,12 @@ SETTINGS = tuple(f for rule in RULES for f in rule.fields)
 
 
 @dataclass(frozen=True, slots=True)
-class _Difference:
+class Difference:
     field: str
     holders: dict[Any, list[int]]
     """Each value and the ranks holding it, in the order of each value's lowest rank."""
+    right: Any
+    """The value that counts as right: the most common one, on a tie the lowest rank's."""
     odd: list[int]
     """The minority: the ranks whose value is not the most common one."""
     reference: int | None
@@ -139,11 +141,14 @@ def current_starts(snapshot: JobSnapshot) -> dict[int, Record]:
     return {rank: s for rank, s in snapshot.ranks.items() if end_ns is None or int(s["time_ns"]) > end_ns}
 
 
-def _all_differences(starts: Mapping[int, Record]) -> list[_Difference]:
-    return [d for rule in RULES for f in rule.fields for d in _differences(starts, f, rule.per_group)]
+def _all_differences(starts: Mapping[int, Record]) -> list[Difference]:
+    return [d for rule in RULES for f in rule.fields for d in differences(starts, f, rule.per_group)]
 
 
-def _differences(starts: Mapping[int, Record], field: str, per_group: bool) -> list[_Difference]:
+def differences(starts: Mapping[int, Record], field: str, per_group: bool) -> list[Difference]:
+    """Per process group (``per_group``) or across the job, the values of ``field`` the ranks' records
+    disagree on, with the ranks holding each and the odd ones: the most common value is right, on a
+    tie the lowest rank's. Records without the field are left out."""
     groups: dict[str, dict[int, Any]] = {}
     for rank, start in sorted(starts.items()):
         value = start.get(field)
@@ -164,11 +169,11 @@ def _differences(starts: Mapping[int, Record], field: str, per_group: bool) -> l
         right = tied[0]
         odd = sorted(r for v, rs in holders.items() if v != right for r in rs)
         reference = holders[right][0] if len(tied) > 1 else None
-        out.append(_Difference(field, holders, odd, reference, group))
+        out.append(Difference(field, holders, right, odd, reference, group))
     return out
 
 
-def _describe(d: _Difference) -> str:
+def _describe(d: Difference) -> str:
     """``hang_timeout_s is 8 on rank 0 but 300 on ranks 1-3``, the group when not the default one, and
     how a tie was settled. "but" and "and" between the values: commas already separate ranks."""
     first, *others = (f"{_value(v)} on {ranks_text(rs)}" for v, rs in d.holders.items())
