@@ -277,17 +277,22 @@ def _env(
 _URL_RULE = "an http:// or https:// URL with a host and a valid port, e.g. http://collector:8321"
 
 
-def _valid_url(value: Any) -> bool:
-    """An http(s) URL that the shipper's HTTP client can open: a scheme, a host, a port in range. (A
-    shipper that cannot parse its URL dies at start-up, and its records wait in the spool unsent.)"""
-    if not isinstance(value, str):
-        return False
+def url_problem(url: str) -> str | None:
+    """What keeps ``url`` from being a collector base URL an HTTP client can open (a scheme, a host, a port
+    in range), in words that follow "is", or None. Shared by the agent and the command line: a shipper
+    that cannot parse its URL dies at start-up, and its records wait in the spool unsent."""
     try:
-        parts = urllib.parse.urlsplit(value)
+        parts = urllib.parse.urlsplit(url)
         parts.port  # noqa: B018  (raises ValueError for a port out of range or not a number)
-    except ValueError:
-        return False
-    return parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError as e:
+        return f"not a valid URL ({e})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "not an http(s) URL with a host"
+    return None
+
+
+def _valid_url(value: Any) -> bool:
+    return isinstance(value, str) and url_problem(value) is None
 
 
 _JOB_RULE = f"1-{MAX_JOB_LENGTH} characters, no '/', no control characters, not '.' or '..'"

@@ -11,7 +11,8 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-DEFAULT_URL = "http://127.0.0.1:8321"
+from ddpscope.agent import config
+from ddpscope.agent.config import DEFAULT_URL
 
 
 class CollectorError(RuntimeError):
@@ -24,17 +25,13 @@ class CollectorError(RuntimeError):
 
 def url_problem(url: str) -> str | None:
     """What is wrong with a collector base URL, or None: a usage error said before any request."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018  (raises ValueError for a port out of range or not a number)
-    except ValueError as e:
-        return f"--url {url!r} is not a valid URL ({e}): give the collector's base URL, such as {DEFAULT_URL}"
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return (
-            f"--url {url!r} is not an http(s) URL: give the collector's base URL, such as "
-            f"{DEFAULT_URL} (the address `ddpscope serve` prints)"
-        )
-    return None
+    reason = config.url_problem(url)
+    if reason is None:
+        return None
+    return (
+        f"--url {url!r} is {reason}: give the collector's base URL, such as {DEFAULT_URL} "
+        "(the address `ddpscope serve` prints)"
+    )
 
 
 class Client:
