@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -447,23 +447,23 @@ class Reducer:
         if status is not None:
             flags = status.tolist()
             if not self._status_consistent(flags):
-                self._device_times()
-                self.timer.emit(unused)
-                misaligned = MisalignedCollectivesError(self._misaligned_message(flags))
-                errors.report_error(misaligned)
-                raise misaligned
+                self._fail_step(MisalignedCollectivesError(self._misaligned_message(flags)), unused)
             bad_ranks = [r for r in range(self.world_size) if flags[r]]
             if bad_ranks:
-                self._device_times()
-                self.timer.emit(unused)
-                error = UnreducedGradientsError(self._failure_message(bad_ranks, flags[self.world_size :]))
-                # Shipped now, with step and phase: the caller may catch it, or the process may die of it.
-                errors.report_error(error)
-                raise error
+                failure = self._failure_message(bad_ranks, flags[self.world_size :])
+                self._fail_step(UnreducedGradientsError(failure), unused)
         self._write_back(global_used)
         self.log_complete = self.ready_log is not None and len(self.ready_log) == len(self.params)
         self._device_times()
         self.timer.emit(unused)
+
+    def _fail_step(self, error: RuntimeError, unused: list[str]) -> NoReturn:
+        """End a synced step whose reduction went wrong without writing its gradients: its step record, then
+        ``error``, shipped now with step and phase (the caller may catch it, or the process may die of it)."""
+        self._device_times()
+        self.timer.emit(unused)
+        errors.report_error(error)
+        raise error
 
     def _device_times(self) -> None:
         if self.cuda is None:
