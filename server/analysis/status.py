@@ -242,10 +242,10 @@ def liveness(
             # Already dead of an earlier error: a later one (an abort while exiting, the same exception
             # reported again) is the same death, not a new cause.
             continue
-        if err["rank"] in peer_lost and not is_secondary(err):
-            err = {**err, AFTER_PEER_LOSS: True}
-        elif is_secondary(err):
+        if is_secondary(err):
             peer_lost.add(err["rank"])
+        elif err["rank"] in peer_lost:
+            err = {**err, AFTER_PEER_LOSS: True}
         live.errors.append(err)
         if err.get("fatal"):
             live.fatal.setdefault(err["rank"], err)
