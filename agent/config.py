@@ -35,7 +35,12 @@ DDPSCOPE_TOKEN = "DDPSCOPE_TOKEN"
 DDPSCOPE_SPOOL_DIR = "DDPSCOPE_SPOOL_DIR"
 """Where batches wait until the collector acknowledges them. Default ``<tmp>/ddpscope-<uid>/<job>``."""
 DDPSCOPE_HANG_TIMEOUT = "DDPSCOPE_HANG_TIMEOUT"
-"""Seconds without progress before the watchdog (ddp/) emits a hang report. Default 300."""
+"""Seconds without progress before the watchdog (ddp/) emits a hang report, at least ``MIN_HANG_TIMEOUT_S``
+(a smaller value is raised to it, with a warning). Default 300."""
+MIN_HANG_TIMEOUT_S = 1.0
+"""The shortest hang timeout: under a second, ordinary work between progress marks (a slow batch, a
+checkpoint write, the interpreter's own pauses) reads as a hang, and every step prints a hang report and
+its resolution."""
 DDPSCOPE_HEARTBEAT_S = "DDPSCOPE_HEARTBEAT_S"
 """Seconds between heartbeats emitted by the watchdog (ddp/). Default 2.0."""
 DDPSCOPE_DISABLED = "DDPSCOPE_DISABLED"
@@ -184,7 +189,7 @@ class Config:
         values: dict[str, Any] = {
             "url": _env(env, DDPSCOPE_URL, str, DEFAULT_URL, _valid_url, _URL_RULE),
             "token": env.get(DDPSCOPE_TOKEN) or None,
-            "hang_timeout_s": _env(env, DDPSCOPE_HANG_TIMEOUT, float, 300.0, _positive),
+            "hang_timeout_s": _hang_timeout(env),
             "heartbeat_s": _env(env, DDPSCOPE_HEARTBEAT_S, float, 2.0, _positive),
             "disabled": _env(env, DDPSCOPE_DISABLED, _parse_bool, False),
             "check_gradients": _env(env, DDPSCOPE_CHECK_GRADIENTS, _parse_bool, False),
@@ -236,6 +241,21 @@ class Config:
 
 def _positive(v: float) -> bool:
     return v > 0
+
+
+def _hang_timeout(env: Mapping[str, str]) -> float:
+    timeout = float(_env(env, DDPSCOPE_HANG_TIMEOUT, float, 300.0, _positive, "a number of seconds > 0"))
+    if timeout < MIN_HANG_TIMEOUT_S:
+        # Raised, not ignored: whoever set 0.1 wants hangs reported fast, not after the 300 s default.
+        logger.warning(
+            "ddpscope: %s=%s is below the shortest hang timeout; using %s s (shorter, ordinary work "
+            "between steps reads as a hang on every step)",
+            DDPSCOPE_HANG_TIMEOUT,
+            env.get(DDPSCOPE_HANG_TIMEOUT),
+            MIN_HANG_TIMEOUT_S,
+        )
+        return MIN_HANG_TIMEOUT_S
+    return timeout
 
 
 def _non_negative(v: float) -> bool:
@@ -353,6 +373,11 @@ def _check(cfg: Config) -> None:
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
             raise ValueError(f"{name}: must be a number > 0, got {v!r}")
+    if cfg.hang_timeout_s < MIN_HANG_TIMEOUT_S:
+        raise ValueError(
+            f"hang_timeout_s: must be at least {MIN_HANG_TIMEOUT_S} s (shorter, ordinary work between steps "
+            f"reads as a hang), got {cfg.hang_timeout_s!r}"
+        )
     v = cfg.shipper_linger_s
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
         raise ValueError(f"shipper_linger_s: must be a number >= 0, got {v!r}")

@@ -63,6 +63,7 @@ from types import FrameType
 from typing import Any
 
 from ddpscope.agent import emit, emit_durable, get_agent
+from ddpscope.agent.config import MIN_HANG_TIMEOUT_S
 from ddpscope.agent.torch_waits import torch_wait
 from ddpscope.ddp import errors, setup_wait
 from ddpscope.ddp.collectives import RECORDER, CollectiveRecorder, disabled
@@ -84,11 +85,14 @@ the process reported a fatal error meanwhile: a wait that ends in an exception (
 resolved, and the error travels up to the excepthook in far less."""
 
 
-def _setting(explicit: float | None, attrs: tuple[str, ...], env: str, default: float) -> float:
-    """Explicit argument beats the agent's config beats the environment beats the default."""
+def _setting(
+    explicit: float | None, attrs: tuple[str, ...], env: str, default: float, minimum: float = 0.0
+) -> float:
+    """Explicit argument beats the agent's config beats the environment beats the default. An explicit
+    value under ``minimum`` is a ``ValueError``; an environment value under it is raised to it."""
     if explicit is not None:
-        if explicit <= 0:
-            raise ValueError(f"{attrs[0]} must be > 0, got {explicit!r}")
+        if explicit <= 0 or explicit < minimum:
+            raise ValueError(f"{attrs[0]} must be > 0 and at least {minimum}, got {explicit!r}")
         return float(explicit)
     try:
         config = getattr(get_agent(), "config", None)
@@ -97,13 +101,15 @@ def _setting(explicit: float | None, attrs: tuple[str, ...], env: str, default: 
     for attr in attrs:
         value = getattr(config, attr, None)
         if isinstance(value, (int, float)) and value > 0:
-            return float(value)
+            return max(float(value), minimum)
     raw = os.environ.get(env)
     if raw:
         try:
             value = float(raw)
             if value > 0:
-                return value
+                if value < minimum:
+                    logger.warning("%s=%r is below its floor; using %s", env, raw, minimum)
+                return max(value, minimum)
         except ValueError:
             pass
         logger.warning("ignoring %s=%r (expected seconds > 0); using %s", env, raw, default)
@@ -497,7 +503,13 @@ def heartbeat_setting(heartbeat_s: float | None = None) -> float:
 def hang_timeout_setting(timeout_s: float | None = None) -> float:
     """Seconds without progress before a hang report: ``timeout_s``, else the agent's config,
     ``DDPSCOPE_HANG_TIMEOUT``, 300 s. What ``start_watchdog`` uses and ``rank_start`` reports."""
-    return _setting(timeout_s, ("hang_timeout_s", "hang_timeout"), ENV_HANG_TIMEOUT, DEFAULT_HANG_TIMEOUT_S)
+    return _setting(
+        timeout_s,
+        ("hang_timeout_s", "hang_timeout"),
+        ENV_HANG_TIMEOUT,
+        DEFAULT_HANG_TIMEOUT_S,
+        MIN_HANG_TIMEOUT_S,
+    )
 
 
 def start_watchdog(

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from ddpscope.agent.config import Config, default_job_id
+from ddpscope.agent.config import MIN_HANG_TIMEOUT_S, Config, default_job_id
 
 
 def test_defaults_match_the_design_table() -> None:
@@ -74,6 +74,16 @@ def test_a_bad_environment_value_warns_and_falls_back_to_the_default(
         cfg = Config.from_env({"DDPSCOPE_JOB": "j", name: value})
     assert getattr(cfg, field) == default
     assert name in caplog.text
+
+
+def test_a_hang_timeout_under_a_second_is_raised_to_the_floor_with_a_warning(caplog) -> None:
+    # 1e-3 was accepted: every step printed a hang report and its resolution.
+    with caplog.at_level(logging.WARNING, logger="ddpscope.agent.config"):
+        cfg = Config.from_env({"DDPSCOPE_JOB": "j", "DDPSCOPE_HANG_TIMEOUT": "1e-3"})
+    assert cfg.hang_timeout_s == MIN_HANG_TIMEOUT_S == 1.0
+    assert "DDPSCOPE_HANG_TIMEOUT=1e-3 is below the shortest hang timeout; using 1.0 s" in caplog.text
+    with pytest.raises(ValueError, match="hang_timeout_s: must be at least 1.0 s"):
+        Config(job="j", spool_dir="spool", hang_timeout_s=0.5)
 
 
 def test_a_url_without_a_scheme_is_refused_with_what_a_url_must_look_like(caplog) -> None:

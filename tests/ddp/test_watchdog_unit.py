@@ -318,6 +318,19 @@ def test_a_non_positive_explicit_timeout_is_a_value_error_naming_the_field() -> 
         wd.start_watchdog(timeout_s=0)
 
 
+def test_a_timeout_under_the_floor_is_refused_when_explicit_and_raised_when_from_the_environment(
+    monkeypatch,
+) -> None:
+    with pytest.raises(ValueError, match="at least 1.0"):
+        wd.start_watchdog(timeout_s=0.001)
+    monkeypatch.setenv("DDPSCOPE_HANG_TIMEOUT", "0.001")
+    agent.configure(exporter=agent.InMemoryExporter(), rank=0)  # the agent's config reads it
+    try:
+        assert wd.hang_timeout_setting() == 1.0
+    finally:
+        agent.shutdown()
+
+
 def test_monitor_enable_turns_everything_on_and_disable_turns_it_off() -> None:
     import sys
 
