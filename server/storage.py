@@ -44,8 +44,10 @@ from ddpscope.server.analysis.snapshot import (
     COLLECTIVE_WINDOW,
     JobSnapshot,
     RankSteps,
+    attempt_starts,
     infer_world_size,
     merge_collectives,
+    set_aside_retired,
 )
 from ddpscope.server.analysis.unused import aggregate_unused
 from ddpscope.server.engines import Engines, make_engines
@@ -399,11 +401,11 @@ class Storage:
             rank_last_seen_s={r.rank: r.last_seen_ns / 1e9 for r in row.ranks},
             listening_since_s=self.opened_s,
         )
-        snap.world_size = max(
-            row.world_size,
-            infer_world_size(snap.ranks, snap.rank_last_seen_s, snap.heartbeats, snap.collectives),
+        # Not the jobs row's world size, the largest ever declared: a relaunch may have fewer ranks.
+        snap.world_size = infer_world_size(
+            snap.ranks, snap.rank_last_seen_s, snap.heartbeats, snap.collectives
         )
-        return snap
+        return set_aside_retired(snap)
 
     def _collective_window(
         self, job: str, job_id: int, current_streams: set[str]
@@ -443,24 +445,16 @@ def _rank_row(r: Any) -> RankRow:
     return RankRow(r.rank, r.last_seen_ns, r.step_records, r.last_step, r.last_step_end_ns)
 
 
-def _restarts(conn: Any, job_id: int) -> dict[int, tuple[str, int]]:
-    """Per rank that restarted (``rank_start`` records from more than one agent stream), the stream and
-    time of its latest ``rank_start``: a handful of indexed rows per rank."""
+def _restarts(conn: Any, job_id: int) -> dict[int, tuple[str | None, int]]:
+    """``analysis.snapshot.attempt_starts`` of the job's ``rank_start`` records: per rank that restarted
+    or that the newest launch left out, where its latest attempt starts. A handful of indexed rows per
+    rank."""
     e = schema.events
-    q = (
-        select(e.c.rank, e.c.stream, e.c.time_ns)
-        .where(e.c.job_id == job_id, e.c.kind == "rank_start")
-        .order_by(e.c.time_ns, e.c.seq)
-    )
-    streams: dict[int, set[str]] = {}
-    latest: dict[int, tuple[str, int]] = {}
-    for r in conn.execute(q):
-        streams.setdefault(r.rank, set()).add(r.stream)
-        latest[r.rank] = (r.stream, int(r.time_ns))
-    return {rank: latest[rank] for rank, seen in streams.items() if len(seen) > 1}
+    q = select(e.c.body).where(e.c.job_id == job_id, e.c.kind == "rank_start")
+    return attempt_starts(decode_json(r.body) for r in conn.execute(q))
 
 
-def _latest_attempt(t: Any, restarts: dict[int, tuple[str, int]]) -> Any:
+def _latest_attempt(t: Any, restarts: dict[int, tuple[str | None, int]]) -> Any:
     """A WHERE clause keeping the rows of ``t`` (rank, stream, time_ns) that belong to each restarted
     rank's latest attempt, as ``analysis.snapshot.split_restart`` divides records: on the stream of
     its latest ``rank_start``, or not older than it (a reconfigured agent's new stream). None when no
@@ -474,7 +468,7 @@ def _latest_attempt(t: Any, restarts: dict[int, tuple[str, int]]) -> Any:
     earliest = min(ns for _, ns in restarts.values())
     return or_(
         t.c.rank.not_in(sorted(restarts)),
-        t.c.stream.in_(sorted({stream for stream, _ in restarts.values()})),
+        t.c.stream.in_(sorted({stream for stream, _ in restarts.values() if stream is not None})),
         and_(
             t.c.time_ns >= earliest,
             or_(*(and_(t.c.rank == rank, t.c.time_ns >= ns) for rank, (_, ns) in sorted(restarts.items()))),

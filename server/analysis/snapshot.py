@@ -30,7 +30,8 @@ Every record inside is a **wire-shaped dict**: exactly the fields of ``ddpscope.
 - ``rank_last_seen_s``: ``{rank: seconds}``: aligned-clock time of the newest record of each rank,
   any kind; ``last_seen_s`` is the maximum over ranks (0.0 for a job with no records).
 
-``world_size`` is the ``rank_start`` value (the largest one seen), else 1 + the highest rank seen.
+``world_size`` is the newest ``rank_start``'s value (a relaunch under the same job id may have fewer
+ranks: ``retired_ranks``), else 1 + the highest rank seen.
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ class JobSnapshot:
     rank_last_seen_s: dict[int, float] = field(default_factory=dict)
     listening_since_s: float | None = None
     """When the collector that loaded this started (``Storage.opened_s``); None in pure analysis."""
+    retired: dict[int, int] = field(default_factory=dict)
+    """Ranks the newest launch left out (``retired_ranks``), with that launch's start (ns): not in
+    ``ranks``, ``steps``, ``agent_stats`` or ``rank_last_seen_s``; ``split_restart`` puts what they
+    sent before the launch with the earlier processes."""
 
     @property
     def last_seen_s(self) -> float:
@@ -171,10 +176,14 @@ def split_restart(snapshot: JobSnapshot) -> tuple[JobSnapshot, JobSnapshot | Non
     A rank restarted when its latest ``rank_start`` comes from a new agent incarnation (stream); the
     records of other streams that are older than that start belong to the earlier process. (The new
     process's own records before its ``rank_start``, such as the engine's construction collectives,
-    share its stream; a reconfigured agent's new stream starts after it.) ``previous`` has no
-    ``ranks``, so every record in it counts, and its ``rank_last_seen_s`` is rebuilt from its records.
+    share its stream; a reconfigured agent's new stream starts after it.) Everything a rank the newest
+    launch left out (``JobSnapshot.retired``) sent before that launch belongs to the earlier run. ``previous`` has no ``ranks``, so every record in it counts, and
+    its ``rank_last_seen_s`` is rebuilt from its records.
     """
-    starts = {r: (s["stream"], s["time_ns"]) for r, s in snapshot.ranks.items()}
+    starts: dict[int, tuple[str | None, int]] = {
+        r: (s["stream"], s["time_ns"]) for r, s in snapshot.ranks.items()
+    }
+    starts.update({r: (None, launch_ns) for r, launch_ns in snapshot.retired.items()})
 
     def earlier(rec: Mapping[str, Any]) -> bool:
         return _before_start(rec, starts.get(rec["rank"]))
@@ -196,6 +205,47 @@ def split_restart(snapshot: JobSnapshot) -> tuple[JobSnapshot, JobSnapshot | Non
     for rec in [*previous.heartbeats.values(), *(r for f in PER_PROCESS for r in older[f])]:
         seen[rec["rank"]] = max(seen.get(rec["rank"], 0.0), rec["time_ns"] / 1e9)
     return current, previous
+
+
+def retired_ranks(latest_starts: Mapping[int, Mapping[str, Any]]) -> dict[int, int]:
+    """``{rank: time_ns}`` of the ranks the newest launch left out, with that launch's start: a job
+    relaunched under the same id with fewer ranks (an elastic scale-down, a rerun on fewer GPUs). The
+    newest ``rank_start`` (``latest_starts``: each rank's latest) declares the world; a rank at or beyond
+    it whose own start is older belongs to the earlier run, however long its old process kept going."""
+    if not latest_starts:
+        return {}
+    newest = max(latest_starts.values(), key=lambda s: s["time_ns"])
+    world = int(newest.get("world_size") or 0)
+    return {
+        r: newest["time_ns"]
+        for r, s in latest_starts.items()
+        if 0 < world <= r and s["time_ns"] < newest["time_ns"]
+    }
+
+
+def set_aside_retired(snap: JobSnapshot) -> JobSnapshot:
+    """``snap`` with the ranks the newest launch left out taken from its per-rank fields (both snapshot
+    builders call it): a rank's old ``rank_start``, steps and accounting must not make it one of the
+    current world's ranks. Records it sent after the launch (a second run under the same id) stay."""
+    snap.retired = retired_ranks(snap.ranks)
+    if not snap.retired:
+        return snap
+    for r, launch_ns in snap.retired.items():
+        snap.ranks.pop(r, None)
+        if snap.steps.get(r) and snap.steps[r].last_step_end_ns < launch_ns:
+            del snap.steps[r]
+        if r in snap.agent_stats and snap.agent_stats[r]["time_ns"] < launch_ns:
+            del snap.agent_stats[r]
+        if snap.rank_last_seen_s.get(r, 0.0) * 1e9 < launch_ns:
+            snap.rank_last_seen_s.pop(r, None)
+    return snap
+
+
+def launch_world_size(latest_starts: Mapping[int, Mapping[str, Any]]) -> int:
+    """The world size the newest ``rank_start`` declares (0 when no rank started)."""
+    if not latest_starts:
+        return 0
+    return int(max(latest_starts.values(), key=lambda s: s["time_ns"]).get("world_size") or 0)
 
 
 def window_collectives(collectives: list[Record], window: int = COLLECTIVE_WINDOW) -> list[Record]:
@@ -252,25 +302,37 @@ def snapshot_from_records(job: str, records: Iterable[Mapping[str, Any]]) -> Job
         rank_last_seen_s=seen,
     )
     snap.world_size = infer_world_size(snap.ranks, seen, snap.heartbeats, snap.collectives)
-    return snap
+    return set_aside_retired(snap)
 
 
 def latest_attempt(records: Iterable[Record], rank_starts: Iterable[Mapping[str, Any]]) -> list[Record]:
     """The records that belong to each restarted rank's latest attempt (what the collector's step
-    views show; ``storage._latest_attempt`` is the same test in SQL): a rank restarted when its
-    ``rank_start`` records come from more than one agent stream, and a record of it belongs to the
-    latest attempt when it is on that start's stream or not older than it (``split_restart``'s rule)."""
+    views show; ``storage._latest_attempt`` is the same test in SQL): see ``attempt_starts``."""
+    starts = attempt_starts(rank_starts)
+    return [r for r in records if not _before_start(r, starts.get(r["rank"]))]
+
+
+def attempt_starts(rank_starts: Iterable[Mapping[str, Any]]) -> dict[int, tuple[str | None, int]]:
+    """``{rank: (stream, time_ns)}`` of each rank whose earlier records are another attempt's: a rank
+    restarted when its ``rank_start`` records come from more than one agent stream, and a record of it
+    belongs to the latest attempt when it is on that start's stream or not older than it
+    (``split_restart``'s rule). A rank the newest launch left out (``retired_ranks``) maps to
+    ``(None, that launch's start)``: nothing it sent before then is current."""
     streams: dict[int, set[str]] = {}
-    latest: dict[int, tuple[str, int]] = {}
+    latest: dict[int, Mapping[str, Any]] = {}
     for s in sorted(rank_starts, key=lambda r: (r["time_ns"], r["seq"])):
         streams.setdefault(s["rank"], set()).add(s["stream"])
-        latest[s["rank"]] = (s["stream"], s["time_ns"])
+        latest[s["rank"]] = s
+    out: dict[int, tuple[str | None, int]] = {
+        rank: (latest[rank]["stream"], latest[rank]["time_ns"])
+        for rank, seen in streams.items()
+        if len(seen) > 1
+    }
+    out.update({rank: (None, launch_ns) for rank, launch_ns in retired_ranks(latest).items()})
+    return out
 
-    restarted = {rank: latest[rank] for rank, seen in streams.items() if len(seen) > 1}
-    return [r for r in records if not _before_start(r, restarted.get(r["rank"]))]
 
-
-def _before_start(rec: Mapping[str, Any], start: tuple[str, int] | None) -> bool:
+def _before_start(rec: Mapping[str, Any], start: tuple[str | None, int] | None) -> bool:
     """``rec`` came from a process of its rank older than ``start`` (the stream and time of the rank's
     latest ``rank_start``): another stream, and earlier. The one restart rule of ``split_restart`` and
     ``latest_attempt``."""
@@ -283,11 +345,22 @@ def infer_world_size(
     heartbeats: Mapping[int, Mapping[str, Any]] | None = None,
     collectives: Iterable[Mapping[str, Any]] = (),
 ) -> int:
-    """The job's world size: declared by a ``rank_start`` or, when no rank reached its DDP model (a rank
-    that failed or stalled during set-up), by the heartbeats; else the highest rank heard from or named
-    as a collective's member (a rank that never reported is still one its peers wait for), plus one."""
-    declared = max((int(r["world_size"]) for r in ranks.values()), default=0)
-    beating = max((int(h.get("world_size") or 0) for h in (heartbeats or {}).values()), default=0)
+    """The job's world size: declared by the newest ``rank_start`` (a relaunch may have fewer ranks) or,
+    when no rank reached its DDP model (a rank that failed or stalled during set-up), by the heartbeats;
+    else the highest rank heard from or named as a collective's member (a rank that never reported is
+    still one its peers wait for), plus one."""
+    declared = launch_world_size(ranks)
+    launched_ns = max((s["time_ns"] for s in ranks.values()), default=0)
+    retired = retired_ranks(ranks)
+    # A heartbeat after the launch from one of its ranks: a larger relaunch still in its set-up.
+    beating = max(
+        (
+            int(h.get("world_size") or 0)
+            for r, h in (heartbeats or {}).items()
+            if h["time_ns"] >= launched_ns and r not in retired
+        ),
+        default=0,
+    )
     return max(declared, beating) or (max({*seen, *named_ranks(collectives)}, default=-1) + 1)
 
 

@@ -13,13 +13,16 @@ from sqlalchemy import select, text
 from ddpscope.agent import records as wire
 from ddpscope.agent.transport import encode_records
 from ddpscope.server import migrations, schema
+from ddpscope.server.analysis.incidents import diagnose
+from ddpscope.server.analysis.jobs import rank_table, summarize
 from ddpscope.server.analysis.snapshot import snapshot_from_records
+from ddpscope.server.analysis.status import job_status
 from ddpscope.server.analysis.steps import page_metrics, page_timings, step_metrics
 from ddpscope.server.analysis.stragglers import WINDOW_STEPS, stragglers
 from ddpscope.server.codec import decode_batch, kind_of
 from ddpscope.server.storage import ALL_KINDS, Storage
 from tests.server.conftest import decoded
-from tests.server.test_incidents import JobRecords, started
+from tests.server.test_incidents import T0, JobRecords, started
 from tests.support.synth import T0_NS, by_rank, synth_job
 
 LATEST_ONLY = {"heartbeat", "agent_stats"}
@@ -345,6 +348,52 @@ def test_unused_parameters_of_an_attempt_before_a_restart_are_not_reported(stora
     storage.write_batch(decoded(job.records))
     assert storage.unused_rows(storage.job_id(job.job)) == []
     assert storage.load_snapshot(job.job).unused == job.snapshot().unused == []
+
+
+def _relaunched_smaller() -> tuple[JobRecords, float]:
+    """Four ranks ran 8 steps and exited; the job was relaunched under the same id on two ranks (an
+    elastic scale-down, a rerun on fewer machines), which ran 6 steps. Returns the job and its end."""
+    job = started(4)
+    end = job.train(8)
+    for r in range(4):
+        job.exit(r, end, step=7)
+    job.world = 2
+    for r in range(2):
+        job.start(r, end + 10)
+    return job, job.train(6, t=end + 11, ranks=[0, 1])
+
+
+def test_a_job_relaunched_on_fewer_ranks_is_judged_on_the_new_world_alone(storage):
+    # The world size never shrank, and the absent ranks' old processes stayed current: a false
+    # mismatch and replicas_diverged against ranks 2 and 3, which had exited long before.
+    job, end = _relaunched_smaller()
+    storage.write_batch(decoded(job.records))
+    job_id = storage.job_id(job.job)
+    for snap in (storage.load_snapshot(job.job), job.snapshot()):
+        assert snap is not None and snap.world_size == 2
+        assert job_status(snap, end + 1) == "running"
+        assert diagnose(snap, end + 1) == []
+        assert [row["rank"] for row in rank_table(snap)] == [0, 1]
+        assert summarize(snap, T0, "running").steps == 6
+    assert {r.rank for r in storage.steps(job_id)} == {0, 1}
+    assert {r.step for r in storage.steps(job_id)} == set(range(6))
+    assert set(storage.step_page(job_id).rank.tolist()) == {0, 1}
+    for r in range(2):
+        job.exit(r, end + 1, step=5)
+    storage.write_batch(decoded(job.records[-2:]))
+    assert job_status(storage.load_snapshot(job.job), end + 2) == "finished"
+
+
+def test_a_relaunch_on_more_ranks_counts_them_all(storage):
+    job = started(2)
+    end = job.train(3)
+    job.world = 4
+    for r in range(4):
+        job.start(r, end + 10)
+    job.train(2, t=end + 11)
+    storage.write_batch(decoded(job.records))
+    assert storage.load_snapshot(job.job).world_size == job.snapshot().world_size == 4
+    assert {r.rank for r in storage.steps(storage.job_id(job.job))} == {0, 1, 2, 3}
 
 
 def test_a_job_that_never_restarted_keeps_every_step_row(storage):
