@@ -48,6 +48,7 @@ from ddpscope.server.analysis.snapshot import (
     infer_world_size,
     merge_collectives,
     set_aside_retired,
+    stream_seen,
 )
 from ddpscope.server.analysis.unused import aggregate_unused
 from ddpscope.server.engines import Engines, make_engines
@@ -400,6 +401,8 @@ class Storage:
             agent_stats=latest(by_kind.get("agent_stats", [])),
             rank_last_seen_s={r.rank: r.last_seen_ns / 1e9 for r in row.ranks},
             listening_since_s=self.opened_s,
+            starts=by_kind.get("rank_start", []),
+            stream_seen_ns=stream_seen(by_kind.get("agent_stats", [])),
         )
         # Not the jobs row's world size, the largest ever declared: a relaunch may have fewer ranks.
         snap.world_size = infer_world_size(

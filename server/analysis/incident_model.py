@@ -29,6 +29,7 @@ INCIDENT_KINDS = (
             "nonfinite_parameters",
             "settings_differ",
             "models_differ",
+            "job_id_shared",
         }
     )
     | WARNING_CODES

@@ -46,6 +46,8 @@
   records (``model_order``).
 - ``settings_differ``: ranks whose ``rank_start`` disagree on settings that must agree (versions, world
   size, hang timeout, how the model is wrapped), the odd ones as culprits (``rank_settings``).
+- ``job_id_shared``: two runs reporting under one job id at once, a rank with two live processes
+  (``shared_job``).
 
 After a restart under the same job id (torchrun ``--max-restarts``), the previous processes' incidents
 are kept with ``active=False``, their message starting "Before the ranks restarted"; the job's status
@@ -91,6 +93,7 @@ from ddpscope.server.analysis.model_order import model_incidents
 from ddpscope.server.analysis.nonfinite import nonfinite_incidents
 from ddpscope.server.analysis.rank_settings import settings_incidents
 from ddpscope.server.analysis.replica_divergence import replica_incidents
+from ddpscope.server.analysis.shared_job import shared_job_incidents
 from ddpscope.server.analysis.snapshot import (
     JobSnapshot,
     RankSteps,
@@ -180,6 +183,7 @@ def diagnose(
 ) -> list[Incident]:
     """Every incident in the job at ``now_s`` (aligned-clock seconds), oldest first."""
     settings = settings_incidents(snapshot)  # the whole snapshot: it sets aside ranks not restarted yet
+    settings += shared_job_incidents(snapshot)  # the whole snapshot too: the older run is the evidence
     snapshot, previous = split_restart(snapshot)
     restart_s = min((record_s(s) for s in snapshot.ranks.values()), default=now_s)
     live = liveness(snapshot, now_s, silent_after_s=silent_after_s)

@@ -99,6 +99,12 @@ class JobSnapshot:
     rank_last_seen_s: dict[int, float] = field(default_factory=dict)
     listening_since_s: float | None = None
     """When the collector that loaded this started (``Storage.opened_s``); None in pure analysis."""
+    starts: list[Record] = field(default_factory=list)
+    """Every ``rank_start`` of every process of every rank, oldest first (``ranks`` keeps each rank's
+    latest)."""
+    stream_seen_ns: dict[tuple[int, str], int] = field(default_factory=dict)
+    """``{(rank, stream): time_ns}`` of each agent stream's latest ``agent_stats`` (a live agent sends one
+    every few seconds): how long each process of a rank kept reporting."""
     retired: dict[int, int] = field(default_factory=dict)
     """Ranks the newest launch left out (``retired_ranks``), with that launch's start (ns): not in
     ``ranks``, ``steps``, ``agent_stats`` or ``rank_last_seen_s``; ``split_restart`` puts what they
@@ -300,6 +306,8 @@ def snapshot_from_records(job: str, records: Iterable[Mapping[str, Any]]) -> Job
         ),
         agent_stats=_latest(by_kind.get("agent_stats", [])),
         rank_last_seen_s=seen,
+        starts=by_kind.get("rank_start", []),
+        stream_seen_ns=stream_seen(by_kind.get("agent_stats", [])),
     )
     snap.world_size = infer_world_size(snap.ranks, seen, snap.heartbeats, snap.collectives)
     return set_aside_retired(snap)
@@ -362,6 +370,15 @@ def infer_world_size(
         default=0,
     )
     return max(declared, beating) or (max({*seen, *named_ranks(collectives)}, default=-1) + 1)
+
+
+def stream_seen(agent_stats: Iterable[Mapping[str, Any]]) -> dict[tuple[int, str], int]:
+    """``JobSnapshot.stream_seen_ns`` from ``agent_stats`` records."""
+    out: dict[tuple[int, str], int] = {}
+    for a in agent_stats:
+        key = (a["rank"], a["stream"])
+        out[key] = max(out.get(key, 0), a["time_ns"])
+    return out
 
 
 def _latest(records: Iterable[Record]) -> dict[int, Record]:
