@@ -105,6 +105,8 @@ class Agent:
         self._persists = getattr(exporter, "crash_durable", True)
         """False for an exporter that keeps records in memory: writing to it early saves nothing from a
         crash, so ``emit_durable`` does not drain the queue in the caller for it."""
+        self._direct = False
+        """True once the spool could not be written and records go straight to the collector."""
         self._emitted = 0
         self._drops: collections.Counter[str] = collections.Counter()
         self._drops_lock = threading.Lock()
@@ -167,6 +169,15 @@ class Agent:
         at most ``timeout_s`` for the export lock, then leaves the records to the worker. Never
         raises; True once everything is written."""
         try:
+            if self._exporter is None:
+                # Made by the worker as it starts; made here when this comes first. It must exist before
+                # the test below: an unwritable spool gives an exporter that posts, and a post to an
+                # unreachable collector would hold the training thread for its export timeout.
+                self._worker.locked(self._get_exporter, timeout_s)
+            if self._exporter is None:
+                return False  # the worker is still making it: the record waits for its round
+            if not self._persists:
+                return True  # nothing gets more durable by being sent from this thread: the worker sends it
             return bool(self._worker.persist(timeout_s))
         except Exception:
             swallowed("make_durable")
@@ -337,11 +348,14 @@ class Agent:
             error,
             cfg.ingest_url,
         )
+        self._direct = True
         return HttpExporter(
             cfg.ingest_url,
             token=cfg.token,
             timeout_s=cfg.http_timeout_s,
             retry_max_backoff_s=cfg.retry_max_backoff_s,
+            # One request's wait, not the spool shipper's 30 s: a flush at exit posts in the exiting thread.
+            export_timeout_s=cfg.http_timeout_s,
         )
 
     def _export_items(self, items: list[tuple[int, Any]]) -> None:
@@ -460,8 +474,12 @@ class Agent:
     def flush_local(self, timeout_s: float = 5.0) -> bool:
         """Hand everything emitted so far to the exporter (the on-disk spool by default) without
         waiting for the collector: once True, those records survive a SIGKILL or abort of this
-        process. The worker does this by itself every ``flush_interval_s``."""
+        process. The worker does this by itself every ``flush_interval_s``. False at once when there is no
+        spool to write (``_direct_exporter``): handing records over would mean posting them from here."""
         try:
+            if self._direct:
+                self._wake()
+                return False
             return self._worker.flush(timeout_s)
         except Exception:
             swallowed("flush_local")

@@ -158,6 +158,17 @@ class Worker:
         """Export everything queued so far, in the caller's thread; False if the deadline passed."""
         return self._drain(deadline=time.monotonic() + timeout_s, final=True)
 
+    def locked(self, fn: Callable[[], object], timeout_s: float) -> bool:
+        """Call ``fn`` under the export lock (as ``export`` is called); False if the lock stayed held by
+        someone else for ``timeout_s``."""
+        if not self._lock.acquire(timeout=timeout_s):
+            return False
+        try:
+            fn()
+            return True
+        finally:
+            self._lock.release()
+
     def persist(self, timeout_s: float) -> bool:
         """Like ``flush`` but an ordinary round (no end-of-round extras such as a stats record): the
         cheap synchronous write a caller does before something that may kill the process."""

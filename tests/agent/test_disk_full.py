@@ -4,8 +4,10 @@ the process lives, says so once, and counts what it could not keep or sends it s
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,9 +36,12 @@ def tiny_filesystem(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def run_child(spool_dir: Path, url: str, count: int) -> tuple[dict, str]:
+def run_child(
+    spool_dir: Path, url: str, count: int, flush_s: float = 10.0, env: dict[str, str] | None = None
+) -> tuple[dict, str]:
     done = subprocess.run(
-        [sys.executable, str(CHILD), str(spool_dir), url, str(count)],
+        [sys.executable, str(CHILD), str(spool_dir), url, str(count), str(flush_s)],
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=90,
@@ -49,7 +54,7 @@ def run_child(spool_dir: Path, url: str, count: int) -> tuple[dict, str]:
 def test_a_full_filesystem_under_the_spool_costs_records_not_the_process(tiny_filesystem: Path) -> None:
     # The ring was once a sparse mapped file: its first write to a page the full tmpfs could not back
     # killed the process with SIGBUS.
-    stats, stderr = run_child(tiny_filesystem, "http://127.0.0.1:9", 3000)
+    stats, stderr = run_child(tiny_filesystem, "http://127.0.0.1:9", 3000, flush_s=1.0)
     assert stats["emitted"] == 3000
     dropped = stats["dropped"].get("spool_error:heartbeat", 0)
     assert dropped > 0, stats
@@ -68,3 +73,19 @@ def test_a_spool_path_that_is_no_directory_sends_records_straight_to_the_collect
     assert stderr.count("cannot use the spool directory") == 1, stderr
     assert "sending records straight to the collector" in stderr
     assert "Traceback" not in stderr, stderr
+
+
+def test_with_no_spool_and_no_collector_the_training_thread_never_waits_for_a_post(tmp_path: Path) -> None:
+    # The first durable record used to make the exporter on the training thread and post it there: with
+    # nothing listening, emit_durable retried for the export timeout (30 s) before training went on.
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    began = time.monotonic()
+    stats, stderr = run_child(
+        blocked / "spool", "http://127.0.0.1:9", 20, flush_s=0.1, env={"DDPSCOPE_HTTP_TIMEOUT_S": "1"}
+    )
+    assert stats["longest_emit_s"] < 0.5, stats
+    assert stats["emitted"] == 20 and stats["dropped"], stats  # tried, and counted as not delivered
+    # Posts from the exiting thread (force_flush, shutdown) wait one request's timeout, not 30 s each.
+    assert time.monotonic() - began < 20
+    assert "sending records straight to the collector" in stderr

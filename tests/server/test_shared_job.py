@@ -30,7 +30,9 @@ def test_a_second_run_started_under_a_running_jobs_id_is_named_with_both_process
             _stats(job, r, t, incarnation=1)
     (inc,) = [i for i in diagnose(job.snapshot(), end) if i.kind == "job_id_shared"]
     assert inc.culprit_ranks == [0, 1] and inc.rank == 0 and inc.time_s == T0 + 20
-    assert inc.message.startswith("Two runs report under job id job-a at once: rank 0 has a process (pid 1000")
+    assert inc.message.startswith(
+        "Two runs report under job id job-a at once: rank 0 has a process (pid 1000"
+    )
     assert "kept reporting 40 s after another started" in inc.message
     assert "ranks 0, 1 alike" in inc.message and "DDPSCOPE_JOB" in inc.message
 
