@@ -119,7 +119,9 @@ def _overlap_section(
             )
         lines.append(
             f"Overall: median overlap {overlap_all:.0%}, exposed comm {_fmt_s(exposed)} "
-            f"({exposed / step:.0%} of the step): {verdict}."
+            # step_s runs from forward start to backward end: the optimizer step and data loading between
+            # steps are not in it, so the share is named for what it is a share of.
+            f"({exposed / step:.0%} of forward + backward): {verdict}."
             if step
             else f"Overall: median overlap {overlap_all:.0%}."
         )

@@ -70,6 +70,7 @@ def test_exposed_communication_with_buckets_already_small_does_not_advise_smalle
 
     step = {"rank": 0, "synced": True, "step_s": 0.010, "comm_s": 0.006, "exposed_comm_s": 0.005}
     verdict = _overlap_section([{**step, "overlap_ratio": 0.1}], [], [80] * 3000)[-1]
+    assert "exposed comm 5.0 ms (50% of forward + backward)" in verdict, verdict
     assert "the 3000 buckets are already small (median 80 B)" in verdict, verdict
     assert "consider smaller buckets" not in verdict
     big = _overlap_section([{**step, "overlap_ratio": 0.1}], [], [25 << 20])[-1]
