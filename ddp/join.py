@@ -113,7 +113,7 @@ class EngineJoinHook(JoinHook):
         ddp.require_forward_param_sync = flag.item() != 0
         if flag.item() == 0:
             return  # every peer is under no_sync() or evaluating: no gradient all-reduce to shadow
-        shadows = [torch.zeros_like(b.buffer) for b in reducer.buckets]
+        shadows = reducer.shadow_buckets()
         if reducer.find_unused:
             # torch sends the used-parameter map of this rank's last backward, not zeros: a parameter
             # it used then counts as used by the peers' step (its gradient becomes their average).

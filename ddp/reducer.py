@@ -53,6 +53,11 @@ class UnreducedGradientsError(RuntimeError):
     """Some rank produced no gradient for some parameters while ``find_unused_parameters=False``."""
 
 
+SIGNATURE = -1.0
+"""What every rank writes into the last status slot: summed, exactly ``-world_size``. Negative, where the
+other slots hold 0 or 1 and a metric of counts or ones is positive."""
+
+
 class MisalignedCollectivesError(RuntimeError):
     """A bucket all-reduce came back with values no rank sent in its status slots: another rank paired it
     with a different collective of the same size (gloo pairs collectives by order, not by purpose)."""
@@ -89,8 +94,9 @@ class Reducer:
         self._pg_obj = group if group is not None else dist.distributed_c10d._get_default_group()
         self._sum = dist.AllreduceOptions()
         self._sum.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
-        # Status slots only matter when a missing gradient is an error (see the module docstring).
-        self.status_slots = 0 if find_unused_parameters else world_size + len(self.params)
+        # Status slots only matter when a missing gradient is an error (see the module docstring): one per
+        # rank, one per parameter, and the signature slot last.
+        self.status_slots = 0 if find_unused_parameters else world_size + len(self.params) + 1
         self.step = 0
         self.active = False
         """A synchronised backward is expected: hooks fill buckets."""
@@ -364,8 +370,17 @@ class Reducer:
             # On CUDA every bucket is waited in the finalizer, where its "done" event is recorded.
             self._poll()
 
+    def shadow_buckets(self) -> list[torch.Tensor]:
+        """What a rank joined under ``Join`` all-reduces in place of each bucket while its peers train:
+        zeros, and in the status slots what a rank that missed nothing writes (the signature)."""
+        shadows = [torch.zeros_like(b.buffer) for b in self.buckets]
+        if self.buckets[-1].status is not None:
+            shadows[-1][-1] = SIGNATURE
+        return shadows
+
     def _write_status(self, status: torch.Tensor) -> None:
         status.zero_()
+        status[-1] = SIGNATURE
         if self.failed:
             status[self.rank] = 1
             idx = torch.tensor([self.world_size + i for i in self.failed])
@@ -446,11 +461,11 @@ class Reducer:
         status = self.buckets[-1].status
         if status is not None:
             flags = status.tolist()
-            if not self._status_consistent(flags):
+            if not self._status_consistent(flags, status.dtype):
                 self._fail_step(MisalignedCollectivesError(self._misaligned_message(flags)), unused)
             bad_ranks = [r for r in range(self.world_size) if flags[r]]
             if bad_ranks:
-                failure = self._failure_message(bad_ranks, flags[self.world_size :])
+                failure = self._failure_message(bad_ranks, flags[self.world_size : -1])
                 self._fail_step(UnreducedGradientsError(failure), unused)
         self._write_back(global_used)
         self.log_complete = self.ready_log is not None and len(self.ready_log) == len(self.params)
@@ -506,13 +521,20 @@ class Reducer:
         if copies_to:
             torch._foreach_copy_(copies_to, copies_from)
 
-    def _status_consistent(self, flags: list[float]) -> bool:
+    def _status_consistent(self, flags: list[float], dtype: torch.dtype) -> bool:
         """Whether the summed status slots are what the ranks' own slots can add up to: each rank writes
-        1 only into its own rank slot (so this rank's slot holds exactly what it sent) and 1 into the
-        slot of each parameter it missed, so no parameter slot exceeds the number of failed ranks. Sums
-        that break this came from a different collective another rank paired with this all-reduce."""
+        ``SIGNATURE`` into the last slot (so it sums to exactly that times the world size), 1 only into
+        its own rank slot (so this rank's slot holds exactly what it sent) and 1 into the slot of each
+        parameter it missed, so no parameter slot exceeds the number of failed ranks. Sums that break
+        this came from a different collective another rank paired with this all-reduce: the signature
+        catches one that looks like flags (a tensor of zeros), which the rest alone accepted."""
         world = self.world_size
         if not all(math.isfinite(f) and f == int(f) for f in flags):
+            return False
+        signature, flags = flags[-1], flags[:-1]
+        # A 16-bit bucket sums integers exactly only up to 2 / eps (256 for bfloat16): past that, the
+        # signature's sum is rounded and says nothing.
+        if world * abs(SIGNATURE) <= 2 / torch.finfo(dtype).eps and signature != SIGNATURE * world:
             return False
         ranks, per_param = flags[:world], flags[world:]
         if any(f not in (0, 1) for f in ranks) or ranks[self.rank] != (1 if self.failed else 0):
@@ -527,8 +549,9 @@ class Reducer:
         return (
             f"DistributedDataParallel (rank {self.rank}, step {self.step}): the gradient all-reduce of bucket "
             f"{last} (collective #{self.seqs[last]} of group {self.pg}) came back with sums in its status slots "
-            f"that the {self.world_size} ranks cannot have sent (this rank's own slot holds "
-            f"{flags[self.rank]!r}, it sent {1 if self.failed else 0}): another rank paired it with a different "
+            f"that the {self.world_size} ranks cannot have sent (the signature slot holds {flags[-1]!r} where "
+            f"they send {SIGNATURE * self.world_size!r}; this rank's own slot holds {flags[self.rank]!r}, it "
+            f"sent {1 if self.failed else 0}): another rank paired it with a different "
             "collective of the same size. The ranks no longer issue the same collectives in the same order "
             "(a collective some ranks skip or add, an uneven number of batches without torch's Join), so "
             "this step's averaged gradients are wrong and were not written. ddpscope's collector names the "

@@ -49,15 +49,24 @@ def test_a_parameter_without_gradient_on_one_rank_fails_that_backward_on_every_r
     assert failed["step"] == 0 and failed["unused_parameters"] == ["branch.weight", "branch.bias"]
 
 
+@pytest.mark.parametrize(
+    ("scenario", "evidence"),
+    [
+        # gloo pairs collectives by order: the metric's ones land in the status slots, where they once read
+        # as every parameter missing on every rank (a false UnreducedGradientsError).
+        ("misaligned", "the signature slot holds 0.0 where they send -2.0; this rank's own slot holds 1.0"),
+        # Zeros looked like "no rank missed anything": the step wrote the metric's zeros plus its own
+        # gradients as the average, silently.
+        ("misaligned_zeros", "the signature slot holds -1.0 where they send -2.0"),
+    ],
+)
 def test_a_bucket_all_reduce_paired_with_another_ranks_metric_of_the_same_size_is_caught_not_read_as_flags(
-    tmp_path,
+    tmp_path, scenario, evidence
 ) -> None:
-    # gloo pairs collectives by order: the metric's ones land in the status slots, where they once read as
-    # every parameter missing on every rank (a false UnreducedGradientsError).
-    rank0, rank1 = run_job("failures.py", 2, ["misaligned"], tmp_path, timeout_s=90)
+    rank0, rank1 = run_job("failures.py", 2, [scenario], tmp_path, timeout_s=90)
     assert rank1["error"] is None
     assert rank0["error"] == "MisalignedCollectivesError", rank0
-    assert "this rank's own slot holds 1.0, it sent 0" in rank0["message"]
+    assert evidence in rank0["message"], rank0["message"]
     assert "paired it with a different collective of the same size" in rank0["message"]
     (error,) = [r for r in rank0["records"] if r["kind"] == "rank_error"]
     assert error["error_type"] == "MisalignedCollectivesError"

@@ -11,7 +11,7 @@ Usage: failures.py SCENARIO OUTDIR
   under ``no_sync()`` (no all-reduce either, so the collectives stay aligned); the warnings each rank logged.
 - ``frozen_late``: a layer frozen on every rank after wrapping; the engine's error.
 - ``misaligned``: rank 1 all-reduces a metric of the last bucket's size where rank 0 runs a backward; the
-  engine's error on rank 0.
+  engine's error on rank 0. ``misaligned_zeros``: the same with a tensor of zeros, which looks like flags.
 - ``cut_short``: a hook raises in the backward of step 1 on every rank and the loop catches it; the next
   forward's error, and where the rank said it was.
 - ``thawed``: a layer frozen when wrapped is unfrozen after two steps; the warnings, and whether the
@@ -99,6 +99,14 @@ def missing_grad(rank: int) -> dict[str, Any]:
 
 
 def misaligned(rank: int) -> dict[str, Any]:
+    return _misaligned(rank, torch.ones)
+
+
+def misaligned_zeros(rank: int) -> dict[str, Any]:
+    return _misaligned(rank, torch.zeros)
+
+
+def _misaligned(rank: int, fill: Any) -> dict[str, Any]:
     """After two healthy steps, rank 1 all-reduces a metric of exactly the last bucket's size (its
     parameters and status slots) where rank 0 runs its next backward: gloo pairs the two silently."""
     torch.manual_seed(0)
@@ -111,8 +119,8 @@ def misaligned(rank: int) -> dict[str, Any]:
     params = list(module.parameters())
     out: dict[str, Any] = {"error": None}
     if rank == 1:
-        # The status slots: one per rank, one per parameter (find_unused_parameters=False).
-        dist.all_reduce(torch.ones(sum(p.numel() for p in params) + dist.get_world_size() + len(params)))
+        # The status slots: one per rank, one per parameter (find_unused_parameters=False), the signature.
+        dist.all_reduce(fill(sum(p.numel() for p in params) + dist.get_world_size() + len(params) + 1))
         return out
     try:
         model(x).sum().backward()
@@ -252,6 +260,7 @@ def main() -> None:
         "frozen_late": frozen_late,
         "cut_short": cut_short,
         "misaligned": misaligned,
+        "misaligned_zeros": misaligned_zeros,
         "replicas": replicas,
     }[SCENARIO](rank)
     agent.get_agent().force_flush(5.0)
