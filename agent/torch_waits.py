@@ -37,37 +37,61 @@ class TorchWait:
     """``torch's backward pass``, ``torch.distributed (barrier)``, ..."""
     what: str
     """Which unrecorded collective usually blocks there."""
+    advice: str | None = None
+    """What to do about a rank still blocked there after its peers went on (None: find why the ranks'
+    calls differ, the general advice)."""
 
 
-_MACHINERY = (
+STATE_BROADCAST_ADVICE = (
+    "a rank still in DistributedDataParallel's state broadcast after its peers left it moved a different "
+    "number of bytes than they did: the ranks' models differ in a parameter's or buffer's dtype, or in a "
+    "buffer only some ranks have (torch's constructor compares only the parameters' shapes). Build the "
+    "same model, in the same dtypes, on every rank"
+)
+
+_MACHINERY: tuple[tuple[re.Pattern[str], re.Pattern[str] | None, str, str, str | None], ...] = (
+    (
+        re.compile(r"(?:^|/)torch/distributed/utils\.py$"),
+        re.compile(r"^_sync_params_and_buffers$|^_sync_module_states$"),
+        "DistributedDataParallel's state broadcast (torch.distributed {function})",
+        "the DistributedDataParallel constructor's broadcast of rank 0's parameters and buffers, in C++",
+        STATE_BROADCAST_ADVICE,
+    ),
     (
         re.compile(r"(?:^|/)torch/autograd/(?:graph|__init__)\.py$"),
+        None,
         "torch's backward pass",
         "torch's C++ Reducer waits there for the gradient all-reduce of a torch DistributedDataParallel "
         "model ddpscope does not observe (a second model, such as a GAN's discriminator, not passed to "
         "instrument())",
+        None,
     ),
     (
         re.compile(r"(?:^|/)torch/nn/parallel/distributed\.py$"),
+        None,
         "torch's DistributedDataParallel ({function})",
         "the buffer broadcast or bucket rebuild of a DistributedDataParallel model ddpscope does not observe",
+        None,
     ),
     (
         re.compile(r"(?:^|/)torch/distributed/(?:distributed_c10d|c10d_logger|utils)\.py$"),
+        None,
         "torch.distributed ({function})",
         "a collective ddpscope did not record (a DistributedDataParallel constructor's state broadcast, "
         "or a call through a name imported before ddpscope installed its recorder)",
+        None,
     ),
 )
-"""(innermost file, where that is, what waits there). Only calls that block on peers: not
-``torch/distributed/checkpoint`` (file writes every rank makes at once) nor data loading."""
+"""(innermost file, innermost function or any, where that is, what waits there, advice), first match
+wins. Only calls that block on peers: not ``torch/distributed/checkpoint`` (file writes every rank makes
+at once) nor data loading."""
 
 
 def torch_wait(path: str, function: str) -> TorchWait | None:
     """The machinery a main thread whose innermost Python frame is ``function`` in ``path`` is blocked in,
     or None for any other frame."""
     path = path.replace("\\", "/")
-    for pattern, place, what in _MACHINERY:
-        if pattern.search(path):
-            return TorchWait(place.format(function=function), what)
+    for pattern, functions, place, what, advice in _MACHINERY:
+        if pattern.search(path) and (functions is None or functions.search(function)):
+            return TorchWait(place.format(function=function), what, advice)
     return None

@@ -698,6 +698,8 @@ def _missing(
         msg += f". {capitalized(ranks_phrase(culprits))} {holds} them all up (see {'its' if len(culprits) == 1 else 'their'} incidents)"
     elif any(graph.cycle_of(r) for r in missing):
         msg += ". The ranks are deadlocked across process groups (see the mismatch incident)"
+    elif advice := _native_advice(missing, live):
+        msg += f". {capitalized(advice)}"
     else:
         msg += ". Find why those ranks skip this call (a rank-dependent branch, an early exit, a stuck data loader)"
     msg += "."
@@ -740,6 +742,14 @@ def _blocked_unrecorded(hang: Record | None) -> str | None:
         return None
     at = f" at {site}" if (site := main_site(hang)) else ""
     return f"it is blocked in {there.place}{at}, in a collective ddpscope does not record (its hang report)"
+
+
+def _native_advice(missing: list[int], live: Liveness) -> str | None:
+    """The advice of the unrecorded wait every missing rank is blocked in, when that wait has its own (a
+    rank still in DistributedDataParallel's state broadcast its peers left: models that differ)."""
+    waits = [native_wait(h) if (h := live.active_hangs.get(r)) is not None else None for r in missing]
+    advice = {w.advice if w is not None else None for w in waits}
+    return advice.pop() if len(advice) == 1 else None
 
 
 def _quiet_or_alive(age_s: float | None, silent_after_s: float) -> str:

@@ -10,7 +10,7 @@ from ddpscope.server.analysis.incidents import diagnose
 from ddpscope.server.analysis.native_wait import native_wait
 from ddpscope.server.analysis.status import job_status, liveness
 from tests.server.test_hang_diagnosis import stuck_hang
-from tests.server.test_incidents import JobRecords, inflight, kinds, only, started
+from tests.server.test_incidents import T0, JobRecords, inflight, kinds, only, started
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
 IN_BACKWARD = (
@@ -75,7 +75,7 @@ def test_a_rank_blocked_in_torchs_backward_waits_for_the_peer_stuck_in_its_own_c
         ),
         (
             f'  File "{TORCH}/distributed/utils.py", line 316, in _sync_params_and_buffers\n',
-            "torch.distributed",
+            "DistributedDataParallel's state broadcast (torch.distributed _sync_params_and_buffers)",
         ),
         (
             f'  File "{TORCH}/distributed/distributed_c10d.py", line 2950, in all_reduce\n',
@@ -192,3 +192,34 @@ def test_a_rank_blocked_in_an_unrecorded_collective_is_said_to_be_there_when_it_
     incidents = diagnose(job.snapshot(), end + 11)
     assert only(incidents, "rank_error").culprit_ranks == [0]
     assert all(i.culprit_ranks == [0] for i in incidents), [i.message for i in incidents]
+
+
+IN_STATE_BROADCAST = (
+    '  File "/proj/train.py", line 11, in <module>\n'
+    f'  File "{TORCH}/nn/parallel/distributed.py", line 894, in __init__\n'
+    f'  File "{TORCH}/nn/parallel/distributed.py", line 1160, in _sync_module_states\n'
+    f'  File "{TORCH}/distributed/utils.py", line 304, in _sync_module_states\n'
+    f'  File "{TORCH}/distributed/utils.py", line 315, in _sync_params_and_buffers\n'
+)
+"""Where torch's DDP constructor broadcasts rank 0's parameters and buffers, in C++."""
+
+
+def test_a_rank_left_in_the_constructors_state_broadcast_its_peer_finished_is_told_the_models_differ() -> (
+    None
+):
+    # A layer made float64 on rank 0 only: torch's constructor compares shapes alone, so its broadcast
+    # moved more bytes on rank 0, rank 1 went on to its next collective and rank 0 stayed. "Find why
+    # those ranks skip this call" sent the user looking for a branch that did not exist.
+    job = JobRecords(2)
+    job.start(1)
+    job.coll(1, T0 + 1, 1, op="send", pg="default:p2p:0-1", shapes=[[2]], dtypes=["int64"], done=False)
+    job.hang(1, T0 + 6, step=0, inflight=[inflight(1, T0 + 1, pg="default:p2p:0-1")])
+    blocked_in(job, 0, T0 + 6, IN_STATE_BROADCAST, step=0)
+    missing = only(diagnose(job.snapshot(), T0 + 7), "missing_collective")
+    assert missing.culprit_ranks == [0], missing.message
+    assert (
+        "blocked in DistributedDataParallel's state broadcast (torch.distributed _sync_params_and_buffers)"
+        in (missing.message)
+    )
+    assert "the ranks' models differ in a parameter's or buffer's dtype" in missing.message, missing.message
+    assert "Find why those ranks skip this call" not in missing.message
