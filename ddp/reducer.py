@@ -97,6 +97,8 @@ class Reducer:
         # Status slots only matter when a missing gradient is an error (see the module docstring): one per
         # rank, one per parameter, and the signature slot last.
         self.status_slots = 0 if find_unused_parameters else world_size + len(self.params) + 1
+        self._blank_status: torch.Tensor | None = None
+        """What a rank that missed nothing writes into the status slots (``_write_status``)."""
         self.step = 0
         self.active = False
         """A synchronised backward is expected: hooks fill buckets."""
@@ -379,8 +381,12 @@ class Reducer:
         return shadows
 
     def _write_status(self, status: torch.Tensor) -> None:
-        status.zero_()
-        status[-1] = SIGNATURE
+        # One copy from a ready-made [0, ..., 0, SIGNATURE] (~1 us), not zero_() and an indexed write (~4 us).
+        blank = self._blank_status
+        if blank is None or blank.dtype != status.dtype or blank.device != status.device:
+            blank = self._blank_status = torch.zeros_like(status)
+            blank[-1] = SIGNATURE
+        status.copy_(blank)
         if self.failed:
             status[self.rank] = 1
             idx = torch.tensor([self.world_size + i for i in self.failed])
