@@ -55,9 +55,17 @@ class JobSummary:
 
 
 def summarize(snapshot: JobSnapshot, first_seen_s: float, status: str) -> JobSummary:
-    last_steps = [s.last_step for s in snapshot.steps.values()]
+    # A rank's last step is its current process's once it ended after that process started. Right after a
+    # restart it is still the earlier process's: the step count stays as it was until the new processes
+    # complete one, and no rate is made of it (it said 16 steps at 8 a second, then 11 at 1.6).
+    current = [
+        s
+        for r, s in snapshot.steps.items()
+        if r not in snapshot.ranks or s.last_step_end_ns >= snapshot.ranks[r]["time_ns"]
+    ]
+    last_steps = [s.last_step for s in current or snapshot.steps.values()]
     steps = max(last_steps) + 1 if last_steps else 0
-    ends = [s.last_step_end_ns / 1e9 for s in snapshot.steps.values()]
+    ends = [s.last_step_end_ns / 1e9 for s in current]
     # The latest rank_start of each rank: a restart's wait and the old processes' steps are not rate.
     began = min((r["time_ns"] / 1e9 for r in snapshot.ranks.values()), default=first_seen_s)
     span = (max(ends) - max(first_seen_s, began)) if ends else 0.0

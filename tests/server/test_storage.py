@@ -342,6 +342,24 @@ def test_the_last_step_of_a_restarted_job_is_its_current_attempts_even_when_the_
     assert job.snapshot().steps[0].last_step == 11
 
 
+def test_right_after_a_restart_the_job_keeps_its_step_count_and_makes_no_rate_of_the_old_processes_steps(
+    storage,
+):
+    job = started(2)
+    end = job.train(16, dt=0.4)
+    for r in range(2):
+        job.start(r, end + 10)  # relaunched; no new step yet
+    storage.write_batch(decoded(job.records))
+    summary = summarize(storage.load_snapshot(job.job), T0, "running")
+    assert (summary.steps, summary.step_rate) == (16, None)
+    # Rank 0's first new steps arrive before rank 1's: rank 1's last step is still the old process's.
+    sent = len(job.records)
+    job.train(3, t=end + 11, dt=0.4, ranks=[0])
+    storage.write_batch(decoded(job.records[sent:]))
+    summary = summarize(storage.load_snapshot(job.job), T0, "running")
+    assert summary.steps == 3 and summary.step_rate is not None and summary.step_rate < 3, summary
+
+
 def test_unused_parameters_of_an_attempt_before_a_restart_are_not_reported(storage):
     job = _restarted_job()
     _first_attempt_unused(job)
