@@ -358,6 +358,18 @@ class Agent:
             export_timeout_s=cfg.http_timeout_s,
         )
 
+    def _say_lost(self) -> None:
+        """With no spool, what never reached the collector is gone with this process: say so as it ends
+        (with a spool, the shipper says where the records wait instead)."""
+        lost = sum(getattr(self._exporter, "dropped", {}).values())
+        if lost:
+            logger.warning(
+                "ddpscope: %d records of this rank never reached the collector at %s and, with no spool to "
+                "keep them, are lost",
+                lost,
+                self.config.ingest_url,
+            )
+
     def _export_items(self, items: list[tuple[int, Any]]) -> None:
         batch = []
         ringed = 0
@@ -498,6 +510,8 @@ class Agent:
                 # Everything is in the spool: the ring's copies would only be resent.
                 self._get_exporter().drop_write_ahead()
             self._get_exporter().shutdown(max(0.0, deadline - time.monotonic()))
+            if self._direct:
+                self._say_lost()
         except Exception:
             swallowed("shutdown")
         finally:

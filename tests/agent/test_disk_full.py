@@ -89,3 +89,4 @@ def test_with_no_spool_and_no_collector_the_training_thread_never_waits_for_a_po
     # Posts from the exiting thread (force_flush, shutdown) wait one request's timeout, not 30 s each.
     assert time.monotonic() - began < 20
     assert "sending records straight to the collector" in stderr
+    assert "records of this rank never reached the collector at http://127.0.0.1:9" in stderr, stderr
