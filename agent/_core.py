@@ -176,7 +176,7 @@ class Agent:
                 self._worker.locked(self._get_exporter, timeout_s)
             if self._exporter is None:
                 return False  # the worker is still making it: the record waits for its round
-            if not self._persists:
+            if self._direct:
                 return True  # nothing gets more durable by being sent from this thread: the worker sends it
             return bool(self._worker.persist(timeout_s))
         except Exception:
