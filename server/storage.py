@@ -45,9 +45,8 @@ from ddpscope.server.analysis.snapshot import (
     JobSnapshot,
     RankSteps,
     attempt_starts,
-    infer_world_size,
     merge_collectives,
-    set_aside_retired,
+    settle_world,
     stream_seen,
 )
 from ddpscope.server.analysis.unused import aggregate_unused
@@ -405,10 +404,7 @@ class Storage:
             stream_seen_ns=stream_seen(by_kind.get("agent_stats", [])),
         )
         # Not the jobs row's world size, the largest ever declared: a relaunch may have fewer ranks.
-        snap.world_size = infer_world_size(
-            snap.ranks, snap.rank_last_seen_s, snap.heartbeats, snap.collectives
-        )
-        return set_aside_retired(snap)
+        return settle_world(snap)
 
     def _collective_window(
         self, job: str, job_id: int, current_streams: set[str]

@@ -183,8 +183,9 @@ def split_restart(snapshot: JobSnapshot) -> tuple[JobSnapshot, JobSnapshot | Non
     records of other streams that are older than that start belong to the earlier process. (The new
     process's own records before its ``rank_start``, such as the engine's construction collectives,
     share its stream; a reconfigured agent's new stream starts after it.) Everything a rank the newest
-    launch left out (``JobSnapshot.retired``) sent before that launch belongs to the earlier run. ``previous`` has no ``ranks``, so every record in it counts, and
-    its ``rank_last_seen_s`` is rebuilt from its records.
+    launch left out (``JobSnapshot.retired``) sent before that launch belongs to the earlier run.
+    ``previous`` has no ``ranks``, so every record in it counts, and its ``rank_last_seen_s`` is rebuilt
+    from its records.
     """
     starts: dict[int, tuple[str | None, int]] = {
         r: (s["stream"], s["time_ns"]) for r, s in snapshot.ranks.items()
@@ -213,14 +214,20 @@ def split_restart(snapshot: JobSnapshot) -> tuple[JobSnapshot, JobSnapshot | Non
     return current, previous
 
 
+def _newest_start(latest_starts: Mapping[int, Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The newest ``rank_start`` of ``latest_starts`` (each rank's latest): the launch that declares the
+    job's world. None when no rank started."""
+    return max(latest_starts.values(), key=lambda s: s["time_ns"], default=None)
+
+
 def retired_ranks(latest_starts: Mapping[int, Mapping[str, Any]]) -> dict[int, int]:
     """``{rank: time_ns}`` of the ranks the newest launch left out, with that launch's start: a job
     relaunched under the same id with fewer ranks (an elastic scale-down, a rerun on fewer GPUs). The
     newest ``rank_start`` (``latest_starts``: each rank's latest) declares the world; a rank at or beyond
     it whose own start is older belongs to the earlier run, however long its old process kept going."""
-    if not latest_starts:
+    newest = _newest_start(latest_starts)
+    if newest is None:
         return {}
-    newest = max(latest_starts.values(), key=lambda s: s["time_ns"])
     world = int(newest.get("world_size") or 0)
     return {
         r: newest["time_ns"]
@@ -229,13 +236,15 @@ def retired_ranks(latest_starts: Mapping[int, Mapping[str, Any]]) -> dict[int, i
     }
 
 
-def set_aside_retired(snap: JobSnapshot) -> JobSnapshot:
-    """``snap`` with the ranks the newest launch left out taken from its per-rank fields (both snapshot
-    builders call it): a rank's old ``rank_start``, steps and accounting must not make it one of the
-    current world's ranks. Records it sent after the launch (a second run under the same id) stay."""
+def settle_world(snap: JobSnapshot) -> JobSnapshot:
+    """``snap`` with its ``world_size`` (``infer_world_size``) and without the ranks the newest launch left
+    out in its per-rank fields (both snapshot builders end with it): a rank's old ``rank_start``, steps and
+    accounting must not make it one of the current world's ranks. Records it sent after the launch (a
+    second run under the same id) stay."""
     snap.retired = retired_ranks(snap.ranks)
-    if not snap.retired:
-        return snap
+    snap.world_size = infer_world_size(
+        snap.ranks, snap.retired, snap.rank_last_seen_s, snap.heartbeats, snap.collectives
+    )
     for r, launch_ns in snap.retired.items():
         snap.ranks.pop(r, None)
         if snap.steps.get(r) and snap.steps[r].last_step_end_ns < launch_ns:
@@ -245,13 +254,6 @@ def set_aside_retired(snap: JobSnapshot) -> JobSnapshot:
         if snap.rank_last_seen_s.get(r, 0.0) * 1e9 < launch_ns:
             snap.rank_last_seen_s.pop(r, None)
     return snap
-
-
-def launch_world_size(latest_starts: Mapping[int, Mapping[str, Any]]) -> int:
-    """The world size the newest ``rank_start`` declares (0 when no rank started)."""
-    if not latest_starts:
-        return 0
-    return int(max(latest_starts.values(), key=lambda s: s["time_ns"]).get("world_size") or 0)
 
 
 def window_collectives(collectives: list[Record], window: int = COLLECTIVE_WINDOW) -> list[Record]:
@@ -309,8 +311,7 @@ def snapshot_from_records(job: str, records: Iterable[Mapping[str, Any]]) -> Job
         starts=by_kind.get("rank_start", []),
         stream_seen_ns=stream_seen(by_kind.get("agent_stats", [])),
     )
-    snap.world_size = infer_world_size(snap.ranks, seen, snap.heartbeats, snap.collectives)
-    return set_aside_retired(snap)
+    return settle_world(snap)
 
 
 def latest_attempt(records: Iterable[Record], rank_starts: Iterable[Mapping[str, Any]]) -> list[Record]:
@@ -349,17 +350,18 @@ def _before_start(rec: Mapping[str, Any], start: tuple[str | None, int] | None) 
 
 def infer_world_size(
     ranks: Mapping[int, Mapping[str, Any]],
+    retired: Mapping[int, int],
     seen: Iterable[int],
     heartbeats: Mapping[int, Mapping[str, Any]] | None = None,
     collectives: Iterable[Mapping[str, Any]] = (),
 ) -> int:
-    """The job's world size: declared by the newest ``rank_start`` (a relaunch may have fewer ranks) or,
-    when no rank reached its DDP model (a rank that failed or stalled during set-up), by the heartbeats;
-    else the highest rank heard from or named as a collective's member (a rank that never reported is
-    still one its peers wait for), plus one."""
-    declared = launch_world_size(ranks)
-    launched_ns = max((s["time_ns"] for s in ranks.values()), default=0)
-    retired = retired_ranks(ranks)
+    """The job's world size: declared by the newest ``rank_start`` (a relaunch may have fewer ranks;
+    ``retired`` are the ranks it left out) or, when no rank reached its DDP model (a rank that failed or
+    stalled during set-up), by the heartbeats; else the highest rank heard from or named as a collective's
+    member (a rank that never reported is still one its peers wait for), plus one."""
+    newest = _newest_start(ranks)
+    declared = int(newest.get("world_size") or 0) if newest is not None else 0
+    launched_ns = newest["time_ns"] if newest is not None else 0
     # A heartbeat after the launch from one of its ranks: a larger relaunch still in its set-up.
     beating = max(
         (
