@@ -40,9 +40,10 @@ def free_port() -> int:
     outgoing connection (gloo's pairs, HTTP clients, other jobs' stores) takes its source port, so it
     could be taken between this check and the rank's own bind (EADDRINUSE in torch's TCPStore, seen with
     15 two-rank jobs started at once). Never the same port twice in one test process."""
-    low = max(1024, _ephemeral_low() - 12_000)
+    high = _ephemeral_low()
+    low = max(1024, high - 12_000)
     for _ in range(200):
-        port = random.randrange(low, _ephemeral_low())
+        port = random.randrange(low, high)
         if port in _PORTS_GIVEN:
             continue
         with socket.socket() as s:
