@@ -189,8 +189,8 @@ class Config:
         values: dict[str, Any] = {
             "url": _env(env, DDPSCOPE_URL, str, DEFAULT_URL, _valid_url, _URL_RULE),
             "token": env.get(DDPSCOPE_TOKEN) or None,
-            "hang_timeout_s": _hang_timeout(env),
-            "heartbeat_s": _env(env, DDPSCOPE_HEARTBEAT_S, float, 2.0, _positive),
+            "hang_timeout_s": hang_timeout_from_env(env),
+            "heartbeat_s": heartbeat_from_env(env),
             "disabled": _env(env, DDPSCOPE_DISABLED, _parse_bool, False),
             "check_gradients": _env(env, DDPSCOPE_CHECK_GRADIENTS, _parse_bool, False),
             "max_queue": _env(env, DDPSCOPE_QUEUE_SIZE, int, 100_000, _positive),
@@ -243,7 +243,9 @@ def _positive(v: float) -> bool:
     return v > 0
 
 
-def _hang_timeout(env: Mapping[str, str]) -> float:
+def hang_timeout_from_env(env: Mapping[str, str]) -> float:
+    """``DDPSCOPE_HANG_TIMEOUT`` (300 s if unset or bad), raised to ``MIN_HANG_TIMEOUT_S`` with a warning. Also
+    what the watchdog falls back to when no agent is configured, so both read the variable one way."""
     timeout = float(_env(env, DDPSCOPE_HANG_TIMEOUT, float, 300.0, _positive, "a number of seconds > 0"))
     if timeout < MIN_HANG_TIMEOUT_S:
         # Raised, not ignored: whoever set 0.1 wants hangs reported fast, not after the 300 s default.
@@ -256,6 +258,11 @@ def _hang_timeout(env: Mapping[str, str]) -> float:
         )
         return MIN_HANG_TIMEOUT_S
     return timeout
+
+
+def heartbeat_from_env(env: Mapping[str, str]) -> float:
+    """``DDPSCOPE_HEARTBEAT_S`` (2 s if unset or bad)."""
+    return float(_env(env, DDPSCOPE_HEARTBEAT_S, float, 2.0, _positive, "a number of seconds > 0"))
 
 
 def _non_negative(v: float) -> bool:

@@ -58,25 +58,21 @@ import sys
 import sysconfig
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
 
 from ddpscope.agent import emit, emit_durable, get_agent
-from ddpscope.agent.config import MIN_HANG_TIMEOUT_S
+from ddpscope.agent.config import MIN_HANG_TIMEOUT_S, hang_timeout_from_env, heartbeat_from_env
 from ddpscope.agent.torch_waits import torch_wait
 from ddpscope.ddp import errors, setup_wait
 from ddpscope.ddp.collectives import RECORDER, CollectiveRecorder, disabled
-from ddpscope.ddp.hang_text import ENV_HANG_TIMEOUT, hang_message
+from ddpscope.ddp.hang_text import hang_message
 from ddpscope.ddp.progress import PROGRESS, Progress
 from ddpscope.ddp.stacks import current_frames, thread_stacks
 
 logger = logging.getLogger(__name__)
 
-ENV_HEARTBEAT = "DDPSCOPE_HEARTBEAT_S"
-"""Seconds between heartbeats; default 2.0."""
-DEFAULT_HANG_TIMEOUT_S = 300.0
-DEFAULT_HEARTBEAT_S = 2.0
 MAX_TICK_S = 0.25
 """Longest sleep between samples: bounds the lateness of a report and of an async collective's end."""
 RESOLVE_GRACE_S = 1.0
@@ -86,13 +82,17 @@ resolved, and the error travels up to the excepthook in far less."""
 
 
 def _setting(
-    explicit: float | None, attrs: tuple[str, ...], env: str, default: float, minimum: float = 0.0
+    explicit: float | None,
+    attrs: tuple[str, ...],
+    from_env: Callable[[Mapping[str, str]], float],
+    minimum: float = 0.0,
 ) -> float:
-    """Explicit argument beats the agent's config beats the environment beats the default. An explicit
-    value under ``minimum`` is a ``ValueError``; an environment value under it is raised to it."""
+    """Explicit argument beats the agent's config beats the environment (read as the agent's config reads
+    it, ``from_env``) beats the default. An explicit value under ``minimum`` is a ``ValueError``."""
     if explicit is not None:
         if explicit <= 0 or explicit < minimum:
-            raise ValueError(f"{attrs[0]} must be > 0 and at least {minimum}, got {explicit!r}")
+            floor = f" and at least {minimum}" if minimum > 0 else ""
+            raise ValueError(f"{attrs[0]} must be > 0{floor}, got {explicit!r}")
         return float(explicit)
     try:
         config = getattr(get_agent(), "config", None)
@@ -102,18 +102,7 @@ def _setting(
         value = getattr(config, attr, None)
         if isinstance(value, (int, float)) and value > 0:
             return max(float(value), minimum)
-    raw = os.environ.get(env)
-    if raw:
-        try:
-            value = float(raw)
-            if value > 0:
-                if value < minimum:
-                    logger.warning("%s=%r is below its floor; using %s", env, raw, minimum)
-                return max(value, minimum)
-        except ValueError:
-            pass
-        logger.warning("ignoring %s=%r (expected seconds > 0); using %s", env, raw, default)
-    return default
+    return from_env(os.environ)
 
 
 def _rank() -> str:
@@ -497,19 +486,13 @@ _atexit_registered = False
 
 def heartbeat_setting(heartbeat_s: float | None = None) -> float:
     """Seconds between heartbeats: ``heartbeat_s``, else the agent's config, ``DDPSCOPE_HEARTBEAT_S``, 2 s."""
-    return _setting(heartbeat_s, ("heartbeat_s", "heartbeat_interval_s"), ENV_HEARTBEAT, DEFAULT_HEARTBEAT_S)
+    return _setting(heartbeat_s, ("heartbeat_s", "heartbeat_interval_s"), heartbeat_from_env)
 
 
 def hang_timeout_setting(timeout_s: float | None = None) -> float:
     """Seconds without progress before a hang report: ``timeout_s``, else the agent's config,
     ``DDPSCOPE_HANG_TIMEOUT``, 300 s. What ``start_watchdog`` uses and ``rank_start`` reports."""
-    return _setting(
-        timeout_s,
-        ("hang_timeout_s", "hang_timeout"),
-        ENV_HANG_TIMEOUT,
-        DEFAULT_HANG_TIMEOUT_S,
-        MIN_HANG_TIMEOUT_S,
-    )
+    return _setting(timeout_s, ("hang_timeout_s", "hang_timeout"), hang_timeout_from_env, MIN_HANG_TIMEOUT_S)
 
 
 def start_watchdog(

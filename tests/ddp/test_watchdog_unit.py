@@ -331,6 +331,21 @@ def test_a_timeout_under_the_floor_is_refused_when_explicit_and_raised_when_from
         agent.shutdown()
 
 
+def test_with_no_agent_the_watchdog_reads_the_environment_as_the_agent_s_config_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    agent.shutdown()
+    monkeypatch.setattr(wd, "get_agent", lambda: None)
+    monkeypatch.setenv("DDPSCOPE_HANG_TIMEOUT", "0.001")
+    monkeypatch.setenv("DDPSCOPE_HEARTBEAT_S", "-1")
+    assert (wd.hang_timeout_setting(), wd.heartbeat_setting()) == (1.0, 2.0)
+    monkeypatch.setenv("DDPSCOPE_HANG_TIMEOUT", "7.5")
+    monkeypatch.setenv("DDPSCOPE_HEARTBEAT_S", "0.5")
+    assert (wd.hang_timeout_setting(), wd.heartbeat_setting()) == (7.5, 0.5)
+    with pytest.raises(ValueError, match=r"heartbeat_s must be > 0, got 0"):
+        wd.heartbeat_setting(0)
+
+
 def test_monitor_enable_turns_everything_on_and_disable_turns_it_off() -> None:
     import sys
 
