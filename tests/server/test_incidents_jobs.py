@@ -132,6 +132,7 @@ if __name__ == "__main__":  # pragma: no cover
 import pytest  # noqa: E402
 
 from tests.support.collector_proc import CollectorProc  # noqa: E402
+from tests.support.preloaded import RankPopen  # noqa: E402
 from tests.support.procs import free_port, kill_group, rank_env  # noqa: E402
 from tests.support.real_job import RealJob, get_json, marked_site  # noqa: E402
 
@@ -179,7 +180,7 @@ def launch(url: str, scenario: str, job_id: str, spool_dir: Path, engine: str = 
     }
     port = free_port()
     procs = [
-        subprocess.Popen(
+        RankPopen(
             [sys.executable, str(SCRIPT), scenario, "6", engine],
             env=rank_env(rank, 2, port, env),
             stdout=subprocess.PIPE,

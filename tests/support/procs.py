@@ -19,6 +19,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.support.preloaded import RankPopen
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -110,7 +112,8 @@ def started_ranks(
     env: Mapping[str, str] | None = None,
     per_rank_env: Mapping[int, Mapping[str, str]] | None = None,
 ) -> Iterator[list[subprocess.Popen[str]]]:
-    """Start ``python script args`` once per rank; kill every process group on exit from the block."""
+    """Start ``python script args`` once per rank (forked from a zygote that has imported torch, when that
+    changes nothing the rank does: ``tests/support/preloaded.py``); kill every process group on exit."""
     port = free_port()
     procs: list[subprocess.Popen[str]] = []
     try:
@@ -118,7 +121,7 @@ def started_ranks(
             e = rank_env(rank, world_size, port, env)
             e.update((per_rank_env or {}).get(rank, {}))
             procs.append(
-                subprocess.Popen(
+                RankPopen(
                     [sys.executable, str(script), *args],
                     env=e,
                     stdout=subprocess.PIPE,
