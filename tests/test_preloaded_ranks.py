@@ -75,7 +75,13 @@ def test_a_forked_rank_prints_and_exits_as_an_exec_d_one(script: Path, tmp_path:
 
 def test_a_forked_rank_is_its_own_process_group_and_dies_of_the_signal_sent_to_it(script: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = RankPopen([sys.executable, str(script), "wait"], env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    p = RankPopen(
+        [sys.executable, str(script), "wait"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert p.stdout is not None
         deadline = time.monotonic() + 60

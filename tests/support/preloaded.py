@@ -111,14 +111,23 @@ def _zygote(env: Mapping[str, str]) -> Zygote | None:
     with _lock:
         if key not in _zygotes:
             if not _zygotes:
-                _become_subreaper()
                 atexit.register(close_all)
             try:
+                _become_subreaper()  # idempotent
                 _zygotes[key] = Zygote(env)
             except Exception as e:  # exec'd instead: slower, never wrong
                 logger.warning("ranks will be exec'd: %s", e)
                 _zygotes[key] = None
         return _zygotes[key]
+
+
+def _give_up(zygote: Zygote) -> None:
+    """Exec the launches a failed zygote served, from now on."""
+    with _lock:
+        for key, z in _zygotes.items():
+            if z is zygote:
+                _zygotes[key] = None
+    zygote.close()
 
 
 def _become_subreaper() -> None:
@@ -204,6 +213,7 @@ class RankPopen(subprocess.Popen):  # type: ignore[type-arg]
                 )
             except (OSError, RuntimeError, ValueError) as e:
                 logger.warning("exec'ing %s: the zygote failed (%s)", argv[1], e)
+                _give_up(zygote)
             else:
                 self.pid = pid
                 self._child_created = True
