@@ -339,6 +339,8 @@ class Instrumentation:
         self._seqs = [0] * n
         self._works: list[Any] = [None] * n
         self._launch_plans: list[PlannedCollective | None] = [None] * n
+        self._readied = 0
+        """Parameters whose gradient accumulated in this step's backward so far."""
         self._next_launch = 0
         """Buckets of this step whose all-reduce torch launched (it launches them in index order)."""
         self._next_done = 0
@@ -456,6 +458,13 @@ class Instrumentation:
         torch.autograd.Variable._execution_engine.queue_callback(self._after_gradients)
 
     def _after_gradients(self) -> None:
+        if self._readied == 0 and self._next_launch == 0:
+            # An autograd.grad() or backward(inputs=...) through the outputs that accumulated into no
+            # parameter (a gradient penalty's input gradient): torch's Reducer saw nothing of it, and the
+            # step's backward is still to come.
+            self._queued = False
+            PROGRESS.enter("after_forward")
+            return
         # Runs before torch's Reducer finalizer (queued later, once every bucket is launched); queue
         # the end behind it.
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -470,6 +479,7 @@ class Instrumentation:
             if not self._queued:
                 self._begin_backward()
             self._times[index] = now_ns()
+            self._readied += 1
             PROGRESS.counter += 1
             if self._next_done < self._next_launch:
                 self._poll()

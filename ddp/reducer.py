@@ -192,6 +192,8 @@ class Reducer:
 
     def _reset_step_state(self) -> None:
         n = len(self.params)
+        self.accumulated = 0
+        """Gradients accumulated under ``no_sync()`` in this step (a synced step counts them in ``ready``)."""
         self.ready = bytearray(n)
         self.used = bytearray(n)
         self.pending = [len(b.param_indices) for b in self.buckets]
@@ -267,8 +269,10 @@ class Reducer:
                 self._on_grad(index, param)
             elif not self.armed:
                 self.outside.note(index, self.step)
-            elif self.find_unused:
-                self.window_used[index] = 1  # a no_sync() backward: used in this accumulation window
+            else:  # a no_sync() backward
+                self.accumulated += 1
+                if self.find_unused:
+                    self.window_used[index] = 1  # used in this accumulation window
 
         return hook
 
@@ -421,6 +425,13 @@ class Reducer:
 
     def _finalize(self) -> None:
         """Runs on the training thread after autograd accumulated every gradient of this backward."""
+        if self._no_parameter_touched():
+            # An autograd.grad() or backward(inputs=...) through the outputs that accumulated into no
+            # parameter (a gradient penalty's input gradient): not the step's backward, which torch's
+            # reducer never sees either (its hooks are on the parameters). The step waits for that one.
+            self.queued = False
+            PROGRESS.enter("after_forward")
+            return
         try:
             if self.active:
                 self.syncs += 1  # counted on every rank alike, also when the round then fails
@@ -443,6 +454,13 @@ class Reducer:
             self.queued = False
             self.armed = False
             PROGRESS.enter("idle")
+
+    def _no_parameter_touched(self) -> bool:
+        """No gradient reached a parameter in this backward, and nothing was launched for it (with
+        ``find_unused_parameters`` the forward's unreachable parameters are marked ready at its start)."""
+        if self.active:
+            return self.ready.find(1) < 0 and self.next_launch == 0
+        return self.accumulated == 0
 
     def _finalize_synced(self) -> None:
         PROGRESS.enter("allreduce")
