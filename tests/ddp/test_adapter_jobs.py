@@ -79,6 +79,15 @@ def test_parameters_are_bit_identical_to_uninstrumented_torch_ddp_after_several_
         assert parity.results_json[rank]["identical"], parity.results_json[rank]["max_diff"]
 
 
+def test_a_gradient_penalty_s_input_gradient_is_not_taken_for_the_step_s_backward(tmp_path: Path) -> None:
+    job = run("penalty", tmp_path)
+    for rank in (0, 1):
+        assert job.results_json[rank]["identical"], job.results_json[rank]["max_diff"]
+        assert job.of(rank, "warning") == []  # it once said the gradients were never all-reduced
+        synced = [r for r in steps(job, rank) if r["synced"]]
+        assert len(synced) == 6 and all(r["collective_seqs"] for r in synced)  # adapter_job.STEPS
+
+
 def test_gradients_kept_in_their_buckets_are_scaled_as_torch_does_on_three_ranks(tmp_path: Path) -> None:
     # gradient_as_bucket_view + zero_grad(set_to_none=False): torch divides by 3 in the bucket, which
     # differs in the last bit from multiplying by 1/3 (what it does to a gradient it copies in).

@@ -300,6 +300,23 @@ def thawed(rank: int) -> dict[str, Any]:
     return {"warnings": logged, "first_equal": all(torch.equal(gathered[0], t) for t in gathered)}
 
 
+def penalty(rank: int) -> dict[str, Any]:
+    """A gradient penalty (WGAN-GP): each step's ``autograd.grad`` of the output with respect to the input,
+    through the DDP outputs, before the backward that reaches the parameters. Its graph task touches no
+    parameter: torch's Reducer never sees it, and instrument() must not take it for the step's backward."""
+    plain, inst = DDP(mlp(3, 32)), instrument(DDP(mlp(3, 32)))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (plain, inst)]
+    for step in range(STEPS):
+        x = batch(rank, step, 32).requires_grad_()
+        for m, opt in zip((plain, inst), opts, strict=True):
+            out = m(x)
+            (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            (out.square().mean() + (g.norm(2, dim=1) - 1).square().mean()).backward()
+            opt.step()
+            opt.zero_grad()
+    return compare(plain, inst)
+
+
 def replicas(rank: int) -> dict[str, Any]:
     """A rank-dependent update (``if rank == 0: scheduler.step()``) and a layer added after wrapping."""
     logged = _capture.logged_warnings()
@@ -364,6 +381,7 @@ def main() -> None:
         "frozen_late": frozen_late,
         "cut_short": cut_short,
         "replicas": replicas,
+        "penalty": penalty,
     }[scenario](rank)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     _capture.flush()

@@ -163,6 +163,10 @@ MODELS = {
     "join_early": Mlp,
     "join_unused": Branchy,
     "join_no_sync": Mlp,
+    # A gradient penalty (WGAN-GP): autograd.grad of the output with respect to the input, through the
+    # DDP outputs, before the backward that reaches the parameters; under no_sync() too.
+    "gradient_penalty": Mlp,
+    "gradient_penalty_no_sync": Mlp,
 }
 
 
@@ -220,9 +224,9 @@ def _train(model: nn.Module, rank: int, steps: int | None = None) -> dict[str, A
                 model.module.use_extra = m == 0  # type: ignore[union-attr]
             if m < micro - 1:
                 with model.no_sync():  # type: ignore[operator]
-                    loss(model(x)).backward()
+                    step_loss(model, x).backward()
             else:
-                loss(model(x)).backward()
+                step_loss(model, x).backward()
         if weight is not None and weight.grad is not None:
             held.append((weight.grad, weight.grad.clone()))
             identities.add(id(weight.grad))
@@ -240,6 +244,15 @@ def _train(model: nn.Module, rank: int, steps: int | None = None) -> dict[str, A
         == model.module.fc2.weight.grad.untyped_storage().data_ptr(),  # type: ignore[union-attr]
         "detach_ok": grad.detach_() is grad,
     }
+
+
+def step_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if not SCENARIO.startswith("gradient_penalty"):
+        return loss(model(x))
+    x.requires_grad_()
+    out = model(x)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return loss(out) + (g.norm(2, dim=1) - 1).pow(2).mean()
 
 
 def loss(out: Any) -> torch.Tensor:
