@@ -36,7 +36,7 @@ from ddpscope.ddp.join import EngineJoinHook, find_common_rank, send_sync_flag
 from ddpscope.ddp.layout import check_same_layout, describe
 from ddpscope.ddp.progress import PROGRESS
 from ddpscope.ddp.rank_start import rank_start_record
-from ddpscope.ddp.reducer import Reducer
+from ddpscope.ddp.reducer import SPARSE_GRADIENTS, Reducer
 from ddpscope.ddp.replicas import ReplicaDigest
 from ddpscope.ddp.step_record import StepTimer
 
@@ -124,6 +124,18 @@ def _check_unsupported(unsupported: dict[str, Any], module: nn.Module) -> None:
         )
 
 
+def _check_dense_gradients(module: nn.Module) -> None:
+    """Refuse, before any collective, the modules torch's DDP knows to give sparse gradients: the engine's
+    buckets are dense (torch all-reduces each sparse gradient on its own)."""
+    sparse = [
+        name or "(the module itself)"
+        for name, m in module.named_modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+    ]
+    if sparse:
+        raise ValueError(SPARSE_GRADIENTS.format(where=f" (embeddings with sparse=True: {sparse})"))
+
+
 class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism with per-bucket measurements; see the module docstring.
 
@@ -152,6 +164,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         super().__init__()
         Joinable.__init__(self)  # nn.Module's __init__ does not call on along the MRO
         _check_unsupported(unsupported, module)
+        _check_dense_gradients(module)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "DistributedDataParallel needs a process group: call "

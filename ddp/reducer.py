@@ -49,6 +49,12 @@ REMEDY = (
 )
 
 
+SPARSE_GRADIENTS = (
+    "ddpscope DistributedDataParallel does not support sparse gradients{where}. Pass sparse=False to the "
+    "embedding, or keep torch's own DistributedDataParallel and use ddpscope.ddp.instrument()."
+)
+
+
 class UnreducedGradientsError(RuntimeError):
     """Some rank produced no gradient for some parameters while ``find_unused_parameters=False``."""
 
@@ -291,7 +297,12 @@ class Reducer:
             view.mul_(self.scale)  # the grad already lives in the bucket
         else:
             # Scale while copying (one pass), exactly as torch's reducer does before a SUM all-reduce.
-            torch.mul(grad, self.scale, out=view)  # type: ignore[arg-type]  # a post-accumulate hook always has a grad
+            try:
+                torch.mul(grad, self.scale, out=view)  # type: ignore[arg-type]  # a post-accumulate hook always has a grad
+            except RuntimeError as e:
+                if grad is not None and grad.is_sparse:  # from an autograd function, not a sparse embedding
+                    raise ValueError(SPARSE_GRADIENTS.format(where=f" (parameter {self.names[i]!r})")) from e
+                raise
             if self.as_view:
                 param.grad = view
         if self.ready_log is not None:

@@ -38,3 +38,18 @@ def test_unsupported_values_raise_value_error_saying_what_to_do(key: str, value:
 def test_an_unknown_keyword_is_a_type_error_like_any_python_call() -> None:
     with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_size'"):
         _check_unsupported({"bucket_size": 3}, nn.Linear(2, 2))
+
+
+def test_a_sparse_embedding_is_refused_at_wrapping_naming_it_and_the_way_out() -> None:
+    from ddpscope.ddp import DistributedDataParallel
+
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    # Before any process group is needed: it once trained until its first backward and died there in an
+    # internal assertion of torch's ("self.is_sparse() INTERNAL ASSERT FAILED").
+    with pytest.raises(
+        ValueError, match=r"sparse gradients \(embeddings with sparse=True: \['0'\]\)"
+    ) as info:
+        DistributedDataParallel(model)
+    assert "sparse=False" in str(info.value) and "instrument()" in str(info.value)
+    with pytest.raises(RuntimeError, match="needs a process group"):
+        DistributedDataParallel(nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2)))
