@@ -18,6 +18,7 @@ from functools import partial
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
+from ddpscope.server.analysis.collectives import agreed_shapes
 from ddpscope.server.analysis.incident_model import (
     P2P_OPS,
     ROOTED_OPS,
@@ -167,7 +168,7 @@ QUIET_AFTER_S = 5.0
 def _signature(c: Record, root: bool = True) -> tuple[Any, ...]:
     """What every rank must agree on at one sequence number; ``root=False`` leaves the root out (when
     some rank's record has none: an older agent, the engine's own broadcast)."""
-    shapes = tuple(tuple(s) for s in c.get("shapes") or [])
+    shapes = agreed_shapes(c)
     # send and recv are the two halves of one transfer: compare them as one op (direction checked apart).
     op = "send/recv" if c.get("op") in P2P_OPS else c.get("op")
     return (op, c.get("reduce_op"), shapes, tuple(c.get("dtypes") or []), c.get("root") if root else None)

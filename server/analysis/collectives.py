@@ -21,8 +21,21 @@ class Mismatch:
     """rank -> 'op reduce_op shapes dtypes' as that rank issued it."""
 
 
+UNEVEN_OPS = frozenset({"all_to_all", "all_to_all_single"})
+"""Ops whose tensors may differ in their first dimension from rank to rank (split sizes, a mixture of
+experts' tokens per expert): only the rest of each shape, and the number of tensors, must agree."""
+
+
+def agreed_shapes(c: Mapping[str, Any]) -> tuple[tuple[int, ...], ...]:
+    """The part of ``c``'s shapes every rank must agree on."""
+    shapes = c.get("shapes") or []
+    if c.get("op") in UNEVEN_OPS:
+        return tuple(tuple(s[1:]) for s in shapes)
+    return tuple(tuple(s) for s in shapes)
+
+
 def signature(c: Mapping[str, Any]) -> str:
-    return f"{c['op']} {c.get('reduce_op')} {c.get('shapes')} {c.get('dtypes')}"
+    return f"{c['op']} {c.get('reduce_op')} {agreed_shapes(c)} {c.get('dtypes')}"
 
 
 def mismatches(collectives: Iterable[Mapping[str, Any]]) -> list[Mismatch]:

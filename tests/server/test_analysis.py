@@ -336,6 +336,19 @@ def test_the_traces_order_penalty_track_is_the_wait_for_a_predecessor_not_launch
     assert b1.order_penalty_s == pytest.approx(3.4e-3)  # what the timeline says of the same wait
 
 
+def test_all_to_alls_differing_only_in_their_split_sizes_are_no_mismatch():
+    base = {
+        "pg": "default",
+        "coll_seq": 3,
+        "op": "all_to_all_single",
+        "reduce_op": None,
+        "dtypes": ["float32"],
+    }
+    colls = [{**base, "rank": 0, "shapes": [[2, 8]]}, {**base, "rank": 1, "shapes": [[6, 8]]}]
+    assert mismatches(colls) == []
+    assert len(mismatches([*colls[:1], {**colls[1], "shapes": [[6, 4]]}])) == 1
+
+
 def test_ranks_issuing_different_collectives_at_one_sequence_number_are_a_mismatch():
     base = {
         "pg": "default",

@@ -559,6 +559,22 @@ def test_mismatched_shapes_say_gloo_aborts_and_count_the_later_disagreements() -
     )
 
 
+def test_an_all_to_all_with_split_sizes_of_its_own_on_each_rank_is_no_mismatch_but_other_widths_are() -> None:
+    # A mixture of experts sends each expert as many tokens as were routed to it: the first dimension of
+    # all_to_all_single's input, and of all_to_all's tensors, differs per rank by design.
+    job = started(2)
+    end = job.train(2)
+    job.coll(0, end, 5, op="all_to_all_single", reduce_op=None, shapes=[[2, 8]], site="moe.py:30")
+    job.coll(1, end, 5, op="all_to_all_single", reduce_op=None, shapes=[[4, 8]], site="moe.py:30")
+    job.coll(0, end, 6, op="all_to_all", reduce_op=None, shapes=[[1, 8], [3, 8]], site="moe.py:31")
+    job.coll(1, end, 6, op="all_to_all", reduce_op=None, shapes=[[2, 8], [0, 8]], site="moe.py:31")
+    assert [i for i in diagnose(job.snapshot(), end + 0.1) if i.kind == "mismatch"] == []
+    job.coll(0, end, 7, op="all_to_all_single", reduce_op=None, shapes=[[2, 8]], site="moe.py:30")
+    job.coll(1, end, 7, op="all_to_all_single", reduce_op=None, shapes=[[2, 16]], site="moe.py:30")
+    m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
+    assert m.seq == 7 and "shapes differ" in m.message
+
+
 def test_a_mismatch_in_a_subgroup_names_that_group() -> None:
     job = started(4)
     end = job.train(1)
