@@ -712,11 +712,28 @@ def _awaited_before(
             c, pg, seq = gave_up_in, gave_up_in["pg"], gave_up_in["coll_seq"]
         never = never_issued(pg, seq)
         missing = {m: never for m in colls.behind(pg, seq, live) if m != rank}
+        missing.update(_entered_after(rank, c, record_s(v), colls))
         if missing:
             out.append(
                 (rank, c, through_past_waits(missing, snapshot, live, colls, record_s(v), keep={rank}))
             )
     return out
+
+
+def _entered_after(rank: int, c: Record, error_s: float, colls: CollectiveIndex) -> dict[int, str]:
+    """The members that issued ``c`` only once ``rank``, waiting in it since ``c``'s start, had given up
+    at ``error_s``: a process group timeout shorter than a peer's stall (a slow checkpoint on one rank)
+    fails the waiting ranks, and the late one then loses its connection in the same collective."""
+    start_s = c["start_ns"] / 1e9
+    late = {}
+    for m, by_seq in colls.by_pg.get(c["pg"], {}).items():
+        other = by_seq.get(c["coll_seq"])
+        if m == rank or other is None:
+            continue
+        other_s = other["start_ns"] / 1e9
+        if other_s >= error_s - CLOCK_SLACK_S and other_s - start_s > CLOCK_SLACK_S:
+            late[m] = f"entered it {other_s - start_s:.1f} s after rank {rank}, when rank {rank} had given up"
+    return late
 
 
 def _gave_up_in(rank: int, error_s: float, colls: CollectiveIndex) -> Record | None:

@@ -398,6 +398,31 @@ def test_a_process_group_timeout_before_any_hang_report_is_blamed_on_the_rank_th
     assert "killed by the OS" not in err.message
 
 
+def test_a_process_group_timeout_on_a_peer_that_entered_late_is_blamed_on_the_late_rank() -> None:
+    # init_process_group(timeout=5 s) under a 30 s hang timeout: rank 0 saves a checkpoint for 8 s between
+    # steps; rank 1 gives up in #7 after 5 s, and rank 0 enters #7 after that, only to lose its connection.
+    # Both ranks issued #7, so none "never issued" it; it once said "no rank reported a cause".
+    job = started(2)
+    end = job.train(3)
+    job.coll(1, end + 1, 7, site="train.py:57", done=False, step=3)
+    job.error(
+        1, end + 6, "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv", step=3
+    )
+    job.exit(1, end + 6.1, reason="error", step=3)
+    job.coll(0, end + 9, 7, site="train.py:57", done=False, step=3)
+    job.error(
+        0, end + 9.1, "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234", step=3
+    )
+    job.exit(0, end + 9.2, reason="error", step=3)
+    err = only(diagnose(job.snapshot(), end + 10), "rank_error")
+    assert err.culprit_ranks == [0], err.message
+    assert (
+        "rank 1 was waiting in all_reduce(SUM) [4] float32 at train.py:57, collective #7 of group default, "
+        "held up by rank 0, which entered it 8.0 s after rank 1, when rank 1 had given up" in err.message
+    )
+    assert "no rank reported a cause" not in err.message
+
+
 def test_different_ops_at_one_number_are_said_to_wait_not_to_give_wrong_results() -> None:
     job = started(2)
     end = job.train(1)
