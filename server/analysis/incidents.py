@@ -122,6 +122,12 @@ but records are emitted a little after the fact (an error is reported after its 
 _TORCH_UNUSED = re.compile(
     r"(?:Parameters|Parameter indices) which did not receive grad for rank (\d+):\s*(.+)"
 )
+_TORCH_MODEL_DIFFERS = re.compile(
+    r"DDP expects same model across all ranks, but Rank (\d+) has (\d+) params, while rank (\d+) has "
+    r"inconsistent (\d+) params"
+)
+"""torch DDP's construction-time check: each rank compares its parameter count with one other rank's, so
+every rank raises it, and only all the messages together tell the odd rank (``_odd_models``)."""
 _LAYOUT_DIFFERS = re.compile(r"Ranks \[([\d, ]+)\] differ from rank \d+")
 """The engine's construction-time check: every rank raises it, naming the ranks whose model differs."""
 FROZEN_AFTER_WRAP = "frozen (requires_grad=False) after"
@@ -142,6 +148,26 @@ class _Named:
     ranks: tuple[int, ...]
     parameters: tuple[str, ...]
     bucket: int | None = None
+
+
+def _odd_models(errors: Sequence[Record]) -> tuple[int, ...] | None:
+    """The ranks whose parameter count differs from most ranks', from torch DDP's model check on every
+    rank (each names itself and one peer); all the counted ranks when no count has a majority."""
+    counts: dict[int, int] = {}
+    for e in errors:
+        m = _TORCH_MODEL_DIFFERS.search(str(e.get("message", "")))
+        if m:
+            counts[int(m.group(1))], counts[int(m.group(3))] = int(m.group(2)), int(m.group(4))
+    if not counts:
+        return None
+    tally: dict[int, int] = {}
+    for n in counts.values():
+        tally[n] = tally.get(n, 0) + 1
+    most = max(tally.values())
+    usual = [n for n, k in tally.items() if k == most]
+    if len(usual) > 1:
+        return tuple(sorted(counts))
+    return tuple(sorted(r for r, n in counts.items() if n != usual[0]))
 
 
 def _named(error: Record) -> _Named | None:
@@ -497,6 +523,11 @@ def _error_incidents(
     # Unnamed errors with the same type and first line on several ranks (a bug in code every rank
     # runs, a shared bad input) are one diagnosis too, with every such rank an origin.
     named_of = {id(p): _named(p) for p in primaries}
+    odd = _odd_models(primaries)
+    if odd is not None:
+        for p in primaries:
+            if _TORCH_MODEL_DIFFERS.search(str(p.get("message", ""))):
+                named_of[id(p)] = _Named(odd, ())
     groups: dict[Any, list[dict[str, Any]]] = {}
     for p in primaries:
         named = named_of[id(p)]
@@ -566,6 +597,12 @@ def _error_incidents(
             msg += (
                 f". It was paired with another rank's different collective (see the mismatch incident at "
                 f"collective #{paired.seq} of group {paired.pg}); the cause is on {ranks_phrase(culprits)}"
+            )
+        elif named and odd is not None and named.ranks == odd and len(odd) > 1:
+            msg += (
+                f". The ranks' models have different numbers of parameters, {ranks_phrase(odd)} each with its "
+                "own and no majority to tell the odd one: compare how each rank builds its model (a layer "
+                "or requires_grad=False that depends on the rank)"
             )
         elif named and p["rank"] not in culprits:
             msg += f". The cause is on {ranks_phrase(culprits)}"

@@ -575,6 +575,38 @@ def test_an_all_to_all_with_split_sizes_of_its_own_on_each_rank_is_no_mismatch_b
     assert m.seq == 7 and "shapes differ" in m.message
 
 
+def _model_differs(rank: int, mine: int, peer: int, theirs: int) -> str:
+    return (
+        f"DDP expects same model across all ranks, but Rank {rank} has {mine} params, while rank {peer} has "
+        f"inconsistent {theirs} params."
+    )
+
+
+def test_torch_s_model_check_raised_on_every_rank_is_one_incident_naming_the_rank_whose_count_is_odd() -> (
+    None
+):
+    # Each rank compares itself with one peer: ranks 0 and 2 name rank 1, rank 1 names rank 0. Each used to
+    # be its own incident, each rank "the origin".
+    job = started(3)
+    t = T0 + 1
+    job.error(0, t, _model_differs(0, 6, 1, 5), step=None)
+    job.error(1, t, _model_differs(1, 5, 0, 6), step=None)
+    job.error(2, t, _model_differs(2, 6, 1, 5), step=None)
+    err = only(diagnose(job.snapshot(), t + 1), "rank_error")
+    assert err.rank == 1 and err.culprit_ranks == [1], err.message
+    assert "ranks 0 and 2 reported the same error" in err.message.replace("ranks 0, 2", "ranks 0 and 2")
+
+
+def test_torch_s_model_check_on_two_ranks_names_both_as_it_cannot_tell_the_odd_one() -> None:
+    job = started(2)
+    t = T0 + 1
+    job.error(0, t, _model_differs(0, 6, 1, 5), step=None)
+    job.error(1, t, _model_differs(1, 5, 0, 6), step=None)
+    err = only(diagnose(job.snapshot(), t + 1), "rank_error")
+    assert err.culprit_ranks == [0, 1] and "no majority to tell the odd one" in err.message
+    assert "This rank is the origin" not in err.message
+
+
 def test_a_mismatch_in_a_subgroup_names_that_group() -> None:
     job = started(4)
     end = job.train(1)
