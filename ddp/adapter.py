@@ -339,8 +339,6 @@ class Instrumentation:
         self._seqs = [0] * n
         self._works: list[Any] = [None] * n
         self._launch_plans: list[PlannedCollective | None] = [None] * n
-        self._readied = 0
-        """Parameters whose gradient accumulated in this step's backward so far."""
         self._next_launch = 0
         """Buckets of this step whose all-reduce torch launched (it launches them in index order)."""
         self._next_done = 0
@@ -458,7 +456,7 @@ class Instrumentation:
         torch.autograd.Variable._execution_engine.queue_callback(self._after_gradients)
 
     def _after_gradients(self) -> None:
-        if self._readied == 0 and self._next_launch == 0:
+        if self._next_launch == 0 and not any(self._times):
             # An autograd.grad() or backward(inputs=...) through the outputs that accumulated into no
             # parameter (a gradient penalty's input gradient): torch's Reducer saw nothing of it, and the
             # step's backward is still to come.
@@ -479,7 +477,6 @@ class Instrumentation:
             if not self._queued:
                 self._begin_backward()
             self._times[index] = now_ns()
-            self._readied += 1
             PROGRESS.counter += 1
             if self._next_done < self._next_launch:
                 self._poll()
