@@ -34,7 +34,8 @@ PRELOADED = ("torch", "torch.distributed", "torch.nn", "torch.nn.parallel", "tor
 
 
 def _serve(path: str) -> dict[str, Any]:
-    """Answer launches until the test process closes the socket (then exit); return, in a rank, its request."""
+    """Answer launches until killed (by ``preloaded.Zygote.close``, or with the test process); return, in a
+    rank, its request."""
     _die_with_parent()
     for name in PRELOADED:
         __import__(name)
@@ -52,8 +53,6 @@ def _serve(path: str) -> dict[str, Any]:
                     break
                 message += more
             request = json.loads(message)
-            if request.get("stop"):
-                os._exit(0)
             rank_pid = _fork_rank(server, conn)
             if rank_pid == 0:
                 request["fds"] = fds
