@@ -18,7 +18,8 @@ class Mismatch:
     pg: str
     coll_seq: int
     signatures: dict[int, str]
-    """rank -> 'op reduce_op shapes dtypes' as that rank issued it."""
+    """rank -> 'op reduce_op shapes dtypes' as that rank issued it (the shapes as ``agreed_shapes`` compares
+    them)."""
 
 
 UNEVEN_OPS = frozenset({"all_to_all", "all_to_all_single"})

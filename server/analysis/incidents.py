@@ -59,6 +59,7 @@ Pure functions of a ``JobSnapshot``; no database, no HTTP.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -160,9 +161,7 @@ def _odd_models(errors: Sequence[Record]) -> tuple[int, ...] | None:
             counts[int(m.group(1))], counts[int(m.group(3))] = int(m.group(2)), int(m.group(4))
     if not counts:
         return None
-    tally: dict[int, int] = {}
-    for n in counts.values():
-        tally[n] = tally.get(n, 0) + 1
+    tally = Counter(counts.values())
     most = max(tally.values())
     usual = [n for n, k in tally.items() if k == most]
     if len(usual) > 1:
