@@ -410,6 +410,20 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             "gradients) was finite again; sent "
             "in a second warning when the run of non-finite steps ends, absent while it lasts",
         ),
+        Field(
+            "nonfinite_weights",
+            STRS,
+            required=False,
+            doc="'nonfinite_loss': the rank's parameters and buffers that were already NaN or Inf as ``step``'s "
+            "forward ran, by name in the model's order, at most 8 (absent when all were finite)",
+        ),
+        Field(
+            "nonfinite_weights_count",
+            INT,
+            required=False,
+            doc="'nonfinite_loss': how many parameters and buffers were NaN or Inf (``nonfinite_weights`` "
+            "names the first 8)",
+        ),
     ),
     # A fingerprint of the rank's copy of the model (ddp/replicas.py), at the start of a training forward
     # on a schedule of sync counts every rank shares; the collector compares the ranks' digests of one count.

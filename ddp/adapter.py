@@ -78,7 +78,7 @@ from ddpscope.ddp.compile_skip import call_model, runs_model
 from ddpscope.ddp.drift import BACKWARD_CUT_SHORT, FROZEN_AFTER_WRAP, UNFINISHED_REDUCTION, FrozenAtWrap
 from ddpscope.ddp.errors import report_error
 from ddpscope.ddp.groups import global_rank, group_size, pg_name, replica_ranks
-from ddpscope.ddp.nonfinite import GradientWatch, LossWatch, gradient_check_enabled
+from ddpscope.ddp.nonfinite import GradientWatch, LossWatch, gradient_check_enabled, module_weights
 from ddpscope.ddp.outputs import grad_tensors, hook_backward_start
 from ddpscope.ddp.outside_forward import OutsideForward
 from ddpscope.ddp.progress import PROGRESS, no_step
@@ -250,7 +250,7 @@ class Instrumentation:
         in backward that the training loop caught): torch's Reducer raises there, blaming unused
         parameters."""
         self._outside = OutsideForward(names, self._rank)
-        self._losses = LossWatch(self._rank)
+        self._losses = LossWatch(self._rank, module_weights(ddp.module))
         """Says when the gradient the loss sends into the model's output turns NaN or Inf, and back."""
         self._gradients = GradientWatch(self._rank, self._losses) if gradient_check_enabled() else None
         """With ``DDPSCOPE_CHECK_GRADIENTS``: says when a bucket's gradients turn NaN or Inf, and back."""

@@ -34,6 +34,7 @@ from ddpscope.ddp.errors import report_error
 from ddpscope.ddp.groups import global_rank, group_size, pg_name, replica_ranks
 from ddpscope.ddp.join import EngineJoinHook, find_common_rank, send_sync_flag
 from ddpscope.ddp.layout import check_same_layout, describe
+from ddpscope.ddp.nonfinite import module_weights
 from ddpscope.ddp.progress import PROGRESS
 from ddpscope.ddp.rank_start import rank_start_record
 from ddpscope.ddp.reducer import SPARSE_GRADIENTS, Reducer
@@ -222,6 +223,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
             timer=self._timer,
+            weights=module_weights(module),
         )
         self._replicas = ReplicaDigest(
             module, [p for _, p in trainable], self._global_rank, replicas=replica_ranks(process_group)

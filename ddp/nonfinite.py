@@ -32,10 +32,11 @@ debugging mode, synchronises the host at each bucket. UNTESTED: this machine has
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -92,7 +93,15 @@ class _Runs:
         or several buckets, is checked more than once a step): a run ends only when a whole step was finite."""
         self._step_bad = False
 
-    def _observe(self, finite: bool, step: int, syncs: int, details: dict[str, Any] | None = None) -> None:
+    def _observe(
+        self,
+        finite: bool,
+        step: int,
+        syncs: int,
+        details: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        """``details`` of a run that begins here (a callable: asked only then); None: this check cannot
+        begin a run."""
         if step != self._step:
             if self._run is not None and not self._step_bad:
                 self._end(self._step)  # the last step checked was finite throughout
@@ -103,7 +112,7 @@ class _Runs:
                 self._run = (step, syncs)
                 self._runs += 1
                 if self._runs <= MAX_RUNS:
-                    self._say(step, syncs, None, details)
+                    self._say(step, syncs, None, details() if callable(details) else details)
 
     def _end(self, finite_step: int) -> None:
         assert self._run is not None
@@ -139,13 +148,32 @@ class _Runs:
         agent.emit_durable(record)
 
 
+NamedWeights = Callable[[], Iterable[tuple[str, "torch.Tensor"]]]
+"""The model's parameters and buffers by name, in the model's order: looked at only when a run of non-finite
+losses begins."""
+
+
+def module_weights(module: torch.nn.Module) -> NamedWeights:
+    """``module``'s parameters, then its buffers, by name (read when asked: a parameter replaced since is seen)."""
+    return lambda: itertools.chain(module.named_parameters(), module.named_buffers())
+
+
 class LossWatch(_Runs):
-    """Per model: watches the gradient its loss sends into its output in every training backward."""
+    """Per model: watches the gradient its loss sends into its output in every training backward.
+
+    When a run begins, ``weights`` (if given) are looked at too: a loss that is NaN because the rank's own
+    parameters or buffers already were is not its batch's doing. The all-reduce keeps every rank's
+    parameters equal, so only what a rank does to them alone after it (a local gradient clip or rescale, an
+    optimizer state of its own, a write to the weights) makes one rank's parameters NaN while its peers' are
+    finite. The look costs one sum per tensor, once per run (at most ``MAX_RUNS``). On CUDA the loss check's
+    answer arrives a step late, after the optimizer stepped on the NaN, so the weights are not looked at.
+    """
 
     code = NONFINITE_LOSS
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, weights: NamedWeights | None = None) -> None:
         super().__init__(rank)
+        self._weights = weights
         self._pending: deque[tuple[torch.Tensor, Any, int, int]] = deque()
         """CUDA: (pinned host flag, event, step, syncs) of checks whose answer is still on its way."""
         self._spare: list[torch.Tensor] = []
@@ -165,9 +193,25 @@ class LossWatch(_Runs):
             if grads and grads[0].is_cuda:
                 self._defer(grads, step, syncs)
             else:
-                self._observe(all(_finite(g) for g in grads), step, syncs, {})
+                self._observe(all(_finite(g) for g in grads), step, syncs, self._weights_details)
         except Exception:  # a diagnostic never raises into training
             logger.debug("ddpscope: checking the loss gradient failed", exc_info=True)
+
+    def _weights_details(self) -> dict[str, Any]:
+        """``nonfinite_weights``: the parameters and buffers that were not finite as this backward began
+        (the forward used them), the first ``MAX_NAMED`` in the model's order, and how many there were."""
+        if self._weights is None:
+            return {}
+        try:
+            bad = [
+                name
+                for name, t in self._weights()
+                if (t.is_floating_point() or t.is_complex()) and t.numel() and not _finite(t.detach())
+            ]
+        except Exception:  # a model whose tensors cannot be read this way: the warning goes without them
+            logger.debug("ddpscope: looking at the weights of a NaN loss failed", exc_info=True)
+            return {}
+        return {"nonfinite_weights": bad[:MAX_NAMED], "nonfinite_weights_count": len(bad)} if bad else {}
 
     def backward_done(self) -> None:
         """From the end of a training backward, when every output's gradient was checked: a step finite
@@ -200,10 +244,17 @@ class LossWatch(_Runs):
             self._spare.append(flag)
 
     def _began(self, step: int, details: dict[str, Any]) -> str:
-        return (
+        text = (
             f"the gradient its loss sent into the model's output was NaN or Inf at step {step} (a NaN or Inf "
             "loss or model output); DDP's all-reduce puts it in every rank's gradients."
         )
+        names = details.get("nonfinite_weights")
+        if names:
+            text += (
+                f" {details['nonfinite_weights_count']} of its parameters and buffers were NaN or Inf already "
+                f"as the step's forward ran ({', '.join(names)})."
+            )
+        return text
 
     def _ended(self, step: int, finite_again_step: int) -> str:
         return f"its loss gradient was finite again from step {finite_again_step}, after NaN or Inf from step {step}."

@@ -34,7 +34,7 @@ from ddpscope.ddp.buckets import Bucket, ParamSpec, assign_buckets, build_bucket
 from ddpscope.ddp.collectives import RECORDER, dtype_name, work_failure
 from ddpscope.ddp.cuda_timing import CudaBucketEvents
 from ddpscope.ddp.drift import FROZEN_AFTER_WRAP
-from ddpscope.ddp.nonfinite import GradientWatch, LossWatch, gradient_check_enabled
+from ddpscope.ddp.nonfinite import GradientWatch, LossWatch, NamedWeights, gradient_check_enabled
 from ddpscope.ddp.outputs import grad_tensors, hook_backward_start
 from ddpscope.ddp.outside_forward import OutsideForward
 from ddpscope.ddp.progress import PROGRESS
@@ -85,6 +85,7 @@ class Reducer:
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
         timer: StepTimer,
+        weights: NamedWeights | None = None,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
@@ -115,7 +116,7 @@ class Reducer:
         self.syncs = 0
         """Synchronised backwards finalized: all-reduce rounds, the same count on every rank."""
         self.outside = OutsideForward(self.names, rank)
-        self.losses = LossWatch(rank)
+        self.losses = LossWatch(rank, weights)
         """Says when the gradient the loss sends into the model's output turns NaN or Inf, and back."""
         self.gradients = GradientWatch(rank, self.losses) if gradient_check_enabled() else None
         """With ``DDPSCOPE_CHECK_GRADIENTS``: says when a bucket's gradients turn NaN or Inf, and back."""

@@ -113,7 +113,9 @@ def _loss_incident(snapshot: JobSnapshot, runs: list[_Run], grads: list[_Run]) -
     restart_step = lead.step
     if at_once:
         when = "the same synchronised backward" if by_syncs else "the same step"
-        cause, restart_step = _shared_cause(snapshot, lead, grads, by_syncs)
+        cause, restart_step = _shared_cause(
+            snapshot, lead, grads, by_syncs, _weights_went_first(origin, first)
+        )
         parts = [
             f"Every rank's loss was NaN or Inf from step {lead.step} at once ({when}): not one rank's data but "
             f"something they share: {cause}"
@@ -131,7 +133,19 @@ def _loss_incident(snapshot: JobSnapshot, runs: list[_Run], grads: list[_Run]) -
     if later:
         parts.append(later)
     restart = f"restart from a checkpoint taken before step {restart_step}"
-    if not at_once:
+    if not at_once and _weights_went_first(origin, first):
+        # The weights went bad in the update before this step: a checkpoint taken since holds them.
+        one = len(origin) == 1
+        parts.append(
+            f"Look at what {ranks_phrase(origin)} ran after {'its' if one else 'their'} last all-reduce before "
+            f"step {lead.step} that {'its' if one else 'their'} peers did not"
+            + (
+                f"; restart from a checkpoint taken before the update that preceded step {lead.step}."
+                if still
+                else "."
+            )
+        )
+    elif not at_once:
         one = len(origin) == 1
         parts.append(
             f"Look at {ranks_phrase(origin)}'s {'batch' if one else 'batches'} of step {lead.step} and at the "
@@ -152,10 +166,28 @@ def _loss_incident(snapshot: JobSnapshot, runs: list[_Run], grads: list[_Run]) -
     ]
 
 
-def _shared_cause(snapshot: JobSnapshot, lead: _Run, grads: list[_Run], by_syncs: bool) -> tuple[str, int]:
+def _shared_cause(
+    snapshot: JobSnapshot, lead: _Run, grads: list[_Run], by_syncs: bool, weights: list[str] | None
+) -> tuple[str, int]:
     """What every rank's loss going NaN at once comes from, as far as the gradient checks tell, and the step a
-    checkpoint to restart from must predate."""
+    checkpoint to restart from must predate. ``weights``: the parameters and buffers every rank's forward
+    already found NaN or Inf, if each said so."""
     earlier = [g for g in grads if g.at(by_syncs) <= lead.at(by_syncs)]
+    if weights and not earlier:
+        shown = ", ".join(weights[:MAX_LISTED]) + (", ..." if len(weights) > MAX_LISTED else "")
+        checked = bool(snapshot.ranks) and all(s.get("check_gradients") for s in snapshot.ranks.values())
+        return (
+            f"parameters or buffers that were NaN or Inf already as the step's forward ran ({shown}), on every "
+            "rank: the update before it made them so (the learning rate, an optimizer's state, "
+            + (
+                "an overflow in the update: no rank's gradients were NaN or Inf before their all-reduce, "
+                "DDPSCOPE_CHECK_GRADIENTS was on)."
+                if checked
+                else "or gradients an operation in backward made NaN or Inf, such as sqrt or norm at zero: "
+                "DDPSCOPE_CHECK_GRADIENTS=1 checks them before their all-reduce)."
+            ),
+            lead.step,
+        )
     if earlier:
         first = min(g.at(by_syncs) for g in earlier)
         began = [g for g in earlier if g.at(by_syncs) == first]
@@ -268,8 +300,49 @@ def _runs(snapshot: JobSnapshot, code: str) -> list[_Run]:
     return list(runs.values())
 
 
+def _weights_went_first(origin: list[int], episode: list[_Run]) -> list[str] | None:
+    """The parameters and buffers the origin ranks' forwards already found NaN or Inf, when every origin rank
+    said so (``nonfinite_weights``), else None: then its batch or forward made the NaN."""
+    leads: dict[int, _Run] = {}
+    for run in episode:
+        leads.setdefault(run.rank, run)
+    names: list[str] = []
+    for rank in origin:
+        said = leads[rank].record.get("nonfinite_weights")
+        if not said:
+            return None
+        names += [n for n in said if n not in names]
+    return names
+
+
+def _weights_sentence(
+    origin: list[int], step: int, others: list[int], names: list[str], episode: list[_Run]
+) -> str:
+    """Case A': some ranks went first because their own weights already were NaN or Inf: the all-reduce keeps
+    every rank's parameters equal, so what made them so ran on those ranks alone after it."""
+    one = len(origin) == 1
+    whose = "its" if one else "their"
+    text = (
+        f"{capitalized(ranks_phrase(origin))}'s loss was NaN or Inf at step {step} because {whose} parameters or "
+        f"buffers already were as that step's forward ran ({', '.join(names[:MAX_LISTED])}"
+        f"{', ...' if len(names) > MAX_LISTED else ''})"
+    )
+    if others:
+        text += f", while {ranks_phrase(others)}'s {'loss was' if len(others) == 1 else 'losses were'} still finite"
+    return (
+        f"{text}: not {whose} batch, but what changed {whose} weights alone after the previous step's all-reduce, "
+        "which leaves every rank's gradients equal: a gradient clip or rescale computed on one rank, an optimizer "
+        "state of its own, a write to the weights or the running statistics (a checkpoint loaded on one rank, a "
+        f"forward in train mode on a bad batch). DDP's all-reduce then averaged it into every rank's gradients"
+        f"{_followed(origin, episode)}."
+    )
+
+
 def _origin_sentence(origin: list[int], step: int, others: list[int], episode: list[_Run]) -> str:
     """Case A: some ranks went first, while the others' losses were finite."""
+    names = _weights_went_first(origin, episode)
+    if names:
+        return _weights_sentence(origin, step, others, names, episode)
     one = len(origin) == 1
     text = (
         f"{capitalized(ranks_phrase(origin))}'s loss was NaN or Inf at step {step} ("

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ddpscope.agent.records import NONFINITE_LOSS
-from ddpscope.ddp.nonfinite import MAX_RUNS, LossWatch
+from ddpscope.ddp.nonfinite import MAX_RUNS, LossWatch, module_weights
 from tests.ddp.watchdog_support import Records, in_memory_records
 
 FINE = torch.ones(4, 3)
@@ -60,6 +60,36 @@ def test_a_run_of_nan_steps_is_said_when_it_begins_and_when_a_finite_backward_en
     assert (
         "NaN or Inf at step 1" in first["message"] and "rank 2" not in first["message"]
     )  # the collector adds it
+
+
+def test_a_run_that_begins_names_the_parameters_and_buffers_already_nan_as_its_forward_ran(
+    records: Records,
+) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    watch = LossWatch(rank=2, weights=module_weights(model))
+    backward(watch, 0, 0, NAN)  # a NaN batch: the weights are finite, and no field says otherwise
+    backward(watch, 1, 1, FINE)
+    with torch.no_grad():
+        model[0].weight[1, 2] = float("nan")
+        model[1].running_var.fill_(float("inf"))
+    backward(watch, 2, 2, NAN)
+    backward(watch, 3, 3, NAN)  # the same run: looked at once
+    began = [r for r in records("warning") if r.get("finite_again_step") is None]
+    assert [r["step"] for r in began] == [0, 2]
+    assert "nonfinite_weights" not in began[0]
+    assert began[1]["nonfinite_weights"] == ["0.weight", "1.running_var"]
+    assert began[1]["nonfinite_weights_count"] == 2
+    assert "2 of its parameters and buffers were NaN or Inf already" in began[1]["message"]
+
+
+def test_weights_that_cannot_be_read_leave_the_warning_without_them(records: Records) -> None:
+    def broken() -> Iterator[tuple[str, torch.Tensor]]:
+        raise RuntimeError("a parameter on a device that went away")
+
+    watch = LossWatch(rank=2, weights=broken)
+    backward(watch, 0, 0, NAN)
+    (began,) = records("warning")
+    assert began["step"] == 0 and "nonfinite_weights" not in began
 
 
 def test_one_non_finite_output_of_several_makes_its_step_non_finite_whatever_the_order(

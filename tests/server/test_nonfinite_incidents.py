@@ -29,13 +29,22 @@ def started(world: int) -> JobRecords:
 
 
 def nan(
-    job: JobRecords, rank: int, t: float, step: int, syncs: int | None = None, *, again: int | None = None
+    job: JobRecords,
+    rank: int,
+    t: float,
+    step: int,
+    syncs: int | None = None,
+    *,
+    again: int | None = None,
+    weights: list[str] | None = None,
 ) -> None:
     """A run of non-finite steps beginning at ``step`` (after ``syncs`` synced backwards), or, with ``again``,
-    ending at that step."""
+    ending at that step; ``weights``: the parameters and buffers the step's forward already found NaN."""
     fields: dict[str, Any] = {} if syncs is None else {"syncs": syncs}
     if again is not None:
         fields["finite_again_step"] = again
+    if weights:
+        fields["nonfinite_weights"], fields["nonfinite_weights_count"] = weights, len(weights)
     job.add("warning", rank, t, step=step, code="nonfinite_loss", message=ENDED if again else BEGAN, **fields)
 
 
@@ -97,6 +106,49 @@ def test_every_rank_at_once_is_something_they_share_not_one_ranks_batch() -> Non
     )
     assert "Look at" not in inc.message
     assert inc.message.endswith("Restart from a checkpoint taken before step 50.")
+
+
+def test_a_rank_whose_own_weights_were_already_nan_is_told_to_look_after_its_all_reduce_not_at_its_batch() -> (
+    None
+):
+    job = started(
+        2
+    )  # rank 1 clipped its gradients on its own after step 9's all-reduce: NaN weights at step 10
+    nan(job, 1, T0 + 2, 10, 10, weights=["0.weight", "0.bias"])
+    nan(job, 0, T0 + 2.1, 11, 11, weights=["0.weight", "0.bias", "2.weight"])  # the all-reduce reached it
+    inc = only(job)
+    assert (inc.rank, inc.step, inc.culprit_ranks) == (1, 10, [1])
+    assert inc.message.startswith(
+        "Rank 1's loss was NaN or Inf at step 10 because its parameters or buffers already were as that step's "
+        "forward ran (0.weight, 0.bias), while rank 0's loss was still finite: not its batch, but what changed "
+        "its weights alone after the previous step's all-reduce"
+    )
+    assert "rank 0 followed from step 11" in inc.message
+    assert "batch of step 10" not in inc.message
+    assert inc.message.endswith(
+        "Look at what rank 1 ran after its last all-reduce before step 10 that its peers did not; restart from a "
+        "checkpoint taken before the update that preceded step 10."
+    )
+
+
+def test_weights_already_nan_on_every_rank_at_once_are_said_to_come_from_the_update_before() -> None:
+    job = started(2)
+    for rank in (0, 1):
+        nan(job, rank, T0 + 2, 7, 7, weights=["fc.weight"])
+    inc = only(job)
+    assert inc.culprit_ranks == [0, 1]
+    assert (
+        "something they share: parameters or buffers that were NaN or Inf already as the step's forward ran "
+        "(fc.weight), on every rank: the update before it made them so" in inc.message
+    )
+    assert "DDPSCOPE_CHECK_GRADIENTS=1 checks them" in inc.message
+
+
+def test_a_batch_nan_is_still_the_batch_when_only_a_follower_had_nan_weights() -> None:
+    job = started(2)
+    nan(job, 1, T0 + 2, 3, 3)  # rank 1's batch: its weights were finite
+    nan(job, 0, T0 + 2.1, 4, 4, weights=["0.weight"])  # rank 0's weights took the averaged NaN
+    assert "its batch or its forward made it" in only(job).message
 
 
 def test_some_ranks_at_once_while_another_was_finite_are_the_culprits() -> None:

@@ -4,7 +4,8 @@ gradients too, so every rank's log reads ``loss: nan``; the collector's ``nonfin
 rank 1 and step 3, and says whether the ranks recovered: not when the loop steps the optimizer on the NaN
 (``spread``), yes when it skips that step as a loss scaler does (``skipped``). With ``DDPSCOPE_CHECK_GRADIENTS``,
 a NaN rank 1's backward makes while its loss is finite (``backward``) is traced to rank 1, its bucket and the
-parameter, and the NaN loss every rank has one step later points back at it.
+parameter, and the NaN loss every rank has one step later points back at it. A NaN rank 1's own update put
+in its parameters after the all-reduce (``update``) is told as that, not as its batch.
 
 Every rank and the collector are killed by process group when the module's jobs are done."""
 
@@ -27,6 +28,7 @@ JOBS = (
     ("skipped", "torch"),
     ("backward", "ddpscope"),
     ("backward", "torch"),
+    ("update", "ddpscope"),
 )
 WAIT_S = 150.0
 """Deadline for the diagnosis: 6 ranks import torch at once on 2 cores first."""
@@ -97,3 +99,18 @@ def test_a_nan_one_ranks_backward_made_under_a_finite_loss_is_traced_to_its_rank
     (loss,) = j.wait_for("every rank's NaN loss", nonfinite_loss)
     assert (loss["step"], loss["culprit_ranks"]) == (4, [0, 1]), loss
     assert "rank 1's gradients were NaN or Inf inside backward at step 3" in loss["message"], loss
+
+
+def test_a_nan_one_ranks_own_update_put_in_its_parameters_is_not_blamed_on_its_batch(
+    jobs: dict[tuple[str, str], RealJob],
+) -> None:
+    j = jobs["update", "ddpscope"]
+    assert j.exited_cleanly(), j.logs()
+    assert finished(j) == "finished"
+    (inc,) = j.wait_for("rank 1's NaN loss", nonfinite_loss)
+    assert (inc["rank"], inc["step"], inc["culprit_ranks"]) == (1, 3, [1]), inc
+    message = inc["message"]
+    assert "because its parameters or buffers already were as that step's forward ran (0.weight" in message, inc
+    assert "while rank 0's loss was still finite" in message and "rank 0 followed from step 4" in message, inc
+    assert "batch" not in message.split("not its batch", 1)[1], inc  # no advice to look at its batch
+    assert "Look at what rank 1 ran after its last all-reduce before step 3" in message, inc

@@ -1,7 +1,7 @@
 """A rank of a 2-rank job whose rank 1 gets a batch with a NaN in it at step NAN_STEP (DDPSCOPE_URL,
 DDPSCOPE_JOB from the env), or whose rank 1's backward makes one.
 
-    python nan_batch.py spread|skipped|backward ddpscope|torch
+    python nan_batch.py spread|skipped|backward|update ddpscope|torch
 
 The engine: ddpscope's, or torch's DDP observed by ``instrument()``.
 
@@ -11,7 +11,10 @@ the loop skips the optimizer step when the (all-reduced, so the same on every ra
 finite, as a loss scaler does: every rank is finite again from the next step. ``backward``: with
 ``DDPSCOPE_CHECK_GRADIENTS``, rank 1's batch holds a row of zeros at NAN_STEP, whose feature norm is 0: its loss
 is finite, but the norm's backward divides 0 by 0 into ``proj.weight``'s gradient (and the optimizer steps, so
-every rank's loss is NaN from the next step).
+every rank's loss is NaN from the next step). ``update``: every batch is finite, but after the all-reduce of
+step NAN_STEP - 1 rank 1 alone puts a NaN into one gradient and clips its gradients by their norm (a local
+clip), so the optimizer makes every parameter of rank 1 NaN: its loss is NaN at NAN_STEP, rank 0's one step
+later.
 """
 
 from __future__ import annotations
@@ -63,13 +66,18 @@ def main() -> None:
     for step in range(STEPS):
         opt.zero_grad()
         x = torch.randn(8, 16)
-        if rank == 1 and step == NAN_STEP:
+        if rank == 1 and step == NAN_STEP and mode != "update":
             if mode == "backward":
                 x[2] = 0.0  # a finite loss, a NaN gradient
             else:
                 x[2, 5] = float("nan")  # one bad sample in this rank's batch
         loss = (model(x) - 1).square().mean()
         loss.backward()
+        if mode == "update" and rank == 1 and step == NAN_STEP - 1:
+            first = next(iter(model.parameters()))
+            assert first.grad is not None
+            first.grad[0, 0] = float("nan")
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         finite = all(bool(p.grad.isfinite().all()) for p in model.parameters() if p.grad is not None)
         if finite or mode != "skipped":
             opt.step()
