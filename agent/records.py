@@ -274,9 +274,14 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
     "collective": (
         Field("pg", STR, max_length=200, doc="process group name"),
         Field("coll_seq", INT, doc="per-process-group sequence number, from 1"),
-        Field("op", STR, doc="all_reduce, broadcast, all_gather, barrier, ..."),
+        Field("op", STR, doc="all_reduce, broadcast, all_gather, barrier, ..., new_group"),
         Field("reduce_op", STR, nullable=True),
-        Field("shapes", INT_LISTS),
+        Field(
+            "shapes",
+            INT_LISTS,
+            doc="the shapes of the tensors every rank must agree on; 'new_group' (a collective of the default "
+            "group, which every rank calls): one list, the new group's member ranks",
+        ),
         Field("dtypes", STRS),
         Field("call_site", STR, nullable=True, doc="file:line of the user's call"),
         Field("start_ns", INT),

@@ -286,6 +286,70 @@ def _patch_work_wait(rec: CollectiveRecorder, work_type: Any) -> None:
     work_type.wait = wait
 
 
+def _patch_new_group(rec: CollectiveRecorder, c10d: Any, dist: Any) -> None:
+    """Record ``new_group`` as a collective of the default group: ``op`` 'new_group', and as its one
+    "shape" the new group's member ranks.
+
+    Unless ``use_local_synchronization=True``, torch requires every rank of the world to call it, in the
+    same order and with the same ranks, members or not: it names groups by the order of these calls, so
+    ranks that create groups in different orders wait to connect groups their peers never create (until
+    the timeout), or pair a group with another. Numbered with the world's collectives, a group created
+    out of order is a mismatch at one sequence number, with both call sites. With
+    ``use_local_synchronization`` only the members call it: it is not numbered.
+    """
+    original = getattr(c10d, "new_group", None)
+    if original is None:
+        return
+    params = list(inspect.signature(original).parameters)
+
+    def arg(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, default: Any) -> Any:
+        pos = params.index(name) if name in params else -1
+        if 0 <= pos < len(args):
+            return args[pos]
+        return kwargs.get(name, default)
+
+    local = rec._local
+
+    @functools.wraps(original)
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        if getattr(local, "engine_depth", 0) or getattr(local, "in_user_call", False):
+            return original(*args, **kwargs)
+        seq = 0
+        try:
+            if not arg(args, kwargs, "use_local_synchronization", False) and c10d.is_initialized():
+                ranks = arg(args, kwargs, "ranks", None)
+                members = list(range(dist.get_world_size())) if ranks is None else [int(r) for r in ranks]
+                if arg(args, kwargs, "sort_ranks", True):
+                    members.sort()
+                site, source = rec.call_origin(1)
+                seq = rec.begin(
+                    "default", "new_group", (), shapes=[members], dtypes=[], call_site=site, source=source
+                )
+        except Exception:  # a bad argument: torch reports it; the call goes unrecorded
+            rec._failed("new_group")
+            seq = 0
+        if not seq:
+            return original(*args, **kwargs)
+        local.in_user_call = True  # its barrier, when torch runs one, is part of it
+        called_ns = now_ns()
+        try:
+            result = original(*args, **kwargs)
+        except BaseException as exc:
+            rec.end("default", seq, ok=False, error=f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            local.in_user_call = False
+        rec.blocked_time().ns += now_ns() - called_ns  # it waits for every rank of the world
+        rec.end("default", seq)
+        return result
+
+    new_group.__ddpscope_original__ = original  # type: ignore[attr-defined]
+    _originals["new_group"] = original
+    c10d.new_group = new_group
+    if getattr(dist, "new_group", None) is original:
+        dist.new_group = new_group
+
+
 def _patch_destroy(c10d: Any, dist: Any) -> None:
     """Forget a group's name (and the group object with it) once torch destroyed it."""
     original = getattr(c10d, "destroy_process_group", None)
@@ -331,6 +395,7 @@ def install(rec: CollectiveRecorder) -> bool:
         setattr(c10d, op, wrapped)
         if getattr(dist, op, None) is fn:
             setattr(dist, op, wrapped)
+    _patch_new_group(rec, c10d, dist)
     _patch_destroy(c10d, dist)
     work_type = getattr(c10d, "Work", None)
     if work_type is not None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddpscope.server.analysis.collectives import agreed_shapes
 from ddpscope.server.analysis.incident_model import (
+    NEW_GROUP,
     P2P_OPS,
     ROOTED_OPS,
     STOP_SIGNALS,
@@ -429,6 +430,19 @@ def _mismatch(
         msg += f": {ranks_phrase([c0])} {shift}"
     if reason == "source":
         msg += ". One side is the DDP engine's own all-reduce: a collective in user code was issued on some ranks only"
+    elif crec.get("op") == NEW_GROUP and rrec.get("op") == NEW_GROUP:
+        msg += (
+            ". The ranks created their process groups in different orders: torch.distributed.new_group is called "
+            "by every rank of the world, members or not, in the same order and with the same ranks, because torch "
+            "tells groups apart by the order of these calls. "
+            + (
+                "Here the new groups' members differ, so each rank waits to connect a group its peers never "
+                "create, until the process group's timeout"
+                if "shapes" in reason
+                else "Here both groups have the same ranks, so torch pairs one rank's group with the other's, and "
+                "collectives issued on one meet those issued on the other"
+            )
+        )
     elif reason == "order":
         msg += ". Same-shaped collectives issued in a different order: gloo pairs them silently and every rank gets a wrong result"
     elif "ops" in reason.split(" and "):

@@ -115,9 +115,18 @@ P2P_OPS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 """Point-to-point ops, by direction."""
 
 
+NEW_GROUP = "new_group"
+"""``torch.distributed.new_group``, recorded as a collective of the default group: every rank calls it."""
+
+
 def describe(c: Record) -> str:
     """``all_reduce(SUM) [4] float32 at train.py:57``; ``broadcast(src=1) [8] float32``,
     ``reduce(SUM, dst=0) [4] float32`` for rooted ops whose record has a root."""
+    if c.get("op") == NEW_GROUP:
+        # Its one "shape" is the new group's member ranks (ddp/_patch.py).
+        members = ", ".join(map(str, (c.get("shapes") or [[]])[0]))
+        site = f" at {c['call_site']}" if c.get("call_site") else ""
+        return f"new_group(ranks=[{members}]){site}"
     arg, root = ROOTED_OPS.get(c.get("op") or ""), c.get("root")
     args = [a for a in (c.get("reduce_op"), f"{arg}={root}" if arg and root is not None else None) if a]
     op = c.get("op", "?") + (f"({', '.join(args)})" if args else "")

@@ -107,8 +107,27 @@ def test_groups_made_again_after_the_world_was_destroyed_are_numbered_from_one_o
 
     assert issued(0, "solo_all_reduce") == [("pg:1", 1), ("pg:1", 2), ("pg:1", 3)]
     for rank in (0, 1):
-        assert issued(rank, "first_world_all_reduce") == [("default", 1)]
+        # Each new_group is a collective of the world, which every rank makes: default #1 of each generation.
+        assert issued(rank, "first_world_all_reduce") == [("default", 2)]
         # torch named the new pair group as the destroyed solo group: rank 0 must not go on from #3 there
         # while rank 1, never in the solo group, starts at #1.
         assert issued(rank, "pair_all_reduce") == [("pg:1", 1)]
-        assert issued(rank, "second_world_all_reduce") == [("default", 1)]
+        assert issued(rank, "second_world_all_reduce") == [("default", 2)]
+
+
+def test_groups_created_in_a_different_order_show_different_members_at_the_same_default_seq(
+    tmp_path: Path,
+) -> None:
+    run = run_job("group_order", tmp_path, env={"DDPSCOPE_HANG_TIMEOUT": "1.0", "JOB_STALL_S": "4.0"}, timeout_s=60)
+
+    def new_groups(rank: int) -> list[dict[str, object]]:
+        return [r for r in run.of(rank, "collective") if r["op"] == "new_group"]
+
+    first = {rank: new_groups(rank)[0] for rank in (0, 1)}
+    for rank in (0, 1):  # numbered with the world's collectives, after the all-reduce before them
+        assert (first[rank]["pg"], first[rank]["coll_seq"]) == ("default", 2), run.output()
+    assert first[0]["shapes"] == [[0, 1]] and str(first[0]["call_site"]).endswith(site("group_pair"))
+    assert first[1]["shapes"] == [[0]] and str(first[1]["call_site"]).endswith(site("group_solo"))
+    for rank in (0, 1):  # the watchdog saw each rank wait in it, not in code of its own
+        hangs = run.of(rank, "hang")
+        assert hangs and any(f["op"] == "new_group" for f in hangs[0]["inflight"]), run.output()

@@ -148,12 +148,19 @@ def test_a_new_group_has_its_own_sequence_under_a_name_every_rank_agrees_on(reco
     dist.all_reduce(torch.ones(2), group=group)
     dist.all_reduce(torch.ones(2), group=group)
     begun = records("collective")
-    assert [(r["pg"], r["coll_seq"]) for r in begun] == [
-        ("default", 1),
-        (f"pg:{group.group_name}", 1),
-        (f"pg:{group.group_name}", 2),
+    assert [(r["pg"], r["coll_seq"], r["op"]) for r in begun] == [
+        ("default", 1, "new_group"),  # every rank of the world makes it, in one order: one of its collectives
+        ("default", 2, "all_reduce"),
+        (f"pg:{group.group_name}", 1, "all_reduce"),
+        (f"pg:{group.group_name}", 2, "all_reduce"),
     ]
-    assert RECORDER.last_seq(f"pg:{group.group_name}") == 2 and RECORDER.last_seq() == 1
+    assert begun[0]["shapes"] == [[0]] and begun[0]["dtypes"] == []  # its members, as its one shape
+    assert RECORDER.last_seq(f"pg:{group.group_name}") == 2 and RECORDER.last_seq() == 2
+
+
+def test_a_group_created_with_local_synchronization_is_not_numbered_with_the_world(records: Records) -> None:
+    dist.new_group([0], use_local_synchronization=True)  # only its members call it
+    assert records("collective") == [] and RECORDER.last_seq() == 0
 
 
 def test_a_destroyed_group_is_no_longer_awaited_and_its_numbering_restarts(records: Records) -> None:
@@ -167,7 +174,7 @@ def test_a_destroyed_group_is_no_longer_awaited_and_its_numbering_restarts(recor
         time.sleep(0.001)
     dist.destroy_process_group(group)
     assert RECORDER.inflight() == [] and RECORDER.last_seq(name) == 0 and name not in RECORDER.group_ranks
-    assert RECORDER.last_seq() == 1  # only that group's numbering restarts
+    assert RECORDER.last_seq() == 2  # only that group's numbering restarts (new_group was default #1)
     ends = [(r["pg"], r["coll_seq"], r["ok"]) for r in records("collective_end")]
     # The async one ends as it ended; the unseen one keeps no end rather than a made-up failure.
     assert (name, 1, True) in ends and (name, 2, True) not in ends and (name, 2, False) not in ends

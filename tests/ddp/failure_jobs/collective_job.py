@@ -21,6 +21,9 @@ Scenarios:
            evaluation, say); prints the process's open descriptors and threads before and after.
   regroup  a group only rank 0 is in, then every group destroyed and made again (torch reuses the
            names): the new groups' collectives are numbered from 1 on both ranks.
+  group_order  rank 0 creates a group of both ranks, then one of rank 0 alone; rank 1 the other way
+           round. torch names groups by the order of these calls, so each rank waits to connect a group
+           its peer never creates, until the groups' short timeout.
 """
 
 from __future__ import annotations
@@ -176,6 +179,20 @@ def regroup(rank: int) -> None:
     dist.all_reduce(torch.ones(4))  # SITE:second_world_all_reduce
 
 
+def group_order(rank: int) -> None:
+    timeout = datetime.timedelta(seconds=STALL_S)
+    dist.all_reduce(torch.ones(4))  # SITE:before_groups
+    try:
+        if rank == 0:
+            dist.new_group([0, 1], timeout=timeout)  # SITE:group_pair
+            dist.new_group([0], timeout=timeout)
+        else:
+            dist.new_group([0], timeout=timeout)  # SITE:group_solo
+            dist.new_group([0, 1], timeout=timeout)
+    except Exception as exc:  # torch's timeout: the job goes on to exit, as a loop that logs it would
+        print(f"new_group failed: {type(exc).__name__}", flush=True)
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     _capture.capture(out_dir)
@@ -183,7 +200,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     scenarios = {"stall": stall, "extra": extra, "order": order, "raise": raise_error, "healthy": healthy}
-    scenarios.update(engine=engine, mismatch=mismatch, groups=groups, regroup=regroup)
+    scenarios.update(engine=engine, mismatch=mismatch, groups=groups, regroup=regroup, group_order=group_order)
     scenarios[scenario](rank)
     _capture.flush()
     destroy_together()
