@@ -118,7 +118,9 @@ def test_groups_made_again_after_the_world_was_destroyed_are_numbered_from_one_o
 def test_groups_created_in_a_different_order_show_different_members_at_the_same_default_seq(
     tmp_path: Path,
 ) -> None:
-    run = run_job("group_order", tmp_path, env={"DDPSCOPE_HANG_TIMEOUT": "1.0", "JOB_STALL_S": "4.0"}, timeout_s=60)
+    run = run_job(
+        "group_order", tmp_path, env={"DDPSCOPE_HANG_TIMEOUT": "1.0", "JOB_STALL_S": "4.0"}, timeout_s=60
+    )
 
     def new_groups(rank: int) -> list[dict[str, object]]:
         return [r for r in run.of(rank, "collective") if r["op"] == "new_group"]

@@ -200,7 +200,9 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     scenarios = {"stall": stall, "extra": extra, "order": order, "raise": raise_error, "healthy": healthy}
-    scenarios.update(engine=engine, mismatch=mismatch, groups=groups, regroup=regroup, group_order=group_order)
+    scenarios.update(
+        engine=engine, mismatch=mismatch, groups=groups, regroup=regroup, group_order=group_order
+    )
     scenarios[scenario](rank)
     _capture.flush()
     destroy_together()
