@@ -708,7 +708,18 @@ def _missing(
         if r not in graph.waits:
             blame.setdefault(r, never_issued(pg, seq))
     msg += " (" + "; ".join(details) + ")"
-    if culprits != sorted(missing):
+    odd_at = [
+        s for (p, s), odd in graph.mismatched.items() if p == pg and s < seq and set(culprits) <= set(odd)
+    ]
+    if culprits and set(culprits) <= set(waiters) and odd_at:
+        # The waiters went on past a mismatch of their own doing (wait_graph: the odd one is a root).
+        one = len(culprits) == 1
+        msg += (
+            f". {capitalized(ranks_phrase(culprits))} {'waits' if one else 'wait'} for what {'it' if one else 'they'} "
+            f"caused: {'it' if one else 'they'} issued a different collective at #{min(odd_at)} of group {pg} (see "
+            "the mismatch incident) and went on to this one"
+        )
+    elif culprits != sorted(missing):
         holds = "holds" if len(culprits) == 1 else "hold"
         msg += f". {capitalized(ranks_phrase(culprits))} {holds} them all up (see {'its' if len(culprits) == 1 else 'their'} incidents)"
     elif any(graph.cycle_of(r) for r in missing):

@@ -4,7 +4,8 @@ A rank blocked in collective #N of a process group waits for every member that h
 yet and, where the ranks disagree at #N (a mismatch), for the ranks that issued something else there.
 Following these edges from a waiting rank ends at the ranks holding everyone up, its *roots*: ranks
 that wait for nobody, because they are silent, dead, gone, stuck in their own code, busy elsewhere or
-the odd one out of a mismatch. A rank in the middle of a chain is a victim however it looks from one
+the odd one out of a mismatch (also while it waits in a later collective of that group: it went on
+past the number where it issued something else). A rank in the middle of a chain is a victim however it looks from one
 group: it "never issued" the collective its peers wait in only because it is blocked in another.
 
 Edges that close into a cycle with no way out are a **deadlock**. Sequence numbers only grow within a
@@ -65,10 +66,18 @@ class WaitGraph:
                     held = self.blocked.get(rank)
                     if held is None or record["start_ns"] < held["start_ns"]:
                         self.blocked[rank] = record
+        # The odd one out of a mismatch is a root whatever it waits in later on that group: it went on
+        # past the number where it issued something else, and its peers' "never issued" there is its doing.
+        odd_since: dict[tuple[int, str], int] = {}
+        for (pg, seq), odd_ranks in mismatched.items():
+            for m in odd_ranks:
+                odd_since[(m, pg)] = min(seq, odd_since.get((m, pg), seq))
         # A rank with several collectives in flight (the engine's async bucket all-reduces) is blocked
         # in the oldest: the later ones wait behind it, whoever else they lack.
         for rank, record in self.blocked.items():
             pg, seq = record["pg"], record["coll_seq"]
+            if odd_since.get((rank, pg), seq) < seq:
+                continue
             never = never_issued(pg, seq)
             on = {m: never for m in colls.behind(pg, seq, live) if m != rank}
             odd = mismatched.get((pg, seq), ())
