@@ -212,6 +212,8 @@ class Reducer:
         self.used_work: Any = None
         self.used_tensor: torch.Tensor | None = None
         self.fresh: set[int] = set()
+        self.unmarked_unused = False
+        """``expected_unused`` awaits the first parameter gradient of this backward to be marked ready."""
 
     def prepare_forward(self, step: int, synced: bool) -> None:
         if self.active and self.queued:
@@ -266,9 +268,18 @@ class Reducer:
             for bucket in self.buckets:
                 bucket.reclaim()
         if self.active and self.expected_unused:
-            for i in self.expected_unused:
-                self._mark_unused(i)
-            self._launch_ready()
+            if len(self.expected_unused) < len(self.params):
+                # Marked at the first parameter's gradient, as torch's reducer does: a backward that reaches
+                # no parameter (a gradient penalty's input gradient) must launch nothing.
+                self.unmarked_unused = True
+            else:  # the loss reaches no parameter: no hook will come to mark them
+                self._mark_expected_unused()
+
+    def _mark_expected_unused(self) -> None:
+        self.unmarked_unused = False
+        for i in self.expected_unused:
+            self._mark_unused(i)
+        self._launch_ready()
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
@@ -287,6 +298,8 @@ class Reducer:
         PROGRESS.counter += 1
         if not self.queued:
             self._begin_backward()
+        if self.unmarked_unused:
+            self._mark_expected_unused()
         if self.ready[i]:
             raise RuntimeError(self._twice_message(i))
         self.ready[i] = 1
@@ -469,7 +482,8 @@ class Reducer:
 
     def _no_parameter_touched(self) -> bool:
         """No gradient reached a parameter in this backward, and nothing was launched for it (with
-        ``find_unused_parameters`` the forward's unreachable parameters are marked ready at its start)."""
+        ``find_unused_parameters`` the forward's unreachable parameters are marked ready at the first
+        parameter's gradient, or at its start when the loss reaches none)."""
         if self.active:
             return self.ready.find(1) < 0 and self.next_launch == 0
         return self.accumulated == 0

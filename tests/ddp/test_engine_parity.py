@@ -15,7 +15,7 @@ SCENARIOS = [
     "mlp", "batchnorm", "unused", "no_sync", "frozen", "dtypes", "mixed_dtypes", "bucket_view",
     "small_buckets", "wide", "wide_keep_grads", "wide_no_sync", "join", "join_divide", "join_early",
     "join_unused", "join_no_sync", "unused_no_sync", "dataclass_out", "batchnorm_no_sync", "batchnorm_eval",
-    "gradient_penalty", "gradient_penalty_no_sync",
+    "gradient_penalty", "gradient_penalty_no_sync", "gradient_penalty_unused",
 ]  # fmt: skip
 FOUR_RANK_SCENARIOS = ["mlp", "batchnorm", "unused", "no_sync", "dtypes", "join", "join_divide"]
 STEPS = "4"

@@ -81,6 +81,18 @@ class WindowBranch(nn.Module):
         return self.head(h)
 
 
+class LateUnused(nn.Module):
+    """``never`` is registered last, so its own bucket comes first (small buckets): a bucket every parameter
+    of which is unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.head, self.never = nn.Linear(32, 32), nn.Linear(32, 8), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.trunk(x)))
+
+
 @dataclasses.dataclass
 class Outputs:
     logits: torch.Tensor
@@ -167,6 +179,9 @@ MODELS = {
     # DDP outputs, before the backward that reaches the parameters; under no_sync() too.
     "gradient_penalty": Mlp,
     "gradient_penalty_no_sync": Mlp,
+    # With find_unused_parameters and a bucket of unused parameters only: the input-gradient pass must not
+    # launch it (torch marks unused parameters ready at the first parameter's hook).
+    "gradient_penalty_unused": LateUnused,
 }
 
 
@@ -177,6 +192,8 @@ def options() -> dict[str, Any]:
         return {"gradient_as_bucket_view": True}
     if SCENARIO in ("small_buckets", "join_early"):
         return {"bucket_cap_mb": 0.01}
+    if SCENARIO == "gradient_penalty_unused":
+        return {"find_unused_parameters": True, "bucket_cap_mb": 0.001}
     return {}
 
 
