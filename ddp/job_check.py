@@ -48,6 +48,9 @@ PEER_WAIT_S = 60.0
 """How long a rank waits for its peers' ids: they may start monitoring later (at their DDP model)."""
 POLL_FIRST_S, POLL_MAX_S = 0.05, 2.0
 """The first pause between looks at the store, doubled each time up to the last."""
+SETTLE_S = 5.0
+"""How long ids that differ must stay different before a rank says so: a script that sets the agent's job
+after ``init_process_group`` may reach that line seconds later on a loaded rank than on its peers."""
 
 
 def own_claim() -> Claim:
@@ -81,10 +84,12 @@ class JobCheck:
         restart: str = "0",
         wait_s: float = PEER_WAIT_S,
         delay_s: float = 0.0,
+        settle_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.rank, self.world_size = rank, world_size
         self.wait_s, self.delay_s = wait_s, delay_s
+        self.settle_s = SETTLE_S if settle_s is None else settle_s
         self.message: str | None = None
         """The warning this rank sent, if any."""
         self._store, self._claim, self._alive, self._clock = store, claim, alive, clock
@@ -117,7 +122,7 @@ class JobCheck:
 
     def run(self) -> str | None:
         """Publish, wait for the peers (up to ``wait_s``), compare; return the warning's message if the ids
-        differ (the caller sends it). Raises what the store raises."""
+        differ and still do ``settle_s`` later (the caller sends it). Raises what the store raises."""
         if self._stop.wait(self.delay_s) or not self._alive():
             return None
         claim = self._publish()
@@ -133,6 +138,14 @@ class JobCheck:
             claim = self._publish()
         if self._store.add(self._count_key(claim.job), 0) >= published:
             return None  # every rank heard from claims this rank's id: the common case ends here
+        differ_since = self._clock()
+        while self._clock() - differ_since < self.settle_s:
+            if self._stop.wait(min(POLL_MAX_S, self.settle_s)) or not self._alive():
+                return None
+            claim = self._publish()
+            published = self._store.add(self._prefix + "n", 0)
+            if self._store.add(self._count_key(claim.job), 0) >= published:
+                return None  # a peer (or this rank) set its job late: they agree now
         claims = self._read_claims()
         claims[self.rank] = claim
         return job_ids_message(claims, self.world_size, self._clock() - started)

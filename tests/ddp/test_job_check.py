@@ -29,6 +29,8 @@ from tests.support.procs import free_port, kill_group
 TIMEOUT = datetime.timedelta(seconds=10)
 DEADLINE_S = 60.0
 """Every thread a test starts is joined within this; none may be left running."""
+SETTLE_S = 0.2
+"""How long differing ids must stay so in these tests (the product waits ``job_check.SETTLE_S``)."""
 
 
 @pytest.fixture
@@ -50,6 +52,7 @@ def run_ranks(
 ) -> dict[int, str | None]:
     """Run every rank of ``jobs`` (rank -> job id) at once on threads; return each one's message."""
     world = world_size or len(jobs)
+    kw.setdefault("settle_s", SETTLE_S)
     checks = [
         JobCheck(client(server), r, world, claim=lambda r=r: Claim(jobs[r], "DDPSCOPE_JOB", f"node{r}"), **kw)
         for r in jobs
@@ -112,6 +115,14 @@ def test_a_peer_that_never_says_its_id_is_waited_for_until_the_deadline_only(ser
 def test_ids_that_differ_are_told_without_the_rank_that_never_said_its_own(server: dist.TCPStore) -> None:
     said = run_ranks(server, {0: "train", 1: "oops"}, world_size=3, wait_s=0.5)
     assert said[0] is not None and "Rank 2 had said nothing after" in said[0]
+
+
+def test_ids_that_agree_again_within_the_settle_time_are_not_told(server: dist.TCPStore) -> None:
+    # Rank 1 is loaded: the check finds its id from the environment, and the script's agent.configure(job=...)
+    # comes a second later. Said at once, both jobs would get a false job_ids_differ incident.
+    ids = {0: "train", 1: "from-env"}
+    threading.Timer(1.0, ids.__setitem__, args=(1, "train")).start()
+    assert run_ranks(server, ids, settle_s=5.0) == {0: None, 1: None}
 
 
 def test_a_job_id_the_script_sets_after_the_check_began_is_the_one_compared(server: dist.TCPStore) -> None:
@@ -187,7 +198,10 @@ def test_a_difference_is_logged_and_sent_as_a_warning_record_from_the_checks_thr
     server: dist.TCPStore, records: Records, caplog: pytest.LogCaptureFixture
 ) -> None:
     checks = [
-        JobCheck(client(server), r, 2, claim=lambda r=r: Claim(("a", "b")[r], "DDPSCOPE_JOB")) for r in (0, 1)
+        JobCheck(
+            client(server), r, 2, claim=lambda r=r: Claim(("a", "b")[r], "DDPSCOPE_JOB"), settle_s=SETTLE_S
+        )
+        for r in (0, 1)
     ]
     with caplog.at_level(logging.WARNING, logger="ddpscope.ddp.job_check"):
         for c in checks:
@@ -241,7 +255,10 @@ def fake_world_of_two() -> Iterator[dist.Store]:
         dist.destroy_process_group()
 
 
-def test_the_group_made_through_the_wrapper_starts_one_check_whose_warning_goes_through_the_agent() -> None:
+def test_the_group_made_through_the_wrapper_starts_one_check_whose_warning_goes_through_the_agent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(job_check, "SETTLE_S", SETTLE_S)
     exporter = agent.InMemoryExporter()
     agent.configure(exporter=exporter, job="train", rank=0, heartbeat_s=0.2)
     try:
@@ -249,7 +266,7 @@ def test_the_group_made_through_the_wrapper_starts_one_check_whose_warning_goes_
             check = job_check.current()
             assert check is not None and job_check.start() is check  # once per default group
             # Rank 1, played here over the same store, was started with another DDPSCOPE_JOB.
-            peer = JobCheck(store, 1, 2, claim=lambda: Claim("oops", "DDPSCOPE_JOB"))
+            peer = JobCheck(store, 1, 2, claim=lambda: Claim("oops", "DDPSCOPE_JOB"), settle_s=SETTLE_S)
             said = peer.run()
             assert check.wait(DEADLINE_S) and check.message == said and said is not None
             assert "'train' (rank 0; " in said and "'oops' (rank 1; DDPSCOPE_JOB)" in said
