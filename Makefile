@@ -25,8 +25,9 @@ system-deps: $(SYSTEM_STAMP)
 demo: $(STAMP)
 	$(BIN)/ddpscope demo --scenario all --exit
 
+# Two streams at once, then one alone (tests/streams.py); `$(BIN)/python -m pytest tests` runs it in one.
 test: $(STAMP) $(SYSTEM_STAMP)
-	DDPSCOPE_TEST_STRICT=1 $(BIN)/python -m pytest -q tests
+	DDPSCOPE_TEST_STRICT=1 $(BIN)/python -m tests.run_suite
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m "not slow and not browser and not postgres and not prometheus"
