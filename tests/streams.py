@@ -9,8 +9,9 @@ a third alone:
   time, under 0.8 core); and those in ``TIMING_FREE_MODULES``, busy but judged on results no load changes
   (bit-identical parameters, a record that arrives, a settings comparison), which even out the two streams;
 - **heavy**: every other test: real multi-rank training jobs, the browser;
-- **solo**: modules whose verdict rests on timing between the ranks of jobs that run at once
-  (``SOLO_MODULES``), alone after both streams: a straggler must be the slow rank, not a busy machine.
+- **solo**: modules that start many ranks at once, or whose verdict rests on timing between the ranks of
+  jobs that run at once (``SOLO_MODULES``), alone after both streams: a straggler must be the slow rank, not
+  a busy machine, and nothing else should have to start beside 24 training ranks.
 
 A new module is heavy unless it is listed here or carries none of those marks: the cautious default.
 ``pytest`` run directly runs every test in one process, as before; ``DDPSCOPE_TEST_STREAM`` selects one
@@ -51,8 +52,16 @@ TIMING_FREE_MODULES = frozenset(
 )
 """Slow modules that keep the CPU busy, on verdicts that do not depend on how busy the machine is."""
 
-SOLO_MODULES = frozenset({"tests/server/test_real_jobs.py"})
-"""Straggler verdicts from 4-rank jobs: run with nothing else on the machine."""
+SOLO_MODULES = frozenset(
+    {
+        "tests/server/test_real_jobs.py",  # straggler verdicts from 4-rank jobs
+        "tests/server/test_incidents_jobs.py",  # 24 ranks at once: 1.8 cores for 150 s
+        "tests/server/test_nonfinite_jobs.py",  # 12 ranks at once
+    }
+)
+"""Modules that fill the machine by themselves, or whose verdicts compare the ranks of jobs running at once:
+run with nothing else on the machine. Beside 24 training ranks, a collector of the light stream once took over
+30 s to answer its first request."""
 
 _UNMARKED_HEAVY = ("slow", "browser")
 

@@ -59,8 +59,9 @@ class CollectorProc:
     def __exit__(self, *exc: object) -> None:
         self.kill()
 
-    def start(self, timeout_s: float = 30.0) -> str:
-        """Start the collector and wait until ``/healthz`` answers 200; raise (after killing it) if not."""
+    def start(self, timeout_s: float = 60.0) -> str:
+        """Start the collector and wait until ``/healthz`` answers 200; raise (after killing it) if not. The
+        deadline guards against a hang, not a slow start: on a busy 2-core machine imports alone take seconds."""
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError("collector already running")
         cmd = [
