@@ -153,11 +153,13 @@ def test_a_hang_that_ends_because_the_peer_died_is_not_reported_resolved(tmp_pat
     job = run("peer_dies", tmp_path, env)
     assert job.results[1].returncode == 3, job.output()
     assert job.results[0].returncode not in (0, None), job.output()
-    (hang,) = job.of(0, "hang")
-    assert hang["phase"] == "allreduce" and hang["step"] == 2
+    # At step 2, where the peer died; on a loaded machine an earlier step can outlast the 1 s timeout too (a
+    # real hang, resolved, and not the one under test).
+    (hang,) = [h for h in job.of(0, "hang") if h["step"] == 2]
+    assert hang["phase"] == "allreduce"
     failed = [r for r in job.of(0, "collective_end") if not r["ok"]]
     assert failed and {r["coll_seq"] for r in failed} <= {c["coll_seq"] for c in hang["inflight"]}
-    assert job.of(0, "hang_resolved") == []
+    assert [r for r in job.of(0, "hang_resolved") if r["step"] == 2] == []
     assert any("Connection" in r["message"] for r in job.of(0, "rank_error"))
 
 

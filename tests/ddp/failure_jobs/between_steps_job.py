@@ -34,15 +34,17 @@ from tests.support.job_end import destroy_together
 
 STALL_S = float(os.environ.get("JOB_STALL_S", "3.5"))
 STEPS = 7
+EVAL_BATCH_S = 0.1
 
 
 def evaluate(model: torch.nn.Module) -> None:
-    deadline = time.monotonic() + STALL_S
+    """At least STALL_S of batches, as many on every rank: a loop that ends at each rank's own clock can run
+    one all-reduce more on the rank that began it later, which then pairs with its peer's next bucket."""
     with torch.no_grad():
-        while time.monotonic() < deadline:
+        for _ in range(int(STALL_S / EVAL_BATCH_S) + 1):
             metric = model(torch.randn(8, 32)).square().mean().reshape(1)
             dist.all_reduce(metric)  # SITE:evaluate
-            time.sleep(0.1)
+            time.sleep(EVAL_BATCH_S)
 
 
 def main() -> None:
