@@ -133,13 +133,27 @@ def pg_name(group: Any = None) -> str:
     return GROUP_NAMES.name(group) or "non-member"
 
 
+def _position(params: list[str], name: str | None) -> int:
+    """Where argument ``name`` stands in a signature's ``params``; -1 when it is not there (or None)."""
+    return params.index(name) if name in params else -1
+
+
+def _arg(
+    args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, name: str | None, default: Any = None
+) -> Any:
+    """A call's argument ``name``, passed at position ``pos`` or by keyword; ``default`` when not passed."""
+    if 0 <= pos < len(args):
+        return args[pos]
+    return kwargs.get(name, default) if name else default
+
+
 def _make_wrapper(
     rec: CollectiveRecorder, op: str, spec: OpSpec, fn: Callable[..., Any]
 ) -> Callable[..., Any]:
     params = list(inspect.signature(fn).parameters)
 
     def locate(name: str | None) -> int:
-        return params.index(name) if name in params else -1
+        return _position(params, name)
 
     t_pos, r_pos, g_pos = locate(spec.tensor), locate(spec.reduce), locate("group")
     a_pos, p_pos = locate("async_op"), locate(spec.peer)
@@ -148,12 +162,6 @@ def _make_wrapper(
     o_pos, go_pos = locate(root_name), locate(group_root_name)
     always_async = op in ("isend", "irecv")
     names = GROUP_NAMES
-
-    def arg(args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, name: str | None) -> Any:
-        if 0 <= pos < len(args):
-            return args[pos]
-        return kwargs.get(name) if name else None
-
     local = rec._local
 
     @functools.wraps(fn)
@@ -166,24 +174,24 @@ def _make_wrapper(
         seq = 0
         plan = None
         try:
-            pg = names.name(arg(args, kwargs, g_pos, "group"))
+            pg = names.name(_arg(args, kwargs, g_pos, "group"))
             if pg is not None:
                 if p_pos >= 0:
                     # A point-to-point pair is its own channel: other ranks never see these calls.
                     import torch.distributed as dist
 
-                    peer = arg(args, kwargs, p_pos, spec.peer)
+                    peer = _arg(args, kwargs, p_pos, spec.peer)
                     me = dist.get_rank()
                     pair = "any" if peer is None else f"{min(me, peer)}-{max(me, peer)}"
                     pg = f"{pg}:p2p:{pair}"
-                tensors = arg(args, kwargs, t_pos, spec.tensor) if t_pos >= 0 else None
+                tensors = _arg(args, kwargs, t_pos, spec.tensor) if t_pos >= 0 else None
                 if tensors is None:
                     tensors = ()
                 elif not isinstance(tensors, (list, tuple)):
                     tensors = (tensors,)
                 reduce_op = None
                 if r_pos >= 0:
-                    red = arg(args, kwargs, r_pos, spec.reduce)
+                    red = _arg(args, kwargs, r_pos, spec.reduce)
                     reduce_op = "SUM" if red is None else reduce_name(red)
                 site, source = rec.call_origin(1)
                 # Unrooted ops (all_reduce, ...): None, which the record leaves out.
@@ -209,7 +217,7 @@ def _make_wrapper(
             raise
         finally:
             local.in_user_call = False
-        if result is not None and (always_async or (a_pos >= 0 and arg(args, kwargs, a_pos, "async_op"))):
+        if result is not None and (always_async or (a_pos >= 0 and _arg(args, kwargs, a_pos, "async_op"))):
             rec.track(pg, seq, result)
             return result
         rec.blocked_time().ns += now_ns() - called_ns
@@ -234,20 +242,14 @@ def _root(
 ) -> int | None:
     """The global rank of a rooted op's root, from ``src``/``dst`` or from ``group_src``/``group_dst``
     (a rank in the group); None when neither is given or it cannot be read (torch raises then)."""
-
-    def arg(p: int, n: str | None) -> Any:
-        if 0 <= p < len(args):
-            return args[p]
-        return kwargs.get(n) if n else None
-
     try:
-        root = arg(pos, name)
+        root = _arg(args, kwargs, pos, name)
         if root is not None:
             return int(root)
-        group_root = arg(group_pos, group_name)
+        group_root = _arg(args, kwargs, group_pos, group_name)
         if group_root is None:
             return None
-        group = arg(g_pos, "group")
+        group = _arg(args, kwargs, g_pos, "group")
         if group is None:
             return int(group_root)
         import torch.distributed as dist
@@ -301,13 +303,9 @@ def _patch_new_group(rec: CollectiveRecorder, c10d: Any, dist: Any) -> None:
     if original is None:
         return
     params = list(inspect.signature(original).parameters)
-
-    def arg(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, default: Any) -> Any:
-        pos = params.index(name) if name in params else -1
-        if 0 <= pos < len(args):
-            return args[pos]
-        return kwargs.get(name, default)
-
+    ranks_pos, local_pos, sort_pos = (
+        _position(params, n) for n in ("ranks", "use_local_synchronization", "sort_ranks")
+    )
     local = rec._local
 
     @functools.wraps(original)
@@ -316,10 +314,13 @@ def _patch_new_group(rec: CollectiveRecorder, c10d: Any, dist: Any) -> None:
             return original(*args, **kwargs)
         seq = 0
         try:
-            if not arg(args, kwargs, "use_local_synchronization", False) and c10d.is_initialized():
-                ranks = arg(args, kwargs, "ranks", None)
+            if (
+                not _arg(args, kwargs, local_pos, "use_local_synchronization", False)
+                and c10d.is_initialized()
+            ):
+                ranks = _arg(args, kwargs, ranks_pos, "ranks")
                 members = list(range(dist.get_world_size())) if ranks is None else [int(r) for r in ranks]
-                if arg(args, kwargs, "sort_ranks", True):
+                if _arg(args, kwargs, sort_pos, "sort_ranks", True):
                     members.sort()
                 site, source = rec.call_origin(1)
                 seq = rec.begin(
