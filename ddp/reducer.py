@@ -481,11 +481,11 @@ class Reducer:
             PROGRESS.enter("idle")
 
     def _no_parameter_touched(self) -> bool:
-        """No gradient reached a parameter in this backward, and nothing was launched for it (with
-        ``find_unused_parameters`` the forward's unreachable parameters are marked ready at the first
-        parameter's gradient, or at its start when the loss reaches none)."""
+        """No gradient reached a parameter in this backward. Nothing can have been launched then: a launch
+        needs a bucket all ready, and marking an unused parameter ready (with ``find_unused_parameters``, at
+        the first parameter's gradient, or at the start when the loss reaches none) sets its flag too."""
         if self.active:
-            return self.ready.find(1) < 0 and self.next_launch == 0
+            return self.ready.find(1) < 0
         return self.accumulated == 0
 
     def _finalize_synced(self) -> None:
