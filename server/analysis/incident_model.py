@@ -122,10 +122,10 @@ NEW_GROUP = "new_group"
 def describe(c: Record) -> str:
     """``all_reduce(SUM) [4] float32 at train.py:57``; ``broadcast(src=1) [8] float32``,
     ``reduce(SUM, dst=0) [4] float32`` for rooted ops whose record has a root."""
+    site = f" at {c['call_site']}" if c.get("call_site") else ""
     if c.get("op") == NEW_GROUP:
         # Its one "shape" is the new group's member ranks (ddp/_patch.py).
         members = ", ".join(map(str, (c.get("shapes") or [[]])[0]))
-        site = f" at {c['call_site']}" if c.get("call_site") else ""
         return f"new_group(ranks=[{members}]){site}"
     arg, root = ROOTED_OPS.get(c.get("op") or ""), c.get("root")
     args = [a for a in (c.get("reduce_op"), f"{arg}={root}" if arg and root is not None else None) if a]
@@ -133,7 +133,6 @@ def describe(c: Record) -> str:
     shapes = c.get("shapes")
     shape_txt = " " + ", ".join("[" + ",".join(map(str, s)) + "]" for s in shapes) if shapes else ""
     dtypes = sorted(set(c.get("dtypes") or []))
-    site = f" at {c['call_site']}" if c.get("call_site") else ""
     what = f"{op}{shape_txt}{' ' + ','.join(dtypes) if dtypes else ''}"
     if c.get("source") == "engine" and c.get("op") in P2P_OPS:
         # The only point-to-point calls ddpscope makes: a user never wrote them, so say what they are.

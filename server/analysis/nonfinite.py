@@ -110,18 +110,22 @@ def _loss_incident(snapshot: JobSnapshot, runs: list[_Run], grads: list[_Run]) -
         return []
     episodes, by_syncs, lead, origin, ranks, at_once, still = _first_episode(snapshot, runs)
     first = episodes[0]
+    weights = _weights_went_first(origin, first)
     restart_step = lead.step
     if at_once:
         when = "the same synchronised backward" if by_syncs else "the same step"
-        cause, restart_step = _shared_cause(
-            snapshot, lead, grads, by_syncs, _weights_went_first(origin, first)
-        )
+        cause, restart_step = _shared_cause(snapshot, lead, grads, by_syncs, weights)
         parts = [
             f"Every rank's loss was NaN or Inf from step {lead.step} at once ({when}): not one rank's data but "
             f"something they share: {cause}"
         ]
     else:
-        parts = [_origin_sentence(origin, lead.step, [r for r in ranks if r not in origin], first)]
+        others = [r for r in ranks if r not in origin]
+        parts = [
+            _weights_sentence(origin, lead.step, others, weights, first)
+            if weights
+            else _origin_sentence(origin, lead.step, others, first)
+        ]
     if still:
         parts.append(
             f"The loss has not been finite since on {ranks_phrase(still)}: the parameters are NaN or Inf and "
@@ -133,7 +137,7 @@ def _loss_incident(snapshot: JobSnapshot, runs: list[_Run], grads: list[_Run]) -
     if later:
         parts.append(later)
     restart = f"restart from a checkpoint taken before step {restart_step}"
-    if not at_once and _weights_went_first(origin, first):
+    if not at_once and weights:
         # The weights went bad in the update before this step: a checkpoint taken since holds them.
         one = len(origin) == 1
         parts.append(
@@ -339,10 +343,8 @@ def _weights_sentence(
 
 
 def _origin_sentence(origin: list[int], step: int, others: list[int], episode: list[_Run]) -> str:
-    """Case A: some ranks went first, while the others' losses were finite."""
-    names = _weights_went_first(origin, episode)
-    if names:
-        return _weights_sentence(origin, step, others, names, episode)
+    """Case A: some ranks went first, while the others' losses were finite (and their weights were, or they
+    did not say: ``_weights_sentence`` otherwise)."""
     one = len(origin) == 1
     text = (
         f"{capitalized(ranks_phrase(origin))}'s loss was NaN or Inf at step {step} ("
