@@ -74,7 +74,9 @@ def start(stream: Stream, args: list[str], *, live: bool, work: Path) -> Run:
         env={**os.environ, ENV: stream},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        start_new_session=True,  # killed as a group: its ranks, collectors and zygote with it
+        # Killed as a group. The ranks and collectors its tests start live in sessions of their own: the
+        # tests' teardown ends them, which a SIGKILL of the stream skips.
+        start_new_session=True,
     )
     assert proc.stdout is not None
     copier = threading.Thread(
