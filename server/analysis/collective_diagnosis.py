@@ -696,7 +696,11 @@ def _missing(
             else _blocked_unrecorded(live.active_hangs.get(r))
             or _quiet_or_alive(live.age_s(r), live.silent_after_s)
         )
-        lst = f"last collective #{last['coll_seq']} {describe(last)}" if last else "no collective recorded"
+        lst = (
+            f"last collective #{last['coll_seq']} {describe(last)}"
+            if last
+            else f"no collective recorded in group {pg}"
+        )
         done = colls.max_seq.get((r, pg), 0)
         if done > (last["coll_seq"] if last else 0):
             lst += f" (its peers completed #{done} with it; its own newer records never arrived)"

@@ -67,13 +67,14 @@ class JobRecords:
         self, rank: int, t: float, seq: int, *, op: str = "all_reduce", reduce_op: str | None = "SUM",
         shapes: list[list[int]] | None = None, dtypes: list[str] | None = None,
         site: str | None = "train.py:10", pg: str = "default", step: int | None = None,
-        done: bool = True, source: str = "user",
+        done: bool = True, source: str = "user", group_ranks: list[int] | None = None,
     ) -> None:  # fmt: skip
         shapes = shapes if shapes is not None else [[4]]
+        members = {} if group_ranks is None else {"group_ranks": group_ranks}
         self.add(
             "collective", rank, t, pg=pg, coll_seq=seq, op=op, reduce_op=reduce_op, shapes=shapes,
             dtypes=dtypes or ["float32"] * len(shapes), call_site=site, start_ns=int(t * 1e9), step=step,
-            source=source,
+            source=source, **members,
         )  # fmt: skip
         if done:
             self.add(
@@ -455,6 +456,18 @@ def test_ranks_waiting_in_a_collective_one_rank_never_issued_name_that_rank_and_
     assert "rank 2: last collective #11" in missing.message and "alive" in missing.message
     assert all(h.culprit_ranks == [2] for h in incidents if h.kind == "hang")
     assert "rank_silent" not in kinds(incidents)
+
+
+def test_a_rank_with_no_record_in_the_awaited_subgroup_is_said_to_have_nothing_recorded_there() -> None:
+    job = started(2)
+    end = job.train(2)  # both ranks busy in the default group only
+    job.coll(0, end, 1, site="eval.py:12", pg="pg:1", done=False, group_ranks=[0, 1])
+    job.hang(0, end + 4, step=2, inflight=[inflight(1, end, "eval.py:12", pg="pg:1")])
+    job.heartbeat(0, end + 4.5, step=2, phase="allreduce", last=4)
+    job.heartbeat(1, end + 4.5, step=2, phase="forward", last=4)
+    missing = only(diagnose(job.snapshot(), end + 5), "missing_collective")
+    assert missing.culprit_ranks == [1] and missing.pg == "pg:1"
+    assert "rank 1: no collective recorded in group pg:1" in missing.message
 
 
 def test_a_collective_stuck_longer_than_silent_after_s_counts_as_waiting_without_a_hang_report() -> None:
