@@ -827,6 +827,19 @@ def test_a_crash_inside_torch_distributed_names_the_users_line_it_died_in(dump: 
     assert "died inside a torch.distributed call at /home/me/proj/train.py:82" in crash.message, crash.message
 
 
+def test_a_native_crash_outside_any_collective_says_where_the_rank_last_got_to() -> None:
+    # faulthandler's report knows no step; the rank's own records do.
+    job = started(2)
+    end = job.train(3)
+    job.add("rank_error", 1, end, step=None, phase="unknown", error_type="SIGSEGV",
+            message="Fatal Python error: Segmentation fault", stack='File "train.py", line 36 in <module>',
+            fatal=True)  # fmt: skip
+    job.error(0, end + 0.02, "Connection closed by peer")
+    crash = only(diagnose(job.snapshot(), end + 1), "rank_crashed")
+    assert crash.rank == 1 and crash.step == 2
+    assert crash.message.startswith("Rank 1 died (last completed step 2; pid 1001"), crash.message
+
+
 def test_a_rank_aborted_by_gloo_on_a_size_mismatch_points_at_the_rank_that_issued_the_wrong_size() -> None:
     # Rank 1 issued the wrong size; gloo killed rank 0, the one that received it.
     job = started(2)
