@@ -8,6 +8,10 @@ terminal as it goes, the light one to a log printed when the heavy one is done; 
 The exit status is non-zero when any stream fails (pytest's "no tests collected" is not a failure: a filter
 given here may leave a stream empty). Every stream is killed, by process group, if the suite outlives
 ``DEADLINE_S`` or is interrupted.
+
+This process is a child subreaper: what a stream leaves behind (ranks and collectors its tests started in
+sessions of their own, orphaned when a killed stream skips the tests' teardown, or leaked by a test) comes
+to it, and is killed by pid once every stream has ended; the summary names what was.
 """
 
 from __future__ import annotations
@@ -25,11 +29,14 @@ from pathlib import Path
 from typing import IO
 
 from tests.streams import ENV, Stream
+from tests.support.preloaded import become_subreaper
 
 DEADLINE_S = 45 * 60.0
 """The whole suite's deadline; CI allows 90 minutes."""
 NO_TESTS = 5
 """pytest's exit status when a selection leaves no test."""
+LEFTOVER_GRACE_S = 5.0
+"""How long what a stream left behind may take to exit on its own (a collector shutting down) before it is killed."""
 
 
 @dataclass
@@ -75,7 +82,7 @@ def start(stream: Stream, args: list[str], *, live: bool, work: Path) -> Run:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         # Killed as a group. The ranks and collectors its tests start live in sessions of their own: the
-        # tests' teardown ends them, which a SIGKILL of the stream skips.
+        # tests' teardown ends them, and what a SIGKILL of the stream orphans comes here (end_leftovers).
         start_new_session=True,
     )
     assert proc.stdout is not None
@@ -122,6 +129,48 @@ def kill(runs: list[Run]) -> None:
         r.ended = r.ended or time.monotonic()
 
 
+def _children() -> dict[int, str]:
+    """This process's children, pid -> command line: the orphans re-parented here, once the streams are reaped."""
+    me, found = os.getpid(), {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == me:
+                cmd = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found[int(entry.name)] = cmd.strip()[:160]
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    return found
+
+
+def _reap() -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+def end_leftovers(grace_s: float = LEFTOVER_GRACE_S) -> dict[int, str]:
+    """Kill, by pid, what the streams left behind (call once every stream is reaped: this reaps any child).
+    Waits ``grace_s`` for it to exit on its own first. Returns what had to be killed."""
+    grace_end = time.monotonic() + grace_s
+    while (left := _children()) and time.monotonic() < grace_end:
+        _reap()
+        time.sleep(0.2)
+    killed: dict[int, str] = {}
+    give_up = time.monotonic() + 10.0
+    while left and time.monotonic() < give_up:
+        for pid, cmd in left.items():
+            killed.setdefault(pid, cmd)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+        _reap()  # their own children come here as they die, and are killed in the next round
+        left = _children()
+    return killed
+
+
 def show(run: Run) -> None:
     print(f"\n===== the {run.stream} stream =====", flush=True)
     sys.stdout.write(run.log.read_text(errors="replace"))
@@ -130,6 +179,7 @@ def show(run: Run) -> None:
 
 def main(args: list[str]) -> int:
     deadline = time.monotonic() + DEADLINE_S
+    become_subreaper()
     work = Path(tempfile.mkdtemp(prefix="ddpscope-suite-"))
     runs: list[Run] = []
     try:
@@ -148,8 +198,14 @@ def main(args: list[str]) -> int:
         wait([solo], deadline)
     except BaseException:
         kill(runs)
+        end_leftovers()
         raise
+    killed = end_leftovers()
     print("\n" + "\n".join(r.summary() for r in runs), flush=True)
+    if killed:
+        print(f"run_suite: killed what the streams left behind ({len(killed)}):", flush=True)
+        for pid, cmd in sorted(killed.items()):
+            print(f"  {pid}: {cmd}", flush=True)
     return 0 if all(r.ok for r in runs) else 1
 
 

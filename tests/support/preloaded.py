@@ -113,7 +113,7 @@ def _zygote(env: Mapping[str, str]) -> Zygote | None:
             if not _zygotes:
                 atexit.register(close_all)
             try:
-                _become_subreaper()  # idempotent
+                become_subreaper()  # idempotent
                 _zygotes[key] = Zygote(env)
             except Exception as e:  # exec'd instead: slower, never wrong
                 logger.warning("ranks will be exec'd: %s", e)
@@ -130,7 +130,7 @@ def _give_up(zygote: Zygote) -> None:
     zygote.close()
 
 
-def _become_subreaper() -> None:
+def become_subreaper() -> None:
     """Orphans below this process come to it: a rank, once its launcher exits, is this process's child."""
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
