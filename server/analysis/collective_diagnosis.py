@@ -730,6 +730,12 @@ def _missing(
         msg += ". The ranks are deadlocked across process groups (see the mismatch incident)"
     elif advice := _native_advice(missing, live):
         msg += f". {capitalized(advice)}"
+    elif all(_never_got_there(r, live) for r in missing):
+        one = len(missing) == 1
+        msg += (
+            f". {capitalized(ranks_phrase(missing))} did not skip this call: {'it' if one else 'they'} went "
+            f"silent or died before reaching it (see {'its' if one else 'their'} incidents)"
+        )
     else:
         msg += ". Find why those ranks skip this call (a rank-dependent branch, an early exit, a stuck data loader)"
     msg += "."
@@ -772,6 +778,11 @@ def _blocked_unrecorded(hang: Record | None) -> str | None:
         return None
     at = f" at {site}" if (site := main_site(hang)) else ""
     return f"it is blocked in {there.place}{at}, in a collective ddpscope does not record (its hang report)"
+
+
+def _never_got_there(r: int, live: Liveness) -> bool:
+    """A missing rank that went silent (stopped, frozen) or died: no branch of its code skipped the call."""
+    return r in live.silent or r in live.stopped_silent or r in live.crashed or r in live.fatal
 
 
 def _native_advice(missing: list[int], live: Liveness) -> str | None:

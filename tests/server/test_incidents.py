@@ -470,6 +470,20 @@ def test_a_rank_with_no_record_in_the_awaited_subgroup_is_said_to_have_nothing_r
     assert "rank 1: no collective recorded in group pg:1" in missing.message
 
 
+def test_a_missing_rank_that_went_silent_is_not_said_to_have_skipped_the_call() -> None:
+    job = started(2)
+    end = job.train(2)
+    job.coll(0, end, 5, site="eval.py:12", done=False)
+    now = end + 30  # rank 1 sent nothing since: stopped, frozen
+    job.hang(0, now - 2, step=2, inflight=[inflight(5, end, "eval.py:12")], stalled_s=28)
+    job.heartbeat(0, now - 1, step=2, phase="allreduce", last=5)
+    incidents = diagnose(job.snapshot(), now, silent_after_s=20)
+    assert only(incidents, "rank_silent").rank == 1
+    missing = only(incidents, "missing_collective")
+    assert missing.culprit_ranks == [1] and "skip this call (a rank-dependent" not in missing.message
+    assert "Rank 1 did not skip this call: it went silent or died before reaching it" in missing.message
+
+
 def test_a_collective_stuck_longer_than_silent_after_s_counts_as_waiting_without_a_hang_report() -> None:
     job = started(2)
     end = job.train(2)
