@@ -159,11 +159,45 @@ class CollectiveIndex:
 
 
 SIZE_ABORT = "gloo aborts on the size mismatch"
+"""What a mismatch of shapes or dtypes says; a rank that then dies of SIGABRT died of it."""
 QUIET_AFTER_S = 5.0
 """A rank quiet this long has missed two default heartbeats (2 s): not said to be alive any more."""
-"""What a mismatch of shapes or dtypes says; a rank that then dies of SIGABRT died of it."""
+DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}  # fmt: skip
+"""Bytes per element of the dtypes a transfer's size is worked out for."""
 
-"""Point-to-point ops: a send on one rank pairs with a recv on its peer at the same sequence number."""
+
+def _bytes(c: Record) -> int | None:
+    """Bytes a one-tensor record moves; None when a dtype is not in ``DTYPE_BYTES`` or it holds several."""
+    shapes, dtypes = c.get("shapes") or [], c.get("dtypes") or []
+    if len(shapes) != 1 or len(dtypes) != 1 or dtypes[0] not in DTYPE_BYTES:
+        return None
+    count = 1
+    for n in shapes[0]:
+        count *= int(n)
+    return count * DTYPE_BYTES[dtypes[0]]
+
+
+def _size_consequence(a: Record, b: Record) -> str:
+    """What gloo does with two records of different shapes or dtypes at one sequence number. A send and
+    its recv are checked by bytes (measured on gloo: a recv larger than the send completes with only the
+    sent bytes written; a smaller one aborts the receiver); collectives abort on any difference."""
+    ops = {P2P_OPS.get(str(a.get("op"))), P2P_OPS.get(str(b.get("op")))}
+    send, recv = (a, b) if P2P_OPS.get(str(a.get("op"))) == "send" else (b, a)
+    sent, room = _bytes(send), _bytes(recv)
+    if ops != {"send", "recv"} or sent is None or room is None or sent > room:
+        return f"{SIZE_ABORT} (NCCL may hang or corrupt memory)"
+    if sent < room:
+        return (
+            f"gloo completes it without a word, writing only the {sent} bytes sent into the {room}-byte "
+            "receive buffer: the rest keeps its old values (a larger send would abort the receiver)"
+        )
+    return (
+        f"the byte counts agree, so gloo completes it without a word and the receiver reads the sent "
+        f"{'/'.join(send.get('dtypes') or [])} bytes as {'/'.join(recv.get('dtypes') or [])}: wrong values"
+    )
 
 
 def _signature(c: Record, root: bool = True) -> tuple[Any, ...]:
@@ -453,7 +487,7 @@ def _mismatch(
             "process group's timeout (or fails on a size check) on gloo and NCCL alike"
         )
     elif "shapes" in reason or "dtypes" in reason:
-        msg += f". The {reason} differ: {SIZE_ABORT} (NCCL may hang or corrupt memory)"
+        msg += f". The {reason} differ: {_size_consequence(crec, rrec)}"
         msg += _bucket_settings(recs, starts)
     elif "roots" in reason:
         arg = ROOTED_OPS.get(crec.get("op") or "", "root")

@@ -736,6 +736,29 @@ def test_a_send_paired_with_a_recv_is_not_a_mismatch_but_two_sends_are() -> None
     assert "sync.py:30" in m.message and "sync.py:31" in m.message and "batch_isend_irecv" in m.message
 
 
+@pytest.mark.parametrize(
+    ("sent", "received", "says"),
+    [
+        (([4], "float32"), ([5], "float32"), "writing only the 16 bytes sent into the 20-byte receive buffer"),
+        (([5], "float32"), ([4], "float32"), "gloo aborts on the size mismatch"),
+        (([4], "float32"), ([2], "float64"), "reads the sent float32 bytes as float64: wrong values"),
+    ],
+    ids=["recv_larger_is_silent", "recv_smaller_aborts", "same_bytes_other_dtype"],
+)
+def test_a_send_and_recv_of_different_sizes_say_what_gloo_does_with_the_bytes(
+    sent: tuple[list[int], str], received: tuple[list[int], str], says: str
+) -> None:
+    # Measured on gloo: a recv larger than the send completes with only the sent bytes written.
+    job = started(2)
+    end = job.train(1)
+    for r, op, (shape, dtype) in ((0, "send", sent), (1, "recv", received)):
+        job.coll(r, end, 1, op=op, reduce_op=None, pg="default:p2p:0-1", site=f"pipe.py:{40 + r}",
+                 shapes=[shape], dtypes=[dtype])  # fmt: skip
+    m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
+    assert says in m.message, m.message
+    assert ("gloo aborts" in m.message) == (says == "gloo aborts on the size mismatch"), m.message
+
+
 def test_two_peers_receiving_at_the_same_line_are_a_mismatch_though_their_records_are_identical() -> None:
     # `dist.recv(buf, src=1 - rank)` on both ranks of a pipeline: each waits for the other to send.
     job = started(2)
