@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
@@ -440,7 +441,11 @@ def _mismatch(
 ) -> Incident:
     if reason == "direction":
         return _same_direction(pg, seq, recs, blame)
-    if reason == "source":
+    skip = _skipped_routine(recs, ranks)
+    if skip is not None:
+        # The engine's ranks went on to the next backward without a call every rank makes each step.
+        ref, why = skip.issued, ""
+    elif reason == "source":
         # The engine's side is right by construction: it runs the same schedule on every rank.
         ref, why = groups["engine"], ""
     else:
@@ -462,7 +467,11 @@ def _mismatch(
     shift = _shift(ranks.get(c0, {}), ranks.get(r0, {}), seq)
     if shift:
         msg += f": {ranks_phrase([c0])} {shift}"
-    if reason == "source":
+    if skip is not None:
+        msg += f". {skip.sentence(culprits)}"
+        if reason in ("shapes", "dtypes", "shapes and dtypes"):
+            msg += f". The {reason} differ: {_size_consequence(crec, rrec)}"
+    elif reason == "source":
         msg += ". One side is the DDP engine's own all-reduce: a collective in user code was issued on some ranks only"
     elif crec.get("op") == NEW_GROUP and rrec.get("op") == NEW_GROUP:
         msg += (
@@ -507,8 +516,12 @@ def _mismatch(
     else:
         msg += f". {why}Make every rank issue the same collectives in the same order."
     for r in culprits:
-        blame.setdefault(r, f"issued a different collective at #{seq} of group {pg}")
+        blame.setdefault(
+            r, skip.blame if skip is not None else f"issued a different collective at #{seq} of group {pg}"
+        )
     sites = sorted({recs[r]["call_site"] for r in culprits if recs[r].get("call_site")})
+    if skip is not None and skip.call.get("call_site"):
+        sites = [skip.call["call_site"]]  # the line the culprits skipped: theirs is the engine's, no line
     # The user call's record may carry no step (outside forward and backward); the engine's does.
     step = next((recs[r]["step"] for r in (c0, *ref, *recs) if recs[r].get("step") is not None), None)
     return Incident(
@@ -578,6 +591,85 @@ def _bucket_settings(recs: Mapping[int, Record], starts: Mapping[int, Record]) -
         f". Both are the DDP engine's bucket all-reduces, so the ranks built different buckets{what}; "
         "wrap the same model with the same DistributedDataParallel arguments on every rank"
     )
+
+
+ROUTINE_STEPS = 2
+"""Earlier steps in which every rank must have made a call for it to count as made every step."""
+
+
+@dataclass(frozen=True)
+class _Skipped:
+    """Ranks in the engine's bucket all-reduce where the others are in a user call that every rank made in
+    each of its earlier steps: the engine's ranks skipped that call this step."""
+
+    issued: list[int]
+    """The ranks in the user call: right."""
+    call: Record
+    step: int
+    """The step the user call belongs to (its own, or that of the engine's records before it)."""
+    went_on: int
+    """The step whose bucket all-reduce the other ranks are in."""
+
+    def sentence(self, skipped: list[int]) -> str:
+        who, one = ranks_phrase(skipped), len(skipped) == 1
+        return (
+            f"Every rank issued {describe(self.call)} in each of its earlier steps, and "
+            f"{ranks_phrase(self.issued)} did so in step {self.step}; {who} skipped it in step {self.step} and "
+            f"went on to step {self.went_on}'s backward: a rank-dependent branch around it, or an exception "
+            f"caught that jumped over it (an optimizer step skipped on {'that rank' if one else 'those ranks'}, "
+            "a GradScaler or clipping decision taken per rank)"
+        )
+
+    @property
+    def blame(self) -> str:
+        return f"skipped {describe(self.call)} in step {self.step}, which every rank issues every step"
+
+
+def _steps_of(records: Mapping[int, Record]) -> dict[int, int]:
+    """Sequence number -> the step each record belongs to: its own ``step``, or, for a call outside forward
+    and backward (which carries none), the step of the record before it; records before any step are left out."""
+    out: dict[int, int] = {}
+    current: int | None = None
+    for seq in sorted(records):
+        own = records[seq].get("step")
+        if isinstance(own, int):
+            current = own
+        if current is not None:
+            out[seq] = current
+    return out
+
+
+def _skipped_routine(
+    recs: Mapping[int, Record], ranks: Mapping[int, Mapping[int, Record]]
+) -> _Skipped | None:
+    """The ranks in the engine's bucket all-reduce skipped the user call their peers are in, when every
+    rank made that call (same op, shapes, dtypes, root and line) in each of at least ``ROUTINE_STEPS``
+    earlier steps it has records of: the call is part of the step, so the ranks without it are the odd
+    ones, not the ranks that issued it (``_left_loop`` tells the other story, a call made once after the
+    loop)."""
+    engine = [r for r, c in recs.items() if c.get("source") == "engine"]
+    issued = sorted(r for r, c in recs.items() if c.get("source") == "user")
+    if not engine or not issued or len(engine) + len(issued) != len(recs):
+        return None
+    call = recs[issued[0]]
+    key = _full_key(call)
+    if any(_full_key(recs[r]) != key for r in issued):
+        return None
+    steps = {r: _steps_of(ranks.get(r, {})) for r in recs}
+    step = steps[issued[0]].get(call["coll_seq"])
+    went_on = recs[engine[0]].get("step")
+    if step is None or not isinstance(went_on, int) or went_on <= step:
+        return None
+    for r in recs:
+        ran, made = set(), set()
+        for seq, s in steps[r].items():
+            if s < step:
+                ran.add(s)
+                if _full_key(ranks[r][seq]) == key:
+                    made.add(s)
+        if len(made) < ROUTINE_STEPS or made != ran:
+            return None
+    return _Skipped(issued, call, step, went_on)
 
 
 def _left_loop(

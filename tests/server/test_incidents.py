@@ -759,6 +759,38 @@ def test_a_send_and_recv_of_different_sizes_say_what_gloo_does_with_the_bytes(
     assert ("gloo aborts" in m.message) == (says == "gloo aborts on the size mismatch"), m.message
 
 
+@pytest.mark.parametrize("skipper", [0, 1])
+def test_a_rank_that_skipped_a_call_every_rank_makes_each_step_is_the_culprit_whatever_its_number(
+    skipper: int,
+) -> None:
+    # ZeroRedundancyOptimizer broadcasts each shard in every optimizer step; one rank skipped its step. The
+    # broadcasts, outside forward and backward, carry no step: they belong to the step before them.
+    job = started(2)
+    t = T0 + 1
+    for r in (0, 1):
+        seq = 0
+        for s in range(5):
+            for shape in ([10], [1024]):
+                seq += 1
+                job.coll(r, t + s, seq, shapes=[shape], site=None, step=s, source="engine")
+            job.step(r, t + s, s, seqs=[seq - 1, seq])
+            if s == 4:
+                break  # step 4's all-reduces done; then the broadcast of step 4, or not
+            seq += 1
+            job.coll(r, t + s, seq, op="broadcast", reduce_op=None, shapes=[[64, 64]], site="opt.py:21")
+        seq += 1
+        if r == skipper:  # on to step 5's backward
+            job.coll(r, t + 5, seq, shapes=[[10]], site=None, step=5, source="engine", done=False)
+        else:
+            job.coll(r, t + 4, seq, op="broadcast", reduce_op=None, shapes=[[64, 64]], site="opt.py:21",
+                     done=False)  # fmt: skip
+    m = only(diagnose(job.snapshot(), t + 6), "mismatch")
+    assert m.culprit_ranks == [skipper] and m.call_site == "opt.py:21", m.message
+    assert f"rank {skipper} skipped it in step 4 and went on to step 5's backward" in m.message, m.message
+    assert "taken as the reference" not in m.message and "left its training loop" not in m.message
+    assert m.message.count("opt.py:21") == 2, m.message  # rank 1's call, and the routine one: once each
+
+
 def test_two_peers_receiving_at_the_same_line_are_a_mismatch_though_their_records_are_identical() -> None:
     # `dist.recv(buf, src=1 - rank)` on both ranks of a pipeline: each waits for the other to send.
     job = started(2)
