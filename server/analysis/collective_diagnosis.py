@@ -14,12 +14,11 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from functools import partial
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
-from ddpscope.server.analysis.collectives import agreed_shapes
+from ddpscope.server.analysis.collective_keys import full_key, signature
 from ddpscope.server.analysis.incident_model import (
     NEW_GROUP,
     P2P_OPS,
@@ -34,6 +33,7 @@ from ddpscope.server.analysis.incident_model import (
     ranks_phrase,
     where,
 )
+from ddpscope.server.analysis.mismatch_causes import size_consequence, skipped_routine
 from ddpscope.server.analysis.native_wait import native_wait
 from ddpscope.server.analysis.snapshot import JobSnapshot, RankSteps, p2p_pair
 from ddpscope.server.analysis.status import Liveness
@@ -151,63 +151,16 @@ class CollectiveIndex:
         """True when ``rank`` issued, at any sequence number of ``c``'s group, the same collective as
         ``c`` (op, reduce op, shapes, dtypes; and call site where both records have one): a call it
         makes too, so a wait for it there is routine."""
-        want, site = _signature(c, root=False), c.get("call_site")
+        want, site = signature(c, root=False), c.get("call_site")
         return any(
-            _signature(x, root=False) == want
+            signature(x, root=False) == want
             and (not site or not x.get("call_site") or x["call_site"] == site)
             for x in self.by_pg.get(c["pg"], {}).get(rank, {}).values()
         )
 
 
-SIZE_ABORT = "gloo aborts on the size mismatch"
-"""What a mismatch of shapes or dtypes says; a rank that then dies of SIGABRT died of it."""
 QUIET_AFTER_S = 5.0
 """A rank quiet this long has missed two default heartbeats (2 s): not said to be alive any more."""
-DTYPE_BYTES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-}  # fmt: skip
-"""Bytes per element of the dtypes a transfer's size is worked out for."""
-
-
-def _bytes(c: Record) -> int | None:
-    """Bytes a one-tensor record moves; None when a dtype is not in ``DTYPE_BYTES`` or it holds several."""
-    shapes, dtypes = c.get("shapes") or [], c.get("dtypes") or []
-    if len(shapes) != 1 or len(dtypes) != 1 or dtypes[0] not in DTYPE_BYTES:
-        return None
-    count = 1
-    for n in shapes[0]:
-        count *= int(n)
-    return count * DTYPE_BYTES[dtypes[0]]
-
-
-def _size_consequence(a: Record, b: Record) -> str:
-    """What gloo does with two records of different shapes or dtypes at one sequence number. A send and
-    its recv are checked by bytes (measured on gloo: a recv larger than the send completes with only the
-    sent bytes written; a smaller one aborts the receiver); collectives abort on any difference."""
-    ops = {P2P_OPS.get(str(a.get("op"))), P2P_OPS.get(str(b.get("op")))}
-    send, recv = (a, b) if P2P_OPS.get(str(a.get("op"))) == "send" else (b, a)
-    sent, room = _bytes(send), _bytes(recv)
-    if ops != {"send", "recv"} or sent is None or room is None or sent > room:
-        return f"{SIZE_ABORT} (NCCL may hang or corrupt memory)"
-    if sent < room:
-        return (
-            f"gloo completes it without a word, writing only the {sent} bytes sent into the {room}-byte "
-            "receive buffer: the rest keeps its old values (a larger send would abort the receiver)"
-        )
-    return (
-        f"the byte counts agree, so gloo completes it without a word and the receiver reads the sent "
-        f"{'/'.join(send.get('dtypes') or [])} bytes as {'/'.join(recv.get('dtypes') or [])}: wrong values"
-    )
-
-
-def _signature(c: Record, root: bool = True) -> tuple[Any, ...]:
-    """What every rank must agree on at one sequence number; ``root=False`` leaves the root out (when
-    some rank's record has none: an older agent, the engine's own broadcast)."""
-    shapes = agreed_shapes(c)
-    # send and recv are the two halves of one transfer: compare them as one op (direction checked apart).
-    op = "send/recv" if c.get("op") in P2P_OPS else c.get("op")
-    return (op, c.get("reduce_op"), shapes, tuple(c.get("dtypes") or []), c.get("root") if root else None)
 
 
 def _roots_comparable(recs: Mapping[int, Record]) -> bool:
@@ -219,10 +172,6 @@ def _roots_comparable(recs: Mapping[int, Record]) -> bool:
 
 _COMPARED_FIELDS = ("op", "shapes", "dtypes", "reduce_op", "call_site", "source")
 _compared = itemgetter(*_COMPARED_FIELDS)
-
-
-def _full_key(c: Record) -> tuple[Any, ...]:
-    return (*_signature(c), c.get("call_site"))
 
 
 def _disagreement(
@@ -246,7 +195,7 @@ def _disagreement(
     with_root = _roots_comparable(recs)
     groups: dict[Any, list[int]] = {}
     for r, c in sorted(recs.items()):
-        groups.setdefault(_signature(c, with_root), []).append(r)
+        groups.setdefault(signature(c, with_root), []).append(r)
     if len(groups) > 1:
         differs = [
             n
@@ -303,7 +252,7 @@ def _sites_by_rank(ranks: Mapping[int, Mapping[int, Record]]) -> dict[int, set[s
 
 
 def _keys_by_rank(ranks: Mapping[int, Mapping[int, Record]]) -> dict[int, set[tuple[Any, ...]]]:
-    return {r: {_full_key(c) for c in q.values()} for r, q in ranks.items()}
+    return {r: {full_key(c) for c in q.values()} for r, q in ranks.items()}
 
 
 def mismatch_incidents(
@@ -441,7 +390,7 @@ def _mismatch(
 ) -> Incident:
     if reason == "direction":
         return _same_direction(pg, seq, recs, blame)
-    skip = _skipped_routine(recs, ranks)
+    skip = skipped_routine(recs, ranks)
     if skip is not None:
         # The engine's ranks went on to the next backward without a call every rank makes each step.
         ref, why = skip.issued, ""
@@ -455,9 +404,9 @@ def _mismatch(
     crec, rrec = recs[c0], recs[r0]
     distinct: dict[tuple[Any, ...], int] = {}
     for r in culprits:
-        distinct.setdefault(_full_key(recs[r]), r)
+        distinct.setdefault(full_key(recs[r]), r)
     what = "; ".join(
-        f"{ranks_phrase(r2 for r2 in culprits if _full_key(recs[r2]) == k)} issued {describe(recs[r])}"
+        f"{ranks_phrase(r2 for r2 in culprits if full_key(recs[r2]) == k)} issued {describe(recs[r])}"
         for k, r in distinct.items()
     )
     msg = f"{what} where {ranks_phrase(ref)} issued {describe(rrec)} at collective #{seq} of group {pg}"
@@ -470,7 +419,7 @@ def _mismatch(
     if skip is not None:
         msg += f". {skip.sentence(culprits)}"
         if reason in ("shapes", "dtypes", "shapes and dtypes"):
-            msg += f". The {reason} differ: {_size_consequence(crec, rrec)}"
+            msg += f". The {reason} differ: {size_consequence(crec, rrec)}"
     elif reason == "source":
         msg += ". One side is the DDP engine's own all-reduce: a collective in user code was issued on some ranks only"
     elif crec.get("op") == NEW_GROUP and rrec.get("op") == NEW_GROUP:
@@ -496,7 +445,7 @@ def _mismatch(
             "process group's timeout (or fails on a size check) on gloo and NCCL alike"
         )
     elif "shapes" in reason or "dtypes" in reason:
-        msg += f". The {reason} differ: {_size_consequence(crec, rrec)}"
+        msg += f". The {reason} differ: {size_consequence(crec, rrec)}"
         msg += _bucket_settings(recs, starts)
     elif "roots" in reason:
         arg = ROOTED_OPS.get(crec.get("op") or "", "root")
@@ -593,85 +542,6 @@ def _bucket_settings(recs: Mapping[int, Record], starts: Mapping[int, Record]) -
     )
 
 
-ROUTINE_STEPS = 2
-"""Earlier steps in which every rank must have made a call for it to count as made every step."""
-
-
-@dataclass(frozen=True)
-class _Skipped:
-    """Ranks in the engine's bucket all-reduce where the others are in a user call that every rank made in
-    each of its earlier steps: the engine's ranks skipped that call this step."""
-
-    issued: list[int]
-    """The ranks in the user call: right."""
-    call: Record
-    step: int
-    """The step the user call belongs to (its own, or that of the engine's records before it)."""
-    went_on: int
-    """The step whose bucket all-reduce the other ranks are in."""
-
-    def sentence(self, skipped: list[int]) -> str:
-        who, one = ranks_phrase(skipped), len(skipped) == 1
-        return (
-            f"Every rank issued {describe(self.call)} in each of its earlier steps, and "
-            f"{ranks_phrase(self.issued)} did so in step {self.step}; {who} skipped it in step {self.step} and "
-            f"went on to step {self.went_on}'s backward: a rank-dependent branch around it, or an exception "
-            f"caught that jumped over it (an optimizer step skipped on {'that rank' if one else 'those ranks'}, "
-            "a GradScaler or clipping decision taken per rank)"
-        )
-
-    @property
-    def blame(self) -> str:
-        return f"skipped {describe(self.call)} in step {self.step}, which every rank issues every step"
-
-
-def _steps_of(records: Mapping[int, Record]) -> dict[int, int]:
-    """Sequence number -> the step each record belongs to: its own ``step``, or, for a call outside forward
-    and backward (which carries none), the step of the record before it; records before any step are left out."""
-    out: dict[int, int] = {}
-    current: int | None = None
-    for seq in sorted(records):
-        own = records[seq].get("step")
-        if isinstance(own, int):
-            current = own
-        if current is not None:
-            out[seq] = current
-    return out
-
-
-def _skipped_routine(
-    recs: Mapping[int, Record], ranks: Mapping[int, Mapping[int, Record]]
-) -> _Skipped | None:
-    """The ranks in the engine's bucket all-reduce skipped the user call their peers are in, when every
-    rank made that call (same op, shapes, dtypes, root and line) in each of at least ``ROUTINE_STEPS``
-    earlier steps it has records of: the call is part of the step, so the ranks without it are the odd
-    ones, not the ranks that issued it (``_left_loop`` tells the other story, a call made once after the
-    loop)."""
-    engine = [r for r, c in recs.items() if c.get("source") == "engine"]
-    issued = sorted(r for r, c in recs.items() if c.get("source") == "user")
-    if not engine or not issued or len(engine) + len(issued) != len(recs):
-        return None
-    call = recs[issued[0]]
-    key = _full_key(call)
-    if any(_full_key(recs[r]) != key for r in issued):
-        return None
-    steps = {r: _steps_of(ranks.get(r, {})) for r in recs}
-    step = steps[issued[0]].get(call["coll_seq"])
-    went_on = recs[engine[0]].get("step")
-    if step is None or not isinstance(went_on, int) or went_on <= step:
-        return None
-    for r in recs:
-        ran, made = set(), set()
-        for seq, s in steps[r].items():
-            if s < step:
-                ran.add(s)
-                if _full_key(ranks[r][seq]) == key:
-                    made.add(s)
-        if len(made) < ROUTINE_STEPS or made != ran:
-            return None
-    return _Skipped(issued, call, step, went_on)
-
-
 def _left_loop(
     culprits: list[int],
     ref: list[int],
@@ -724,7 +594,7 @@ def _reference(
         return top[0], ""
 
     def familiar(g: list[int]) -> bool:
-        key = _full_key(recs[g[0]])
+        key = full_key(recs[g[0]])
         return all(key in keys.get(r, set()) for r in recs if r not in g)
 
     known = [g for g in top if familiar(g)]
@@ -738,7 +608,7 @@ def _shift(culprit: Mapping[int, Record], ref: Mapping[int, Record], seq: int) -
     """How the culprit's sequence relates to the reference's around ``seq`` (extra, skipped, swapped)."""
 
     def key(seqs: Mapping[int, Record], s: int) -> tuple[Any, ...] | None:
-        return _full_key(seqs[s]) if s in seqs else None
+        return full_key(seqs[s]) if s in seqs else None
 
     ahead = key(culprit, seq + 1) is not None and key(culprit, seq + 1) == key(ref, seq)
     behind = key(culprit, seq) is not None and key(culprit, seq) == key(ref, seq + 1)

@@ -65,7 +65,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpscope.server.analysis.collective_diagnosis import (
-    SIZE_ABORT,
     CollectiveIndex,
     mismatch_incidents,
     missing_incidents,
@@ -90,6 +89,7 @@ from ddpscope.server.analysis.incident_model import (
     user_frame,
     where,
 )
+from ddpscope.server.analysis.mismatch_causes import SIZE_ABORT
 from ddpscope.server.analysis.model_order import model_incidents
 from ddpscope.server.analysis.nonfinite import nonfinite_incidents
 from ddpscope.server.analysis.rank_settings import settings_incidents
