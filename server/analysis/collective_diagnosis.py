@@ -418,7 +418,7 @@ def _mismatch(
         msg += f": {ranks_phrase([c0])} {shift}"
     if skip is not None:
         msg += f". {skip.sentence(culprits)}"
-        if reason in ("shapes", "dtypes", "shapes and dtypes"):
+        if _sizes_differ(reason):
             msg += f". The {reason} differ: {size_consequence(crec, rrec)}"
     elif reason == "source":
         msg += ". One side is the DDP engine's own all-reduce: a collective in user code was issued on some ranks only"
@@ -444,7 +444,7 @@ def _mismatch(
             f". The {reason} differ: the ranks run different exchange patterns, which waits until the "
             "process group's timeout (or fails on a size check) on gloo and NCCL alike"
         )
-    elif "shapes" in reason or "dtypes" in reason:
+    elif _sizes_differ(reason):
         msg += f". The {reason} differ: {size_consequence(crec, rrec)}"
         msg += _bucket_settings(recs, starts)
     elif "roots" in reason:
@@ -484,6 +484,11 @@ def _mismatch(
         call_site=", ".join(sites) or None,
         time_s=min(recs[r]["start_ns"] for r in recs) / 1e9,
     )
+
+
+def _sizes_differ(reason: str) -> bool:
+    """The ranks' calls move different amounts of data (``_disagreement``'s reasons name shapes or dtypes)."""
+    return "shapes" in reason or "dtypes" in reason
 
 
 def _same_direction(pg: str, seq: int, recs: Mapping[int, Record], blame: dict[int, str]) -> Incident:

@@ -556,10 +556,13 @@ def _error_incidents(
         # A step number above 0 says the rank got past its first step (the snapshot of the processes
         # before a restart has no step records to ask).
         began = p["rank"] in snapshot.steps or (p.get("step") or 0) > 0
-        where_txt = step_phrase(p.get("step"), p.get("phase"), started=began)
-        if crash and p.get("step") is None:
-            # faulthandler's report (a native crash) knows no step: say where the rank last got to.
-            where_txt = where(snapshot, p["rank"])
+        # faulthandler's report (a native crash) knows no step: say where the rank last got to.
+        unplaced = crash and p.get("step") is None
+        where_txt = (
+            where(snapshot, p["rank"])
+            if unplaced
+            else step_phrase(p.get("step"), p.get("phase"), started=began)
+        )
         head = f"Rank {p['rank']} {'died' if p.get('fatal') else 'raised (and kept running)'}{where_txt}"
         msg = f"{head}: {p.get('error_type')}: {first_line(p.get('message', '')).rstrip('.')}"
         if BACKWARD_CUT_SHORT in str(p.get("stack") or ""):
@@ -622,7 +625,7 @@ def _error_incidents(
         incident = _error_incident(
             "rank_crashed" if crash else "rank_error", p, msg, related, culprits=culprits
         )
-        if incident.step is None and crash:
+        if unplaced:
             incident.step = position(snapshot, p["rank"])[0]
         if named:
             incident.parameters = names

@@ -33,10 +33,10 @@ def size_consequence(a: Record, b: Record) -> str:
     """What gloo does with two records of different shapes or dtypes at one sequence number. A send and
     its recv are checked by bytes (measured on gloo: a recv larger than the send completes with only the
     sent bytes written; a smaller one aborts the receiver); collectives abort on any difference."""
-    ops = {P2P_OPS.get(str(a.get("op"))), P2P_OPS.get(str(b.get("op")))}
-    send, recv = (a, b) if P2P_OPS.get(str(a.get("op"))) == "send" else (b, a)
+    directions = (P2P_OPS.get(str(a.get("op"))), P2P_OPS.get(str(b.get("op"))))
+    send, recv = (a, b) if directions[0] == "send" else (b, a)
     sent, room = transfer_bytes(send), transfer_bytes(recv)
-    if ops != {"send", "recv"} or sent is None or room is None or sent > room:
+    if set(directions) != {"send", "recv"} or sent is None or room is None or sent > room:
         return f"{SIZE_ABORT} (NCCL may hang or corrupt memory)"
     if sent < room:
         return (
@@ -99,8 +99,8 @@ def skipped_routine(recs: Mapping[int, Record], ranks: Mapping[int, Mapping[int,
     """The ranks in the engine's bucket all-reduce skipped the user call their peers are in, when every
     rank made that call (same op, shapes, dtypes, root and line) in each of at least ``ROUTINE_STEPS``
     earlier steps it has records of: the call is part of the step, so the ranks without it are the odd
-    ones, not the ranks that issued it (``collective_diagnosis._left_loop`` tells the other story, a call made once after the
-    loop)."""
+    ones, not the ranks that issued it (``collective_diagnosis._left_loop`` tells the other story, a call
+    made once after the loop)."""
     engine = [r for r, c in recs.items() if c.get("source") == "engine"]
     issued = sorted(r for r, c in recs.items() if c.get("source") == "user")
     if not engine or not issued or len(engine) + len(issued) != len(recs):
