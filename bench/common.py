@@ -128,6 +128,20 @@ def percentile(values: Sequence[float], pct: float) -> float:
     return vals[k]
 
 
+def median_interval(values: Sequence[float]) -> tuple[float, float]:
+    """A ~95 % confidence interval for the median of ``values``, distribution-free: the order statistics
+    n/2 -+ 1.96 sqrt(n)/2 (the binomial count of values below the median, normally approximated). What an
+    A/B of interleaved blocks can resolve: a difference inside it is noise at this many blocks."""
+    if not values:
+        raise ValueError("median_interval of no values")
+    vals = sorted(values)
+    n = len(vals)
+    half_width = 1.96 * math.sqrt(n) / 2
+    lo = max(0, math.floor(n / 2 - half_width))
+    hi = min(n - 1, math.ceil(n / 2 + half_width) - 1)
+    return vals[lo], vals[hi]
+
+
 # -- interleaved variants within one process ------------------------------------------------------
 
 

@@ -18,9 +18,10 @@ figure), and the real small all-reduce patched vs unpatched on the 2-rank group,
 
 Target: recorder + watchdog <= 1 % of the step time on the engine benchmark: the wall-time difference
 and the process CPU added, each as a share of the step. Prints the machine; writes
-bench/results/watchdog.json. ``--quick`` runs in about a minute.
+bench/results/watchdog.json. ``--quick`` runs in about a minute;
+``--steps N`` sets the engine benchmark's steps per arm (its 95 % interval narrows as 1/sqrt(N)).
 
-    .venv/bin/python -m bench.watchdog [--quick]
+    .venv/bin/python -m bench.watchdog [--quick] [--steps N]
 """
 
 from __future__ import annotations
@@ -79,22 +80,37 @@ def _no_op(*args: Any, **kwargs: Any) -> int:
     return 0
 
 
-def _set_mode(on: bool) -> None:
-    from ddpscope.ddp import collectives, watchdog
-    from ddpscope.ddp.collectives import RECORDER
+class _Mode:
+    """Switches the recorder and the watchdog on and off between blocks. The watchdog's heartbeats keep
+    the rate of a real job (one every ``heartbeat_s`` of the time it runs): a watchdog started afresh
+    heartbeats at once, which at every 20-step block would be ~9 times a job's rate."""
 
-    if on:
-        for name in _ENGINE_CALLS:
-            RECORDER.__dict__.pop(name, None)
-        collectives.install()
-        watchdog.start_watchdog()
-    else:
-        # Instance attributes shadow the methods: the engine's own recorder calls (its bucket
-        # all-reduces are planned ones) become no-ops.
-        for name in _ENGINE_CALLS:
-            setattr(RECORDER, name, _no_op)
-        collectives.uninstall()
-        watchdog.stop_watchdog()
+    def __init__(self) -> None:
+        self.on_s = 0.0
+        """Time the watchdog has run so far, over all "on" blocks."""
+        self._since: float | None = None
+
+    def set(self, on: bool) -> None:
+        from ddpscope.ddp import collectives, watchdog
+        from ddpscope.ddp.collectives import RECORDER
+
+        if on:
+            for name in _ENGINE_CALLS:
+                RECORDER.__dict__.pop(name, None)
+            collectives.install()
+            period = watchdog.heartbeat_setting()
+            watchdog.start_watchdog(first_heartbeat_s=period - self.on_s % period)
+            self._since = time.monotonic()
+        else:
+            # Instance attributes shadow the methods: the engine's own recorder calls (its bucket
+            # all-reduces are planned ones) become no-ops.
+            for name in _ENGINE_CALLS:
+                setattr(RECORDER, name, _no_op)
+            collectives.uninstall()
+            if self._since is not None:
+                self.on_s += time.monotonic() - self._since
+                self._since = None
+            watchdog.stop_watchdog()
 
 
 def _training(name: str, user_all_reduce: bool) -> tuple[Callable[[], None], str]:
@@ -138,16 +154,18 @@ def _step_bench(name: str, steps_per_arm: int, block: int, user_all_reduce: bool
     agent and watchdog threads). Each arm's figure is the median over its steps (blocks)."""
     import torch.distributed as dist
 
+    from bench.common import median_interval
     from ddpscope.ddp.collectives import RECORDER
 
     def numbered() -> int:  # collectives numbered so far, every group
         return sum(RECORDER.last_seq(pg) for pg in list(RECORDER._counters))
 
     step, engine = _training(name, user_all_reduce)
-    _set_mode(True)
+    mode = _Mode()
+    mode.set(True)
     for _ in range(20):  # warm-up, and the engine's bucket rebuild
         step()
-    _set_mode(False)
+    mode.set(False)
     for _ in range(5):
         step()
     dist.barrier()
@@ -159,7 +177,7 @@ def _step_bench(name: str, steps_per_arm: int, block: int, user_all_reduce: bool
     for r in range(max(1, steps_per_arm // block)):
         block_medians: dict[bool, float] = {}
         for on in (True, False) if r % 2 == 0 else (False, True):
-            _set_mode(on)
+            mode.set(on)
             before = numbered()
             times = []
             p0 = time.process_time_ns()
@@ -174,7 +192,7 @@ def _step_bench(name: str, steps_per_arm: int, block: int, user_all_reduce: bool
             if on:
                 recorded += numbered() - before
         pair_ratios.append(block_medians[True] / block_medians[False])
-    _set_mode(False)
+    mode.set(False)
     med = {k: {on: statistics.median(v[on]) for on in (True, False)} for k, v in
            (("wall", wall), ("thread", thread_cpu), ("process", process_cpu))}  # fmt: skip
     step_us = med["wall"][False]
@@ -189,6 +207,7 @@ def _step_bench(name: str, steps_per_arm: int, block: int, user_all_reduce: bool
         "step_us_on": med["wall"][True],
         "overhead_pct": (med["wall"][True] / step_us - 1) * 100,
         "block_pair_overhead_pct_iqr": [(quartiles[0] - 1) * 100, (quartiles[2] - 1) * 100],
+        "block_pair_overhead_pct_median_ci95": [(r - 1) * 100 for r in median_interval(pair_ratios)],
         "thread_cpu_us_off": med["thread"][False],
         "thread_cpu_added_us": med["thread"][True] - med["thread"][False],
         "process_cpu_us_off": med["process"][False],
@@ -221,12 +240,13 @@ def _wakeups_bench(steps: int) -> dict[str, Any]:
     included, for scale): the agent's and the watchdog's should be a handful. A step count, not a
     duration: every rank must issue the same collectives."""
     step, _ = _training("mlp", user_all_reduce=True)
-    _set_mode(True)
+    mode = _Mode()
+    mode.set(True)
     before, t0 = _switches(), time.monotonic()
     for _ in range(steps):
         step()
     after, elapsed = _switches(), time.monotonic() - t0
-    _set_mode(False)
+    mode.set(False)
     return {"wakeups_per_s": {k: round((v - before.get(k, 0)) / elapsed, 1) for k, v in after.items()}}
 
 
@@ -266,15 +286,16 @@ def _allreduce_bench(calls: int) -> dict[str, Any]:
     t = torch.ones(1)
     on: list[float] = []
     off: list[float] = []
+    mode = _Mode()
     for i in range(10):
-        for mode in (True, False) if i % 2 == 0 else (False, True):
-            _set_mode(mode)
+        for recording in (True, False) if i % 2 == 0 else (False, True):
+            mode.set(recording)
             dist.barrier()
             t0 = time.perf_counter_ns()
             for _ in range(calls):
                 dist.all_reduce(t)
-            (on if mode else off).append((time.perf_counter_ns() - t0) / calls)
-    _set_mode(False)
+            (on if recording else off).append((time.perf_counter_ns() - t0) / calls)
+    mode.set(False)
     return {
         "small_all_reduce_us_on": statistics.median(on) / 1e3,
         "small_all_reduce_us_off": statistics.median(off) / 1e3,
@@ -288,7 +309,7 @@ PLANS = {
 }
 
 
-def worker(quick: bool) -> None:
+def worker(quick: bool, steps_per_arm: int | None) -> None:
     import torch
     import torch.distributed as dist
 
@@ -299,6 +320,8 @@ def worker(quick: bool) -> None:
     dist.init_process_group("gloo")
     result: dict[str, Any] = {"rank": dist.get_rank()}
     for key, (steps, block) in PLANS[quick].items():
+        if steps_per_arm is not None and key == "engine_benchmark":
+            steps = steps_per_arm
         result[key] = _step_bench("mlp", steps, block, user_all_reduce=key == "with_user_all_reduce")
     result.update(_allreduce_bench(calls=100 if quick else 400))
     result.update(_wrapper_bench(calls=5_000 if quick else 50_000))
@@ -329,6 +352,9 @@ def _summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "step_overhead_pct": mean("overhead_pct"),
         "step_overhead_pct_per_rank": [r["overhead_pct"] for r in per_rank],
         "block_pair_overhead_pct_iqr_rank0": per_rank[0]["block_pair_overhead_pct_iqr"],
+        "block_pair_overhead_pct_median_ci95_per_rank": [
+            r["block_pair_overhead_pct_median_ci95"] for r in per_rank
+        ],
         "thread_cpu_added_us": mean("thread_cpu_added_us"),
         "thread_cpu_added_pct_of_step": mean("thread_cpu_added_us") / step_us * 100,
         "process_cpu_added_us": mean("process_cpu_added_us"),
@@ -342,19 +368,30 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="fewer steps: about a minute")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        metavar="N",
+        help="steps per arm of the engine benchmark's A/B (a 95 %% interval narrows as 1/sqrt(N))",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.quick)
+        worker(args.quick, args.steps)
         return
 
     from bench.common import check_ranks, machine, machine_line, run_module_ranks
 
     info = machine()
     print(machine_line(info))
-    argv = ["--worker"] + (["--quick"] if args.quick else [])
+    if args.steps is not None and args.steps < 40:
+        parser.error(f"--steps {args.steps}: the A/B needs at least 40 steps per arm (two 20-step blocks)")
+    argv = (
+        ["--worker"] + (["--quick"] if args.quick else []) + ([f"--steps={args.steps}"] if args.steps else [])
+    )
+    deadline_s = (300 if args.quick else 900) + (args.steps or 0) * 0.08  # ~2 x 11 ms a step, 4 x margin
     started = time.monotonic()
-    runs = run_module_ranks("bench.watchdog", 2, args=argv, timeout_s=300 if args.quick else 900)
+    runs = run_module_ranks("bench.watchdog", 2, args=argv, timeout_s=deadline_s)
     check_ranks(runs, "bench.watchdog")
     line = next(ln for ln in runs[0].stdout.splitlines() if ln.startswith("RESULT "))
     ranks = json.loads(line[len("RESULT ") :])
@@ -386,11 +423,15 @@ def main() -> None:
     ):
         a = ab[key]
         iqr = a["block_pair_overhead_pct_iqr_rank0"]
+        ci = "; ".join(
+            f"{lo:+.2f} .. {hi:+.2f}" for lo, hi in a["block_pair_overhead_pct_median_ci95_per_rank"]
+        )
         print(
             f"{label}: {a['steps_per_arm']} steps per arm, step {a['step_ms_off']:.2f} ms off, "
             f"{a['step_ms_on']:.2f} ms on: {a['step_overhead_pct']:+.2f} % wall (ranks "
             f"{', '.join(f'{x:+.2f}' for x in a['step_overhead_pct_per_rank'])} %; rank 0 block pairs' IQR "
-            f"{iqr[0]:+.1f} .. {iqr[1]:+.1f} %); CPU added per step: training thread "
+            f"{iqr[0]:+.1f} .. {iqr[1]:+.1f} %; median block pair's 95 % interval per rank {ci} %); "
+            "CPU added per step: training thread "
             f"{a['thread_cpu_added_us']:.0f} us ({a['thread_cpu_added_pct_of_step']:.2f} % of the step), "
             f"process {a['process_cpu_added_us']:.0f} us ({a['process_cpu_added_pct_of_step']:.2f} %); "
             f"{a['collectives_recorded_per_step']:.1f} collectives recorded a step"
