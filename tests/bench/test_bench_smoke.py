@@ -190,3 +190,18 @@ def test_the_replica_digest_row_gives_its_share_of_a_step_and_of_the_schedule() 
                                             "digest_pct_of_step": 3.03, "amortized_pct": 0.047}}}  # fmt: skip
     (row,) = rows_for("replicas", data)
     assert row.measured == "3.03 % (0.047 %)" and "every 64 steps" in row.figure and row.met is None
+
+
+def test_the_median_interval_covers_the_true_median_about_95_times_in_100() -> None:
+    import random
+
+    rng = random.Random(7)
+    trials = 1000
+    covered = sum(
+        lo <= 0.0 <= hi
+        for lo, hi in (common.median_interval([rng.gauss(0, 1) for _ in range(150)]) for _ in range(trials))
+    )
+    assert 0.92 <= covered / trials <= 0.98
+    assert common.median_interval([3.0]) == (3.0, 3.0)
+    with pytest.raises(ValueError, match="no values"):
+        common.median_interval([])
