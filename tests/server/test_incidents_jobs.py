@@ -110,8 +110,13 @@ def rank_main(scenario: str, steps: int, engine: str) -> None:  # pragma: no cov
                 time.sleep(0.3)
             continue
         optimizer.zero_grad(set_to_none=True)
-        nn.functional.mse_loss(model(x), y).backward()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
         optimizer.step()
+        if scenario == "skipped_call" and not (rank == 0 and step == FAULT_STEP):
+            # The loss averaged for logging, every step on every rank, but rank 0 skips it once: its next
+            # bucket all-reduce meets rank 1's call (gloo aborts on the sizes).
+            dist.all_reduce(loss.detach())  # SITE:logged_loss
         if scenario == "eval_grad" and rank == 0 and step == 1:
             model(x)  # an evaluation on rank 0 only that forgot no_grad: its step numbers run one ahead
     if scenario == "skip_backward" and rank == 1:
@@ -153,6 +158,7 @@ SCENARIOS = (
     "skip_backward",
     "diverged",
     "eval_grad",
+    "skipped_call",
 )
 WAIT_S = 90.0
 """Deadline for one diagnosis to show up; all the jobs run at once on a 2-core machine."""
@@ -331,6 +337,16 @@ def test_a_user_all_reduce_issued_on_one_rank_only_names_that_rank_and_its_line(
     m = jobs["one_rank_only"].wait_for("the extra all_reduce", lambda inc: kind(inc, "mismatch"))
     assert m[0]["culprit_ranks"] == [0], m
     assert (m[0]["call_site"] or "").endswith(site("one_rank_only")), m
+
+
+def test_a_rank_that_skipped_a_call_every_rank_makes_each_step_is_the_culprit_not_the_ranks_that_made_it(
+    jobs: dict[str, RealJob],
+) -> None:
+    # The mirror of one_rank_only: by sequence alone rank 1 issued one collective more. Every rank made the
+    # call in each earlier step, so the rank that went on to its next backward without it is at fault.
+    m = jobs["skipped_call"].wait_for("the skipped loss all_reduce", lambda inc: kind(inc, "mismatch"))
+    assert m[0]["culprit_ranks"] == [0], m
+    assert site("logged_loss") in m[0]["message"], m
 
 
 def test_same_shape_collectives_in_a_different_order_are_flagged(jobs: dict[str, RealJob]) -> None:
