@@ -6,8 +6,9 @@ trains them in alternating blocks (torch first in even rounds, ddpscope first in
 same machine noise. A step is forward + backward + SGD step, timed on rank 0. Models: an MLP of ~1 M
 parameters and a transformer encoder of ~11 M. Records go to the agent with an in-memory exporter.
 
-Target: median step time ratio ddpscope / torch <= 1.00. Prints the machine; writes
-bench/results/engine.json. ``--quick`` finishes in under two minutes on 2 cores.
+Target: median step time ratio ddpscope / torch <= 1.00. Also printed: a 95 % interval for the median of
+the per-round ratios (each round's median ddpscope step over its median torch step), which says what one
+run can resolve. Prints the machine; writes bench/results/engine.json. ``--quick`` finishes in under two minutes on 2 cores.
 
     .venv/bin/python -m bench.engine [--quick]
 """
@@ -94,6 +95,7 @@ def worker(quick: bool, out: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
+    from bench.common import median_interval
     from ddpscope import agent
     from ddpscope.ddp import DistributedDataParallel
 
@@ -130,10 +132,14 @@ def worker(quick: bool, out: str) -> None:
 
         for engine in engines:
             run(engine, warmup, keep=False)
+        round_ratios: list[float] = []
+        """Per round, the median ddpscope step of its block over the median torch step of its block."""
         for r in range(rounds):
             order = ["torch", "ddpscope"] if r % 2 == 0 else ["ddpscope", "torch"]
             for engine in order:
                 run(engine, block, keep=True)
+            ours, theirs = times["ddpscope"][-block:], times["torch"][-block:]
+            round_ratios.append(statistics.median(ours) / statistics.median(theirs))
         params = sum(p.numel() for p in theirs_module.parameters())
         med = {k: statistics.median(v) for k, v in times.items()}
         med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
@@ -144,6 +150,8 @@ def worker(quick: bool, out: str) -> None:
             "ratio": med["ddpscope"] / med["torch"],
             "median_training_thread_cpu_s": med_cpu,
             "cpu_ratio": med_cpu["ddpscope"] / med_cpu["torch"],
+            # What this run can resolve: a 95 % interval for the median round's ratio.
+            "round_ratio_ci95": list(median_interval(round_ratios)),
             "buckets": len(engines["ddpscope"].bucket_layout),
         }
         engines["ddpscope"].remove_hooks()
@@ -197,10 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     print("2 ranks, gloo, 1 thread per rank; median step time (forward + backward + SGD step)")
     for name, r in models.items():
         med = r["median_step_s"]
+        lo, hi = r["round_ratio_ci95"]
         print(
             f"  {name:<12} {r['parameters'] / 1e6:5.2f} M params, {r['buckets']} buckets: "
             f"torch {med['torch'] * 1e3:8.2f} ms  ddpscope {med['ddpscope'] * 1e3:8.2f} ms  "
-            f"ratio {r['ratio']:.3f} (training-thread CPU {r['cpu_ratio']:.3f}; {r['steps_per_engine']} steps each)"
+            f"ratio {r['ratio']:.3f} (median round's 95 % interval {lo:.3f} .. {hi:.3f}; training-thread CPU "
+            f"{r['cpu_ratio']:.3f}; {r['steps_per_engine']} steps each)"
         )
     worst = max(r["ratio"] for r in models.values())
     print(f"worst ratio {worst:.3f} (target <= {TARGET_RATIO:.2f}); wall {report['wall_s']} s")
