@@ -8,7 +8,8 @@ parameters and a transformer encoder of ~11 M. Records go to the agent with an i
 
 Target: median step time ratio ddpscope / torch <= 1.00. Also printed: a 95 % interval for the median of
 the per-round ratios (each round's median ddpscope step over its median torch step), which says what one
-run can resolve. Prints the machine; writes bench/results/engine.json. ``--quick`` finishes in under two minutes on 2 cores.
+run can resolve. Prints the machine; writes bench/results/engine.json. ``--quick`` finishes in under two
+minutes on 2 cores.
 
     .venv/bin/python -m bench.engine [--quick]
 """

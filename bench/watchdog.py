@@ -376,6 +376,8 @@ def main() -> None:
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.steps is not None and args.steps < 40:
+        parser.error(f"--steps {args.steps}: the A/B needs at least 40 steps per arm (two 20-step blocks)")
     if args.worker:
         worker(args.quick, args.steps)
         return
@@ -384,8 +386,6 @@ def main() -> None:
 
     info = machine()
     print(machine_line(info))
-    if args.steps is not None and args.steps < 40:
-        parser.error(f"--steps {args.steps}: the A/B needs at least 40 steps per arm (two 20-step blocks)")
     argv = (
         ["--worker"] + (["--quick"] if args.quick else []) + ([f"--steps={args.steps}"] if args.steps else [])
     )
