@@ -1,26 +1,37 @@
 """Step-time overhead of ``ddpscope.ddp.instrument()`` over stock torch DDP, measured side by side.
 
-Two ranks on gloo (one thread each). Every rank holds three copies of the same model: plain
-``torch.nn.parallel.DistributedDataParallel``; the same with a Python comm hook doing what torch's
-own ``allreduce_hook`` does (the floor for any Python comm hook: torch's C++ reducer then copies the
-gradients unscaled, so the hook scales the bucket in one more pass, and needs the GIL per bucket);
-and one ``instrument()``-ed, which registers no comm hook (torch's Reducer all-reduces through
-ddpscope's observed view of its process group), so it is not bound to that floor. The floor hook calls the process group directly: torch's
-``allreduce_hook`` goes through ``dist.all_reduce``, which ddpscope's collective recorder patches
-process-wide once ``instrument()`` ran, so in this process it would pay ddpscope's costs too.
-Records take the agent's default path (the write-ahead ring and the disk spool in a temporary folder; the shipper finds no collector), as in a real job; ``--exporter memory``
-keeps them in memory instead, where each durable collective record becomes a synchronous drain of
-the queue (no write-ahead ring), so that setting overstates the adapter's cost. Steps (forward +
-backward + SGD step) run in short blocks whose order rotates every round, so drift and noise from
-other processes hit all alike. Reported: median step time of each, overhead = median of the
-per-round ratios of block medians, and its spread (10th-90th percentile of those ratios); the same
-for CPU time per step, of the whole process (all threads of a rank) and of the training thread
-alone, which other processes on a loaded machine disturb less than wall time; and the adapter
-against torch's Python hook (below zero when observing costs less than any comm hook would).
-Target: <= 1 % step time.
+Two ranks on gloo (one thread each). Every rank holds five copies of the same model:
 
-    .venv/bin/python -m bench.adapter --quick    # MLP of ~1 M parameters, under 2 minutes
+- ``plain``: stock ``torch.nn.parallel.DistributedDataParallel``;
+- ``python_hook``: the same with a Python comm hook doing what torch's own ``allreduce_hook`` does (the
+  floor for any Python comm hook: torch's C++ reducer then copies the gradients unscaled, so the hook
+  scales the bucket in one more pass, and needs the GIL per bucket). It calls the process group
+  directly: ``dist.all_reduce``, which torch's hook goes through, is patched process-wide by ddpscope's
+  recorder once ``instrument()`` ran, so it would pay ddpscope's costs too;
+- ``param_hooks``: the same with a post-accumulate-grad hook that does nothing on every parameter: what
+  torch charges for the per-parameter ready times issue 7 asks for, before ddpscope does anything;
+- ``observed_group``: the same whose Reducer all-reduces through ``ObservedGroup`` with an observer that
+  only passes each call on: what seeing each bucket launch (and its Work) from Python costs;
+- ``instrumented``: ``instrument()``-ed. It registers no comm hook (torch's Reducer all-reduces through
+  ddpscope's observed view of its process group), so it is not bound to the first floor; it is bound
+  to the other two.
+
+Records take the agent's default path (the write-ahead ring and the disk spool in a temporary folder;
+the shipper finds no collector), as in a real job; ``--exporter memory`` keeps them in memory instead,
+where each durable collective record becomes a synchronous drain of the queue (no write-ahead ring), so
+that setting overstates the adapter's cost. Every block ends with the agent's worker spooling what the
+block emitted (``flush_local``), so that work counts in the process CPU of the variant that caused it.
+Steps (forward + backward + SGD step) run in short blocks whose order rotates every round, so drift and
+noise from other processes hit all alike. Reported: median step time of each, overhead = median of the
+per-round ratios of block medians, its spread (10th-90th percentile of those ratios) and a 95 %
+interval for that median (``bench.common.median_interval``); the same for CPU time per step, of the
+whole process (all threads of a rank) and of the training thread alone, which other processes on a
+loaded machine disturb less than wall time; and the adapter against each floor. Target: <= 1 % step
+time.
+
+    .venv/bin/python -m bench.adapter --quick    # MLP of ~1 M parameters, about 2 minutes
     .venv/bin/python -m bench.adapter            # + a transformer of ~11 M parameters
+    .venv/bin/python -m bench.adapter --quick --steps 3000   # a longer MLP A/B, a narrower interval
 
 Writes bench/results/adapter.json.
 """
@@ -38,10 +49,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import check_ranks, machine, machine_line, rotations, run_module_ranks, write_result
+from bench.common import (
+    check_ranks,
+    machine,
+    machine_line,
+    median_interval,
+    rotations,
+    run_module_ranks,
+    write_result,
+)
 from tests.support.procs import free_port
 
 TARGET = 0.01
+MLP_BLOCK = 10
+"""MLP steps per block: a round runs one block of each variant."""
 
 
 # -- worker (one per rank) -----------------------------------------------------------------------
@@ -71,15 +92,29 @@ def build(kind: str) -> tuple[Any, Any]:
     return Transformer(), lambda g: torch.randint(0, 1000, (8, 64), generator=g)
 
 
-VARIANTS = ("plain", "python_hook", "instrumented")
-"""``python_hook``: stock DDP with torch's ``allreduce_hook`` minus ``dist.all_reduce``'s wrapper."""
+VARIANTS = ("plain", "python_hook", "param_hooks", "observed_group", "instrumented")
+"""``python_hook``: stock DDP with torch's ``allreduce_hook`` minus ``dist.all_reduce``'s wrapper.
+``param_hooks``: stock DDP with a post-accumulate-grad hook on every parameter that does nothing: what
+torch charges for the per-parameter ready times issue 7 asks for, before ddpscope does anything.
+``observed_group``: stock DDP whose Reducer all-reduces through ``ObservedGroup`` with an observer that
+only forwards to the real group: what seeing each bucket launch (and its Work) costs before ddpscope
+records anything."""
 
 COMPARED = {
     "python_hook": ("python_hook", "plain"),
+    "param_hooks": ("param_hooks", "plain"),
     "instrumented": ("instrumented", "plain"),
     "instrumented_vs_python_hook": ("instrumented", "python_hook"),
+    "observed_group": ("observed_group", "plain"),
+    "instrumented_vs_param_hooks": ("instrumented", "param_hooks"),
+    "instrumented_vs_observed_group": ("instrumented", "observed_group"),
 }
-"""Ratio name -> (variant, baseline): the last one is what the adapter adds beyond the Python hook."""
+"""Ratio name -> (variant, baseline): the last two are what the adapter adds beyond each floor."""
+
+
+def no_op_hook(param):  # type: ignore[no-untyped-def]
+    """The cheapest post-accumulate-grad hook: torch still takes the GIL and calls into Python."""
+    return None
 
 
 # No annotations: torch checks them against dist.GradBucket and Future at registration, and
@@ -99,10 +134,19 @@ def measure(kind: str, rounds: int, block: int, warmup: int) -> dict[str, Any]:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from ddpscope.agent import get_agent
     from ddpscope.ddp.adapter import instrument
+    from ddpscope.ddp.adapter_group import ObservedGroup
+
+    flush_local = get_agent().flush_local
 
     models = {name: DDP(build(kind)[0]) for name in VARIANTS}
     models["python_hook"].register_comm_hook(None, floor_hook)
+    for param in models["param_hooks"].parameters():
+        param.register_post_accumulate_grad_hook(no_op_hook)
+    inner = models["observed_group"].process_group
+    observed = ObservedGroup(inner, inner.allreduce)
+    models["observed_group"].reducer._update_process_group(observed)
     instrument(models["instrumented"])
     make_batch = build(kind)[1]
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
@@ -127,6 +171,9 @@ def measure(kind: str, rounds: int, block: int, warmup: int) -> dict[str, Any]:
             opt.step()
             opt.zero_grad(set_to_none=True)
             out.append(time.perf_counter() - t0)
+        # The agent's worker turns this block's records into spool lines now, inside this block's
+        # process CPU: left to its next round, it would run in whichever variant's block came next.
+        flush_local()
         if keep:
             times[name].extend(out)
             cpu[name].append((time.process_time() - cpu0) / n)
@@ -157,13 +204,20 @@ def measure(kind: str, rounds: int, block: int, warmup: int) -> dict[str, Any]:
         "step_s_p10_p90": {k: spread(v) for k, v in times.items()},
         "overhead": {k: round(statistics.median(v) - 1, 5) for k, v in ratios.items()},
         "overhead_p10_p90": {k: [round(q - 1, 5) for q in spread(v)] for k, v in ratios.items()},
+        "overhead_ci95": {k: [round(q - 1, 5) for q in median_interval(v)] for k, v in ratios.items()},
         "median_cpu_per_step_s": {k: round(statistics.median(v), 6) for k, v in cpu.items()},
         "cpu_overhead": {k: round(statistics.median(v) - 1, 5) for k, v in cpu_ratios.items()},
         "cpu_overhead_p10_p90": {k: [round(q - 1, 5) for q in spread(v)] for k, v in cpu_ratios.items()},
+        "cpu_overhead_ci95": {
+            k: [round(q - 1, 5) for q in median_interval(v)] for k, v in cpu_ratios.items()
+        },
         "median_thread_cpu_per_step_s": {k: round(statistics.median(v), 6) for k, v in thread_cpu.items()},
         "thread_cpu_overhead": {k: round(statistics.median(v) - 1, 5) for k, v in thread_ratios.items()},
         "thread_cpu_overhead_p10_p90": {
             k: [round(q - 1, 5) for q in spread(v)] for k, v in thread_ratios.items()
+        },
+        "thread_cpu_overhead_ci95": {
+            k: [round(q - 1, 5) for q in median_interval(v)] for k, v in thread_ratios.items()
         },
     }
 
@@ -204,14 +258,25 @@ def main(argv: list[str] | None = None) -> int:
         default="spool",
         help="where records go: the agent's default spool (as in a real job) or memory",
     )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        metavar="N",
+        help="MLP steps per variant (default 400, --quick 200; a 95 %% interval narrows as 1/sqrt(N))",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.steps is not None and args.steps < MLP_BLOCK * 10:
+        parser.error(
+            f"--steps {args.steps}: the A/B needs at least {MLP_BLOCK * 10} steps per variant (ten rounds)"
+        )
     if args.worker:
         worker(json.loads(args.plan), args.worker, args.exporter)
         return 0
 
-    plan = [{"kind": "mlp", "rounds": 30 if args.quick else 80, "block": 4, "warmup": 10}]
+    mlp_steps = args.steps or (200 if args.quick else 400)
+    plan = [{"kind": "mlp", "rounds": -(-mlp_steps // MLP_BLOCK), "block": MLP_BLOCK, "warmup": 10}]
     if not args.quick:
         plan.append({"kind": "transformer", "rounds": 10, "block": 3, "warmup": 3})
     info = machine()
@@ -231,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             2,
             args=["--worker", out, "--plan", json.dumps(plan), "--exporter", args.exporter],
             env=env,
-            timeout_s=220 if args.quick else 1400,
+            # ~11 ms a step and a flush a block, times the variants, with a 3 x margin.
+            timeout_s=(220 if args.quick else 1400) + mlp_steps * len(VARIANTS) * 0.04,
         )
         check_ranks(runs, "bench.adapter")
         measured = json.loads(Path(out).read_text())
@@ -249,15 +315,18 @@ def main(argv: list[str] | None = None) -> int:
                 ("training-thread CPU", "thread_cpu_overhead"),
             ):
                 clo, chi = m[f"{key}_p10_p90"][k]
+                ilo, ihi = m[f"{key}_ci95"][k]
                 print(
                     f"  {variant} vs {base}, {label}: {m[key][k] * 100:+.2f} % "
-                    f"(p10..p90 {clo * 100:+.2f} .. {chi * 100:+.2f} %)"
+                    f"(p10..p90 {clo * 100:+.2f} .. {chi * 100:+.2f} %; 95 % interval {ilo * 100:+.2f} .. "
+                    f"{ihi * 100:+.2f} %)"
                 )
             lo, hi = band[k]
+            clo, chi = m["overhead_ci95"][k]
             print(
                 f"  {variant} vs {base}, step time: {over[k] * 100:+.2f} % (per-round ratios p10..p90 "
-                f"{lo * 100:+.2f} .. {hi * 100:+.2f} %)"
-                + (f"  target <= {TARGET * 100:.0f} %" if k == "instrumented" else "")
+                f"{lo * 100:+.2f} .. {hi * 100:+.2f} %; the median's 95 % interval {clo * 100:+.2f} .. "
+                f"{chi * 100:+.2f} %)" + (f"  target <= {TARGET * 100:.0f} %" if k == "instrumented" else "")
             )
     path = write_result(
         "adapter",

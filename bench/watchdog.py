@@ -7,7 +7,8 @@ installed, engine collectives recorded, watchdog thread running) and "off" (no p
 recorder calls made no-ops, no watchdog), the order flipping every round, until each arm has 3,000
 steps (``--quick``: 400). The agent runs in both arms with an exporter that discards (its transport is
 measured by its own bench) but keeps the real write-ahead ring, so a durable collective record costs
-what it costs in a job. Per arm: the median step's wall time, the training thread's CPU time per step,
+what it costs in a job; every block ends with the worker handling what the block emitted
+(``flush_local``), so its CPU counts in the arm that caused it. Per arm: the median step's wall time, the training thread's CPU time per step,
 and the whole process's CPU per step (training, gloo, agent and watchdog threads). A second A/B adds a
 user ``all_reduce`` of the loss each step, as training loops do for logging (one more collective
 recorded a step; not the target's workload).
@@ -155,7 +156,10 @@ def _step_bench(name: str, steps_per_arm: int, block: int, user_all_reduce: bool
     import torch.distributed as dist
 
     from bench.common import median_interval
+    from ddpscope.agent import get_agent
     from ddpscope.ddp.collectives import RECORDER
+
+    flush_local = get_agent().flush_local
 
     def numbered() -> int:  # collectives numbered so far, every group
         return sum(RECORDER.last_seq(pg) for pg in list(RECORDER._counters))
@@ -186,6 +190,9 @@ def _step_bench(name: str, steps_per_arm: int, block: int, user_all_reduce: bool
                 step()
                 thread_cpu[on].append((time.thread_time_ns() - c0) / 1e3)
                 times.append((time.perf_counter_ns() - t0) / 1e3)
+            # The agent's worker handles this block's records now, inside this block's process CPU: left
+            # to its next round (every 0.25 s, about a block), it would run in the other arm's block.
+            flush_local()
             process_cpu[on].append((time.process_time_ns() - p0) / block / 1e3)
             wall[on].extend(times)
             block_medians[on] = statistics.median(times)
