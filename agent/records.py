@@ -38,6 +38,8 @@ the job could never be opened). Other characters are stored and shown as inert t
 also have no control character (agent/config.py)."""
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """Integers must fit the collector's BIGINT columns."""
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+"""A rank and a ``rank_start``'s world size must fit its INTEGER columns (PostgreSQL refuses more)."""
 
 # Field type codes. Kept as strings so the spec can be printed in errors and docs as it is.
 INT, FLOAT, STR, BOOL = "int", "float", "str", "bool"
@@ -770,6 +772,12 @@ def validate_record(record: Any, where: str = "record") -> str:
     _check_fields(where, record, RECORD_KINDS[kind])
     if record["seq"] < 0 or record["rank"] < 0:
         raise RecordError(f"{where}: seq and rank must be >= 0")
+    if record["rank"] > INT32_MAX:
+        raise RecordError(f"{where}.rank: {record['rank']} is not a rank (at most {INT32_MAX})")
+    if kind == "rank_start" and not INT32_MIN <= record["world_size"] <= INT32_MAX:
+        raise RecordError(
+            f"{where}.world_size: {record['world_size']} is not a world size (at most {INT32_MAX})"
+        )
     if kind == "step":
         problem = step_arrays_problem("arrays" in record, [name in record for name in STEP_ARRAYS])
         if problem:

@@ -37,6 +37,10 @@ _SCALARS: dict[str, Any] = {
 }
 
 _NON_NEGATIVE = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+_RANK = Annotated[int, msgspec.Meta(ge=0, le=wire.INT32_MAX)]
+"""Ranks and world sizes go into INTEGER columns: PostgreSQL refuses more, which would be a 503 the agent
+retries forever (the wire format's ``validate_record`` says the same)."""
+_WORLD_SIZE = Annotated[int, msgspec.Meta(ge=wire.INT32_MIN, le=wire.INT32_MAX)]
 
 
 def _key_string(max_length: int, pattern: str | None = None) -> Any:
@@ -70,7 +74,7 @@ def _struct_fields(fields: tuple[wire.Field, ...], owner: str) -> list[tuple[Any
     # Required fields first: msgspec (like dataclasses) wants defaults last.
     out: list[tuple[Any, ...]] = []
     for f in sorted(fields, key=lambda f: not f.required):
-        t = _field_type(f, owner)
+        t = _WORLD_SIZE if (owner, f.name) == ("rank_start", "world_size") else _field_type(f, owner)
         out.append((f.name, t) if f.required else (f.name, t, msgspec.UNSET))
     return out
 
@@ -81,7 +85,10 @@ def _struct(name: str, fields: tuple[wire.Field, ...], **kw: Any) -> type[msgspe
 
 def _record_struct(kind: str) -> type[msgspec.Struct]:
     envelope = [
-        (f.name, _NON_NEGATIVE if f.name in ("rank", "seq") else _field_type(f, "envelope"))
+        (
+            f.name,
+            _RANK if f.name == "rank" else _NON_NEGATIVE if f.name == "seq" else _field_type(f, "envelope"),
+        )
         for f in wire.ENVELOPE
         if f.name != "kind"  # the tag: msgspec picks the struct from it
     ]

@@ -176,3 +176,16 @@ def test_packing_refuses_values_beyond_int64_and_leaves_the_record_for_validatio
     assert wire.packed_step_record(huge) == huge
     with pytest.raises(wire.RecordError, match="bucket_bytes"):
         wire.validate_record(huge)
+
+
+def test_a_rank_or_world_size_beyond_the_integer_columns_is_refused_by_both_validators():
+    # PostgreSQL stores ranks and world sizes as INTEGER: more would be a database error (a 503 the agent
+    # retries forever) instead of a 422 naming the field. Found by the ingest fuzzer on PostgreSQL.
+    start = next(r for r in synth_job(1, 1, 1) if r["kind"] == "rank_start")
+    for record, ok in (
+        ({**start, "rank": 2**31 - 1}, True),
+        ({**start, "rank": 2**31}, False),
+        ({**start, "world_size": 2**31}, False),
+        ({**start, "world_size": 2**31 - 1}, True),
+    ):
+        assert (_accepts_fast(record), _accepts_reference(record)) == (ok, ok), record
