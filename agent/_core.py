@@ -29,6 +29,7 @@ from ddpscope.agent._errors import swallowed
 from ddpscope.agent.clock import now_ns
 from ddpscope.agent.config import Config
 from ddpscope.agent.exporters import Exporter, ExportResult, InMemoryExporter
+from ddpscope.agent.implied import IMPLIES_KEY, Implies, implied_records
 from ddpscope.agent.records import ENVELOPE, RECORD_KINDS, URGENT_KINDS, RecordError, validate_record
 from ddpscope.agent.ring import SLOTS, encode_template, fill
 from ddpscope.agent.template import RecordTemplate
@@ -274,6 +275,8 @@ class Agent:
 
     def _encode(self, template: RecordTemplate) -> Any:
         fixed = {"rank": self._rank, **template.fixed, "job": self._job, "stream": self.stream}
+        if template.implies is not None:
+            fixed[IMPLIES_KEY] = template.implies  # for the shipper's replay of the ring
         return encode_template(fixed, template.variables)
 
     def _build(self, template: RecordTemplate, s: int, t: int, values: tuple[int, ...]) -> dict[str, Any]:
@@ -378,7 +381,10 @@ class Agent:
             if t < 0:
                 ringed += t != TEMPLATED_QUEUED
                 if t != STAMPED:
-                    batch.append(self._build(*record))  # checked once, when the template was made
+                    built = self._build(*record)  # checked once, when the template was made
+                    batch.append(built)
+                    if record[0].implies is not None:
+                        batch.extend(self._implied(record[0].implies, built))
                     continue
             out = record if t == STAMPED else self._stamp(t, record)
             if out is not None:
@@ -388,6 +394,18 @@ class Agent:
                 self._send(batch)
         finally:
             self._ring_spooled += ringed  # written or lost: either way no longer waiting behind the ring
+
+    def _implied(self, implies: Implies, built: dict[str, Any]) -> list[dict[str, Any]]:
+        """The records ``built`` implies (``agent/implied.py``), envelope and all, checked like any."""
+        try:
+            out = implied_records(implies, built)
+            if self.config.validate:
+                for r in out:
+                    self._check(r)
+            return out
+        except Exception:
+            swallowed("implied records")
+            return []
 
     def _stamp(self, t: int, record: Any) -> dict[str, Any] | None:
         try:

@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ddpscope.agent import spool
+from ddpscope.agent.implied import IMPLIES_KEY, implied_records
 
 logger = logging.getLogger(__name__)
 
@@ -278,7 +279,11 @@ def read_ring(directory: str, prefix: str, slot_bytes: int = SLOT_BYTES) -> list
         if magic in (TEMPLATE_MAGIC, REF_MAGIC):
             record = _read_templated(buf, at, slot_bytes, templates)
             if record is not None:
+                implies = record.pop(IMPLIES_KEY, None)
                 out.append(record)
+                if implies is not None:
+                    with contextlib.suppress(Exception):  # a damaged implication loses only itself
+                        out.extend(implied_records(tuple(implies), record))
             continue
         body = at + header.size
         if magic != spool.MAGIC or body + length > at + slot_bytes:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ddpscope.agent.implied import Implies
 from ddpscope.agent.records import RECORD_KINDS, URGENT_KINDS, RecordError, validate_record
 from ddpscope.agent.ring import Variable, fill, width
 
@@ -36,7 +37,7 @@ class RecordTemplate:
     built from it need no per-record check. Raises ``ValueError`` naming what is wrong.
     """
 
-    __slots__ = ("fixed", "variables", "width", "time_index", "encoded")
+    __slots__ = ("fixed", "variables", "width", "time_index", "encoded", "implies")
 
     def __init__(
         self, fixed: Mapping[str, Any], variables: Sequence[Variable], *, time_field: str | None = None
@@ -66,6 +67,9 @@ class RecordTemplate:
         self.encoded: Any = None
         """The agent's encoding for its write-ahead ring, with the stream it was made for (an agent
         incarnation encodes it at its first use: the envelope is part of the bytes)."""
+        self.implies: Implies | None = None
+        """What each record of this template implies (``agent/implied.py``): records the worker makes
+        from it and sends after it, and the shipper makes again from the ring after a crash."""
         try:
             validate_record({**_ENVELOPE_SAMPLE, **self.expand((1,) * self.width)})
         except RecordError as e:

@@ -61,6 +61,8 @@ MAX_USER_PLANS = 256
 _UNSEEN = object()
 _UNPLANNABLE = object()
 RING_SIZE = 2000
+FOLD_WAIT_NS = 1_000_000_000
+"""How long a folded end waits for its step record before the hang watchdog emits it on its own."""
 """Recent collectives kept in memory for the hang report (torch's Flight Recorder keeps 2000 too)."""
 
 # torch's ``Join`` (uneven inputs): a rank that ran out of data shadows its peers' collectives from
@@ -87,12 +89,14 @@ class PlannedCollective:
     instead of a dict, which with the caches cold from the backward pass costs ~30 us a bucket instead
     of ~105 us (``bench/cost_accounting.py``)."""
 
-    __slots__ = ("pg", "fixed", "begin", "end")
+    __slots__ = ("pg", "fixed", "begin", "end", "folded")
 
-    def __init__(self, pg: str, fixed: dict[str, Any], stepped: bool = True) -> None:
+    def __init__(self, pg: str, fixed: dict[str, Any], stepped: bool = True, folded: bool = False) -> None:
         self.pg = pg
         self.fixed = fixed
         """The begin record's fields but coll_seq, start_ns and step."""
+        self.folded = folded
+        """Its successful ends travel in the step record (see ``CollectiveRecorder.end_planned``)."""
         self.begin: RecordTemplate | None = None
         self.end: RecordTemplate | None = None
         try:
@@ -148,6 +152,8 @@ class CollectiveRecorder:
         self._ring: collections.deque[dict[str, Any] | _Planned] = collections.deque(maxlen=ring_size)
         """Records, or for planned collectives (plan, seq, start_ns, step): built only when read."""
         self._ends: collections.deque[tuple[str, int, int, bool]] = collections.deque(maxlen=ring_size)
+        self._folded: collections.deque[tuple[PlannedCollective, int, int]] = collections.deque()
+        """(plan, seq, end_ns) of folded ends whose step record is not out yet (``end_planned``)."""
         self._pending: dict[tuple[str, int], Any] = {}
         """Async user collectives (pg, seq) -> torch Work, ended by ``waited()`` or ``poll()``."""
         self._pending_ids: dict[int, tuple[str, int]] = {}
@@ -278,9 +284,11 @@ class CollectiveRecorder:
         call_site: str | None = None,
         root: int | None = None,
         stepped: bool = True,
+        folded: bool = False,
     ) -> PlannedCollective:
         """The plan of a collective issued again and again with these fields (see ``PlannedCollective``);
-        ``stepped``: its calls pass ``begin_planned`` a step (the engine's), else None (a user's)."""
+        ``stepped``: its calls pass ``begin_planned`` a step (the engine's), else None (a user's);
+        ``folded``: the caller's step record carries its ends (``end_planned``)."""
         fixed: dict[str, Any] = {
             "kind": "collective",
             "pg": pg,
@@ -296,7 +304,7 @@ class CollectiveRecorder:
             fixed["group_ranks"] = ranks
         if root is not None:
             fixed["root"] = root
-        return PlannedCollective(pg, fixed, stepped)
+        return PlannedCollective(pg, fixed, stepped, folded)
 
     def begin_user(
         self,
@@ -369,7 +377,16 @@ class CollectiveRecorder:
         return seq
 
     def end_planned(self, plan: PlannedCollective, seq: int) -> None:
-        """``end(ok=True)`` for a planned collective (a failure goes through ``end``). Never raises."""
+        """``end(ok=True)`` for a planned collective (a failure goes through ``end``). Never raises.
+
+        A ``folded`` plan's end is not emitted here: the engine's step record, made moments later on the
+        same thread, carries each bucket's sequence number and end time, and the agent's worker makes the
+        ``collective_end`` records from it (``agent/implied.py``; the shipper too, from the write-ahead ring
+        after a crash). That spares the training thread a
+        ring write and the worker a record per bucket, ~40 % of what the recorder costs a step. Until the
+        step record is out the end waits here (``settle_folded``); a step that ends otherwise gets its ends
+        emitted as ever: by a failed collective (``end``), the hang watchdog (``flush_folded``, after
+        ``FOLD_WAIT_NS`` or with its hang report) or the engine's own error path."""
         if plan.end is None:
             self.end(plan.pg, seq)
             return
@@ -379,9 +396,44 @@ class CollectiveRecorder:
             progress.inflight.pop((plan.pg, seq), None)
             progress.counter += 1
             self._ends.append((plan.pg, seq, end_ns, True))
-            emit_templated(plan.end, (seq, end_ns))
+            if plan.folded:
+                self._folded.append((plan, seq, end_ns))
+            else:
+                emit_templated(plan.end, (seq, end_ns))
         except Exception:
             self._failed("end")
+
+    def settle_folded(self, carried: bool) -> None:
+        """The step record is out: ``carried``, it holds the folded ends (made into records by the agent's
+        worker), else (it went out the ordinary way, without them) they are emitted now. Never raises."""
+        if not self._folded:
+            return
+        if carried:
+            self._folded.clear()
+        else:
+            self.flush_folded()
+
+    def settle_abandoned(self) -> None:
+        """At the start of a step: folded ends still waiting belong to a step whose record never came (its
+        backward raised); the next record will not carry them, so they go out now. Never raises."""
+        if self._folded:
+            self.flush_folded()
+
+    def flush_folded(self, before_ns: int | None = None) -> None:
+        """Emit the folded ends still waiting for a step record (those that ended before ``before_ns``, or
+        all): the watchdog's and the error paths' way to say a bucket all-reduce is over when no step record
+        will say it soon. An end emitted twice (here and by the step record) is stored once. Safe from any
+        thread; never raises."""
+        folded = self._folded
+        try:
+            while folded and (before_ns is None or folded[0][2] < before_ns):
+                plan, seq, end_ns = folded.popleft()
+                if plan.end is not None:
+                    emit_templated(plan.end, (seq, end_ns))
+        except IndexError:
+            pass  # the training thread settled them meanwhile
+        except Exception:
+            self._failed("flush_folded")
 
     def _number(self, pg: str) -> int:
         """The next sequence number on ``pg``; first ends the async collectives that completed, so
@@ -401,6 +453,8 @@ class CollectiveRecorder:
         ``durable``: the clock's ping-pong, which times the gap the ring write would add). Safe from
         any thread."""
         try:
+            if not ok and self._folded:
+                self.flush_folded()  # this step's record will not come: its finished buckets say so first
             end_ns = now_ns()
             progress = self.progress
             progress.inflight.pop((pg, seq), None)
@@ -591,6 +645,7 @@ class CollectiveRecorder:
         self._counters.clear()
         self._ring.clear()
         self._ends.clear()
+        self._folded.clear()
         self._pending.clear()
         self._pending_ids.clear()
         self.progress.inflight.clear()

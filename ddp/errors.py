@@ -34,7 +34,7 @@ from types import TracebackType
 from typing import Any, NoReturn
 
 from ddpscope.agent import emit, get_agent, lifecycle
-from ddpscope.ddp.collectives import disabled
+from ddpscope.ddp.collectives import RECORDER, disabled
 from ddpscope.ddp.progress import PROGRESS
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,8 @@ def report_error(
             if fatal:
                 # The agent's own last-resort excepthook skips exceptions marked this way.
                 setattr(exc, _AGENT_MARK, True)
+        # Bucket all-reduces that ended in a step whose record will not come now: said before the error.
+        RECORDER.settle_abandoned()
         if where is None:
             stack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         else:

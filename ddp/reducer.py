@@ -147,6 +147,12 @@ class Reducer:
             for pos, i in enumerate(b.param_indices):
                 self.where[i] = (b, pos)
         self.timer.set_buckets([b.nbytes for b in self.buckets])
+        # GPU buckets are timed with CUDA events (cuda_timing.py); None keeps the CPU path free of checks.
+        on_gpu = any(b.device.type == "cuda" for b in self.buckets)
+        # On the CPU each bucket's end is recorded on this thread just before the step record, which then
+        # carries it (``CollectiveRecorder.end_planned``); CUDA's event times arrive later, on their own.
+        fold = not on_gpu
+        self.timer.ends_pg = self.pg if fold else None
         self.plans = [
             RECORDER.plan(
                 self.pg,
@@ -154,12 +160,11 @@ class Reducer:
                 reduce_op="SUM",
                 shapes=[list(b.buffer.shape)],
                 dtypes=[dtype_name(b.dtype)],
+                folded=fold,
             )
             for b in self.buckets
         ]
         """Each bucket's all-reduce as the recorder plans it (its records made once per layout)."""
-        # GPU buckets are timed with CUDA events (cuda_timing.py); None keeps the CPU path free of checks.
-        on_gpu = any(b.device.type == "cuda" for b in self.buckets)
         self.cuda = CudaBucketEvents(len(self.buckets)) if on_gpu else None
         self._lendable = (
             [] if self.as_view else [b.param_indices[pos] for b in self.buckets for pos in b.lendable]
@@ -464,7 +469,9 @@ class Reducer:
                     self._finalize_synced()
                 except Exception as exc:
                     # Said while the rank is still in the step it failed in (a peer died mid all-reduce):
-                    # the record then carries that step so far, of which no step record will come.
+                    # the record then carries that step so far, of which no step record will come. Nor
+                    # will the ends it would have carried: they go out on their own, first.
+                    RECORDER.flush_folded()
                     errors.report_error(exc, fatal=False)
                     raise
             else:

@@ -88,6 +88,7 @@ class StepTimer:
         "_blocked_between",
         "_blocked_at_start",
         "_blocked_at_forward_end",
+        "ends_pg",
     )
 
     def __init__(self, rank: int, bucket_bytes: Sequence[int] = ()) -> None:
@@ -101,6 +102,10 @@ class StepTimer:
         self._blocked_at_end: int | None = None
         """Its value when the previous step's record was made: the start of the between-steps span."""
         self._blocked_between = self._blocked_at_start = self._blocked_at_forward_end = 0
+        self.ends_pg: str | None = None
+        """The group of the bucket all-reduces whose ends this timer's step records carry (the recorder
+        folded them: ``CollectiveRecorder.end_planned``); None: their ends go out on their own. Set by the
+        engine before its first step."""
 
     def set_buckets(self, bucket_bytes: Sequence[int]) -> None:
         """Call after every (re)layout; takes effect from the next ``forward_start``."""
@@ -117,6 +122,7 @@ class StepTimer:
         self._order: list[int] = []
 
     def forward_start(self, step: int, synced: bool = True, t_ns: int | None = None) -> None:
+        RECORDER.settle_abandoned()
         self.step = step
         self.synced = synced
         self._reset_buckets()
@@ -198,10 +204,12 @@ class StepTimer:
                     values = (*values, *self._ready, *self._launch, *self._done, *order, *self._seqs)
                 if len(values) == template.width:
                     agent.emit_templated(template, values)
+                    RECORDER.settle_folded(carried=template.implies is not None)
                     return
         except Exception:  # the record below is the same one; only its durability is at stake
             pass
         agent.emit(self.finish(unused_parameters, end))
+        RECORDER.settle_folded(carried=False)
 
     def _blocked_spans(self) -> tuple[int, int, int]:
         """Time blocked in other collectives (between steps, in forward, in backward) in this step;
@@ -241,6 +249,8 @@ class StepTimer:
             template: RecordTemplate | None = RecordTemplate(fixed, variables)
         except ValueError:
             template = None
+        if template is not None and order_length >= 0 and self.ends_pg is not None:
+            template.implies = ("bucket_ends", self.ends_pg)  # agent/implied.py makes the ends
         self._templates[key] = template
         return template
 

@@ -63,10 +63,11 @@ from types import FrameType
 from typing import Any
 
 from ddpscope.agent import emit, emit_durable, get_agent
+from ddpscope.agent.clock import now_ns
 from ddpscope.agent.config import MIN_HANG_TIMEOUT_S, hang_timeout_from_env, heartbeat_from_env
 from ddpscope.agent.torch_waits import torch_wait
 from ddpscope.ddp import errors, setup_wait
-from ddpscope.ddp.collectives import RECORDER, CollectiveRecorder, disabled
+from ddpscope.ddp.collectives import FOLD_WAIT_NS, RECORDER, CollectiveRecorder, disabled
 from ddpscope.ddp.hang_text import hang_message
 from ddpscope.ddp.progress import PROGRESS, Progress
 from ddpscope.ddp.stacks import current_frames, thread_stacks
@@ -307,6 +308,9 @@ class Watchdog:
         """One sample: end completed async collectives, heartbeat if due, detect or resolve a hang."""
         now = self._clock()
         self._recorder.poll()
+        # Bucket ends folded into a step record that has not come within a second (a rank stuck after its
+        # all-reduces): said on their own, or the collector would count them as waits.
+        self._recorder.flush_folded(before_ns=now_ns() - FOLD_WAIT_NS)
         progress = self._progress
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.heartbeat_s
@@ -410,6 +414,7 @@ class Watchdog:
 
     def _report(self, stalled_s: float) -> None:
         progress = self._progress
+        self._recorder.flush_folded()  # what ended is said before the report of what did not
         try:
             pending = [_pending_wire(b) for b in progress.pending_buckets()]
         except Exception:  # the engine's callback must not cost us the report

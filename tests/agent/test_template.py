@@ -256,3 +256,51 @@ def test_a_value_that_is_no_int64_is_refused_by_the_ring(tmp_path: Path) -> None
     assert not w.put_templated(frame(), 1, 1, (1, 1, None))  # type: ignore[arg-type]
     assert not w.put_templated(frame(), 2, 2, (1, 1, 2**64))
     w.close()
+
+
+STEP_FIXED = {
+    "kind": "step", "synced": True, "unused_parameters": [], "bucket_bytes": [64, 64, 64],
+}  # fmt: skip
+STEP_VARIABLES = (
+    "step", "forward_start_ns", "forward_end_ns", "backward_start_ns", "backward_end_ns", "blocked_between_ns",
+    "blocked_forward_ns", "blocked_backward_ns", ("bucket_ready_ns", 3), ("allreduce_start_ns", 3),
+    ("allreduce_end_ns", 3), ("ready_order", 3), ("collective_seqs", 3),
+)  # fmt: skip
+STEP_VALUES = (5, 10, 20, 30, 90, 0, 0, 0, 40, 50, 60, 41, 51, 61, 70, 80, 0, 2, 1, 0, 11, 12, 13)
+"""Bucket 2 never ended (0): it implies no end."""
+
+
+def test_a_step_record_implies_its_buckets_ends_in_the_spool_and_again_when_read_from_the_ring(
+    tmp_path: Path,
+) -> None:
+    a = spool_agent(tmp_path, "implies")
+    try:
+        step = RecordTemplate(STEP_FIXED, STEP_VARIABLES)
+        step.implies = ("bucket_ends", "pg:3")
+        assert agent.emit_templated(step, STEP_VALUES)
+        from_ring = sorted(ring.read_ring(str(tmp_path), a.exporter.prefix), key=lambda r: r["seq"])
+        assert a.flush_local(10.0)
+        in_spool = sorted(
+            (r for r in spooled(tmp_path) if r["kind"] in ("step", "collective_end")), key=lambda r: r["seq"]
+        )
+        assert from_ring == in_spool  # one idempotency key each: the collector stores them once
+        made, *ends = in_spool
+        assert made["kind"] == "step" and "\x00implies" not in made
+        assert [(e["pg"], e["coll_seq"], e["end_ns"], e["time_ns"], e["ok"]) for e in ends] == [
+            ("pg:3", 11, 70, 70, True), ("pg:3", 12, 80, 80, True)
+        ]  # fmt: skip
+        assert all((e["stream"], e["rank"], e["job"]) == (a.stream, made["rank"], made["job"]) for e in ends)
+    finally:
+        agent.shutdown(2.0)
+
+
+def test_an_implication_the_agent_does_not_know_implies_nothing(tmp_path: Path) -> None:
+    a = spool_agent(tmp_path, "implies-unknown")
+    try:
+        step = RecordTemplate(STEP_FIXED, STEP_VARIABLES)
+        step.implies = ("something_else", "pg:3")
+        assert agent.emit_templated(step, STEP_VALUES)
+        assert a.flush_local(10.0)
+        assert [r["kind"] for r in spooled(tmp_path) if r["kind"] in ("step", "collective_end")] == ["step"]
+    finally:
+        agent.shutdown(2.0)

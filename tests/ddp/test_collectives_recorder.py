@@ -359,3 +359,54 @@ def test_a_user_call_whose_records_cannot_be_a_template_is_tried_once_not_at_eve
         ]
         is collectives._UNPLANNABLE
     )
+
+
+def test_a_folded_end_waits_for_its_step_record_and_goes_out_on_its_own_if_none_carries_it(
+    records: Records,
+) -> None:
+    plan = RECORDER.plan(
+        "default", "all_reduce", reduce_op="SUM", shapes=[[7]], dtypes=["float32"], folded=True
+    )
+    carried, dropped, failed_before, failed = (RECORDER.begin_planned(plan, s) for s in range(4))
+    RECORDER.end_planned(plan, carried)
+    assert RECORDER.inflight()[0]["coll_seq"] == dropped  # ended in memory at once
+    assert records("collective_end") == []
+    RECORDER.settle_folded(carried=True)  # a step record that carries it: the worker makes the record
+    RECORDER.end_planned(plan, dropped)
+    RECORDER.settle_folded(carried=False)  # the step record went out without it
+    RECORDER.end_planned(plan, failed_before)
+    RECORDER.end("default", failed, ok=False, error="peer gone")  # a failure says what ended before it
+    ends = [(e["coll_seq"], e["ok"]) for e in records("collective_end")]
+    assert ends == [(dropped, True), (failed_before, True), (failed, False)]
+    assert [(c["coll_seq"], c["ok"]) for c in RECORDER.recent(10)] == [
+        (carried, True), (dropped, True), (failed_before, True), (failed, False)
+    ]  # fmt: skip
+
+
+def test_the_watchdog_flush_emits_only_the_folded_ends_older_than_it_asks(records: Records) -> None:
+    plan = RECORDER.plan(
+        "default", "all_reduce", reduce_op="SUM", shapes=[[7]], dtypes=["float32"], folded=True
+    )
+    old, new = RECORDER.begin_planned(plan, 1), RECORDER.begin_planned(plan, 1)
+    RECORDER.end_planned(plan, old)
+    cut = agent.clock.now_ns()
+    time.sleep(0.002)
+    RECORDER.end_planned(plan, new)
+    RECORDER.flush_folded(before_ns=cut + 1)
+    assert [e["coll_seq"] for e in records("collective_end")] == [old]
+    RECORDER.flush_folded()
+    assert [e["coll_seq"] for e in records("collective_end")] == [old, new]
+
+
+def test_folded_ends_of_a_step_whose_record_never_came_go_out_when_the_next_step_starts(
+    records: Records,
+) -> None:
+    from ddpscope.ddp.step_record import StepTimer
+
+    plan = RECORDER.plan(
+        "default", "all_reduce", reduce_op="SUM", shapes=[[7]], dtypes=["float32"], folded=True
+    )
+    seq = RECORDER.begin_planned(plan, 1)
+    RECORDER.end_planned(plan, seq)  # then the backward raised: no step record
+    StepTimer(rank=0).forward_start(2)
+    assert [e["coll_seq"] for e in records("collective_end")] == [seq]
