@@ -82,7 +82,12 @@ ENVELOPE: tuple[Field, ...] = (
     ),
     Field("rank", INT, doc="global rank of the emitting process"),
     Field("stream", STR, max_length=64, doc="agent incarnation id; new after fork or restart"),
-    Field("seq", INT, doc="position in the stream, from 0; with job, rank, stream the idempotency key"),
+    Field(
+        "seq",
+        INT,
+        doc="position in the stream, from 0 (a record implied by another, agent/implied.py: from 2^62); with job, "
+        "rank, stream the idempotency key",
+    ),
     Field("time_ns", INT, doc="aligned-clock time the record was emitted"),
 )
 
