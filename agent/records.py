@@ -39,7 +39,7 @@ also have no control character (agent/config.py)."""
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """Integers must fit the collector's BIGINT columns."""
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-"""A rank and a ``rank_start``'s world size must fit its INTEGER columns (PostgreSQL refuses more)."""
+"""The range of an ``int32`` field (``Field.int32``)."""
 
 # Field type codes. Kept as strings so the spec can be printed in errors and docs as it is.
 INT, FLOAT, STR, BOOL = "int", "float", "str", "bool"
@@ -68,6 +68,9 @@ class Field:
     """For key strings the collector indexes: at most this many characters and no NUL."""
     pattern: str | None = None
     """For key strings: a regular expression the whole value must match (the collector refuses others)."""
+    int32: bool = False
+    """For integers the collector stores in INTEGER columns: they must fit in 32 bits (PostgreSQL refuses
+    more, a 503 the agent would retry forever)."""
     doc: str = ""
 
 
@@ -80,13 +83,13 @@ ENVELOPE: tuple[Field, ...] = (
         pattern=JOB_PATTERN,
         doc="job id (DDPSCOPE_JOB, TORCHELASTIC_RUN_ID or generated): one URL path segment, no '/'",
     ),
-    Field("rank", INT, doc="global rank of the emitting process"),
+    Field("rank", INT, int32=True, doc="global rank of the emitting process"),
     Field("stream", STR, max_length=64, doc="agent incarnation id; new after fork or restart"),
     Field(
         "seq",
         INT,
-        doc="position in the stream, from 0 (a record implied by another, agent/implied.py: from 2^62); with job, "
-        "rank, stream the idempotency key",
+        doc="position in the stream, from 0 (a record implied by another, agent/implied.py: from 2^62); "
+        "with job, rank, stream the idempotency key",
     ),
     Field("time_ns", INT, doc="aligned-clock time the record was emitted"),
 )
@@ -166,7 +169,12 @@ WARNING_CODES = frozenset({UNSYNCED_GRADIENTS, JOB_IDS_DIFFER, NONFINITE_LOSS, N
 RECORD_KINDS: dict[str, tuple[Field, ...]] = {
     # Once per rank at start-up and after every (re)configuration.
     "rank_start": (
-        Field("world_size", INT, doc="the job's ranks, every one (not those of the DDP process group)"),
+        Field(
+            "world_size",
+            INT,
+            int32=True,
+            doc="the job's ranks, every one (not those of the DDP process group)",
+        ),
         Field("backend", STR),
         Field("device", STR),
         Field("host", STR),
@@ -703,6 +711,8 @@ def _check_value(path: str, value: Any, field: Field) -> None:
             raise RecordError(f"{path}: expected {t}, got {type(value).__name__}")
         if isinstance(value, int) and t == INT and not INT64_MIN <= value <= INT64_MAX:
             raise RecordError(f"{path}: {value} does not fit in a signed 64-bit integer")
+        if isinstance(value, int) and field.int32 and not INT32_MIN <= value <= INT32_MAX:
+            raise RecordError(f"{path}: {value} does not fit in a signed 32-bit integer")
         if (
             isinstance(value, str)
             and field.max_length is not None
@@ -777,12 +787,6 @@ def validate_record(record: Any, where: str = "record") -> str:
     _check_fields(where, record, RECORD_KINDS[kind])
     if record["seq"] < 0 or record["rank"] < 0:
         raise RecordError(f"{where}: seq and rank must be >= 0")
-    if record["rank"] > INT32_MAX:
-        raise RecordError(f"{where}.rank: {record['rank']} is not a rank (at most {INT32_MAX})")
-    if kind == "rank_start" and not INT32_MIN <= record["world_size"] <= INT32_MAX:
-        raise RecordError(
-            f"{where}.world_size: {record['world_size']} is not a world size (at most {INT32_MAX})"
-        )
     if kind == "step":
         problem = step_arrays_problem("arrays" in record, [name in record for name in STEP_ARRAYS])
         if problem:

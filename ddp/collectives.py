@@ -61,9 +61,9 @@ MAX_USER_PLANS = 256
 _UNSEEN = object()
 _UNPLANNABLE = object()
 RING_SIZE = 2000
+"""Recent collectives kept in memory for the hang report (torch's Flight Recorder keeps 2000 too)."""
 FOLD_WAIT_NS = 1_000_000_000
 """How long a folded end waits for its step record before the hang watchdog emits it on its own."""
-"""Recent collectives kept in memory for the hang report (torch's Flight Recorder keeps 2000 too)."""
 
 # torch's ``Join`` (uneven inputs): a rank that ran out of data shadows its peers' collectives from
 # join.py (its ``__exit__`` loop runs every Joinable's hooks), while the peers' side of those calls comes
@@ -382,11 +382,11 @@ class CollectiveRecorder:
         A ``folded`` plan's end is not emitted here: the engine's step record, made moments later on the
         same thread, carries each bucket's sequence number and end time, and the agent's worker makes the
         ``collective_end`` records from it (``agent/implied.py``; the shipper too, from the write-ahead ring
-        after a crash). That spares the training thread a
-        ring write and the worker a record per bucket, ~40 % of what the recorder costs a step. Until the
-        step record is out the end waits here (``settle_folded``); a step that ends otherwise gets its ends
-        emitted as ever: by a failed collective (``end``), the hang watchdog (``flush_folded``, after
-        ``FOLD_WAIT_NS`` or with its hang report) or the engine's own error path."""
+        after a crash). That spares the training thread a ring write and the worker a record per bucket, ~40 %
+        of what the recorder costs a step. Until the step record is out the end waits here
+        (``settle_folded``); a step that ends otherwise gets its ends emitted as ever (``flush_folded``): by a
+        failed collective (``end``), an error report, the next step's start, or the hang watchdog (after
+        ``FOLD_WAIT_NS`` or with its hang report)."""
         if plan.end is None:
             self.end(plan.pg, seq)
             return
@@ -413,17 +413,12 @@ class CollectiveRecorder:
         else:
             self.flush_folded()
 
-    def settle_abandoned(self) -> None:
-        """At the start of a step: folded ends still waiting belong to a step whose record never came (its
-        backward raised); the next record will not carry them, so they go out now. Never raises."""
-        if self._folded:
-            self.flush_folded()
-
     def flush_folded(self, before_ns: int | None = None) -> None:
         """Emit the folded ends still waiting for a step record (those that ended before ``before_ns``, or
-        all): the watchdog's and the error paths' way to say a bucket all-reduce is over when no step record
-        will say it soon. An end emitted twice (here and by the step record) is stored once. Safe from any
-        thread; never raises."""
+        all): the watchdog's, the error paths' and a new step's way to say a bucket all-reduce is over when no
+        step record will say it (at a step's start, what still waits belongs to a step whose backward raised).
+        An end emitted twice (here and by the step record) is stored once. Safe from any thread; never
+        raises."""
         folded = self._folded
         try:
             while folded and (before_ns is None or folded[0][2] < before_ns):

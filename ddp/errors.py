@@ -70,6 +70,8 @@ def report_error(
     (default: ``fatal``) waits up to 2 s for the record to leave the process.
     """
     try:
+        # Bucket all-reduces that ended in a step whose record will not come now: said before the error.
+        RECORDER.flush_folded()
         reported = getattr(exc, _MARK, ())
         if fatal in reported:
             return False
@@ -84,8 +86,6 @@ def report_error(
             if fatal:
                 # The agent's own last-resort excepthook skips exceptions marked this way.
                 setattr(exc, _AGENT_MARK, True)
-        # Bucket all-reduces that ended in a step whose record will not come now: said before the error.
-        RECORDER.settle_abandoned()
         if where is None:
             stack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         else:

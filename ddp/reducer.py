@@ -469,9 +469,8 @@ class Reducer:
                     self._finalize_synced()
                 except Exception as exc:
                     # Said while the rank is still in the step it failed in (a peer died mid all-reduce):
-                    # the record then carries that step so far, of which no step record will come. Nor
-                    # will the ends it would have carried: they go out on their own, first.
-                    RECORDER.flush_folded()
+                    # the record then carries that step so far, of which no step record will come (nor
+                    # the bucket ends it would have carried: report_error sends them first).
                     errors.report_error(exc, fatal=False)
                     raise
             else:

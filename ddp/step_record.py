@@ -122,7 +122,7 @@ class StepTimer:
         self._order: list[int] = []
 
     def forward_start(self, step: int, synced: bool = True, t_ns: int | None = None) -> None:
-        RECORDER.settle_abandoned()
+        RECORDER.flush_folded()  # ends of a step whose record never came (its backward raised)
         self.step = step
         self.synced = synced
         self._reset_buckets()

@@ -37,10 +37,10 @@ _SCALARS: dict[str, Any] = {
 }
 
 _NON_NEGATIVE = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+_INT32 = Annotated[int, msgspec.Meta(ge=wire.INT32_MIN, le=wire.INT32_MAX)]
+"""``Field.int32``: stored in an INTEGER column."""
 _RANK = Annotated[int, msgspec.Meta(ge=0, le=wire.INT32_MAX)]
-"""Ranks and world sizes go into INTEGER columns: PostgreSQL refuses more, which would be a 503 the agent
-retries forever (the wire format's ``validate_record`` says the same)."""
-_WORLD_SIZE = Annotated[int, msgspec.Meta(ge=wire.INT32_MIN, le=wire.INT32_MAX)]
+"""The envelope's rank: ``int32``, and never negative (as ``validate_record`` says)."""
 
 
 def _key_string(max_length: int, pattern: str | None = None) -> Any:
@@ -61,6 +61,8 @@ def _field_type(field: wire.Field, owner: str) -> Any:
         t = _struct(f"{owner}_{field.name}", field.item)
     elif field.max_length is not None:
         t = _key_string(field.max_length, field.pattern)
+    elif field.int32:
+        t = _INT32
     else:
         t = _SCALARS[field.type]
     if field.nullable:
@@ -74,7 +76,7 @@ def _struct_fields(fields: tuple[wire.Field, ...], owner: str) -> list[tuple[Any
     # Required fields first: msgspec (like dataclasses) wants defaults last.
     out: list[tuple[Any, ...]] = []
     for f in sorted(fields, key=lambda f: not f.required):
-        t = _WORLD_SIZE if (owner, f.name) == ("rank_start", "world_size") else _field_type(f, owner)
+        t = _field_type(f, owner)
         out.append((f.name, t) if f.required else (f.name, t, msgspec.UNSET))
     return out
 
