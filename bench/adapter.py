@@ -194,6 +194,15 @@ def measure(kind: str, rounds: int, block: int, warmup: int) -> dict[str, Any]:
         qs = statistics.quantiles(values, n=10)
         return [round(qs[0], 6), round(qs[-1], 6)]
 
+    def overheads(name: str, per_round: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
+        """``name``: the median per-round ratio less 1, per comparison; ``name_p10_p90`` its spread and
+        ``name_ci95`` the median's 95 % interval, less 1 too."""
+        return {
+            name: {k: round(statistics.median(v) - 1, 5) for k, v in per_round.items()},
+            f"{name}_p10_p90": {k: [round(q - 1, 5) for q in spread(v)] for k, v in per_round.items()},
+            f"{name}_ci95": {k: [round(q - 1, 5) for q in median_interval(v)] for k, v in per_round.items()},
+        }
+
     return {
         "model": kind,
         "parameters": params,
@@ -202,23 +211,11 @@ def measure(kind: str, rounds: int, block: int, warmup: int) -> dict[str, Any]:
         "block": block,
         "median_step_s": {k: round(statistics.median(v), 6) for k, v in times.items()},
         "step_s_p10_p90": {k: spread(v) for k, v in times.items()},
-        "overhead": {k: round(statistics.median(v) - 1, 5) for k, v in ratios.items()},
-        "overhead_p10_p90": {k: [round(q - 1, 5) for q in spread(v)] for k, v in ratios.items()},
-        "overhead_ci95": {k: [round(q - 1, 5) for q in median_interval(v)] for k, v in ratios.items()},
+        **overheads("overhead", ratios),
         "median_cpu_per_step_s": {k: round(statistics.median(v), 6) for k, v in cpu.items()},
-        "cpu_overhead": {k: round(statistics.median(v) - 1, 5) for k, v in cpu_ratios.items()},
-        "cpu_overhead_p10_p90": {k: [round(q - 1, 5) for q in spread(v)] for k, v in cpu_ratios.items()},
-        "cpu_overhead_ci95": {
-            k: [round(q - 1, 5) for q in median_interval(v)] for k, v in cpu_ratios.items()
-        },
+        **overheads("cpu_overhead", cpu_ratios),
         "median_thread_cpu_per_step_s": {k: round(statistics.median(v), 6) for k, v in thread_cpu.items()},
-        "thread_cpu_overhead": {k: round(statistics.median(v) - 1, 5) for k, v in thread_ratios.items()},
-        "thread_cpu_overhead_p10_p90": {
-            k: [round(q - 1, 5) for q in spread(v)] for k, v in thread_ratios.items()
-        },
-        "thread_cpu_overhead_ci95": {
-            k: [round(q - 1, 5) for q in median_interval(v)] for k, v in thread_ratios.items()
-        },
+        **overheads("thread_cpu_overhead", thread_ratios),
     }
 
 

@@ -63,8 +63,11 @@ def _adapter(d: Mapping[str, Any]) -> Iterator[Row]:
         )
         # What torch charges for the mechanisms issue 7 prescribes, before ddpscope records anything.
         thread = m.get("thread_cpu_overhead", {})
-        for variant, what in (("param_hooks", "a no-op post-accumulate-grad hook per parameter"),
-                              ("observed_group", "the Reducer all-reducing through ObservedGroup")):  # fmt: skip
+        floors = (
+            ("param_hooks", "a no-op post-accumulate-grad hook per parameter"),
+            ("observed_group", "the Reducer all-reducing through ObservedGroup"),
+        )
+        for variant, what in floors:
             if variant in thread:
                 figure = f"floor: {what}, training-thread CPU / plain torch DDP, {m['model']}, 2 ranks"
                 yield Row("adapter", figure, _pct(thread[variant]), "—", None)

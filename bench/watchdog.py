@@ -8,8 +8,9 @@ recorder calls made no-ops, no watchdog), the order flipping every round, until 
 steps (``--quick``: 400). The agent runs in both arms with an exporter that discards (its transport is
 measured by its own bench) but keeps the real write-ahead ring, so a durable collective record costs
 what it costs in a job; every block ends with the worker handling what the block emitted
-(``flush_local``), so its CPU counts in the arm that caused it. Per arm: the median step's wall time, the training thread's CPU time per step,
-and the whole process's CPU per step (training, gloo, agent and watchdog threads). A second A/B adds a
+(``flush_local``), so its CPU counts in the arm that caused it. Per arm: the median step's wall time,
+the training thread's CPU time per step, and the whole process's CPU per step (training, gloo, agent
+and watchdog threads). A second A/B adds a
 user ``all_reduce`` of the loss each step, as training loops do for logging (one more collective
 recorded a step; not the target's workload).
 
