@@ -1,6 +1,7 @@
 """What the engine's forward tells the watchdog and the collector: a forward under ``torch.no_grad()``
 (an evaluation through the DDP wrapper) is progress, and an exception leaving the forward is reported
-at once, since a training loop may catch it and go on one step behind its peers."""
+at once, since a training loop may catch it and go on one step behind its peers. And a bucket all-reduce
+whose launch raises (a peer gone) still reaches the collector, as a collective that failed."""
 
 from __future__ import annotations
 
@@ -78,3 +79,30 @@ def test_two_engine_models_trained_in_turn_are_warned_about_once_and_one_after_t
     assert "wrap the other in torch's DistributedDataParallel" in said
     for model in (first, second):
         model.remove_hooks()
+
+
+class _RefusingGroup:
+    """A process group whose all-reduce raises at launch, as gloo's does once a peer is gone."""
+
+    def __init__(self, group: object) -> None:
+        self._group = group
+
+    def allreduce(self, *args: object) -> object:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:12345")
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._group, name)
+
+
+def test_a_bucket_all_reduce_whose_launch_raises_is_recorded_as_a_collective_that_failed(
+    records: Records,
+) -> None:
+    model = DistributedDataParallel(Flaky())
+    model(torch.randn(3, 4)).sum().backward()
+    reducer = model._reducer
+    reducer._pg_obj = _RefusingGroup(reducer._pg_obj)
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        model(torch.randn(3, 4)).sum().backward()
+    begins = {r["coll_seq"]: r for r in records("collective") if r["source"] == "engine" and r["step"] == 1}
+    (failed,) = [r for r in records("collective_end") if not r["ok"]]
+    assert failed["coll_seq"] in begins and "Connection closed by peer" in failed["error"]
