@@ -216,20 +216,20 @@ class Agent:
         try:
             queue = self._queue
             put = self._write_ahead_templated
-            if (
-                (put is None and self._persists)
-                or len(queue) >= self._max_queue
-                or len(values) != template.width
-            ):
+            if len(queue) >= self._max_queue or len(values) != template.width:
                 return self._emit_expanded(template, values, durable)
             index = template.time_index
             t = now_ns() if index is None else values[index]
             s = next(self._seqs)
             worker = self._worker
             if not durable or put is None:
-                # put is None here: an exporter that keeps records in memory, which a crash takes
-                # anyway; the worker still builds the record (emit_durable says True for it too).
+                # No ring: an exporter that keeps records in memory (a crash takes them anyway:
+                # emit_durable says True for it too), or the worker has not made the spool's yet, and
+                # the record is written to the spool now, as emit_durable does. Either way the worker
+                # builds it, with the records it implies (a step record's bucket ends: agent/implied.py).
                 queue.append((TEMPLATED_QUEUED, (template, s, t, values)))
+                if durable and self._persists:
+                    return self.make_durable()
                 if worker.idle:
                     worker.nudge()
                 return put is None
@@ -259,8 +259,8 @@ class Agent:
         return in_ring or bool(worker.persist(DURABLE_WAIT_S))
 
     def _emit_expanded(self, template: RecordTemplate, values: tuple[int, ...], durable: bool) -> bool:
-        """``emit_templated`` the ordinary way: no ring yet (before the worker made the exporter), or
-        none for a persisting exporter, a full queue (counted there) or the wrong number of values."""
+        """``emit_templated`` the ordinary way, which drops and counts it: a full queue or the wrong
+        number of values."""
         if len(values) != template.width:
             self._drop("invalid", template.fixed)
             swallowed(f"emit_templated: {len(values)} values for {template.variables}")

@@ -294,6 +294,22 @@ def test_a_step_record_implies_its_buckets_ends_in_the_spool_and_again_when_read
         agent.shutdown(2.0)
 
 
+def test_a_step_record_emitted_before_the_ring_exists_is_spooled_at_once_with_the_ends_it_implies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = spool_agent(tmp_path, "implies-early")
+    try:
+        # The state before the worker has made the spool's exporter (and with it the ring).
+        monkeypatch.setattr(a, "_write_ahead_templated", None)
+        step = RecordTemplate(STEP_FIXED, STEP_VARIABLES)
+        step.implies = ("bucket_ends", "pg:3")
+        assert agent.emit_templated(step, STEP_VALUES)  # durable: in the spool when it returns
+        kinds = [r["kind"] for r in spooled(tmp_path) if r["kind"] in ("step", "collective_end")]
+        assert kinds == ["step", "collective_end", "collective_end"]
+    finally:
+        agent.shutdown(2.0)
+
+
 def test_an_implication_the_agent_does_not_know_implies_nothing(tmp_path: Path) -> None:
     a = spool_agent(tmp_path, "implies-unknown")
     try:
