@@ -503,7 +503,7 @@ class Instrumentation:
                 if self._gradients is not None:
                     self._check_bucket(k, tensors[0])
                 plan = self._plan(k, tensors[0])
-                seq = 0  # recorded once launched, below
+                seq = RECORDER.begin_planned(plan, self._cur)
             else:
                 step = None if self.detached else self._cur
                 site, source = None, "engine"
@@ -527,18 +527,12 @@ class Instrumentation:
         try:
             work = group.allreduce(tensors, opts)
         except Exception as e:
-            if plan is not None:
-                seq = RECORDER.begin_planned(plan, self._cur, called)
             RECORDER.end(self._pg, seq, ok=False, error=str(e))
             raise
         try:
             if plan is None:
                 self._watch(work, seq, None)
             else:
-                # A bucket is recorded once launched, with the time it was called: the write-ahead ring
-                # write, with the caches cold from backward, then overlaps gloo's reduction instead of
-                # holding back the peers (as the engine does, ``Reducer._launch_ready``).
-                seq = RECORDER.begin_planned(plan, self._cur, called)
                 self._launch[k] = called
                 self._seqs[k] = seq
                 self._works[k] = work

@@ -349,11 +349,10 @@ class CollectiveRecorder:
                 self._failed("begin")
         return seq, None
 
-    def begin_planned(self, plan: PlannedCollective, step: int | None, start_ns: int | None = None) -> int:
+    def begin_planned(self, plan: PlannedCollective, step: int | None) -> int:
         """``begin`` for a planned collective: numbered, tracked and recorded (crash-durable) the same
-        way, at a third of the cost in the caller. ``step``: None for a plan made with ``stepped=False``;
-        ``start_ns``: when it started, if before this call (the engine launches first, see
-        ``Reducer._launch_ready``). Never raises."""
+        way, at a third of the cost in the caller. ``step``: None for a plan made with ``stepped=False``.
+        Never raises."""
         if plan.begin is None:
             f = plan.fixed
             return self.begin(
@@ -364,7 +363,7 @@ class CollectiveRecorder:
         try:
             pg = plan.pg
             seq = self._number(pg)
-            start = now_ns() if start_ns is None else start_ns
+            start = now_ns()
             entry = (plan, seq, start, step)
             progress = self.progress
             progress.inflight[(pg, seq)] = entry

@@ -29,7 +29,6 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from ddpscope.agent.clock import now_ns
 from ddpscope.ddp import errors
 from ddpscope.ddp.buckets import Bucket, ParamSpec, assign_buckets, build_buckets, size_limits
 from ddpscope.ddp.collectives import RECORDER, dtype_name, work_failure
@@ -386,20 +385,17 @@ class Reducer:
                 self._write_status(bucket.status)
             if self.gradients is not None:
                 self.gradients.bucket(self.step, self.syncs, k, bucket.buffer, bucket.named_gradients)
-            # Launched first, recorded second (with the launch's time): the record, a write-ahead ring
-            # write with the caches cold from backward, then overlaps gloo's reduction instead of holding
-            # back the peers. It still precedes anything that waits on this bucket; a SIGKILL in the ~25 us
-            # between loses it. (Three bench.watchdog runs of each order could not tell them apart on wall
-            # time; the training thread's CPU averaged 62 against 99 us a step: docs/history.md, pass 39.)
-            plan, start = self.plans[k], now_ns()
+            # Recorded (written ahead) before the launch, not after: against a peer's mismatched collective
+            # gloo aborts this process soon after the launch (collectives.py), and the launch may hand the
+            # core to gloo's thread first. Launching first measured no faster (docs/history.md, pass 39).
+            seq = RECORDER.begin_planned(self.plans[k], self.step)
             try:
                 self.works[k] = self._pg_obj.allreduce([bucket.buffer], self._sum)
-            except Exception as e:  # a peer gone: recorded as a collective that failed at once
-                RECORDER.end(self.pg, RECORDER.begin_planned(plan, self.step, start), ok=False, error=str(e))
+            except Exception as e:  # a peer gone: the collective failed at once
+                RECORDER.end(self.pg, seq, ok=False, error=str(e))
                 raise
-            seq = RECORDER.begin_planned(plan, self.step, start)
             self.seqs[k] = seq
-            self.timer.allreduce_launched(k, seq, start)
+            self.timer.allreduce_launched(k, seq)
             if self.cuda is not None:
                 self.cuda.allreduce_launched(k)
             self.next_launch = k + 1
