@@ -76,6 +76,16 @@ RULES = (
 
 SETTINGS = tuple(f for rule in RULES for f in rule.fields)
 
+TORCH_BUCKET_ADVICE = (
+    "torch's DistributedDataParallel puts every parameter in one bucket for its first iteration and then "
+    "gives every rank rank 0's bucket layout, so the gradients are right, but the odd ranks' bucket_cap_mb "
+    "is ignored: pass the same bucket_cap_mb on every rank, so that each rank's setting says what it runs."
+)
+"""Instead of the rule's advice when only ``bucket_cap_mb`` differs, among ranks of torch's DDP that
+rebuild their buckets (``_torch_takes_rank_0_layout``): measured on torch 2.13, rank 1's 1 MB cap against
+rank 0's 25 MB gave every rank one 6.3 MB bucket and the same parameters as equal caps, where with
+``find_unused_parameters=True`` both ranks aborted in gloo."""
+
 
 @dataclass(frozen=True, slots=True)
 class Difference:
@@ -107,7 +117,11 @@ def settings_incidents(snapshot: JobSnapshot) -> list[Incident]:
     advice = []
     for rule in RULES:
         differing = [f for f in rule.fields if any(d.field == f for d in diffs)]
-        if differing:
+        if differing == ["bucket_cap_mb"] and all(
+            _torch_takes_rank_0_layout(starts, d.group) for d in diffs if d.field == "bucket_cap_mb"
+        ):
+            advice.append(TORCH_BUCKET_ADVICE)
+        elif differing:
             advice.append(rule.advice.format(fields=_or(differing)))
     message = (
         "The ranks disagree on settings that must be the same on every rank: "
@@ -123,6 +137,20 @@ def settings_incidents(snapshot: JobSnapshot) -> list[Incident]:
             time_s=max(record_s(starts[r]) for r in compared),
         )
     ]
+
+
+def _torch_takes_rank_0_layout(starts: Mapping[int, Record], group: str) -> bool:
+    """Every rank of DDP process group ``group`` wraps its model in torch's DDP (``instrument()``) that
+    rebuilds its buckets after the first iteration (no ``find_unused_parameters``, or ``static_graph``):
+    torch then broadcasts rank 0's layout to every rank (its Reducer's ``sync_bucket_indices``), and
+    before that puts every parameter in one bucket, so a rank's own ``bucket_cap_mb`` never decides a
+    collective. (Per-bucket caps, torch's ``bucket_cap_mb_list``, would; ``rank_start`` does not say.)"""
+    members = [s for s in starts.values() if str(s.get("process_group") or "default") == group]
+    return bool(members) and all(
+        s.get("engine") == "torch"
+        and (s.get("static_graph") is True or s.get("find_unused_parameters") is False)
+        for s in members
+    )
 
 
 def current_starts(snapshot: JobSnapshot) -> dict[int, Record]:

@@ -93,6 +93,31 @@ def test_each_setting_says_what_goes_wrong_and_what_to_do() -> None:
     assert "A stall only the shorter hang timeout sees is reported by those ranks alone" in stall
 
 
+def test_a_bucket_cap_that_torch_ddp_ignores_is_named_without_claiming_the_all_reduces_pair_wrongly() -> None:
+    torch_ddp = {"engine": "torch", "find_unused_parameters": False}
+    inc = settings_differ(job(2, r0=torch_ddp, r1={**torch_ddp, "bucket_cap_mb": 1.0}))
+    assert inc.culprit_ranks == [1] and "bucket_cap_mb is 25 on rank 0 but 1 on rank 1" in inc.message
+    assert "gives every rank rank 0's bucket layout" in inc.message and "pair wrongly" not in inc.message
+
+
+@pytest.mark.parametrize(
+    "others",
+    [
+        {"engine": "torch", "find_unused_parameters": True},  # torch never rebuilds: each rank keeps its own
+        {
+            "engine": "ddpscope",
+            "find_unused_parameters": False,
+        },  # the engine refuses it; an older one did not
+    ],
+)
+def test_a_bucket_cap_that_decides_the_buckets_still_says_the_all_reduces_pair_wrongly(
+    others: dict[str, Any],
+) -> None:
+    inc = settings_differ(job(2, r0=others, r1={**others, "bucket_cap_mb": 1.0}))
+    assert "build different buckets, so their gradient all-reduces pair wrongly or hang" in inc.message
+    assert "rank 0's bucket layout" not in inc.message
+
+
 def test_every_differing_setting_is_listed_in_one_incident_with_the_culprits_of_each() -> None:
     j = job(4, r1={"hang_timeout_s": 8.0}, r3={"torch_version": "2.12.1", "python_version": "3.10"})
     inc = settings_differ(j)
