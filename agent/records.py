@@ -201,6 +201,14 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             doc="the rank's hang timeout (DDPSCOPE_HANG_TIMEOUT, its watchdog's); absent from older agents",
         ),
         Field(
+            "group_timeout_s",
+            FLOAT,
+            required=False,
+            doc="the timeout of the process group the model reduces over (init_process_group's timeout): "
+            "shorter than hang_timeout_s, it ends a stall with an error before any hang report; absent when "
+            "torch does not say",
+        ),
+        Field(
             "check_gradients",
             BOOL,
             required=False,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import logging
 import os
 import platform
 import socket
@@ -25,6 +26,8 @@ import torch.distributed as dist
 from ddpscope.ddp import watchdog
 from ddpscope.ddp.groups import pg_name
 from ddpscope.ddp.nonfinite import gradient_check_enabled
+
+logger = logging.getLogger(__name__)
 
 
 class ClockEstimate(Protocol):
@@ -53,6 +56,30 @@ def _hang_timeout_s() -> float:
     return float(current.timeout_s) if current is not None else watchdog.hang_timeout_setting()
 
 
+def group_timeout_s(group: Any) -> float | None:
+    """The timeout of process group ``group`` (None: the default one), as its backend holds it (gloo's and
+    NCCL's options), or None where torch does not say."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        backend = pg._get_backend(torch.device("cuda" if dist.get_backend(pg) == "nccl" else "cpu"))
+        return float(backend.options._timeout.total_seconds())
+    except Exception:  # a private API: another torch, another backend
+        return None
+
+
+@functools.cache
+def _warn_group_times_out_first(group_s: float, hang_s: float) -> None:
+    """Once per pair of values: ranks of one job share them."""
+    logger.warning(
+        "ddpscope: the process group's timeout (%g s) is shorter than the hang timeout (%g s): a stalled "
+        "collective ends in torch's 'Timed out' error before ddpscope's hang report (every thread's stack, "
+        "the rank holding the others up) is taken. Set DDPSCOPE_HANG_TIMEOUT below %g s on every rank.",
+        group_s,
+        hang_s,
+        group_s,
+    )
+
+
 def rank_start_record(
     *,
     rank: int,
@@ -65,11 +92,19 @@ def rank_start_record(
     clock: ClockEstimate,
     static_graph: bool = False,
 ) -> dict[str, Any]:
-    """A ``rank_start`` record ready for ``agent.emit()``.
+    """A ``rank_start`` record ready for ``agent.emit()``; warns (once) when the process group would time
+    out before the hang watchdog reports.
 
     ``rank`` is the global rank, ``group`` the process group the engine reduces over (None: the
     default one), ``engine`` ``"ddpscope"`` or ``"torch"``, ``clock`` the offset estimate to rank 0.
     """
+    hang_s = _hang_timeout_s()
+    timeouts: dict[str, float] = {"hang_timeout_s": hang_s}
+    group_s = group_timeout_s(group)
+    if group_s is not None:
+        timeouts["group_timeout_s"] = group_s
+        if group_s < hang_s:
+            _warn_group_times_out_first(group_s, hang_s)
     return {
         "kind": "rank_start",
         "rank": rank,
@@ -88,7 +123,7 @@ def rank_start_record(
         "clock_error_ns": clock.error_ns,
         "process_group": pg_name(group),
         "static_graph": bool(static_graph),
-        "hang_timeout_s": _hang_timeout_s(),
+        **timeouts,
         "check_gradients": gradient_check_enabled(),
         **_cpu_share(),
     }

@@ -709,10 +709,33 @@ def _error_incidents(
             cause = "no rank reported a cause: look for a rank killed by the OS or a network failure"
         msg = (
             f"{capitalized(ranks_phrase(v['rank'] for v in left))} failed waiting for a peer ({first.get('error_type')}: "
-            f"{first_line(first.get('message', ''))}); {cause}."
+            f"{first_line(first.get('message', ''))}); {cause}.{_timed_out_first(left, snapshot)}"
         )
         out.append(_error_incident("rank_error", first, msg, left[1:], culprits=culprits))
     return out
+
+
+def _timed_out_first(failed: Sequence[Record], snapshot: JobSnapshot) -> str:
+    """What to change when the failed ranks' process group timed out before their hang timeout, with no
+    hang report before the error (its stacks would have shown where the ranks were): "" otherwise."""
+    if not any("timed out" in str(v.get("message", "")).lower() for v in failed):
+        return ""  # a peer that died ends the wait at once: the timeouts played no part
+    if any(h["rank"] == v["rank"] and record_s(h) <= record_s(v) for v in failed for h in snapshot.hangs):
+        return ""
+    shorter = []
+    for v in failed:
+        start = snapshot.ranks.get(v["rank"], {})
+        group_s, hang_s = start.get("group_timeout_s"), start.get("hang_timeout_s")
+        if group_s is not None and hang_s is not None and group_s < hang_s:
+            shorter.append((group_s, hang_s))
+    if not shorter:
+        return ""
+    group_s, hang_s = min(shorter)
+    return (
+        f" No hang report came first: the process group's timeout ({group_s:g} s) is shorter than "
+        f"DDPSCOPE_HANG_TIMEOUT ({hang_s:g} s), so torch ended the wait before ddpscope took every thread's "
+        f"stack; set DDPSCOPE_HANG_TIMEOUT below {group_s:g} s on every rank."
+    )
 
 
 def _misaligned_by(error: Record, mismatches: Sequence[Incident]) -> Incident | None:

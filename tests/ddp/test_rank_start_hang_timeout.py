@@ -1,15 +1,17 @@
 """Both engines' ``rank_start`` carries the rank's hang timeout, the one its watchdog runs with, so the
-collector can tell ranks that would report a stall at different times (a 1-rank gloo group in this
-process)."""
+collector can tell ranks that would report a stall at different times, and the process group's own timeout,
+which ends a stall first when it is the shorter (a 1-rank gloo group in this process)."""
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from ddpscope.ddp import DistributedDataParallel, instrument, watchdog
+from ddpscope.ddp import DistributedDataParallel, instrument, rank_start, watchdog
 from tests.ddp.watchdog_support import Records, one_rank_job_records
 
 
@@ -42,3 +44,32 @@ def test_an_explicit_hang_timeout_beats_the_configured_one_and_a_non_positive_on
     assert watchdog.hang_timeout_setting(3.0) == 3.0
     with pytest.raises(ValueError, match="hang_timeout_s must be > 0"):
         watchdog.hang_timeout_setting(0.0)
+
+
+def test_a_process_group_that_times_out_before_the_hang_watchdog_is_recorded_and_warned_about_once(
+    records: Records, caplog: pytest.LogCaptureFixture
+) -> None:
+    rank_start._warn_group_times_out_first.cache_clear()  # once per process: earlier tests may have warned
+    quick = dist.new_group([0], timeout=datetime.timedelta(seconds=5))
+    first = DistributedDataParallel(torch.nn.Linear(4, 2), process_group=quick)
+    second = DistributedDataParallel(torch.nn.Linear(4, 2), process_group=quick)
+    starts = records("rank_start")
+    assert [(s["group_timeout_s"], s["hang_timeout_s"]) for s in starts] == [(5.0, 42.5), (5.0, 42.5)]
+    warned = [r.getMessage() for r in caplog.records if "process group's timeout" in r.getMessage()]
+    assert warned == [
+        "ddpscope: the process group's timeout (5 s) is shorter than the hang timeout (42.5 s): a stalled "
+        "collective ends in torch's 'Timed out' error before ddpscope's hang report (every thread's stack, the "
+        "rank holding the others up) is taken. Set DDPSCOPE_HANG_TIMEOUT below 5 s on every rank."
+    ]
+    first.remove_hooks()
+    second.remove_hooks()
+
+
+def test_the_default_group_s_timeout_longer_than_the_hang_timeout_is_recorded_without_a_warning(
+    records: Records, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    (start,) = records("rank_start")
+    assert start["group_timeout_s"] >= 60.0  # torch's default: 30 minutes on gloo
+    assert not [r for r in caplog.records if "process group's timeout" in r.getMessage()]
+    model.remove_hooks()

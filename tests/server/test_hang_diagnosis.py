@@ -423,6 +423,33 @@ def test_a_process_group_timeout_on_a_peer_that_entered_late_is_blamed_on_the_la
     assert "no rank reported a cause" not in err.message
 
 
+def late_peer_timeout(group_timeout_s: float) -> str:
+    """The late-checkpoint timeout above with ranks that declare their process group's timeout and a
+    30 s hang timeout in ``rank_start``: the rank_error's message."""
+    job = started(2)
+    for rec in job.records:
+        if rec["kind"] == "rank_start":
+            rec.update(group_timeout_s=group_timeout_s, hang_timeout_s=30.0)
+    end = job.train(3)
+    job.coll(1, end + 1, 7, site="train.py:57", done=False, step=3)
+    job.error(
+        1, end + 6, "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv", step=3
+    )
+    job.coll(0, end + 9, 7, site="train.py:57", done=False, step=3)
+    job.error(0, end + 9.1, "[gloo/transport/tcp/pair.cc:553] Connection closed by peer", step=3)
+    return only(diagnose(job.snapshot(), end + 10), "rank_error").message
+
+
+def test_a_process_group_timeout_shorter_than_the_hang_timeout_is_named_with_what_to_set() -> None:
+    message = late_peer_timeout(5.0)
+    assert (
+        "No hang report came first: the process group's timeout (5 s) is shorter than DDPSCOPE_HANG_TIMEOUT "
+        "(30 s), so torch ended the wait before ddpscope took every thread's stack; set DDPSCOPE_HANG_TIMEOUT "
+        "below 5 s on every rank." in message
+    )
+    assert "No hang report came first" not in late_peer_timeout(1800.0)
+
+
 def test_different_ops_at_one_number_are_said_to_wait_not_to_give_wrong_results() -> None:
     job = started(2)
     end = job.train(1)
