@@ -31,7 +31,9 @@ class AdapterRun(JobRun):
 
 def run(scenario: str, out: Path, env: dict[str, str] | None = None, world_size: int = 2) -> AdapterRun:
     ranks = range(world_size)
-    results = run_ranks(JOB, world_size, args=[scenario, str(out)], env=env or {}, timeout_s=120)
+    # Under the job's 60 s process-group timeout, as ddpscope advises (else each rank warns about it).
+    env = {"DDPSCOPE_HANG_TIMEOUT": "30", **(env or {})}
+    results = run_ranks(JOB, world_size, args=[scenario, str(out)], env=env, timeout_s=120)
     records = {}
     for rank in ranks:
         path = out / f"rank{rank}.jsonl"
