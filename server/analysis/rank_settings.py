@@ -145,12 +145,17 @@ def _torch_takes_rank_0_layout(starts: Mapping[int, Record], group: str) -> bool
     torch then broadcasts rank 0's layout to every rank (its Reducer's ``sync_bucket_indices``), and
     before that puts every parameter in one bucket, so a rank's own ``bucket_cap_mb`` never decides a
     collective. (Per-bucket caps, torch's ``bucket_cap_mb_list``, would; ``rank_start`` does not say.)"""
-    members = [s for s in starts.values() if str(s.get("process_group") or "default") == group]
+    members = [s for s in starts.values() if _group_of(s) == group]
     return bool(members) and all(
         s.get("engine") == "torch"
         and (s.get("static_graph") is True or s.get("find_unused_parameters") is False)
         for s in members
     )
+
+
+def _group_of(start: Record) -> str:
+    """The DDP process group a ``rank_start`` wraps its model over (older agents: the default one)."""
+    return str(start.get("process_group") or "default")
 
 
 def current_starts(snapshot: JobSnapshot) -> dict[int, Record]:
@@ -182,7 +187,7 @@ def differences(starts: Mapping[int, Record], field: str, per_group: bool) -> li
         value = start.get(field)
         if value is None:
             continue  # an older agent's record: nothing to compare
-        group = str(start.get("process_group") or "default") if per_group else "default"
+        group = _group_of(start) if per_group else "default"
         groups.setdefault(group, {})[rank] = value
     out = []
     for group, values in sorted(groups.items()):
