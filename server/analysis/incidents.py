@@ -106,6 +106,7 @@ from ddpscope.server.analysis.status import (
     DEFAULT_SILENT_AFTER_S,
     LOST_PEER_ERROR,
     MONITORED_BARRIER,
+    TIMEOUT_ERROR,
     Liveness,
     is_secondary,
     liveness,
@@ -718,7 +719,7 @@ def _error_incidents(
 def _timed_out_first(failed: Sequence[Record], snapshot: JobSnapshot) -> str:
     """What to change when the failed ranks' process group timed out before their hang timeout, with no
     hang report before the error (its stacks would have shown where the ranks were): "" otherwise."""
-    if not any("timed out" in str(v.get("message", "")).lower() for v in failed):
+    if not any(TIMEOUT_ERROR.search(str(v.get("message", ""))) for v in failed):
         return ""  # a peer that died ends the wait at once: the timeouts played no part
     if any(h["rank"] == v["rank"] and record_s(h) <= record_s(v) for v in failed for h in snapshot.hangs):
         return ""

@@ -61,7 +61,10 @@ LOST_PEER_ERROR = re.compile(
 )
 """Errors a rank gets when a peer's process went away, e.g. gloo's "Connection reset by peer" ~20-60 ms
 after a peer is killed."""
-SECONDARY_ERROR = re.compile(f"{LOST_PEER_ERROR.pattern}|timed out|timeout", re.IGNORECASE)
+TIMEOUT_ERROR = re.compile(r"timed out|timeout", re.IGNORECASE)
+"""Errors a rank gets when its process group's timeout ran out waiting for a peer: gloo's "Timed out
+waiting 5000ms for recv", NCCL's "Watchdog caught collective operation timeout"."""
+SECONDARY_ERROR = re.compile(f"{LOST_PEER_ERROR.pattern}|{TIMEOUT_ERROR.pattern}", re.IGNORECASE)
 """Errors a rank gets *because of* another rank (its peer died or never answered): the victims' side.
 A timeout says only that a peer did not answer: it may be stopped or stuck, not dead."""
 
