@@ -33,7 +33,13 @@ from ddpscope.server.analysis.incident_model import (
     ranks_phrase,
     where,
 )
-from ddpscope.server.analysis.mismatch_causes import size_consequence, skipped_routine
+from ddpscope.server.analysis.mismatch_causes import (
+    SAME_LINE,
+    same_line,
+    same_line_advice,
+    size_consequence,
+    skipped_routine,
+)
 from ddpscope.server.analysis.native_wait import native_wait
 from ddpscope.server.analysis.snapshot import JobSnapshot, RankSteps, p2p_pair
 from ddpscope.server.analysis.status import Liveness
@@ -391,6 +397,9 @@ def _mismatch(
     if reason == "direction":
         return _same_direction(pg, seq, recs, blame)
     skip = skipped_routine(recs, ranks)
+    site = same_line(recs, reason) if skip is None else None
+    if site is not None:
+        return _same_line(pg, seq, reason, groups, recs, site, blame, later)
     if skip is not None:
         # The engine's ranks went on to the next backward without a call every rank makes each step.
         ref, why = skip.issued, ""
@@ -456,8 +465,7 @@ def _mismatch(
         )
     else:
         msg += f". The {reason} differ: gloo pairs them silently and the results are wrong"
-    if later:
-        msg += f" ({later} later collective{'s of this group disagree' if later > 1 else ' of this group disagrees'} too, as a consequence)"
+    msg += _later_too(later)
     if left:
         msg += f". {UNEVEN_DATA_ADVICE}"
         for r in culprits:
@@ -484,6 +492,64 @@ def _mismatch(
         call_site=", ".join(sites) or None,
         time_s=min(recs[r]["start_ns"] for r in recs) / 1e9,
     )
+
+
+def _same_line(
+    pg: str,
+    seq: int,
+    reason: str,
+    groups: dict[Any, list[int]],
+    recs: Mapping[int, Record],
+    site: str,
+    blame: dict[int, str],
+    later: int,
+) -> Incident:
+    """Every rank issued collective #seq from one line, with different shapes or dtypes: the line is at
+    fault, and the minority (on a tie, the side ``_reference`` does not take) only the odd size out, not a
+    rank that went astray."""
+    ranks = sorted(recs)
+    ref, tied = _reference(groups, recs, {})
+    culprits = [r for r in ranks if r not in ref]
+    calls = "; ".join(
+        f"{ranks_phrase(members)}: {describe({**recs[members[0]], 'call_site': None})}"
+        for members in sorted(groups.values())
+    )
+    first = recs[ranks[0]]
+    other = next(recs[r] for r in ranks if full_key(recs[r]) != full_key(first))
+    msg = (
+        f"Every rank issued {first.get('op')} at {site} as collective #{seq} of group {pg} ({calls}): "
+        f"{SAME_LINE}. The {reason} differ: {size_consequence(first, other)}"
+    )
+    msg += _later_too(later) + ". "
+    if tied:
+        # Named all the same, as every mismatch names one side: alerts and the hang's culprit need a rank.
+        msg += (
+            f"No majority tells an odd rank: {ranks_phrase(culprits)} named against {ranks_phrase(ref)}'s "
+            "call, but the line is at fault on every rank. "
+        )
+    else:
+        msg += f"{capitalized(ranks_phrase(culprits))} had the odd {reason}. "
+    msg += same_line_advice(reason)
+    for r in culprits:
+        blame.setdefault(r, f"issued {first.get('op')} at {site} with {reason} its peers did not use")
+    return Incident(
+        kind="mismatch",
+        message=msg,
+        rank=culprits[0],
+        step=next((recs[r]["step"] for r in ranks if recs[r].get("step") is not None), None),
+        seq=seq,
+        pg=pg,
+        culprit_ranks=culprits,
+        call_site=site,
+        time_s=min(recs[r]["start_ns"] for r in ranks) / 1e9,
+    )
+
+
+def _later_too(later: int) -> str:
+    """The note on the disagreements that follow a mismatch at the same group ('' when none do)."""
+    if not later:
+        return ""
+    return f" ({later} later collective{'s of this group disagree' if later > 1 else ' of this group disagrees'} too, as a consequence)"
 
 
 def _sizes_differ(reason: str) -> bool:

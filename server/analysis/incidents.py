@@ -64,6 +64,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ddpscope.agent.records import UNSYNCED_GRADIENTS
 from ddpscope.server.analysis.collective_diagnosis import (
     CollectiveIndex,
     mismatch_incidents,
@@ -89,7 +90,7 @@ from ddpscope.server.analysis.incident_model import (
     user_frame,
     where,
 )
-from ddpscope.server.analysis.mismatch_causes import SIZE_ABORT
+from ddpscope.server.analysis.mismatch_causes import SAME_LINE, SIZE_ABORT
 from ddpscope.server.analysis.model_order import model_incidents
 from ddpscope.server.analysis.nonfinite import nonfinite_incidents
 from ddpscope.server.analysis.rank_settings import settings_incidents
@@ -401,6 +402,8 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
             )
         elif skipped := _skipped_backwards(snapshot, r, stranded_ranks):
             advice = skipped
+        elif around := _around_the_wrapper(snapshot, r, last):
+            advice = around
         after = f" after step {last}" if last is not None else ""
         hung = [o for o in stranded_ranks if o in live.active_hangs]
         timed_out = [
@@ -456,6 +459,31 @@ def _skipped_backwards(snapshot: JobSnapshot, r: int, stranded: Sequence[int]) -
         "after its forward (a `continue` before backward()) synchronizes nothing, so this rank ran out of "
         f"batches {extra} gradient sync{'s' if extra > 1 else ''} before its peers. Skip a batch on every rank "
         "or on none (e.g. all_reduce a skip flag first)."
+    )
+
+
+def _around_the_wrapper(snapshot: JobSnapshot, r: int, last: int | None) -> str | None:
+    """Why rank ``r`` ran out of batches first, when it said gradients reached its DDP model that no forward
+    through the wrapper had prepared (``unsynced_gradients``): a training step through ``model.module``
+    is no DDP step, so it ran a synced step fewer than its peers for each. None otherwise."""
+    said = [
+        w
+        for w in snapshot.warnings
+        if w["rank"] == r
+        and w["code"] == UNSYNCED_GRADIENTS
+        and (last is None or w.get("step") is None or w["step"] <= last)
+    ]
+    if not said:
+        return None
+    first = min(said, key=record_s)
+    where = f" at {first['call_site']}" if first.get("call_site") else ""
+    when = f" after step {first['step']}" if first.get("step") is not None else ""
+    return (
+        f"Its backward(){where}{when} gave the model gradients that no forward through the "
+        "DistributedDataParallel wrapper had prepared (see the unsynced_gradients incident): a training step "
+        "through model.module, or another path around the wrapper, is no DDP step and synchronizes nothing, "
+        "so this rank ran out of batches a gradient sync before its peers. Call the DDP model itself for "
+        "every training forward."
     )
 
 
@@ -592,10 +620,15 @@ def _error_incidents(
         if aborted_on is not None:
             # gloo kills the rank that receives an unexpected size, whichever side issued the wrong one.
             culprits = list(aborted_on.culprit_ranks)
+            cause = (
+                f"the cause is {aborted_on.call_site}, which ran with a different size on each side"
+                if SAME_LINE in aborted_on.message
+                else f"the cause is on {ranks_phrase(culprits)}"
+            )
             msg += (
                 f". It aborted on the size mismatch at collective #{aborted_on.seq} of group {aborted_on.pg} "
                 "(see the mismatch incident): gloo kills the rank that receives data of an unexpected size, "
-                f"whichever side issued the wrong collective; the cause is on {ranks_phrase(culprits)}"
+                f"whichever side issued the wrong collective; {cause}"
             )
         elif (paired := _misaligned_by(p, mismatches)) is not None:
             # The engine found its bucket all-reduce paired with another collective: the mismatch's doing.

@@ -124,3 +124,36 @@ def skipped_routine(recs: Mapping[int, Record], ranks: Mapping[int, Mapping[int,
         if len(made) < ROUTINE_STEPS or made != ran:
             return None
     return Skipped(issued, call, step, went_on)
+
+
+SAME_LINE = "one line, run with a size or dtype that depends on the rank or its data"
+"""What a mismatch at one call site says; a rank then aborted by gloo died of that line, not of a peer."""
+
+
+def same_line(recs: Mapping[int, Record], reason: str) -> str | None:
+    """The call site every rank issued the collective from, when that one line ran with different shapes
+    or dtypes on the ranks (variable-length outputs gathered, a last partial batch, a per-rank count):
+    the ranks agree on what to call and when, so none of them is the odd one, and the fix is in the line
+    itself. None when the ranks differ in anything else (op, reduce op, root) or in their lines."""
+    if any(part not in ("shapes", "dtypes") for part in reason.split(" and ")):
+        return None
+    sites = {c.get("call_site") for c in recs.values()}
+    ops = {c.get("op") for c in recs.values()}
+    if len(sites) != 1 or None in sites or len(ops) != 1 or next(iter(ops)) in P2P_OPS:
+        return None
+    if any(c.get("source") not in (None, "user") for c in recs.values()):
+        return None  # the engine's or Join's: no line of the user's
+    return str(next(iter(sites)))
+
+
+def same_line_advice(reason: str) -> str:
+    """What to do about one line issuing a collective with rank-dependent ``reason`` (shapes, dtypes)."""
+    fixes = []
+    if "shapes" in reason:
+        fixes.append(
+            "exchange the sizes first and pad every rank's tensor to the largest (trim after), or gather Python "
+            "objects with all_gather_object"
+        )
+    if "dtypes" in reason:
+        fixes.append("cast to one dtype on every rank before the call (autocast or a dtype chosen per rank)")
+    return f"Collectives need the same shape and dtype on every rank: {'; '.join(fixes)}."

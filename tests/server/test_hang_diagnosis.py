@@ -654,6 +654,25 @@ def test_a_rank_whose_loop_ended_early_and_lingered_past_its_peers_timeout_is_st
     assert "ranks 0, 2 timed out waiting for it" in early.message and "uneven data" in early.message
 
 
+def test_a_rank_that_trained_one_step_through_model_module_ran_out_of_batches_first_and_is_told_why() -> None:
+    # Rank 1's step after step 1 went through model.module: no DDP step, nothing all-reduced. It runs out of
+    # batches one sync early and exits while rank 0 waits in step 3's all-reduce.
+    job = started(2)
+    end = job.train(3)  # steps 0..2
+    job.add("warning", 1, end - 0.15, step=1, code="unsynced_gradients", message="the backward() at train.py:9 ...",
+            parameters=["head.bias"], call_site="train.py:9")  # fmt: skip
+    waiting_in(job, 0, end + 0.1, 7, step=3)
+    job.exit(1, end + 0.05, step=2)
+    job.error(0, end + 0.2, "Connection closed by peer [127.0.0.1]:4312", step=3)
+    early = only(diagnose(job.snapshot(), end + 1), "rank_exited_early")
+    assert early.culprit_ranks == [1], early.message
+    assert (
+        "Its backward() at train.py:9 after step 1 gave the model gradients that no forward" in early.message
+    )
+    assert "ran out of batches a gradient sync before its peers" in early.message
+    assert "uneven data" not in early.message
+
+
 def test_a_rank_that_skipped_one_backward_ran_out_of_batches_first_and_is_the_early_exit() -> None:
     # Rank 1 skipped the backward of step 5 (a bad batch, `continue` before backward()): from then on its
     # step s+1 syncs with rank 0's step s, it finishes its 12 forwards one sync early and exits cleanly,

@@ -586,6 +586,41 @@ def test_mismatched_shapes_say_gloo_aborts_and_count_the_later_disagreements() -
     )
 
 
+def test_one_line_gathering_a_size_of_its_own_on_each_rank_is_blamed_on_the_line_with_the_fix() -> None:
+    # Variable-length predictions gathered for evaluation: every rank calls the same line, in step.
+    job = started(2)
+    end = job.train(2)
+    job.coll(0, end, 5, op="all_gather", reduce_op=None, shapes=[[10]], site="eval.py:14")
+    job.coll(1, end, 5, op="all_gather", reduce_op=None, shapes=[[11]], site="eval.py:14")
+    m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
+    assert m.call_site == "eval.py:14" and m.culprit_ranks == [1]
+    assert m.message.startswith(
+        "Every rank issued all_gather at eval.py:14 as collective #5 of group default (rank 0: all_gather [10] "
+        "float32; rank 1: all_gather [11] float32)"
+    )
+    assert "gloo aborts" in m.message and "the line is at fault on every rank" in m.message
+    assert "pad every rank's tensor to the largest" in m.message and "taken as the reference" not in m.message
+
+
+def test_one_line_with_one_rank_s_odd_dtype_names_that_rank_and_says_to_cast() -> None:
+    job = started(3)
+    end = job.train(2)
+    for r in range(3):
+        job.coll(r, end, 5, dtypes=["float16" if r == 2 else "float32"], site="train.py:33")
+    m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
+    assert m.culprit_ranks == [2] and m.call_site == "train.py:33"
+    assert "Rank 2 had the odd dtypes" in m.message and "cast to one dtype" in m.message
+
+
+def test_different_shapes_from_different_lines_are_not_taken_for_one_line_s_sizes() -> None:
+    job = started(2)
+    end = job.train(2)
+    job.coll(0, end, 5, shapes=[[4]], site="train.py:20")
+    job.coll(1, end, 5, shapes=[[5]], site="train.py:29")
+    m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
+    assert "Every rank issued" not in m.message and "shapes differ: gloo aborts" in m.message
+
+
 def test_an_all_to_all_with_split_sizes_of_its_own_on_each_rank_is_no_mismatch_but_other_widths_are() -> None:
     # A mixture of experts sends each expert as many tokens as were routed to it: the first dimension of
     # all_to_all_single's input, and of all_to_all's tensors, differs per rank by design.
