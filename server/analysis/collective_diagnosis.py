@@ -455,7 +455,7 @@ def _mismatch(
         )
     elif _sizes_differ(reason):
         msg += f". The {reason} differ: {size_consequence(crec, rrec)}"
-        msg += _bucket_settings(recs, starts)
+        msg += _bucket_settings(recs, starts, keys)
     elif "roots" in reason:
         arg = ROOTED_OPS.get(crec.get("op") or "", "root")
         msg += (
@@ -592,11 +592,23 @@ def _same_direction(pg: str, seq: int, recs: Mapping[int, Record], blame: dict[i
     )
 
 
-def _bucket_settings(recs: Mapping[int, Record], starts: Mapping[int, Record]) -> str:
-    """When both sides are the DDP engine's own bucket all-reduces, the buckets differ between ranks:
-    say which construction arguments of theirs differ (from their ``rank_start``), or '' if none."""
+def _bucket_settings(
+    recs: Mapping[int, Record], starts: Mapping[int, Record], keys: Mapping[int, set[tuple[Any, ...]]]
+) -> str:
+    """When both sides are the DDP engine's own bucket all-reduces: either every rank has issued each
+    side's bucket before (the same buckets, of one model or of several, taken in another order: a
+    backward skipped or added on some ranks), or the buckets differ between ranks: say which
+    construction arguments of theirs differ (from their ``rank_start``). '' when a side is not the engine's."""
     if not all(c.get("source") == "engine" for c in recs.values()):
         return ""
+    if all(full_key(c) in keys.get(r, set()) for c in recs.values() for r in recs):
+        return (
+            ". Both are the DDP engine's bucket all-reduces, and every rank has issued both before: the same "
+            "buckets (of one model, or of several models wrapped in DistributedDataParallel) taken in another "
+            "order, not different buckets. Some ranks skipped or added a backward through one of them (a loss "
+            "backpropagated on some ranks only, a `continue` before backward(), a model whose forward runs on "
+            "some ranks only); run the same forward and backward passes on every rank"
+        )
     differ = []
     for key in ("bucket_cap_mb", "find_unused_parameters"):
         values = {r: starts.get(r, {}).get(key) for r in recs}

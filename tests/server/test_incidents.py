@@ -621,6 +621,29 @@ def test_different_shapes_from_different_lines_are_not_taken_for_one_line_s_size
     assert "Every rank issued" not in m.message and "shapes differ: gloo aborts" in m.message
 
 
+def test_engine_buckets_of_a_size_only_one_rank_ever_issued_are_said_to_be_different_buckets() -> None:
+    job = started(2)
+    end = job.train(2)
+    for r, size in ((0, 10), (1, 12)):
+        job.coll(r, end, 5, shapes=[[size]], site="ddp/reducer.py:88", step=2, source="engine", done=False)
+    m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
+    assert "so the ranks built different buckets" in m.message and "another order" not in m.message
+
+
+def test_engine_buckets_every_rank_issued_before_met_out_of_turn_are_a_skipped_backward_not_other_buckets() -> (
+    None
+):
+    # A GAN's two DDP models: rank 1 skipped one backward, so its next bucket all-reduce meets rank 0's
+    # all-reduce of the other bucket. Both sizes are routine on both ranks.
+    job = started(2)
+    end = job.train(3)
+    job.coll(0, end, 7, shapes=[[10]], site="ddp/reducer.py:88", step=3, source="engine", done=False)
+    job.coll(1, end, 7, shapes=[[1024]], site="ddp/reducer.py:88", step=3, source="engine", done=False)
+    m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
+    assert "every rank has issued both before" in m.message and "skipped or added a backward" in m.message
+    assert "built different buckets" not in m.message
+
+
 def test_an_all_to_all_with_split_sizes_of_its_own_on_each_rank_is_no_mismatch_but_other_widths_are() -> None:
     # A mixture of experts sends each expert as many tokens as were routed to it: the first dimension of
     # all_to_all_single's input, and of all_to_all's tensors, differs per rank by design.
