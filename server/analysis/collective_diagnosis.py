@@ -419,9 +419,12 @@ def _mismatch(
         for k, r in distinct.items()
     )
     msg = f"{what} where {ranks_phrase(ref)} issued {describe(rrec)} at collective #{seq} of group {pg}"
-    left = _left_loop(culprits, ref, recs, ranks, steps)
+    loop = _loop_counts(c0, r0, seq, ranks) if skip is None else ""
+    left = "" if loop else _left_loop(culprits, ref, recs, ranks, steps)
     if left:
         msg = f"{left}: {msg}"
+    if loop:
+        msg += f". {loop}"
     shift = _shift(ranks.get(c0, {}), ranks.get(r0, {}), seq)
     if shift:
         msg += f": {ranks_phrase([c0])} {shift}"
@@ -468,6 +471,12 @@ def _mismatch(
     msg += _later_too(later)
     if left:
         msg += f". {UNEVEN_DATA_ADVICE}"
+    elif loop:
+        msg += (
+            ". A loop that issues a collective must run the same number of times on every rank: give every rank "
+            "the same number of batches (DistributedSampler pads its shards to one length; or all_reduce the "
+            "count and stop at the smallest), or gather the metrics once after the loop."
+        )
         for r in culprits:
             blame.setdefault(r, "stopped training early or issued a collective its peers skip")
     else:
@@ -623,6 +632,38 @@ def _bucket_settings(
         f". Both are the DDP engine's bucket all-reduces, so the ranks built different buckets{what}; "
         "wrap the same model with the same DistributedDataParallel arguments on every rank"
     )
+
+
+def _loop_counts(c0: int, r0: int, seq: int, ranks: Mapping[int, Mapping[int, Record]]) -> str:
+    """ "Rank 1 made its call at eval.py:15 4 times in a row up to here, rank 0 3 times ..." when one side's call at ``seq``
+    repeats a user call the other side issued just before and then stopped issuing: a loop around that
+    call (an evaluation over a rank's own shard, a metric per batch) ran more times on one side. '' when
+    neither side continues the other's run."""
+    mine, theirs = ranks.get(c0, {}), ranks.get(r0, {})
+
+    def run(records: Mapping[int, Record], key: tuple[Any, ...], last: int) -> int:
+        n = 0
+        while last - n in records and full_key(records[last - n]) == key:
+            n += 1
+        return n
+
+    for longer, shorter, more in ((mine, theirs, c0), (theirs, mine, r0)):
+        call = longer.get(seq)
+        before = shorter.get(seq - 1)
+        if call is None or before is None or call.get("source") != "user":
+            continue
+        key = full_key(call)
+        if full_key(before) != key or key == full_key(shorter.get(seq, {})):
+            continue
+        fewer = r0 if more == c0 else c0
+        n_more, n_fewer = run(longer, key, seq), run(shorter, key, seq - 1)
+        site = f" at {call['call_site']}" if call.get("call_site") else ""
+        return (
+            f"Rank {more} made its call{site} {n_more} times in a row up to here, rank {fewer} {n_fewer} times "
+            f"before going on: a loop around that call ran more iterations on rank {more} (an evaluation or "
+            "metric loop over a shard of its own, a batch count that differs per rank)"
+        )
+    return ""
 
 
 def _left_loop(

@@ -644,6 +644,32 @@ def test_engine_buckets_every_rank_issued_before_met_out_of_turn_are_a_skipped_b
     assert "built different buckets" not in m.message
 
 
+def test_a_metric_loop_that_ran_once_more_on_one_rank_is_told_by_how_often_each_rank_made_the_call() -> None:
+    # Evaluation over shards of their own: rank 1 has 4 batches, rank 0 has 3 and goes back to training.
+    job = started(2)
+    end = job.train(2)
+    for r, calls in ((0, 3), (1, 4)):
+        for k in range(calls):
+            job.coll(r, end + k * 0.01, 5 + k, shapes=[[1]], site="eval.py:15")
+    job.coll(0, end + 0.05, 8, shapes=[[10]], site="ddp/reducer.py:88", step=2, source="engine", done=False)
+    m = only(diagnose(job.snapshot(), end + 0.5), "mismatch")
+    assert m.seq == 8 and m.culprit_ranks == [1] and m.call_site == "eval.py:15"
+    assert "Rank 1 made its call at eval.py:15 4 times in a row up to here, rank 0 3 times" in m.message
+    assert "the same number of batches" in m.message and "left its training loop" not in m.message
+
+
+def test_a_loop_cut_short_on_one_rank_of_three_is_told_by_the_count_of_the_others() -> None:
+    job = started(3)
+    end = job.train(2)
+    for r, calls in ((0, 4), (1, 4), (2, 3)):
+        for k in range(calls):
+            job.coll(r, end + k * 0.01, 5 + k, shapes=[[1]], site="eval.py:15")
+    job.coll(2, end + 0.05, 8, shapes=[[10]], site="ddp/reducer.py:88", step=2, source="engine", done=False)
+    m = only(diagnose(job.snapshot(), end + 0.5), "mismatch")
+    assert m.culprit_ranks == [2]
+    assert "Rank 0 made its call at eval.py:15 4 times in a row up to here, rank 2 3 times" in m.message
+
+
 def test_an_all_to_all_with_split_sizes_of_its_own_on_each_rank_is_no_mismatch_but_other_widths_are() -> None:
     # A mixture of experts sends each expert as many tokens as were routed to it: the first dimension of
     # all_to_all_single's input, and of all_to_all's tensors, differs per rank by design.
