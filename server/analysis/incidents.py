@@ -113,6 +113,7 @@ from ddpscope.server.analysis.status import (
     liveness,
 )
 from ddpscope.server.analysis.stuck import stuck_outside
+from ddpscope.server.analysis.torch_errors import torch_error_advice
 from ddpscope.server.analysis.wait_graph import WaitGraph, deadlock_incidents
 from ddpscope.server.analysis.warning_incidents import warning_incidents
 
@@ -645,6 +646,8 @@ def _error_incidents(
             )
         elif named and p["rank"] not in culprits:
             msg += f". The cause is on {ranks_phrase(culprits)}"
+        elif known := torch_error_advice(str(p.get("message", ""))):
+            msg += f". {capitalized(known)}"
         elif others and not named:
             msg += ". Every rank listed raised it itself: the cause is in code they all run; start from the stack"
         else:

@@ -686,6 +686,20 @@ def test_an_all_to_all_with_split_sizes_of_its_own_on_each_rank_is_no_mismatch_b
     assert m.seq == 7 and "shapes differ" in m.message
 
 
+def test_torch_s_static_graph_assertion_is_explained_instead_of_left_as_a_bug_to_report() -> None:
+    # torch 2.13, DDP(static_graph=True) whose first backward runs under no_sync(): every rank raises it.
+    job = started(2)
+    text = (
+        'expect_autograd_hooks_ INTERNAL ASSERT FAILED at "/pytorch/torch/csrc/distributed/c10d/reducer.cpp":1732, '
+        "please report a bug to PyTorch."
+    )
+    for r in range(2):
+        job.error(r, T0 + 1 + r / 100, text, step=0)
+    err = only(diagnose(job.snapshot(), T0 + 2), "rank_error")
+    assert "with static_graph=True when its first backward runs under no_sync()" in err.message
+    assert "run the first iteration synced" in err.message and err.culprit_ranks == [0, 1]
+
+
 def _model_differs(rank: int, mine: int, peer: int, theirs: int) -> str:
     return (
         f"DDP expects same model across all ranks, but Rank {rank} has {mine} params, while rank {peer} has "

@@ -1,0 +1,27 @@
+"""What torch's own DDP errors mean, where the message alone does not say: internal assertions a user
+cannot act on ("please report a bug to PyTorch") that known, reproducible usage triggers.
+
+Each entry was reproduced on torch 2.13 (gloo) before it went in; the advice names torch's issue.
+"""
+
+from __future__ import annotations
+
+import re
+
+KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (
+        re.compile(r"expect_autograd_hooks_ INTERNAL ASSERT FAILED"),
+        "torch's DDP raises this internal assertion with static_graph=True when its first backward runs "
+        "under no_sync() (gradient accumulation whose first micro-batches skip the all-reduce) or when one "
+        "forward's outputs get several backward() calls (pytorch/pytorch#143580, #106953): run the first "
+        "iteration synced (outside no_sync()), backpropagate one summed loss, or leave static_graph off",
+    ),
+)
+
+
+def torch_error_advice(message: str) -> str | None:
+    """What a known torch error means and what to do, or None for any other message."""
+    for pattern, advice in KNOWN_ERRORS:
+        if pattern.search(message):
+            return advice
+    return None
