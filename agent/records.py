@@ -308,7 +308,13 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("dtypes", STRS),
         Field("call_site", STR, nullable=True, doc="file:line of the user's call"),
         Field("start_ns", INT),
-        Field("step", INT, nullable=True),
+        Field(
+            "step",
+            INT,
+            nullable=True,
+            doc="the engine's step; a user's call made inside a step (its forward to the end of its "
+            "backward) carries that step, one between steps null",
+        ),
         Field(
             "source",
             STR,

@@ -52,7 +52,7 @@ from typing import Any
 
 from ddpscope.agent import RecordTemplate, emit, emit_durable, emit_templated, get_agent
 from ddpscope.agent.clock import now_ns
-from ddpscope.ddp.progress import PROGRESS, Progress
+from ddpscope.ddp.progress import IN_STEP, PROGRESS, Progress
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +100,9 @@ class PlannedCollective:
         self.begin: RecordTemplate | None = None
         self.end: RecordTemplate | None = None
         try:
-            if stepped:  # the engine's: begin_planned passes the step
+            if stepped:  # the engine's, or a user's call inside a step: begin_planned passes the step
                 self.begin = RecordTemplate(fixed, ("coll_seq", "start_ns", "step"), time_field="start_ns")
-            else:  # a user's call carries no step (begin_planned passes None)
+            else:  # a user's call between steps carries none (begin_planned passes None)
                 self.begin = RecordTemplate(
                     {**fixed, "step": None}, ("coll_seq", "start_ns"), time_field="start_ns"
                 )
@@ -287,7 +287,7 @@ class CollectiveRecorder:
         folded: bool = False,
     ) -> PlannedCollective:
         """The plan of a collective issued again and again with these fields (see ``PlannedCollective``);
-        ``stepped``: its calls pass ``begin_planned`` a step (the engine's), else None (a user's);
+        ``stepped``: its calls pass ``begin_planned`` a step (the engine's, a user's inside a step), else None;
         ``folded``: the caller's step record carries its ends (``end_planned``)."""
         fixed: dict[str, Any] = {
             "kind": "collective",
@@ -323,16 +323,26 @@ class CollectiveRecorder:
         A call repeated from the same line with the same group, op and tensor shapes and dtypes (a loss
         or metric all-reduce every step) is planned on its second sighting: the tensors' shapes are then
         only hashed, not copied into a record, and the record is an agent template, ~65 instead of
-        ~115 us a call with the caches cold. Never raises."""
+        ~115 us a call with the caches cold.
+
+        A user's call made inside a training step (from its forward to the end of its backward: in a
+        module's forward, a loss function, a backward hook) carries that step; one between steps carries
+        none. The collector tells by it a rank that made an extra call inside its step from one that left
+        its training loop. Never raises."""
         plans = self._user_plans
+        progress = self.progress
+        step = progress.step if source == "user" and progress.phase in IN_STEP else None
         try:
-            key = (pg, op, reduce_op, call_site, root, source, *[(t.shape, t.dtype) for t in tensors])
+            shapes = [(t.shape, t.dtype) for t in tensors]
+            key = (pg, op, reduce_op, call_site, root, source, step is not None, *shapes)
             plan = plans.get(key, _UNSEEN)
         except Exception:  # not tensors: the ordinary path records what it can, torch raises
             key, plan = None, None
         if isinstance(plan, PlannedCollective):
-            return self.begin_planned(plan, None), plan
-        seq = self.begin(pg, op, tensors, reduce_op=reduce_op, source=source, call_site=call_site, root=root)
+            return self.begin_planned(plan, step), plan
+        seq = self.begin(
+            pg, op, tensors, reduce_op=reduce_op, source=source, step=step, call_site=call_site, root=root
+        )
         if key is not None and plan is not _UNPLANNABLE:
             try:
                 if len(plans) >= MAX_USER_PLANS:
@@ -341,7 +351,7 @@ class CollectiveRecorder:
                 if plan is not _UNSEEN:  # the second sighting
                     made = self.plan(
                         pg, op, shapes=[list(t.shape) for t in tensors], dtypes=[dtype_name(t.dtype) for t in tensors],
-                        reduce_op=reduce_op, source=source, call_site=call_site, root=root, stepped=False,
+                        reduce_op=reduce_op, source=source, call_site=call_site, root=root, stepped=step is not None,
                     )  # fmt: skip
                 # A plan the wire format refuses is not made again at every call (it logs a warning).
                 plans[key] = made if made is None or made.begin is not None else _UNPLANNABLE

@@ -433,7 +433,10 @@ def _mismatch(
         if _sizes_differ(reason):
             msg += f". The {reason} differ: {size_consequence(crec, rrec)}"
     elif reason == "source":
-        msg += ". One side is the DDP engine's own all-reduce: a collective in user code was issued on some ranks only"
+        msg += (
+            _inside_step(culprits, ref, recs)
+            or ". One side is the DDP engine's own all-reduce: a collective in user code was issued on some ranks only"
+        )
     elif crec.get("op") == NEW_GROUP and rrec.get("op") == NEW_GROUP:
         msg += (
             ". The ranks created their process groups in different orders: torch.distributed.new_group is called "
@@ -469,6 +472,8 @@ def _mismatch(
     else:
         msg += f". The {reason} differ: gloo pairs them silently and the results are wrong"
     msg += _later_too(later)
+    if reason != "source":
+        msg += _inside_step(culprits, ref, recs)
     if left:
         msg += f". {UNEVEN_DATA_ADVICE}"
     elif loop:
@@ -634,6 +639,25 @@ def _bucket_settings(
     )
 
 
+def _inside_step(culprits: list[int], ref: list[int], recs: Mapping[int, Record]) -> str:
+    """ ". Rank 1 made that call inside its step 2 ..." when the culprits' user calls, met by the engine's
+    collective on the other ranks, carry the step they were made in (a call in a module's forward, a loss
+    function or a backward hook, on some ranks only); '' otherwise."""
+    calls = [recs[r] for r in culprits]
+    steps = {c.get("step") for c in calls}
+    if not all(c.get("source") == "user" for c in calls) or None in steps or len(steps) != 1:
+        return ""
+    if not all(recs[r].get("source") == "engine" for r in ref):
+        return ""
+    its = "its" if len(culprits) == 1 else "their"
+    return (
+        f". {capitalized(ranks_phrase(culprits))} made that call inside {its} step {steps.pop()} (in the model's "
+        f"forward, the loss, or a hook backward runs), where {ranks_phrase(ref)} went on to DDP's gradient "
+        "all-reduce: a collective in code the step runs on some ranks only (a rank-dependent branch, a "
+        "debugging or logging call on one rank)"
+    )
+
+
 def _loop_counts(c0: int, r0: int, seq: int, ranks: Mapping[int, Mapping[int, Record]]) -> str:
     """ "Rank 1 made its call at eval.py:15 4 times in a row up to here, rank 0 3 times ..." when one side's call at ``seq``
     repeats a user call the other side issued just before and then stopped issuing: a loop around that
@@ -680,6 +704,8 @@ def _left_loop(
     their peers went on training. '' otherwise."""
     if not all(recs[r].get("source") == "engine" for r in ref):
         return ""
+    if any(recs[r].get("step") is not None for r in culprits):
+        return ""  # made inside a step (``_inside_step``): the rank was still training
     peer_step = recs[ref[0]].get("step")
     lasts = []
     for r in culprits:

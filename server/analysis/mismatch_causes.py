@@ -112,7 +112,7 @@ def skipped_routine(recs: Mapping[int, Record], ranks: Mapping[int, Mapping[int,
     steps = {r: steps_of(ranks.get(r, {})) for r in recs}
     step = steps[issued[0]].get(call["coll_seq"])
     went_on = recs[engine[0]].get("step")
-    if step is None or not isinstance(went_on, int) or went_on <= step:
+    if step is None or not isinstance(went_on, int) or went_on < step:
         return None
     for r in recs:
         ran, made = set(), set()

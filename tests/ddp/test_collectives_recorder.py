@@ -316,7 +316,7 @@ def test_a_user_call_repeated_from_one_line_is_planned_and_records_what_it_did_b
     shown = begins[0]["call_site"]
     assert shown.endswith(site)
     assert RECORDER._user_plans[
-        ("default", "all_reduce", "SUM", shown, None, "user", (torch.Size([2, 3]), torch.float32))
+        ("default", "all_reduce", "SUM", shown, None, "user", False, (torch.Size([2, 3]), torch.float32))
     ]
     assert [r["coll_seq"] for r in begins] == list(range(1, 9))
     assert sorted(r["coll_seq"] for r in ends) == list(range(1, 9)) and all(r["ok"] for r in ends)
@@ -327,6 +327,26 @@ def test_a_user_call_repeated_from_one_line_is_planned_and_records_what_it_did_b
     broadcasts = [{k: v for k, v in r.items() if k not in moving} for r in begins[1::2]]
     assert [(r["shapes"], r["root"]) for r in broadcasts] == [([[1]], 0), ([[2]], 0)] * 2
     assert RECORDER.inflight() == []
+
+
+def test_a_user_call_made_inside_a_step_carries_that_step_and_one_between_steps_carries_none(
+    records: Records,
+) -> None:
+    phase, step = PROGRESS.phase, PROGRESS.step
+    try:
+        for s in (7, 8, 9):  # the second sighting on is planned: the step must survive the template
+            PROGRESS.enter("forward", s)
+            dist.all_reduce(torch.ones(3))  # say, in a module's forward
+            PROGRESS.enter("backward")
+            dist.all_reduce(torch.ones(2))  # say, in a tensor hook
+            PROGRESS.enter("idle")
+            dist.all_reduce(torch.ones(3))  # the loss, logged between steps
+    finally:
+        PROGRESS.phase, PROGRESS.step = phase, step
+    begins = records("collective")
+    assert [r["step"] for r in begins] == [7, 7, None, 8, 8, None, 9, 9, None]
+    assert {r["source"] for r in begins} == {"user"}
+    assert len({r["call_site"] for r in begins[0::3]} | {r["call_site"] for r in begins[2::3]}) == 2
 
 
 def test_user_plans_are_forgotten_when_their_group_changes_members_and_bounded(records: Records) -> None:
@@ -355,7 +375,7 @@ def test_a_user_call_whose_records_cannot_be_a_template_is_tried_once_not_at_eve
     assert sum("no record template" in r.message for r in caplog.records) == 1
     assert (
         RECORDER._user_plans[
-            (pg, "all_reduce", "SUM", "x.py:1", None, "user", (torch.Size([2]), torch.float32))
+            (pg, "all_reduce", "SUM", "x.py:1", None, "user", False, (torch.Size([2]), torch.float32))
         ]
         is collectives._UNPLANNABLE
     )

@@ -670,6 +670,22 @@ def test_a_loop_cut_short_on_one_rank_of_three_is_told_by_the_count_of_the_other
     assert "Rank 0 made its call at eval.py:15 4 times in a row up to here, rank 2 3 times" in m.message
 
 
+def test_a_user_call_one_rank_made_inside_its_step_is_not_taken_for_leaving_the_training_loop() -> None:
+    # Rank 1 all-reduced a statistic in a backward hook of step 2 (its record carries the step); rank 0 went
+    # on to step 2's bucket all-reduce. Between steps, the same records would read as a loop left early.
+    job = started(2)
+    end = job.train(2)
+    job.coll(1, end, 5, shapes=[[1]], site="model.py:40", step=2, done=False)
+    job.coll(0, end, 5, shapes=[[10]], site="ddp/reducer.py:88", step=2, source="engine", done=False)
+    m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
+    assert m.culprit_ranks == [1] and m.call_site == "model.py:40"
+    assert (
+        "Rank 1 made that call inside its step 2" in m.message
+        and "went on to DDP's gradient all-reduce" in m.message
+    )
+    assert "stopped training" not in m.message and "left their training loop" not in m.message
+
+
 def test_an_all_to_all_with_split_sizes_of_its_own_on_each_rank_is_no_mismatch_but_other_widths_are() -> None:
     # A mixture of experts sends each expert as many tokens as were routed to it: the first dimension of
     # all_to_all_single's input, and of all_to_all's tensors, differs per rank by design.
@@ -887,6 +903,33 @@ def test_a_rank_that_skipped_a_call_every_rank_makes_each_step_is_the_culprit_wh
     assert f"rank {skipper} skipped it in step 4 and went on to step 5's backward" in m.message, m.message
     assert "taken as the reference" not in m.message and "left its training loop" not in m.message
     assert m.message.count("opt.py:21") == 2, m.message  # rank 1's call, and the routine one: once each
+
+
+def test_a_rank_that_skipped_a_call_made_inside_every_step_is_the_culprit_and_went_on_in_that_same_step() -> (
+    None
+):
+    # The loss all-reduced between forward and backward, every step (its records carry their own step);
+    # rank 0 skipped it in step 3 and went on to step 3's bucket all-reduce.
+    job = started(2)
+    t = T0 + 1
+    for r in (0, 1):
+        seq = 0
+        for s in range(4):
+            if not (r == 0 and s == 3):
+                seq += 1
+                job.coll(r, t + s, seq, shapes=[[1]], site="train.py:30", step=s, done=s < 3)
+            if s == 3 and r == 1:
+                break
+            for shape in ([10], [1024]):
+                seq += 1
+                job.coll(r, t + s, seq, shapes=[shape], site=None, step=s, source="engine", done=s < 3)
+                if s == 3:
+                    break
+            if s < 3:
+                job.step(r, t + s, s, seqs=[seq - 1, seq])
+    m = only(diagnose(job.snapshot(), t + 5), "mismatch")
+    assert m.culprit_ranks == [0] and m.call_site == "train.py:30", m.message
+    assert "rank 0 skipped it in step 3 and went on to step 3's backward" in m.message, m.message
 
 
 def test_two_peers_receiving_at_the_same_line_are_a_mismatch_though_their_records_are_identical() -> None:
