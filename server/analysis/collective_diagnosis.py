@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
@@ -476,6 +476,8 @@ def _mismatch(
         msg += _inside_step(culprits, ref, recs)
     if left:
         msg += f". {UNEVEN_DATA_ADVICE}"
+        for r in culprits:
+            blame.setdefault(r, "stopped training early or issued a collective its peers skip")
     elif loop:
         msg += (
             ". A loop that issues a collective must run the same number of times on every rank: give every rank "
@@ -483,7 +485,9 @@ def _mismatch(
             "count and stop at the smallest), or gather the metrics once after the loop."
         )
         for r in culprits:
-            blame.setdefault(r, "stopped training early or issued a collective its peers skip")
+            blame.setdefault(
+                r, f"ran a loop around a collective a different number of times at #{seq} of group {pg}"
+            )
     else:
         msg += f". {why}Make every rank issue the same collectives in the same order."
     for r in culprits:
@@ -493,19 +497,7 @@ def _mismatch(
     sites = sorted({recs[r]["call_site"] for r in culprits if recs[r].get("call_site")})
     if skip is not None and skip.call.get("call_site"):
         sites = [skip.call["call_site"]]  # the line the culprits skipped: theirs is the engine's, no line
-    # The user call's record may carry no step (outside forward and backward); the engine's does.
-    step = next((recs[r]["step"] for r in (c0, *ref, *recs) if recs[r].get("step") is not None), None)
-    return Incident(
-        kind="mismatch",
-        message=msg,
-        rank=c0,
-        step=step,
-        seq=seq,
-        pg=pg,
-        culprit_ranks=culprits,
-        call_site=", ".join(sites) or None,
-        time_s=min(recs[r]["start_ns"] for r in recs) / 1e9,
-    )
+    return _mismatch_incident(pg, seq, recs, msg, culprits, ", ".join(sites) or None, (c0, *ref))
 
 
 def _same_line(
@@ -546,16 +538,33 @@ def _same_line(
     msg += same_line_advice(reason)
     for r in culprits:
         blame.setdefault(r, f"issued {first.get('op')} at {site} with {reason} its peers did not use")
+    return _mismatch_incident(pg, seq, recs, msg, culprits, site)
+
+
+def _mismatch_incident(
+    pg: str,
+    seq: int,
+    recs: Mapping[int, Record],
+    msg: str,
+    culprits: list[int],
+    call_site: str | None,
+    step_from: Sequence[int] = (),
+) -> Incident:
+    """The ``mismatch`` incident at #``seq`` of ``pg``: its step is the first one a record carries, asked of
+    the ranks in ``step_from`` first (a user call between steps carries none; the engine's always does)."""
+    step = next(
+        (recs[r]["step"] for r in (*step_from, *sorted(recs)) if recs[r].get("step") is not None), None
+    )
     return Incident(
         kind="mismatch",
         message=msg,
         rank=culprits[0],
-        step=next((recs[r]["step"] for r in ranks if recs[r].get("step") is not None), None),
+        step=step,
         seq=seq,
         pg=pg,
         culprit_ranks=culprits,
-        call_site=site,
-        time_s=min(recs[r]["start_ns"] for r in ranks) / 1e9,
+        call_site=call_site,
+        time_s=min(recs[r]["start_ns"] for r in recs) / 1e9,
     )
 
 
@@ -593,17 +602,7 @@ def _same_direction(pg: str, seq: int, recs: Mapping[int, Record], blame: dict[i
     for r in ranks:
         blame.setdefault(r, f"issued the same point-to-point direction as its peer at #{seq} of group {pg}")
     sites = sorted({recs[r]["call_site"] for r in ranks if recs[r].get("call_site")})
-    return Incident(
-        kind="mismatch",
-        message=msg,
-        rank=ranks[0],
-        step=next((recs[r]["step"] for r in ranks if recs[r].get("step") is not None), None),
-        seq=seq,
-        pg=pg,
-        culprit_ranks=ranks,
-        call_site=", ".join(sites) or None,
-        time_s=min(recs[r]["start_ns"] for r in ranks) / 1e9,
-    )
+    return _mismatch_incident(pg, seq, recs, msg, ranks, ", ".join(sites) or None)
 
 
 def _bucket_settings(

@@ -961,7 +961,10 @@ def test_a_rank_that_called_barrier_after_its_last_step_is_said_to_have_left_its
     # while rank 0 is in step 8's first bucket all-reduce. Both wait there.
     job.coll(0, end, 17, shapes=[[10]], site="ddp/reducer.py:88", source="engine", step=8, done=False)
     job.coll(1, end, 17, op="barrier", reduce_op=None, shapes=[], site="train.py:120", done=False)
-    incidents = diagnose(job.snapshot(), end + 0.1)
+    job.hang(0, end + 5, step=8, inflight=[inflight(17, end, site="ddp/reducer.py:88")])
+    incidents = diagnose(job.snapshot(), end + 5.1)
+    hang = only(incidents, "hang")
+    assert "culprit: rank 1 (stopped training early or issued a collective its peers skip)" in hang.message
     m = only(incidents, "mismatch")
     assert m.message.startswith("Rank 1 stopped training after step 7 and called a collective")
     assert "rank 0 was in step 8's bucket all-reduce" in m.message
