@@ -444,7 +444,12 @@ class Instrumentation:
 
     def _on_output_grad(self, grad: Any) -> None:
         """A tensor hook (the gradient) or a node pre-hook (a tuple of gradients): either way, the
-        first sign of backward."""
+        first sign of backward. Not once the step is over: a second backward through the same outputs
+        (``retain_graph=True``) is no step of torch's DDP, which all-reduces nothing in it; its parameter
+        hooks say so (``unsynced_gradients``), and a second step record of the same step would count it
+        twice."""
+        if not self._armed:
+            return
         if not self._queued:
             self._begin_backward()
         self._losses.check(grad, self._cur, self._syncs)

@@ -81,3 +81,16 @@ def test_every_bucket_all_reduce_has_its_end_recorded_by_the_time_backward_retur
     ended = {r["coll_seq"]: r for r in records("collective_end")}
     assert begun and all(ended[seq]["ok"] for seq in begun), (begun, ended)
     state.remove_hooks()
+
+
+def test_a_second_backward_through_the_same_outputs_is_no_second_step_record(records: Records) -> None:
+    # Two losses backpropagated one after the other from one forward (retain_graph=True): torch's DDP
+    # all-reduces in the first only; the second is said as unsynced gradients, not as the step again.
+    model = instrument(DistributedDataParallel(Flaky()))
+    for _ in range(2):
+        out = model(torch.randn(3, 4))
+        out.square().mean().backward(retain_graph=True)
+        out.abs().mean().backward()
+    assert [r["step"] for r in records("step")] == [0, 1]
+    assert [w["code"] for w in records("warning")] == ["unsynced_gradients"]
+    model.__dict__["_ddpscope_instrumentation"].remove_hooks()
