@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import logging
 import sys
 import threading
 import time
@@ -30,11 +29,12 @@ from ddpscope.agent.clock import now_ns
 from ddpscope.agent.config import Config
 from ddpscope.agent.exporters import Exporter, ExportResult, InMemoryExporter
 from ddpscope.agent.implied import IMPLIES_KEY, Implies, implied_records
+from ddpscope.agent.log import get_logger
 from ddpscope.agent.records import ENVELOPE, RECORD_KINDS, URGENT_KINDS, RecordError, validate_record
 from ddpscope.agent.ring import SLOTS, encode_template, fill
 from ddpscope.agent.template import RecordTemplate
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 __all__ = [
     "Agent",

@@ -7,11 +7,12 @@ its traceback and handed to the registered hooks. Tests register a hook that re-
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Callable
 
-logger = logging.getLogger("ddpscope.agent")
+from ddpscope.agent.log import get_logger
+
+logger = get_logger("ddpscope.agent")
 
 HOOKS: list[Callable[[str, BaseException], None]] = []
 """Called with (where, exception) for every swallowed exception."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import logging
 import os
 import tempfile
 import unicodedata
@@ -20,9 +19,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ddpscope.agent.log import get_logger
 from ddpscope.agent.records import MAX_JOB_LENGTH
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DDPSCOPE_URL = "DDPSCOPE_URL"
 """Collector base URL; records are POSTed to ``<url>/api/v1/ingest``. Default ``http://127.0.0.1:8321``."""

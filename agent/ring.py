@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import marshal
 import mmap
 import os
@@ -49,8 +48,9 @@ from typing import Any
 
 from ddpscope.agent import spool
 from ddpscope.agent.implied import IMPLIES_KEY, implied_records
+from ddpscope.agent.log import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 SLOT_BYTES = 4096
 """A collective record with its envelope marshals to ~300 bytes; a step record made from its template

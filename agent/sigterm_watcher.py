@@ -36,7 +36,6 @@ again: the exit status is "killed by SIGTERM", as without ddpscope.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import threading
@@ -46,8 +45,9 @@ from enum import Enum
 from typing import Any
 
 from ddpscope.agent._errors import swallowed
+from ddpscope.agent.log import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 GRACE_S = 0.5
 """How long the main thread has to start its own SIGTERM handler before the watcher takes over. A

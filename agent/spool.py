@@ -17,7 +17,6 @@ durability needs; a power loss of the node may lose the last second.
 from __future__ import annotations
 
 import contextlib
-import logging
 import marshal
 import os
 import re
@@ -28,7 +27,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from ddpscope.agent.log import get_logger
+
+logger = get_logger(__name__)
 
 MAGIC = b"\xffDS\x01"
 HEADER = struct.Struct("<4sII")

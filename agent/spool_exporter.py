@@ -18,7 +18,6 @@ import collections
 import contextlib
 import faulthandler
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -28,11 +27,12 @@ from typing import IO, Any
 
 from ddpscope.agent import spool
 from ddpscope.agent.exporters import ExportResult
+from ddpscope.agent.log import get_logger
 from ddpscope.agent.records import URGENT_KINDS
 from ddpscope.agent.ring import WriteAheadRing
 from ddpscope.agent.spool import WAKE_DATA, WAKE_URGENT
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 SHIP_INTERVAL_S = 1.0
 """Non-urgent records reach the collector within about this long; the shipper wakes no more often

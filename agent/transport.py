@@ -16,7 +16,6 @@ import collections
 import email.utils
 import gzip
 import json
-import logging
 import os
 import random
 import re
@@ -29,10 +28,11 @@ from typing import Any
 
 from ddpscope.agent import step_block
 from ddpscope.agent.exporters import ExportResult
+from ddpscope.agent.log import get_logger
 from ddpscope.agent.records import RECORD_KINDS, SCHEMA_VERSION, packed_step_record
 from ddpscope.agent.spool import plain
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 RETRYABLE = frozenset({408, 425, 429, 500, 502, 503, 504})
 MAX_RETRY_AFTER_S = 60.0

@@ -21,15 +21,15 @@ not exist in the child); the agent replaces it after fork (see ``lifecycle``).
 from __future__ import annotations
 
 import collections
-import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ddpscope.agent._errors import swallowed
+from ddpscope.agent.log import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 IDLE_S = 1.0
 """Longest sleep of an idle worker: it still ends rounds (stats) about once a second."""

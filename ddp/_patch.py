@@ -14,15 +14,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ddpscope.agent.clock import now_ns
+from ddpscope.agent.log import get_logger
 from ddpscope.ddp.collectives import RECORDER, CollectiveRecorder, disabled, group_pg_name, reduce_name
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

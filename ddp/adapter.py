@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +54,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpscope import agent
 from ddpscope.agent import clock as agent_clock
 from ddpscope.agent.clock import now_ns
+from ddpscope.agent.log import get_logger
 from ddpscope.ddp import monitor
 from ddpscope.ddp.adapter_group import ObservedGroup
 from ddpscope.ddp.adapter_layout import (
@@ -86,7 +86,7 @@ from ddpscope.ddp.rank_start import rank_start_record
 from ddpscope.ddp.replicas import ReplicaDigest
 from ddpscope.ddp.step_record import StepTimer, untimed_end
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _ATTR = "_ddpscope_instrumentation"
 _MIB = 1024 * 1024

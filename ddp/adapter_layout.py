@@ -14,7 +14,6 @@ module's trainable parameters, shared ones once), plus names and bytes in the wi
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-logger = logging.getLogger(__name__)
+from ddpscope.agent.log import get_logger
+
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

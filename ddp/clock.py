@@ -13,7 +13,6 @@ ends of a pair number their messages identically and the collector knows who the
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,10 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpscope.agent.log import get_logger
 from ddpscope.ddp.collectives import RECORDER
 from ddpscope.ddp.groups import pg_name
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DEFAULT_ROUNDS = 8
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
-import logging
 import os
 import sys
 import threading
@@ -52,9 +51,10 @@ from typing import Any
 
 from ddpscope.agent import RecordTemplate, emit, emit_durable, emit_templated, get_agent
 from ddpscope.agent.clock import now_ns
+from ddpscope.agent.log import get_logger
 from ddpscope.ddp.progress import IN_STEP, PROGRESS, Progress
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 MAX_USER_PLANS = 256
 """Distinct user calls remembered for planning (``begin_user``); more means shapes that keep changing."""

@@ -18,13 +18,14 @@ model inside still compiles. The marking goes through torch's C-level frame stra
 from __future__ import annotations
 
 import inspect
-import logging
 import sys
 import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from ddpscope.agent.log import get_logger
+
+logger = get_logger(__name__)
 
 
 def _codes(code: types.CodeType) -> Iterator[types.CodeType]:

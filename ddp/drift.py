@@ -15,15 +15,15 @@ collector turns into an ``unsynced_gradients`` incident naming every rank that s
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Collection, Sequence
 
 import torch
 
 from ddpscope.agent import emit
+from ddpscope.agent.log import get_logger
 from ddpscope.agent.records import UNSYNCED_GRADIENTS
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 CODE = UNSYNCED_GRADIENTS
 MAX_NAMES = 200

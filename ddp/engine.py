@@ -11,7 +11,6 @@ module and arms the reducer; each backward ends with one ``step`` record (reduce
 from __future__ import annotations
 
 import contextlib
-import logging
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +23,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ddpscope import agent
 from ddpscope.agent import clock as agent_clock
+from ddpscope.agent.log import get_logger
 from ddpscope.ddp import monitor
 from ddpscope.ddp.broadcast import broadcast_coalesced
 from ddpscope.ddp.clock import estimate_offset
@@ -41,7 +41,7 @@ from ddpscope.ddp.reducer import SPARSE_GRADIENTS, Reducer
 from ddpscope.ddp.replicas import ReplicaDigest
 from ddpscope.ddp.step_record import StepTimer
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # torch keyword arguments that change nothing here when left at these values.
 _HARMLESS_DEFAULTS: dict[str, Any] = {

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
 import sys
 import threading
 import traceback
@@ -34,10 +33,11 @@ from types import TracebackType
 from typing import Any, NoReturn
 
 from ddpscope.agent import emit, get_agent, lifecycle
+from ddpscope.agent.log import get_logger
 from ddpscope.ddp.collectives import RECORDER, disabled
 from ddpscope.ddp.progress import PROGRESS
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 FLUSH_TIMEOUT_S = 2.0
 """How long a dying process waits for its records to leave."""

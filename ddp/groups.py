@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch.distributed as dist
 
+from ddpscope.agent.log import get_logger
 from ddpscope.ddp.collectives import RECORDER, group_pg_name
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def pg_name(group: Any = None) -> str:

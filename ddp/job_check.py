@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import logging
 import os
 import socket
 import sys
@@ -37,11 +36,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpscope.agent import emit_durable, get_agent
+from ddpscope.agent.log import get_logger
 from ddpscope.agent.records import JOB_IDS_DIFFER
 from ddpscope.ddp.collectives import disabled
 from ddpscope.ddp.job_ids_text import Claim, id_source, job_ids_message
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 CODE = JOB_IDS_DIFFER
 PEER_WAIT_S = 60.0

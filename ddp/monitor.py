@@ -17,14 +17,14 @@ Idempotent; with ddpscope disabled it installs nothing.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
+from ddpscope.agent.log import get_logger
 from ddpscope.ddp import collectives, errors, job_check, watchdog
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 ENV_DISABLED = "DDPSCOPE_DISABLED"
 _WRAPPED = "__ddpscope_init_hook__"

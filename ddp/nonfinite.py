@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import cmath
 import itertools
-import logging
 import math
 import os
 from collections import deque
@@ -45,9 +44,10 @@ import torch
 
 from ddpscope import agent
 from ddpscope.agent.config import DDPSCOPE_CHECK_GRADIENTS
+from ddpscope.agent.log import get_logger
 from ddpscope.agent.records import NONFINITE_GRADIENT, NONFINITE_LOSS
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 MAX_RUNS = 10
 """Runs of non-finite steps said per model and kind: a job under a loss scaler skips a step now and then for

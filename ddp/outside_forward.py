@@ -15,15 +15,15 @@ the user's line (``drift.warn_unsynced``: logged and sent to the collector).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
 
+from ddpscope.agent.log import get_logger
 from ddpscope.ddp.collectives import RECORDER
 from ddpscope.ddp.drift import shown, warn_unsynced
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class OutsideForward:

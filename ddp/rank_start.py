@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import logging
 import os
 import platform
 import socket
@@ -23,11 +22,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ddpscope.agent.log import get_logger
 from ddpscope.ddp import watchdog
 from ddpscope.ddp.groups import pg_name
 from ddpscope.ddp.nonfinite import gradient_check_enabled
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class ClockEstimate(Protocol):

@@ -21,7 +21,6 @@ the end of that backward. No rank writes gradients from that step: never a silen
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -29,6 +28,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from ddpscope.agent.log import get_logger
 from ddpscope.ddp import errors
 from ddpscope.ddp.buckets import Bucket, ParamSpec, assign_buckets, build_buckets, size_limits
 from ddpscope.ddp.collectives import RECORDER, dtype_name, work_failure
@@ -40,7 +40,7 @@ from ddpscope.ddp.outside_forward import OutsideForward
 from ddpscope.ddp.progress import PROGRESS
 from ddpscope.ddp.step_record import StepTimer, untimed_end
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 REMEDY = (
     "Pass find_unused_parameters=True to DistributedDataParallel if some parameters are legitimately "

@@ -28,16 +28,16 @@ them, a drift the digests cannot see (the parameters are not in them).
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 from collections.abc import Collection, Sequence
 
 import torch
 
 from ddpscope.agent import emit
+from ddpscope.agent.log import get_logger
 from ddpscope.ddp.drift import shown, warn_unsynced
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 EVERY = 64
 """Synchronised backwards between digests once past the first ``EVERY`` (every power of two before)."""

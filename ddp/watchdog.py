@@ -52,7 +52,6 @@ GIL while it waits. It never raises: a failure in a tick is logged and counted, 
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import sys
 import sysconfig
@@ -65,6 +64,7 @@ from typing import Any
 from ddpscope.agent import emit, emit_durable, get_agent
 from ddpscope.agent.clock import now_ns
 from ddpscope.agent.config import MIN_HANG_TIMEOUT_S, hang_timeout_from_env, heartbeat_from_env
+from ddpscope.agent.log import get_logger
 from ddpscope.agent.torch_waits import torch_wait
 from ddpscope.ddp import errors, setup_wait
 from ddpscope.ddp.collectives import FOLD_WAIT_NS, RECORDER, CollectiveRecorder, disabled
@@ -72,7 +72,7 @@ from ddpscope.ddp.hang_text import hang_message
 from ddpscope.ddp.progress import PROGRESS, Progress
 from ddpscope.ddp.stacks import current_frames, thread_stacks
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 MAX_TICK_S = 0.25
 """Longest sleep between samples: bounds the lateness of a report and of an async collective's end."""
