@@ -18,6 +18,10 @@ Installed once, when the first real (not disabled) agent is created; a disabled 
   SIGTERM ignored (``SIG_IGN``) or handled in C (``getsignal`` is None) is left alone.
 - ``sys.excepthook``: an uncaught exception becomes a fatal ``rank_error`` (unless the engine already
   reported it and set ``exc._ddpscope_reported = True``), then the previous hook runs.
+- ``os._exit``: scripts end with it to skip a teardown that may hang, and atexit never runs there. A
+  rank's call emits ``rank_exit`` first ('finished' for status 0, else 'error'), crash-durable at once,
+  then the same bounded drain; without it a job that finished this way read as killed ("job_silent",
+  failed). Forked children (DataLoader workers, multiprocessing) exit untouched.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 from ddpscope.agent import sigterm_watcher
 from ddpscope.agent._errors import swallowed
@@ -71,6 +75,7 @@ def install(current: Callable[[], Any], after_fork_child: Callable[[], None]) ->
     os.register_at_fork(after_in_child=lambda: _fork_child(after_fork_child))
     _prev_excepthook = sys.excepthook
     sys.excepthook = _excepthook
+    os._exit = _os_exit
     install_sigterm()
 
 
@@ -184,6 +189,23 @@ def _sigterm_flush() -> None:
             _print_shipper_notice(agent)
     except Exception:
         swallowed("sigterm")
+
+
+_real_os_exit = os._exit
+
+
+def _os_exit(status: int) -> NoReturn:
+    """``os._exit`` of a live rank: ``rank_exit`` into the write-ahead ring (the shipper delivers it after
+    the process is gone), the agent drained to the spool within ``EXIT_FLUSH_S``, then the real exit."""
+    try:
+        agent = _current()
+        if agent is not None and agent.live and _is_rank(agent):
+            reason = _exit_reason or ("finished" if status == 0 else "error")
+            agent.emit_durable({"kind": "rank_exit", "step": None, "reason": reason})
+            agent.shutdown(EXIT_FLUSH_S)
+    except BaseException:  # exiting is what the caller asked for, whatever fails here
+        pass
+    _real_os_exit(status)
 
 
 def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:

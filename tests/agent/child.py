@@ -4,7 +4,7 @@ The agent is configured from DDPSCOPE_* and RANK in the environment the test set
 ``kill`` / ``sigterm``: emit N records, print READY, then wait to be killed; ``sigterm_chain``: the
 same with the script's own SIGTERM handler, which stops the loop;
 ``abort``: emit N records, then ``os.abort()``; ``raise``: emit N records, then an uncaught error;
-``exit``: emit N records and return normally; ``flood``: emit N records as fast as possible and
+``exit``: emit N records and return normally; ``os_exit``: the same, ended by ``os._exit(0)``; ``flood``: emit N records as fast as possible and
 print the peak RSS growth; ``job``: a gloo job of N steps, one step record per step per rank;
 ``dataloader``: a torch DataLoader with 2 forked workers that emit from the workers;
 ``durable_abort`` / ``durable_exit``: N collective records through ``emit_durable`` (the worker's
@@ -162,6 +162,8 @@ def main() -> None:
         return
     if mode == "exit":
         return
+    if mode == "os_exit":
+        os._exit(0)  # a script's guard against a teardown that may hang: atexit never runs
     if mode == "raise":
         raise ValueError("loss is nan at step 3")
     # On disk, not only in memory (the worker does this every 20 ms; on a loaded machine the

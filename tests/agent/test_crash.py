@@ -200,6 +200,15 @@ def test_normal_exit_reports_rank_exit_finished_and_the_final_counts(collector, 
     assert stats["emitted"] == 31 and stats["dropped"] == {}  # 30 heartbeats + rank_exit
 
 
+def test_a_rank_ending_with_os_exit_reports_rank_exit_finished_and_loses_nothing(
+    collector, spool_dir, started
+) -> None:
+    p = start(started, "os_exit", 30, child_env(collector.url, spool_dir, "os-exit"))
+    assert p.wait(30) == 0
+    assert collector.wait_for(lambda c: c.of_kind("rank_exit") and len(c.of_kind("heartbeat")) == 30, 20)
+    assert [r["reason"] for r in collector.of_kind("rank_exit")] == ["finished"]
+
+
 def test_an_uncaught_exception_becomes_a_fatal_rank_error_then_rank_exit_error(
     collector, spool_dir, started
 ) -> None:
