@@ -105,7 +105,13 @@ def watch_init_process_group() -> bool:
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)  # the user's errors pass through as torch raised them
+        try:
+            result = original(*args, **kwargs)  # the user's errors pass through as torch raised them
+        except Exception as e:
+            # The rendezvous timed out (a rank that never started or cannot reach MASTER_ADDR), or the
+            # backend failed: nothing of this rank ever reached the collector, so say it now.
+            errors.report_error(e, fatal=False, flush=True)
+            raise
         _enable_after_init()
         return result
 

@@ -734,6 +734,11 @@ def _error_incidents(
             # A failed rank blamed elsewhere (the odd side of a mismatch) failed of its own doing.
             own = " itself" if {v["rank"] for v in left} >= set(culprits) else ""
             cause = f"the cause is on {ranks_phrase(culprits)}{own} (see the other incidents)"
+        elif rendezvous := _rendezvous_short(left, live):
+            culprits, cause = rendezvous
+            cause = f"the cause is on {ranks_phrase(culprits)}: {cause}" if culprits else cause
+            for r in culprits:
+                blame.setdefault(r, "never joined the rendezvous")
         elif awaited := _awaited_before(left, snapshot, live, colls):
             # What the failed ranks were waiting in when they gave up: a timeout's cause.
             culprits = sorted({r for _, _, held in awaited for r in held})
@@ -750,6 +755,38 @@ def _error_incidents(
         )
         out.append(_error_incident("rank_error", first, msg, left[1:], culprits=culprits))
     return out
+
+
+_STORE_SHORT = re.compile(r"waiting for clients\. (\d+)/(\d+) clients joined")
+"""torch's TCPStore host (rank 0, at MASTER_ADDR:MASTER_PORT) when its rendezvous timed out."""
+_STORE_UNREACHED = re.compile(r"timed out after \d+ ?ms while trying to connect to \(([^,]+), (\d+)\)")
+"""A client rank of that store when it never got through to it."""
+
+
+def _rendezvous_short(failed: Sequence[Record], live: Liveness) -> tuple[list[int], str] | None:
+    """``(culprits, why)`` when ranks failed in ``init_process_group``'s rendezvous: rank 0's store waited
+    for ranks that never came ("1/2 clients joined": the ranks nothing was ever heard of), or a rank never
+    reached the store (rank 0's side: never started, or out of reach). None for any other failure."""
+    for v in failed:
+        message = str(v.get("message", ""))
+        if short := _STORE_SHORT.search(message):
+            joined, expected = int(short.group(1)), int(short.group(2))
+            missing = [r for r in range(expected) if r not in live.last_alive_s]
+            return missing, (
+                f"init_process_group's rendezvous timed out with {joined} of {expected} ranks joined; "
+                f"{'those named' if missing else 'the others'} never started, died before it, or cannot reach "
+                "MASTER_ADDR:MASTER_PORT (a launch that failed on another node, a wrong address or port, a "
+                "firewall)"
+            )
+        if unreached := _STORE_UNREACHED.search(message):
+            host, port = unreached.group(1), unreached.group(2)
+            culprits = [] if 0 in live.last_alive_s else [0]
+            return culprits, (
+                f"init_process_group could not reach the rendezvous store at {host}:{port} (MASTER_ADDR:MASTER_PORT, "
+                "served by rank 0): rank 0 never started or died before it, or the address, the port or a "
+                "firewall is wrong for this host"
+            )
+    return None
 
 
 def _timed_out_first(failed: Sequence[Record], snapshot: JobSnapshot) -> str:

@@ -67,6 +67,24 @@ def test_an_error_of_the_users_call_passes_through_unchanged_and_starts_nothing(
     assert caught.value is error and enabled == []
 
 
+def test_a_rendezvous_that_timed_out_is_reported_before_it_reaches_the_script(
+    records: Records, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before the group exists nothing else of this rank reaches the collector: the error is said here.
+    error = dist.DistStoreError("Timed out after 26 seconds waiting for clients. 1/2 clients joined.")
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        raise error
+
+    monkeypatch.setattr(monitor, "enable", lambda **kw: None)
+    with pytest.raises(dist.DistStoreError) as caught:
+        monitor._wrap(init_process_group)("gloo")
+    assert caught.value is error
+    (reported,) = records("rank_error")
+    assert reported["error_type"] == "DistStoreError" and "1/2 clients joined" in reported["message"]
+    assert reported["fatal"] is False  # the script may catch it and retry; uncaught, it is said again
+
+
 def test_a_failure_of_ddpscope_after_the_group_exists_is_logged_not_raised(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -701,6 +701,25 @@ def test_a_rank_that_skipped_one_backward_ran_out_of_batches_first_and_is_the_ea
     assert err.culprit_ranks == [1] and "killed by the OS" not in err.message, err.message
 
 
+def test_a_rendezvous_that_timed_out_blames_the_ranks_that_never_joined_it() -> None:
+    # Rank 0 hosts the store; ranks 2 and 3 never started. Rank 1, which joined, waits as rank 0 does.
+    job = JobRecords(4)
+    job.error(0, T0 + 26, "Timed out after 26 seconds waiting for clients. 2/4 clients joined.", step=None)
+    job.error(1, T0 + 26.1, "Socket Timeout", step=None)
+    err = next(i for i in diagnose(job.snapshot(), T0 + 27) if i.kind == "rank_error" and i.rank == 0)
+    assert err.culprit_ranks == [2, 3], err.message
+    assert "rendezvous timed out with 2 of 4 ranks joined" in err.message
+
+
+def test_a_rank_that_never_reached_the_rendezvous_store_blames_rank_0_when_it_never_reported() -> None:
+    job = JobRecords(2)
+    message = "The client socket has timed out after 25000ms while trying to connect to (10.0.0.7, 29500)."
+    job.error(1, T0 + 25, message, step=None)
+    err = only(diagnose(job.snapshot(), T0 + 26), "rank_error")
+    assert err.culprit_ranks == [0], err.message
+    assert "could not reach the rendezvous store at 10.0.0.7:29500" in err.message
+
+
 def test_a_rank_lost_before_it_ever_reported_is_said_to_have_ended_in_its_set_up_however_it_did() -> None:
     # SIGKILLed while building its model: its peers lose the connection in the engine's clock sync.
     job = JobRecords(3)
