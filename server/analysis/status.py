@@ -396,6 +396,10 @@ def _silent(live: Liveness) -> list[int]:
     candidates = [r for r in live.ranks if r not in dead]
     quiet = [r for r in candidates if (a := live.age_s(r)) is None or a > live.silent_after_s]
     if candidates and len(quiet) == len(candidates):
+        if live.fatal and all(r not in live.last_alive_s for r in candidates):
+            # Only ranks never heard of are left, and a rank died of an error: a job that failed as it
+            # started (a rendezvous that timed out waiting for them), not one that fell silent.
+            return []
         # Nobody is left to wait for anyone: the whole job stopped reporting (killed by the scheduler,
         # all stopped, or cut off from the collector). No single rank is to blame.
         live.lost = True

@@ -714,10 +714,15 @@ def test_a_rendezvous_that_timed_out_blames_the_ranks_that_never_joined_it() -> 
 def test_a_rank_that_never_reached_the_rendezvous_store_blames_rank_0_when_it_never_reported() -> None:
     job = JobRecords(2)
     message = "The client socket has timed out after 25000ms while trying to connect to (10.0.0.7, 29500)."
-    job.error(1, T0 + 25, message, step=None)
-    err = only(diagnose(job.snapshot(), T0 + 26), "rank_error")
+    job.error(1, T0 + 25, message, step=None, fatal=False)  # said by the wrapper as it happens
+    job.error(1, T0 + 25.1, message, step=None)  # uncaught: said again as the process ends
+    job.exit(1, T0 + 25.2, reason="error", step=None)
+    incidents = diagnose(job.snapshot(), T0 + 200)
+    err = only(incidents, "rank_error")
     assert err.culprit_ranks == [0], err.message
     assert "could not reach the rendezvous store at 10.0.0.7:29500" in err.message
+    # Rank 0 was never heard of and rank 1 died of the error: the job failed, it did not fall silent.
+    assert "job_silent" not in kinds(incidents) and job_status(job.snapshot(), T0 + 200) == "failed"
 
 
 def test_a_rank_lost_before_it_ever_reported_is_said_to_have_ended_in_its_set_up_however_it_did() -> None:
