@@ -199,7 +199,7 @@ def _os_exit(status: int) -> NoReturn:
     the process is gone), the agent drained to the spool within ``EXIT_FLUSH_S``, then the real exit."""
     try:
         agent = _current()
-        if agent is not None and agent.live and _is_rank(agent):
+        if _is_rank(agent):
             reason = _exit_reason or ("finished" if status == 0 else "error")
             agent.emit_durable({"kind": "rank_exit", "step": None, "reason": reason})
             agent.shutdown(EXIT_FLUSH_S)

@@ -477,10 +477,10 @@ def _around_the_wrapper(snapshot: JobSnapshot, r: int, last: int | None) -> str 
     if not said:
         return None
     first = min(said, key=record_s)
-    where = f" at {first['call_site']}" if first.get("call_site") else ""
+    at = f" at {first['call_site']}" if first.get("call_site") else ""
     when = f" after step {first['step']}" if first.get("step") is not None else ""
     return (
-        f"Its backward(){where}{when} gave the model gradients that no forward through the "
+        f"Its backward(){at}{when} gave the model gradients that no forward through the "
         "DistributedDataParallel wrapper had prepared (see the unsynced_gradients incident): a training step "
         "through model.module, or another path around the wrapper, is no DDP step and synchronizes nothing, "
         "so this rank ran out of batches a gradient sync before its peers. Call the DDP model itself for "
