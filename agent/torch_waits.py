@@ -49,6 +49,13 @@ STATE_BROADCAST_ADVICE = (
     "same model, in the same dtypes, on every rank"
 )
 
+RENDEZVOUS_PLACE = "init_process_group's rendezvous"
+RENDEZVOUS_ADVICE = (
+    "start every rank of the job (WORLD_SIZE of them) with the same MASTER_ADDR and MASTER_PORT (or init_method), "
+    "an address every host can reach: a rank that never started, died before init_process_group, or cannot reach "
+    "that address holds every other rank in the rendezvous until the process group's timeout"
+)
+
 _MACHINERY: tuple[tuple[re.Pattern[str], re.Pattern[str] | None, str, str, str | None], ...] = (
     (
         re.compile(r"(?:^|/)torch/distributed/utils\.py$"),
@@ -56,6 +63,15 @@ _MACHINERY: tuple[tuple[re.Pattern[str], re.Pattern[str] | None, str, str, str |
         "DistributedDataParallel's state broadcast (torch.distributed {function})",
         "the DistributedDataParallel constructor's broadcast of rank 0's parameters and buffers, in C++",
         STATE_BROADCAST_ADVICE,
+    ),
+    (
+        re.compile(r"(?:^|/)torch/distributed/rendezvous\.py$"),
+        None,
+        RENDEZVOUS_PLACE + " (torch.distributed {function})",
+        "init_process_group waits there until every rank of the job has reached the rendezvous store rank 0 "
+        "hosts at MASTER_ADDR:MASTER_PORT (rank 0 until all have connected, the others until they get through "
+        "to it)",
+        RENDEZVOUS_ADVICE,
     ),
     (
         re.compile(r"(?:^|/)torch/autograd/(?:graph|__init__)\.py$"),

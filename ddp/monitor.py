@@ -6,7 +6,9 @@
 Importing ``ddpscope.ddp`` wraps ``torch.distributed.init_process_group`` (``watch_init_process_group``),
 so a script that imports ddpscope before creating its process group is monitored from the moment the
 group exists: a rank that fails, exits or waits for its peers between ``init_process_group`` and the
-construction of its DDP model is reported too. The engine and the torch-DDP adapter call ``enable`` at
+construction of its DDP model is reported too. The hang watchdog alone starts as the call begins
+(``_watch_rendezvous``): a rank left in the rendezvous by a peer that never started is reported after the
+hang timeout, not torch's. The engine and the torch-DDP adapter call ``enable`` at
 construction as well (a group created before ddpscope was imported is monitored from there); a job
 that uses raw ``torch.distributed`` collectives may call it after ``init_process_group``.
 Once a default process group exists, it also starts ``job_check`` (once per group): the ranks compare,
@@ -17,12 +19,14 @@ Idempotent; with ddpscope disabled it installs nothing.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable
 from typing import Any
 
 from ddpscope.agent.log import get_logger
 from ddpscope.ddp import collectives, errors, job_check, watchdog
+from ddpscope.ddp.progress import PROGRESS
 
 logger = get_logger(__name__)
 
@@ -61,15 +65,52 @@ def disable(timeout_s: float = 5.0) -> None:
     collectives.uninstall()
 
 
+def _watch_rendezvous(world_size: int | None) -> None:
+    """Start the hang watchdog before ``init_process_group``'s rendezvous; never raises into the user's call.
+
+    A rank whose peer never started (a node that failed to launch, a wrong MASTER_PORT) waits in the
+    rendezvous for the process group's timeout, 30 minutes by default, and nothing of it reached the
+    collector until then. The watchdog reports a main thread blocked there after the hang timeout, as
+    any wait for the peers before the first step (``setup_wait``), and its end. Until such a report it
+    sends nothing: its first heartbeat is due one hang timeout from now, moved to one interval after the
+    group exists (``_enable_after_init``), so an ordinary rendezvous sends nothing under the identity the
+    environment gives, which a script may replace right after ``init_process_group``.
+    """
+    try:
+        dog = watchdog.start_watchdog(first_heartbeat_s=watchdog.hang_timeout_setting())
+        dog.expect_world_size(world_size)
+    except Exception:
+        logger.warning("ddpscope could not watch init_process_group's rendezvous", exc_info=True)
+
+
 def _enable_after_init() -> None:
     """``enable()`` for a process group just created; never raises into the user's call."""
     try:
         # The first heartbeat one interval later: a script that configures the agent itself right
         # after init_process_group (agent.configure(job=..., rank=dist.get_rank())) replaces the
         # agent enable() made from the environment before that one has sent anything anywhere.
-        enable(first_heartbeat_s=watchdog.heartbeat_setting())
+        heartbeat = watchdog.heartbeat_setting()
+        enable(first_heartbeat_s=heartbeat)
+        dog = watchdog.get_watchdog()
+        if dog is not None:
+            dog.heartbeat_within(heartbeat)  # the one started for the rendezvous put it off to its timeout
     except Exception:
         logger.warning("ddpscope could not start monitoring after init_process_group", exc_info=True)
+
+
+def _world_size_asked(
+    signature: inspect.Signature | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> int | None:
+    """The world size ``init_process_group`` was asked for (its argument, else ``WORLD_SIZE``), if known."""
+    try:
+        asked = kwargs.get("world_size")
+        if asked is None and signature is not None:
+            asked = signature.bind_partial(*args, **kwargs).arguments.get("world_size")
+        if isinstance(asked, int) and asked > 0:
+            return asked
+        return int(os.environ.get("WORLD_SIZE", "")) or None
+    except (TypeError, ValueError):
+        return None
 
 
 def watch_init_process_group() -> bool:
@@ -103,13 +144,21 @@ def watch_init_process_group() -> bool:
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+    try:
+        signature: inspect.Signature | None = inspect.signature(original)
+    except (TypeError, ValueError):
+        signature = None
+
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        _watch_rendezvous(_world_size_asked(signature, args, kwargs))
         try:
             result = original(*args, **kwargs)  # the user's errors pass through as torch raised them
         except Exception as e:
             # The rendezvous timed out (a rank that never started or cannot reach MASTER_ADDR), or the
-            # backend failed: nothing of this rank ever reached the collector, so say it now.
+            # backend failed: nothing of this rank ever reached the collector, so say it now. A wait the
+            # watchdog reported there ended in this failure, not in progress: no hang_resolved for it.
+            PROGRESS.fail()
             errors.report_error(e, fatal=False, flush=True)
             raise
         _enable_after_init()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any
 
-from ddpscope.agent.torch_waits import TorchWait, blocked, torch_wait
+from ddpscope.agent.torch_waits import RENDEZVOUS_PLACE, TorchWait, blocked, torch_wait
 
 DDP_FILE = "torch/nn/parallel/distributed.py"
 MAX_OUTER_FRAMES = 8
@@ -74,8 +74,12 @@ def message(
     last: dict[str, Any] | None,
 ) -> str:
     """The sentence of a hang report for a rank that waits for its peers inside torch before any step."""
-    construction = wait.place.startswith("torch's DistributedDataParallel construction")
-    when = "before its first step" if construction else "with no step of a model ddpscope measures yet"
+    if wait.place.startswith("torch's DistributedDataParallel construction"):
+        when = "before its first step"
+    elif wait.place.startswith(RENDEZVOUS_PLACE):
+        when = "before its process group exists"
+    else:
+        when = "with no step of a model ddpscope measures yet"
     parts = [f"rank {rank} has waited {waited_s:.1f} s for its peers inside {wait.place}, {when}"]
     if main_site:
         parts.append(f"the main thread waits at {main_site}")

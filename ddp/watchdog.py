@@ -41,8 +41,8 @@ That report says the rank waits for its peers there, not that it is stuck; its `
 once the thread has left that call, unless the process reported a fatal error meanwhile (a peer died).
 A rank stuck in its own set-up (a missing file, a checkpoint load, a sleep) is still not reported: the
 peers' waits and its heartbeats (phase idle, step 0) name it. ``import ddpscope.ddp`` before
-``init_process_group`` starts the watchdog as the group is created (``monitor.py``), so this covers the
-DDP construction too. Jobs that never enter a phase (raw ``torch.distributed``, or torch DDP without
+``init_process_group`` starts the watchdog as that call begins (``monitor.py``), so this covers its
+rendezvous (a peer that never started) and the DDP construction too. Jobs that never enter a phase (raw ``torch.distributed``, or torch DDP without
 ``instrument()``) are reported the same two ways. Heartbeats carry the group's ``world_size``.
 
 It keeps working while the main thread is blocked inside a gloo collective, because gloo releases the
@@ -267,6 +267,16 @@ class Watchdog:
             return self
         self._thread = thread
         return self
+
+    def heartbeat_within(self, seconds: float) -> None:
+        """Send the next heartbeat within ``seconds`` (a watchdog started with a later first heartbeat)."""
+        self._next_heartbeat = min(self._next_heartbeat, self._clock() + max(0.0, seconds))
+
+    def expect_world_size(self, world_size: int | None) -> None:
+        """The group's size before it exists (``init_process_group``'s argument, ``WORLD_SIZE``): heartbeats
+        sent while the rendezvous waits say how many ranks the job should have."""
+        if world_size is not None and world_size > 0 and self._known_world_size is None:
+            self._known_world_size = world_size
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop and join the thread, then take one last sample: a hang that ended just before the

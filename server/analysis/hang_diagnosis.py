@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ddpscope.agent.torch_waits import TorchWait
+from ddpscope.agent.torch_waits import RENDEZVOUS_PLACE, TorchWait
 from ddpscope.server.analysis.collective_diagnosis import CollectiveIndex
 from ddpscope.server.analysis.incident_model import (
     AFTER_FORWARD,
@@ -272,7 +272,9 @@ class _HangReading:
             msg += f" ({AFTER_FORWARD}: the loss, or other code of its own)"
         if not wait and site:
             msg += f", main thread at {site}"
-        if native is not None:
+        if native is not None and native.place.startswith(RENDEZVOUS_PLACE):
+            msg += f", blocked, waiting for the job's ranks: {native.what}"
+        elif native is not None:
             msg += f", blocked in a collective ddpscope does not record: {native.what}"
 
         why = self._peers_at_wait()

@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpscope.agent.records import UNSYNCED_GRADIENTS
+from ddpscope.agent.torch_waits import RENDEZVOUS_PLACE
 from ddpscope.server.analysis.collective_diagnosis import (
     CollectiveIndex,
     mismatch_incidents,
@@ -92,6 +93,7 @@ from ddpscope.server.analysis.incident_model import (
 )
 from ddpscope.server.analysis.mismatch_causes import SAME_LINE, SIZE_ABORT
 from ddpscope.server.analysis.model_order import model_incidents
+from ddpscope.server.analysis.native_wait import native_wait
 from ddpscope.server.analysis.nonfinite import nonfinite_incidents
 from ddpscope.server.analysis.rank_settings import settings_incidents
 from ddpscope.server.analysis.replica_divergence import replica_incidents
@@ -243,8 +245,13 @@ def diagnose(
 def _silent_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int, str]) -> list[Incident]:
     out = []
     others_waiting = sorted(live.active_hangs)
+    in_rendezvous = _in_rendezvous(live)
     for r in live.silent:
         age = live.age_s(r)
+        if age is None and in_rendezvous:
+            out.append(_never_joined_incident(snapshot, r, in_rendezvous))
+            blame.setdefault(r, "never joined the rendezvous")
+            continue
         if age is None:
             head = f"Rank {r} has never reported"
         else:
@@ -309,6 +316,34 @@ def _silent_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int, st
             )
         )
     return out
+
+
+def _in_rendezvous(live: Liveness) -> list[int]:
+    """The ranks whose open hang report shows them waiting in ``init_process_group``'s rendezvous."""
+    return sorted(
+        r
+        for r, h in live.active_hangs.items()
+        if (wait := native_wait(h)) is not None and wait.place.startswith(RENDEZVOUS_PLACE)
+    )
+
+
+def _never_joined_incident(snapshot: JobSnapshot, r: int, waiting: Sequence[int]) -> Incident:
+    """A rank never heard of while others wait for the job's ranks in the rendezvous: most likely one that
+    never got there (the rendezvous cannot tell the collector which ranks it has)."""
+    return Incident(
+        kind="rank_silent",
+        message=f"Rank {r} has never reported while {ranks_phrase(waiting)} "
+        f"{'waits' if len(waiting) == 1 else 'wait'} in init_process_group's rendezvous for the ranks that have "
+        "not joined it: it never started (a launch that failed on its node), died before init_process_group, or "
+        "cannot reach MASTER_ADDR:MASTER_PORT (a wrong address or port, a firewall); its launcher's log says "
+        "which. Start every rank of the job with the same MASTER_ADDR and MASTER_PORT (or init_method), an "
+        "address every host can reach. (A rank running without ddpscope, or importing it after "
+        "init_process_group, never reports either.)",
+        rank=r,
+        step=position(snapshot, r)[0],
+        culprit_ranks=[r],
+        time_s=None,
+    )
 
 
 def _stopped_silent_incident(snapshot: JobSnapshot, live: Liveness, r: int, quiet_s: float) -> Incident:

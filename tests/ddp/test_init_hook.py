@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import logging
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch.distributed as dist
 
+import ddpscope.agent
 import ddpscope.ddp  # noqa: F401  (the import is what wraps init_process_group)
 from ddpscope.ddp import monitor
 from ddpscope.ddp import watchdog as wd
@@ -22,6 +25,14 @@ from tests.support.procs import free_port
 @pytest.fixture
 def records() -> Iterator[Records]:
     yield from in_memory_records(rank=0)
+
+
+@pytest.fixture(autouse=True)
+def no_watchdog_left() -> Iterator[None]:
+    # The wrapper starts the watchdog before the rendezvous: stopped here, inside the test that started
+    # it, so that its parting heartbeat is not read by the next test.
+    yield
+    wd.stop_watchdog()
 
 
 def test_both_torch_names_are_one_wrapper_with_torchs_signature_and_watching_again_changes_nothing() -> None:
@@ -52,7 +63,7 @@ def test_the_wrapper_passes_every_argument_through_and_then_enables_the_monitor(
     assert calls[1][0] == "enable" and len(calls) == 2
 
 
-def test_an_error_of_the_users_call_passes_through_unchanged_and_starts_nothing(
+def test_an_error_of_the_users_call_passes_through_unchanged_and_enables_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     enabled: list[object] = []
@@ -119,3 +130,59 @@ def test_creating_the_default_group_starts_the_error_hooks_the_recorder_and_the_
     # Stopped before its first (deferred) heartbeat, the watchdog sent one on the way out.
     (beat,) = records("heartbeat")
     assert beat["world_size"] == 1 and beat["phase"] == "idle"
+
+
+def test_an_ordinary_rendezvous_sends_nothing_and_heartbeats_start_one_interval_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Nothing under the environment's identity while the group is made (a script may configure its own
+    # right after); then heartbeats, which say the world size asked for before torch's group says it.
+    exporter = ddpscope.agent.InMemoryExporter()
+    ddpscope.agent.configure(exporter=exporter, rank=1, heartbeat_s=0.1, hang_timeout_s=30.0)
+    monkeypatch.setattr(monitor, "enable", lambda **kw: None)
+    during: list[dict[str, Any]] = []
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        time.sleep(0.6)  # six heartbeat intervals
+        ddpscope.agent.get_agent().force_flush(5.0)
+        during.extend(exporter.records)
+
+    monitor._wrap(init_process_group)("gloo", world_size=3, rank=1)
+    assert during == []
+    deadline = time.monotonic() + 10
+    while not any(r["kind"] == "heartbeat" for r in exporter.records) and time.monotonic() < deadline:
+        ddpscope.agent.get_agent().force_flush(1.0)
+        time.sleep(0.05)
+    beats = [r for r in exporter.records if r["kind"] == "heartbeat"]
+    assert beats and beats[0]["world_size"] == 3 and beats[0]["rank"] == 1
+
+
+def test_a_rank_whose_peer_never_starts_is_reported_in_the_rendezvous_at_the_hang_timeout_not_torchs() -> (
+    None
+):
+    # Rank 0 of two, alone: torch's store waits for rank 1 until the group's timeout (30 min by default).
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this test process")
+    monitor.disable()
+    exporter = ddpscope.agent.InMemoryExporter()
+    ddpscope.agent.configure(exporter=exporter, rank=0, hang_timeout_s=1.0, heartbeat_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="1/2 clients joined"):
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=2,
+            timeout=datetime.timedelta(seconds=4),
+        )
+    assert time.monotonic() - started >= 4
+    wd.stop_watchdog()
+    ddpscope.agent.get_agent().force_flush(5.0)
+    kinds = [r["kind"] for r in exporter.records]
+    (hang,) = [r for r in exporter.records if r["kind"] == "hang"]
+    assert "init_process_group's rendezvous" in hang["message"]
+    assert "before its process group exists" in hang["message"]
+    assert 1.0 <= hang["stalled_s"] < 3.0 and hang["step"] == 0
+    # Ended in the store's timeout, not in progress: the rank_error says so, no hang_resolved.
+    assert "hang_resolved" not in kinds and kinds.index("hang") < kinds.index("rank_error")
+    assert {r["world_size"] for r in exporter.records if r["kind"] == "heartbeat"} == {2}

@@ -223,3 +223,30 @@ def test_a_rank_left_in_the_constructors_state_broadcast_its_peer_finished_is_to
     )
     assert "the ranks' models differ in a parameter's or buffer's dtype" in missing.message, missing.message
     assert "Find why those ranks skip this call" not in missing.message
+
+
+IN_RENDEZVOUS = (
+    '  File "/proj/train.py", line 6, in <module>\n'
+    f'  File "{TORCH}/distributed/distributed_c10d.py", line 1892, in init_process_group\n'
+    f'  File "{TORCH}/distributed/rendezvous.py", line 280, in _env_rendezvous_handler\n'
+    f'  File "{TORCH}/distributed/rendezvous.py", line 199, in _create_c10d_store\n'
+)
+"""Rank 0 in init_process_group: its TCPStore waits until every rank has connected."""
+
+
+def test_a_rank_waiting_in_the_rendezvous_blames_the_ranks_never_heard_of_as_never_joined() -> None:
+    # Rank 1's node never launched: rank 0 alone reports, from inside init_process_group.
+    job = JobRecords(2)
+    job.add("heartbeat", 0, T0 + 5, phase="idle", step=0, last_coll_seq=0, pid=1000, world_size=2)
+    blocked_in(job, 0, T0 + 5, IN_RENDEZVOUS, step=0)
+    snap = job.snapshot()
+    assert job_status(snap, T0 + 6) == "hung"
+    incidents = diagnose(snap, T0 + 6)
+    silent = only(incidents, "rank_silent")
+    assert silent.rank == 1 and silent.culprit_ranks == [1]
+    assert "waits in init_process_group's rendezvous" in silent.message
+    assert "never started" in silent.message and "MASTER_ADDR:MASTER_PORT" in silent.message
+    hang = only(incidents, "hang")
+    assert hang.culprit_ranks == [1] and "rank 1 (never joined the rendezvous)" in hang.message
+    assert "blocked, waiting for the job's ranks" in hang.message
+    assert "a collective ddpscope does not record" not in hang.message
