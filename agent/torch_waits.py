@@ -90,6 +90,16 @@ _MACHINERY: tuple[tuple[re.Pattern[str], re.Pattern[str] | None, str, str, str |
         None,
     ),
     (
+        re.compile(r"(?:^|/)torch/distributed/distributed_c10d\.py$"),
+        re.compile(r"^_new_process_group_helper$|^_store_based_barrier$"),
+        "a process group's construction (torch.distributed {function})",
+        "the backend connects each rank of a new process group (init_process_group's, or new_group's) to "
+        "every other there, and waits until all of them have come",
+        "a rank still connecting after its peers left waits for a rank that died or never made this "
+        "group, or the ranks disagree on its size (a WORLD_SIZE that differs between ranks): launch every "
+        "rank with the same WORLD_SIZE, and make every rank create the same groups in the same order",
+    ),
+    (
         re.compile(r"(?:^|/)torch/distributed/(?:distributed_c10d|c10d_logger|utils)\.py$"),
         None,
         "torch.distributed ({function})",

@@ -106,10 +106,10 @@ def settings_incidents(snapshot: JobSnapshot) -> list[Incident]:
 
     Takes the whole snapshot (not the half ``split_restart`` keeps): a rank that has not restarted yet is
     recognised by what the earlier processes left after its ``rank_start``."""
-    starts: Mapping[int, Record] = snapshot.ranks
+    starts: Mapping[int, Record] = _with_heartbeat_sizes(snapshot.ranks, snapshot.heartbeats)
     diffs = _all_differences(starts)
     if diffs:  # rare: only then is it worth dividing the records at a restart (every scrape diagnoses)
-        starts = current_starts(snapshot)
+        starts = _with_heartbeat_sizes(current_starts(snapshot), snapshot.heartbeats)
         diffs = _all_differences(starts)
     if not diffs:
         return []
@@ -137,6 +137,20 @@ def settings_incidents(snapshot: JobSnapshot) -> list[Incident]:
             time_s=max(record_s(starts[r]) for r in compared),
         )
     ]
+
+
+def _with_heartbeat_sizes(
+    starts: Mapping[int, Record], heartbeats: Mapping[int, Record]
+) -> Mapping[int, Record]:
+    """``starts`` and, for each rank that has sent none, the world size its latest heartbeat says: a rank
+    stuck in ``init_process_group`` (a WORLD_SIZE that differs between ranks keeps the rendezvous or the
+    group's connection waiting) never builds its model, but its heartbeats carry the size it asked for."""
+    extra = {
+        r: {"world_size": h["world_size"], "time_ns": h["time_ns"]}
+        for r, h in heartbeats.items()
+        if r not in starts and h.get("world_size")
+    }
+    return {**starts, **extra} if extra else starts
 
 
 def _torch_takes_rank_0_layout(starts: Mapping[int, Record], group: str) -> bool:

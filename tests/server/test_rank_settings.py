@@ -215,3 +215,24 @@ def test_a_settings_difference_does_not_change_the_job_status() -> None:
 def test_a_large_job_names_runs_of_ranks_as_spans() -> None:
     inc = settings_differ(job(64, r17={"world_size": 32}))
     assert "world_size is 64 on ranks 0-16, 18-63 but 32 on rank 17" in inc.message
+
+
+def test_ranks_stuck_in_init_process_group_are_compared_by_the_world_size_their_heartbeats_say() -> None:
+    # Rank 1 launched with WORLD_SIZE=3: the group's connection waits and no rank builds its model, so no
+    # rank_start comes; the heartbeats each rank sends once its wait is reported carry the size it asked for.
+    j = JobRecords(2)
+    for rank, size in ((0, 2), (1, 3)):
+        j.add(
+            "heartbeat", rank, T0 + 5, phase="idle", step=0, last_coll_seq=0, pid=1000 + rank, world_size=size
+        )
+    inc = settings_differ(j, T0 + 6)
+    assert inc.culprit_ranks == [1]
+    assert "world_size is 2 on rank 0 but 3 on rank 1" in inc.message
+    assert "launch every rank with the same WORLD_SIZE" in inc.message
+
+
+def test_a_rank_start_outranks_the_heartbeat_for_the_world_size() -> None:
+    # Once a rank has built its model, its rank_start says the group's size: no second source to disagree.
+    j = job(2)
+    j.add("heartbeat", 1, T0 + 5, phase="idle", step=0, last_coll_seq=0, pid=1001, world_size=3)
+    assert settings_incidents(j.snapshot()) == []

@@ -250,3 +250,19 @@ def test_a_rank_waiting_in_the_rendezvous_blames_the_ranks_never_heard_of_as_nev
     assert hang.culprit_ranks == [1] and "rank 1 (never joined the rendezvous)" in hang.message
     assert "blocked, waiting for the job's ranks" in hang.message
     assert "a collective ddpscope does not record" not in hang.message
+
+
+def test_a_rank_blocked_while_a_process_group_connects_is_told_as_that_construction() -> None:
+    stack = (
+        '  File "/proj/train.py", line 12, in <module>\n'
+        f'  File "{TORCH}/distributed/distributed_c10d.py", line 1922, in init_process_group\n'
+        f'  File "{TORCH}/distributed/distributed_c10d.py", line 2141, in _new_process_group_helper\n'
+    )
+    job = JobRecords(2)
+    blocked_in(job, 0, T0 + 5, stack, step=0)
+    wait = native_wait(job.snapshot().hangs[0])
+    assert (
+        wait is not None
+        and wait.place == "a process group's construction (torch.distributed _new_process_group_helper)"
+    )
+    assert "WORLD_SIZE" in (wait.advice or "")
