@@ -330,6 +330,13 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             "pg names the pair)",
         ),
         Field(
+            "tag",
+            INT,
+            required=False,
+            nullable=True,
+            doc="a point-to-point op's tag (send, recv, isend, irecv); absent when 0, torch's default",
+        ),
+        Field(
             "group_ranks",
             INTS,
             required=False,

@@ -32,7 +32,8 @@ class OpSpec:
     reduce: str | None = None
     """The argument holding the reduce op, for reductions."""
     peer: str | None = None
-    """Point-to-point: the argument naming the peer rank (dst or src)."""
+    """Point-to-point: the argument naming the peer rank (dst or src); its ``tag`` is recorded too (a
+    receive takes only a message sent with its tag)."""
     root: str | None = None
     """Rooted ops: the argument naming the root's global rank (src or dst); ``group_<root>`` names it
     as a rank in the group instead. Recorded as ``root`` so the collector sees ranks that disagree on
@@ -157,6 +158,7 @@ def _make_wrapper(
 
     t_pos, r_pos, g_pos = locate(spec.tensor), locate(spec.reduce), locate("group")
     a_pos, p_pos = locate("async_op"), locate(spec.peer)
+    tag_pos = locate("tag") if spec.peer else -1
     root_name = spec.root
     group_root_name = f"group_{root_name}" if root_name else None
     o_pos, go_pos = locate(root_name), locate(group_root_name)
@@ -173,6 +175,7 @@ def _make_wrapper(
         pg = None
         seq = 0
         plan = None
+        tag = None
         try:
             pg = names.name(_arg(args, kwargs, g_pos, "group"))
             if pg is not None:
@@ -184,6 +187,8 @@ def _make_wrapper(
                     me = dist.get_rank()
                     pair = "any" if peer is None else f"{min(me, peer)}-{max(me, peer)}"
                     pg = f"{pg}:p2p:{pair}"
+                    if tag_pos >= 0:
+                        tag = _arg(args, kwargs, tag_pos, "tag")
                 tensors = _arg(args, kwargs, t_pos, spec.tensor) if t_pos >= 0 else None
                 if tensors is None:
                     tensors = ()
@@ -201,8 +206,9 @@ def _make_wrapper(
                     else _root(args, kwargs, o_pos, root_name, go_pos, group_root_name, g_pos)
                 )
                 seq, plan = rec.begin_user(
-                    pg, op, tensors, reduce_op=reduce_op, call_site=site, root=root, source=source
-                )
+                    pg, op, tensors, reduce_op=reduce_op, call_site=site, root=root, source=source,
+                    tag=tag if isinstance(tag, int) else None,
+                )  # fmt: skip
         except Exception:
             rec._failed(op)
             pg = None

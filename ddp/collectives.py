@@ -213,10 +213,12 @@ class CollectiveRecorder:
         root: int | None = None,
         shapes: list[list[int]] | None = None,
         dtypes: list[str] | None = None,
+        tag: int | None = None,
     ) -> int:
         """Number a collective about to be issued, emit its ``collective`` record; return its seq.
 
-        ``root`` is the global rank of a rooted op's src (broadcast, scatter) or dst (reduce, gather).
+        ``root`` is the global rank of a rooted op's src (broadcast, scatter) or dst (reduce, gather);
+        ``tag`` a point-to-point op's tag, recorded when not 0 (torch's default).
         ``shapes`` and ``dtypes`` (the engine's, computed once per bucket) save reading them from the
         tensors: with the caches cold from a backward pass that alone costs ~20 us a call.
 
@@ -256,6 +258,8 @@ class CollectiveRecorder:
                     record["group_ranks"] = ranks
             if root is not None:
                 record["root"] = root
+            if tag:
+                record["tag"] = tag
             progress = self.progress
             progress.inflight[(pg, seq)] = record
             if pg == "default":
@@ -285,6 +289,7 @@ class CollectiveRecorder:
         root: int | None = None,
         stepped: bool = True,
         folded: bool = False,
+        tag: int | None = None,
     ) -> PlannedCollective:
         """The plan of a collective issued again and again with these fields (see ``PlannedCollective``);
         ``stepped``: its calls pass ``begin_planned`` a step (the engine's, a user's inside a step), else None;
@@ -304,6 +309,8 @@ class CollectiveRecorder:
             fixed["group_ranks"] = ranks
         if root is not None:
             fixed["root"] = root
+        if tag:
+            fixed["tag"] = tag
         return PlannedCollective(pg, fixed, stepped, folded)
 
     def begin_user(
@@ -316,6 +323,7 @@ class CollectiveRecorder:
         call_site: str | None,
         root: int | None = None,
         source: str = "user",
+        tag: int | None = None,
     ) -> tuple[int, PlannedCollective | None]:
         """``begin`` for a user's call through the patched ``torch.distributed``; returns its seq and the
         plan to end it with (``end_planned``), or None (``end``).
@@ -334,14 +342,22 @@ class CollectiveRecorder:
         step = progress.step if source == "user" and progress.phase in IN_STEP else None
         try:
             shapes = [(t.shape, t.dtype) for t in tensors]
-            key = (pg, op, reduce_op, call_site, root, source, step is not None, *shapes)
+            key = (pg, op, reduce_op, call_site, root, tag, source, step is not None, *shapes)
             plan = plans.get(key, _UNSEEN)
         except Exception:  # not tensors: the ordinary path records what it can, torch raises
             key, plan = None, None
         if isinstance(plan, PlannedCollective):
             return self.begin_planned(plan, step), plan
         seq = self.begin(
-            pg, op, tensors, reduce_op=reduce_op, source=source, step=step, call_site=call_site, root=root
+            pg,
+            op,
+            tensors,
+            reduce_op=reduce_op,
+            source=source,
+            step=step,
+            call_site=call_site,
+            root=root,
+            tag=tag,
         )
         if key is not None and plan is not _UNPLANNABLE:
             try:
@@ -352,6 +368,7 @@ class CollectiveRecorder:
                     made = self.plan(
                         pg, op, shapes=[list(t.shape) for t in tensors], dtypes=[dtype_name(t.dtype) for t in tensors],
                         reduce_op=reduce_op, source=source, call_site=call_site, root=root, stepped=step is not None,
+                        tag=tag,
                     )  # fmt: skip
                 # A plan the wire format refuses is not made again at every call (it logs a warning).
                 plans[key] = made if made is None or made.begin is not None else _UNPLANNABLE

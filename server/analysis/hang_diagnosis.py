@@ -32,6 +32,7 @@ from ddpscope.agent.torch_waits import RENDEZVOUS_PLACE, TorchWait
 from ddpscope.server.analysis.collective_diagnosis import CollectiveIndex
 from ddpscope.server.analysis.incident_model import (
     AFTER_FORWARD,
+    P2P_OPS,
     STOP_SIGNALS,
     Incident,
     Record,
@@ -41,7 +42,7 @@ from ddpscope.server.analysis.incident_model import (
     record_s,
 )
 from ddpscope.server.analysis.native_wait import main_blocked, native_wait
-from ddpscope.server.analysis.snapshot import JobSnapshot
+from ddpscope.server.analysis.snapshot import JobSnapshot, p2p_pair
 from ddpscope.server.analysis.status import Liveness
 from ddpscope.server.analysis.stuck import (
     FROM_HANG_REPORT,
@@ -325,6 +326,9 @@ class _HangReading:
                 "are not computed yet, so its main thread is slow or stuck inside the backward pass "
                 "(an autograd hook, a custom backward, an op that blocks: see the main thread's stack)"
             )
+        elif wait and (tags := tags_differ(wait, self.rank, self.colls)) is not None:
+            culprits, why_tags = tags
+            msg += why_tags
         elif wait:
             msg += "; every rank issued this collective in time: the wait is inside the backend (network, or a peer stuck in native code)"
         elif native is not None:
@@ -356,6 +360,38 @@ class _HangReading:
             time_s=hang_start_s(h),
             active=state not in ("resolved", "exited"),
         )
+
+
+def tags_differ(wait: Record, rank: int, colls: CollectiveIndex) -> tuple[list[int], str] | None:
+    """``(the pair, why)`` when ``rank`` waits (or waited, until it failed) in a send or receive while its
+    peer, on the same channel, waited only in transfers the other way with other tags: a receive takes
+    only a message sent with its tag, so both wait until the process group's timeout. Not when the peer
+    was in one with this tag too (tagged transfers may pair out of order on purpose). The peer's
+    transfers counted are those that overlapped this wait and did not complete."""
+    direction = P2P_OPS.get(str(wait.get("op")))
+    pair = p2p_pair(str(wait.get("pg")))
+    if direction is None or pair is None or rank not in pair or wait.get("ok"):
+        return None
+    peer = pair[1] if pair[0] == rank else pair[0]
+    began, ended = wait["start_ns"], wait.get("end_ns")
+    theirs = [
+        c
+        for c in colls.by_pg.get(wait["pg"], {}).get(peer, {}).values()
+        if P2P_OPS.get(str(c.get("op"))) not in (None, direction)
+        and not c.get("ok")
+        and (ended is None or c["start_ns"] <= ended)
+        and (c.get("end_ns") is None or c["end_ns"] >= began)
+    ]
+    tag = wait.get("tag") or 0
+    if not theirs or any((c.get("tag") or 0) == tag for c in theirs):
+        return None
+    other = theirs[0]
+    return sorted(pair), (
+        f"; the tags differ: rank {rank}'s {wait.get('op')} carries tag {tag}, and rank {peer} waits in "
+        f"{describe(other)}{'' if other.get('tag') else ' (tag 0)'}. A receive takes only a message sent with its tag, "
+        "so both wait until the process group's timeout: pass the same tag to the send and its receive (or "
+        "none on either side: both default to 0)"
+    )
 
 
 def through_past_waits(

@@ -129,6 +129,8 @@ def describe(c: Record) -> str:
         return f"new_group(ranks=[{members}]){site}"
     arg, root = ROOTED_OPS.get(c.get("op") or ""), c.get("root")
     args = [a for a in (c.get("reduce_op"), f"{arg}={root}" if arg and root is not None else None) if a]
+    if c.get("tag"):
+        args.append(f"tag={c['tag']}")  # point-to-point, when not torch's default 0
     op = c.get("op", "?") + (f"({', '.join(args)})" if args else "")
     shapes = c.get("shapes")
     shape_txt = " " + ", ".join("[" + ",".join(map(str, s)) + "]" for s in shapes) if shapes else ""

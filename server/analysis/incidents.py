@@ -72,7 +72,7 @@ from ddpscope.server.analysis.collective_diagnosis import (
     missing_incidents,
     sync_schedule_incidents,
 )
-from ddpscope.server.analysis.hang_diagnosis import hang_incidents, through_past_waits
+from ddpscope.server.analysis.hang_diagnosis import hang_incidents, tags_differ, through_past_waits
 from ddpscope.server.analysis.incident_model import (
     STOP_SIGNALS,
     UNEVEN_DATA_ADVICE,
@@ -782,6 +782,11 @@ def _error_incidents(
             for *_, held in awaited:
                 for r, why in held.items():
                     blame.setdefault(r, why)
+        elif tagged := _tags_at_failure(left, colls):
+            culprits, why = tagged
+            cause = f"the cause is on {ranks_phrase(culprits)}: {why.removeprefix('; ')}"
+            for r in culprits:
+                blame.setdefault(r, "waited in a transfer whose peer used another tag")
         else:
             cause = "no rank reported a cause: look for a rank killed by the OS or a network failure"
         msg = (
@@ -790,6 +795,19 @@ def _error_incidents(
         )
         out.append(_error_incident("rank_error", first, msg, left[1:], culprits=culprits))
     return out
+
+
+def _tags_at_failure(failed: Sequence[Record], colls: CollectiveIndex) -> tuple[list[int], str] | None:
+    """``tags_differ`` for the send or receive a failed rank was in when it gave up (ended not ok)."""
+    for v in failed:
+        rank = v["rank"]
+        for pg, by_rank in colls.by_pg.items():
+            if ":p2p:" not in pg:
+                continue
+            for c in by_rank.get(rank, {}).values():
+                if c.get("ok") is False and (found := tags_differ(c, rank, colls)) is not None:
+                    return found
+    return None
 
 
 _STORE_SHORT = re.compile(r"waiting for clients\. (\d+)/(\d+) clients joined")

@@ -86,6 +86,9 @@ def test_collectives_of_several_kinds_are_recorded_alike_on_both_ranks(stall: Jo
     (send,) = [r for r in stall.of(0, "collective") if r["op"] == "send"]
     (recv,) = [r for r in stall.of(1, "collective") if r["op"] == "recv"]
     assert send["pg"] == recv["pg"] == "default:p2p:0-1" and send["coll_seq"] == recv["coll_seq"] == 1
+    # Their tag too (a receive takes only a message sent with its tag); 0, torch's default, is left out.
+    assert send["tag"] == recv["tag"] == 3
+    assert not any("tag" in r for r in stall.of(0, "collective") if r["pg"] == "default")
     for rank in (0, 1):
         ends = {(r["pg"], r["coll_seq"]) for r in stall.of(rank, "collective_end") if r["ok"]}
         assert ends == {(r["pg"], r["coll_seq"]) for r in stall.of(rank, "collective")}

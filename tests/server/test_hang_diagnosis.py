@@ -740,3 +740,66 @@ def test_a_rank_lost_before_it_ever_reported_is_said_to_have_ended_in_its_set_up
     assert "it ended during its set-up, before ddpscope watched it" in crashed.message
     assert "raised an exception" in crashed.message and "its log and exit status say which" in crashed.message
     assert "check the host's kernel log" not in crashed.message
+
+
+def _tagged(job: JobRecords, rank: int, t: float, op: str, tag: int, seq: int = 1) -> None:
+    """A user's blocking send or recv on the pair (0, 1), with ``tag`` (0: left out, as the agent does)."""
+    job.coll(
+        rank, t, seq, op=op, reduce_op=None, pg="default:p2p:0-1", site=f"pipe.py:{10 + rank}", done=False
+    )
+    if tag:
+        job.records[-1]["tag"] = tag
+
+
+def test_a_send_and_a_receive_waiting_with_different_tags_are_both_named_with_the_tags() -> None:
+    job = started(2)
+    _tagged(job, 0, T0 + 1, "send", 1)
+    _tagged(job, 1, T0 + 1, "recv", 2)
+    for r in (0, 1):
+        job.hang(r, T0 + 6, step=0, phase="idle", inflight=[inflight(1, T0 + 1, pg="default:p2p:0-1")])
+    hangs = {i.rank: i for i in diagnose(job.snapshot(), T0 + 7) if i.kind == "hang"}
+    assert hangs[0].culprit_ranks == [0, 1] and hangs[1].culprit_ranks == [0, 1]
+    assert "send(tag=1) [4] float32 at pipe.py:10" in hangs[0].message
+    assert "the tags differ: rank 0's send carries tag 1, and rank 1 waits in recv(tag=2)" in hangs[0].message
+    assert "pass the same tag to the send and its receive" in hangs[1].message
+    assert "every rank issued this collective in time" not in hangs[0].message
+
+
+def test_tagged_transfers_the_peer_also_waits_in_with_the_same_tag_are_not_called_a_tag_mismatch() -> None:
+    # Two transfers in flight, received in the other order on purpose: the peer's later receive takes
+    # this send's tag, so the tags at one sequence number differ without being the cause.
+    job = started(2)
+    _tagged(job, 0, T0 + 1, "send", 1)
+    _tagged(job, 1, T0 + 1, "recv", 2)
+    _tagged(job, 1, T0 + 1, "recv", 1, seq=2)
+    for r in (0, 1):
+        job.hang(r, T0 + 6, step=0, phase="idle", inflight=[inflight(1, T0 + 1, pg="default:p2p:0-1")])
+    hang = next(i for i in diagnose(job.snapshot(), T0 + 7) if i.kind == "hang" and i.rank == 0)
+    assert "the tags differ" not in hang.message
+
+
+def test_ranks_that_timed_out_in_a_send_and_a_receive_of_different_tags_are_told_so_without_a_hang_report() -> (
+    None
+):
+    # The group's timeout came before the hang timeout: only the failed ends and the errors say it.
+    job = started(2)
+    _tagged(job, 0, T0 + 1, "send", 1)
+    _tagged(job, 1, T0 + 1, "recv", 0)
+    for r, op in ((0, "send"), (1, "recv")):
+        job.add(
+            "collective_end",
+            r,
+            T0 + 16,
+            pg="default:p2p:0-1",
+            coll_seq=1,
+            end_ns=int((T0 + 16) * 1e9),
+            ok=False,
+        )
+        job.error(r, T0 + 16, f"Timed out waiting 15000ms for {op} operation to complete", step=0)
+    error = only(diagnose(job.snapshot(), T0 + 17), "rank_error")
+    assert error.culprit_ranks == [0, 1]
+    assert "the cause is on ranks 0, 1: the tags differ" in error.message
+    assert (
+        "rank 0's send carries tag 1, and rank 1 waits in recv [4] float32 at pipe.py:11 (tag 0)"
+        in error.message
+    )

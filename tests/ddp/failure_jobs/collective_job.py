@@ -59,9 +59,9 @@ def stall(rank: int) -> None:
     dist.all_gather(out, torch.full((5,), rank, dtype=torch.int64))  # SITE:all_gather
     dist.barrier()  # SITE:barrier
     if rank == 0:
-        dist.send(torch.ones(6), dst=1)  # SITE:send
+        dist.send(torch.ones(6), dst=1, tag=3)  # SITE:send
     elif rank == 1:
-        dist.recv(torch.zeros(6), src=0)  # SITE:recv
+        dist.recv(torch.zeros(6), src=0, tag=3)  # SITE:recv
     for step in range(3):
         PROGRESS.enter("allreduce", step)
         if rank == 1 and step == 1:
