@@ -318,6 +318,23 @@ def _silent_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int, st
     return out
 
 
+def _awaited_after_loop(snapshot: JobSnapshot, r: int, stranded: Sequence[int]) -> Record | None:
+    """The first collective a stranded peer made after its training loop (a user's call outside any step)
+    and never completed, which rank ``r`` never issued."""
+    issued = {(c["pg"], c["coll_seq"]) for c in snapshot.collectives if c["rank"] == r}
+    for c in snapshot.collectives:
+        if (
+            c["rank"] in stranded
+            and c.get("source") == "user"
+            and c.get("step") is None
+            and not c.get("ok")
+            and ":p2p:" not in c["pg"]
+            and (c["pg"], c["coll_seq"]) not in issued
+        ):
+            return c
+    return None
+
+
 def _in_rendezvous(live: Liveness) -> list[int]:
     """The ranks whose open hang report shows them waiting in ``init_process_group``'s rendezvous."""
     return sorted(
@@ -440,6 +457,14 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
             advice = skipped
         elif around := _around_the_wrapper(snapshot, r, last):
             advice = around
+        awaited = _awaited_after_loop(snapshot, r, stranded_ranks) if reason == "finished" else None
+        if awaited is not None:
+            # Its peers had finished training too: what they waited in is a call after the loop (a final
+            # metric, a barrier before saving) this rank never made.
+            advice = (
+                "Make the calls after the training loop on every rank or on none (an all-reduce of a final "
+                "metric, a barrier before saving), and destroy the process group only after the last one."
+            )
         after = f" after step {last}" if last is not None else ""
         hung = [o for o in stranded_ranks if o in live.active_hangs]
         timed_out = [
@@ -462,8 +487,14 @@ def _early_exit_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int
         out.append(
             Incident(
                 kind="rank_exited_early",
-                message=f"Rank {r} {how}{after} while {ranks_phrase(stranded_ranks)} "
-                f"{'was' if len(stranded_ranks) == 1 else 'were'} still training; {fate}. {advice}",
+                message=(
+                    f"Rank {r} exited normally{after} without making {describe(awaited)} (collective "
+                    f"#{awaited['coll_seq']} of group {awaited['pg']}), a call after training that rank "
+                    f"{awaited['rank']} waited in; {fate}. {advice}"
+                    if awaited is not None
+                    else f"Rank {r} {how}{after} while {ranks_phrase(stranded_ranks)} "
+                    f"{'was' if len(stranded_ranks) == 1 else 'were'} still training; {fate}. {advice}"
+                ),
                 rank=r,
                 step=last,
                 culprit_ranks=[r],

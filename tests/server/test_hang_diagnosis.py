@@ -803,3 +803,20 @@ def test_ranks_that_timed_out_in_a_send_and_a_receive_of_different_tags_are_told
         "rank 0's send carries tag 1, and rank 1 waits in recv [4] float32 at pipe.py:11 (tag 0)"
         in error.message
     )
+
+
+def test_a_rank_that_exits_without_the_call_its_peer_makes_after_training_is_named_with_that_call() -> None:
+    # Rank 1 destroys its group and exits after the last step; rank 0 all-reduces a final metric.
+    job = started(2)
+    end = job.train(5)  # steps 0..4, collectives 1..10
+    job.exit(1, end + 0.5, step=4)
+    job.coll(0, end + 0.2, 11, site="eval.py:30", done=False, step=None)
+    job.error(0, end + 0.6, "Connection closed by peer [127.0.0.1]:22453", step=4)
+    early = only(diagnose(job.snapshot(), end + 1), "rank_exited_early")
+    assert early.culprit_ranks == [1]
+    assert early.message.startswith(
+        "Rank 1 exited normally after step 4 without making all_reduce(SUM) [4] float32 at eval.py:30 "
+        "(collective #11 of group default), a call after training that rank 0 waited in"
+    )
+    assert "destroy the process group only after the last one" in early.message
+    assert "still training" not in early.message
