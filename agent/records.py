@@ -163,7 +163,12 @@ a run of such steps begins, and again (with ``finite_again_step``) when it ends.
 NONFINITE_GRADIENT = "nonfinite_gradient"
 """With ``DDPSCOPE_CHECK_GRADIENTS``: a rank's gradients were NaN or Inf before their all-reduce while its loss
 was finite (``ddp/nonfinite.py``), with the bucket and the parameters; said as ``nonfinite_loss`` is."""
-WARNING_CODES = frozenset({UNSYNCED_GRADIENTS, JOB_IDS_DIFFER, NONFINITE_LOSS, NONFINITE_GRADIENT})
+COLLECTIVES_FROM_THREADS = "collectives_from_threads"
+"""Two threads of a rank issue collectives on one process group at once (``ddp/issuing_threads.py``): their
+order differs between the ranks, so collectives pair with the wrong ones."""
+WARNING_CODES = frozenset(
+    {UNSYNCED_GRADIENTS, JOB_IDS_DIFFER, NONFINITE_LOSS, NONFINITE_GRADIENT, COLLECTIVES_FROM_THREADS}
+)
 """The ``warning`` record's codes ddpscope's training side sends (each an incident kind at the collector)."""
 
 RECORD_KINDS: dict[str, tuple[Field, ...]] = {
@@ -418,7 +423,15 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             "of one torch job report under different job ids), 'nonfinite_loss' (the gradient the rank's "
             "loss sent into its model's output was NaN or Inf, from ``step`` on) or 'nonfinite_gradient' "
             "(with DDPSCOPE_CHECK_GRADIENTS: the rank's gradients were NaN or Inf before their all-reduce while "
-            "its loss was finite, from ``step`` on)",
+            "its loss was finite, from ``step`` on) or 'collectives_from_threads' (two threads of the rank "
+            "issue collectives on one process group at once, so their order differs between ranks)",
+        ),
+        Field(
+            "pg",
+            STR,
+            max_length=200,
+            required=False,
+            doc="'collectives_from_threads': the process group whose collectives come from two threads",
         ),
         Field("message", STR, doc="what happened and what to do, without the rank (the collector adds it)"),
         Field(

@@ -52,6 +52,7 @@ from typing import Any
 from ddpscope.agent import RecordTemplate, emit, emit_durable, emit_templated, get_agent
 from ddpscope.agent.clock import now_ns
 from ddpscope.agent.log import get_logger
+from ddpscope.ddp.issuing_threads import IssuingThreads
 from ddpscope.ddp.progress import IN_STEP, PROGRESS, Progress
 
 logger = get_logger(__name__)
@@ -148,6 +149,7 @@ class CollectiveRecorder:
         # itertools.count.__next__ is atomic under the GIL: user threads may issue collectives too,
         # and this costs less than a lock on the hot path.
         self._counters: dict[str, Iterator[int]] = {}
+        self._threads = IssuingThreads(site=lambda: self.call_site(3))
         self._local = threading.local()
         self._ring: collections.deque[dict[str, Any] | _Planned] = collections.deque(maxlen=ring_size)
         """Records, or for planned collectives (plan, seq, start_ns, step): built only when read."""
@@ -464,6 +466,7 @@ class CollectiveRecorder:
         if counter is None:
             counter = self._counters.setdefault(pg, itertools.count(1))
         seq = next(counter)
+        self._threads.note(pg, self.progress.step)
         if self._pending:
             self.poll()
         return seq

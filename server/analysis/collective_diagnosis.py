@@ -18,6 +18,7 @@ from functools import partial
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
+from ddpscope.agent.records import COLLECTIVES_FROM_THREADS
 from ddpscope.server.analysis.collective_keys import full_key, signature
 from ddpscope.server.analysis.incident_model import (
     NEW_GROUP,
@@ -282,19 +283,43 @@ def mismatch_incidents(
             elif reason:
                 later += 1
         if found is not None:
-            out.append(
-                _mismatch(
-                    pg,
-                    *found,
-                    later=later,
-                    ranks=ranks,
-                    keys=keys(),
-                    blame=blame,
-                    steps=snapshot.steps,
-                    starts=snapshot.ranks,
-                )
+            incident = _mismatch(
+                pg,
+                *found,
+                later=later,
+                ranks=ranks,
+                keys=keys(),
+                blame=blame,
+                steps=snapshot.steps,
+                starts=snapshot.ranks,
             )
+            out.append(_threads_race(incident, snapshot, blame))
     return out
+
+
+def _threads_race(incident: Incident, snapshot: JobSnapshot, blame: dict[int, str]) -> Incident:
+    """A mismatch on a group whose collectives come from two threads at once on some ranks (their
+    ``collectives_from_threads`` warning): that race orders the calls, not one rank's code, so those
+    ranks are the culprits whichever one the comparison named."""
+    racing = sorted(
+        {
+            w["rank"]
+            for w in snapshot.warnings
+            if w["code"] == COLLECTIVES_FROM_THREADS and w.get("pg") == incident.pg
+        }
+    )
+    if not racing:
+        return incident
+    incident.message += (
+        f" The cause is a race, not one rank's code: {ranks_phrase(racing)} "
+        f"{'issues' if len(racing) == 1 else 'issue'} collectives on this group from two threads at once (see "
+        "the collectives_from_threads incident), so each rank's order depends on its threads' timing."
+    )
+    incident.culprit_ranks = racing
+    incident.rank = racing[0]
+    for r in racing:
+        blame[r] = "issued collectives on this group from two threads at once"
+    return incident
 
 
 def sync_schedule_incidents(colls: CollectiveIndex, blame: dict[int, str]) -> list[Incident]:

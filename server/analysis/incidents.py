@@ -798,7 +798,9 @@ def _error_incidents(
                 blame.setdefault(r, f"was {stuck[r].phrase()}")
         elif culprits:
             # A failed rank blamed elsewhere (the odd side of a mismatch) failed of its own doing.
-            own = " itself" if {v["rank"] for v in left} >= set(culprits) else ""
+            own = ""
+            if {v["rank"] for v in left} >= set(culprits):
+                own = " itself" if len(culprits) == 1 else " themselves"
             cause = f"the cause is on {ranks_phrase(culprits)}{own} (see the other incidents)"
         elif rendezvous := _rendezvous_short(left, live):
             culprits, cause = rendezvous

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -316,7 +317,17 @@ def test_a_user_call_repeated_from_one_line_is_planned_and_records_what_it_did_b
     shown = begins[0]["call_site"]
     assert shown.endswith(site)
     assert RECORDER._user_plans[
-        ("default", "all_reduce", "SUM", shown, None, "user", False, (torch.Size([2, 3]), torch.float32))
+        (
+            "default",
+            "all_reduce",
+            "SUM",
+            shown,
+            None,
+            None,
+            "user",
+            False,
+            (torch.Size([2, 3]), torch.float32),
+        )
     ]
     assert [r["coll_seq"] for r in begins] == list(range(1, 9))
     assert sorted(r["coll_seq"] for r in ends) == list(range(1, 9)) and all(r["ok"] for r in ends)
@@ -375,7 +386,7 @@ def test_a_user_call_whose_records_cannot_be_a_template_is_tried_once_not_at_eve
     assert sum("no record template" in r.message for r in caplog.records) == 1
     assert (
         RECORDER._user_plans[
-            (pg, "all_reduce", "SUM", "x.py:1", None, "user", False, (torch.Size([2]), torch.float32))
+            (pg, "all_reduce", "SUM", "x.py:1", None, None, "user", False, (torch.Size([2]), torch.float32))
         ]
         is collectives._UNPLANNABLE
     )
@@ -430,3 +441,27 @@ def test_folded_ends_of_a_step_whose_record_never_came_go_out_when_the_next_step
     RECORDER.end_planned(plan, seq)  # then the backward raised: no step record
     StepTimer(rank=0).forward_start(2)
     assert [e["coll_seq"] for e in records("collective_end")] == [seq]
+
+
+def test_a_logging_thread_all_reducing_beside_the_main_thread_is_said_with_the_call_site(
+    records: Records,
+) -> None:
+    dist.all_reduce(torch.ones(2))
+    started, release = threading.Event(), threading.Event()
+
+    def logger() -> None:
+        dist.all_reduce(torch.ones(3))
+        started.set()
+        release.wait(10)
+
+    thread = threading.Thread(target=logger, name="logger", daemon=True)
+    thread.start()
+    assert started.wait(10)
+    site = here()
+    dist.all_reduce(torch.ones(2))
+    release.set()
+    thread.join(10)
+    (said,) = [r for r in records("warning") if r["code"] == "collectives_from_threads"]
+    assert said["pg"] == "default"
+    assert "the main thread (this call at " in said["message"]
+    assert f"{site}) and thread 'logger'" in said["message"]

@@ -1207,3 +1207,24 @@ def test_healthy_training_has_no_sync_mismatch() -> None:
     job = started(4)
     end = _accumulate(job, {0: 4, 1: 4, 2: 4, 3: 4}, syncs=5)
     assert kinds(diagnose(job.snapshot(), end + 0.1)) == []
+
+
+def test_a_mismatch_on_a_group_two_threads_use_at_once_blames_the_race_on_the_ranks_that_said_so() -> None:
+    # A logging thread's all_reduce against the engine's broadcast: which rank "differs" is chance.
+    job = started(2)
+    end = job.train(2)
+    race = "Collectives on the default process group are issued from two threads at once."
+    for r in (0, 1):
+        job.add("warning", r, end, step=2, code="collectives_from_threads", pg="default", message=race)
+    job.coll(0, end + 0.1, 5, shapes=[[10]], site="log.py:11")
+    job.coll(1, end + 0.1, 5, op="broadcast", reduce_op=None, shapes=[[6]], site=None, source="engine")
+    job.coll(0, end + 0.2, 1, pg="pg:1", shapes=[[4]], site="eval.py:3", group_ranks=[0, 1])
+    job.coll(1, end + 0.2, 1, pg="pg:1", shapes=[[5]], site="eval.py:3", group_ranks=[0, 1])
+    incidents = diagnose(job.snapshot(), end + 1)
+    by_pg = {i.pg: i for i in incidents if i.kind == "mismatch"}
+    assert by_pg["default"].culprit_ranks == [0, 1]
+    assert "The cause is a race, not one rank's code: ranks 0, 1 issue collectives on this group" in (
+        by_pg["default"].message
+    )
+    assert "race" not in by_pg["pg:1"].message  # the threads' warning names the default group only
+    assert only(incidents, "collectives_from_threads").culprit_ranks == [0, 1]
