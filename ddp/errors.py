@@ -55,6 +55,18 @@ def fatal_count() -> int:
     return _fatal[0]
 
 
+MAX_MESSAGE_CHARS = 4000
+
+
+def _bounded(message: str) -> str:
+    """``message`` within ``MAX_MESSAGE_CHARS``: its head and its tail. An exception torch re-raises from a
+    DataLoader worker carries the worker's whole traceback, whose last line is what went wrong."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    half = MAX_MESSAGE_CHARS // 2 - 3
+    return f"{message[:half]}\n…\n{message[-half:]}"
+
+
 def report_error(
     exc: BaseException,
     fatal: bool = False,
@@ -101,7 +113,7 @@ def report_error(
                 "step": step,
                 "phase": phase,
                 "error_type": type(exc).__name__,
-                "message": str(exc)[:4000] or type(exc).__name__,
+                "message": _bounded(str(exc)) or type(exc).__name__,
                 "stack": stack,
                 "fatal": fatal,
                 "partial_step": partial,

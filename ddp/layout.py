@@ -79,10 +79,18 @@ def mismatch_message(per_rank: Sequence[Sequence[str]]) -> str:
         )
     # Positions count from the first parameter, as module.parameters() does: the setting lines come first.
     settings = sum(1 for line in per_rank[0] if line.startswith(_SETTING))
+    reordered = ""
+    if all(sorted(lines) == sorted(per_rank[0]) for lines in per_rank):
+        # Same parameters, another order: layers made by iterating something whose order is the process's own.
+        reordered = (
+            " Each rank has the same parameters, in another order: layers built by iterating a set (whose order "
+            "follows each process's hash seed, PYTHONHASHSEED), a directory listing or another rank-dependent "
+            "order; iterate a sorted list instead."
+        )
     return (
         f"DistributedDataParallel: the ranks do not wrap the same model. Ranks {differing} differ from "
         f"rank 0 at position {pos - settings} of the parameter list: {shown}. Every rank must build the same model "
-        "(same parameter names, shapes, dtypes, requires_grad and order) before wrapping it."
+        f"(same parameter names, shapes, dtypes, requires_grad and order) before wrapping it.{reordered}"
     )
 
 

@@ -190,8 +190,13 @@ def user_frame(stack: str | None) -> str | None:
 
 
 def first_line(text: str, limit: int = 500) -> str:
-    """The first non-empty line, cut at a word boundary with an ellipsis beyond ``limit`` characters."""
-    line = next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")
+    """The first non-empty line, cut at a word boundary with an ellipsis beyond ``limit`` characters. An
+    exception torch re-raised from another process or thread ("Caught ValueError in DataLoader worker
+    process 0", then the "Original Traceback") gets the original's last line too: what went wrong."""
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    line = lines[0] if lines else ""
+    if len(lines) > 2 and line.startswith("Caught ") and lines[1].startswith("Original Traceback"):
+        line = f"{line.rstrip('.')}: {lines[-1]}"
     if len(line) <= limit:
         return line
     return line[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " …"

@@ -182,3 +182,17 @@ def test_an_uncaught_exception_reaches_the_records_before_the_process_exits(tmp_
         True,
     )
     assert "uncaught_job.py" in err["stack"] and "in train" in err["stack"]
+
+
+def test_a_long_message_keeps_its_head_and_its_last_line(records: Records) -> None:
+    # torch re-raises a DataLoader worker's exception with the worker's whole traceback in the message:
+    # its last line says what went wrong.
+    message = (
+        "Caught ValueError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+    )
+    message += '  File "worker.py", line 1, in fetch\n' * 300 + "ValueError: corrupt record 27 in shard-1.bin"
+    errors.report_error(ValueError(message))
+    (reported,) = records("rank_error")
+    assert len(reported["message"]) <= errors.MAX_MESSAGE_CHARS
+    assert reported["message"].startswith("Caught ValueError in DataLoader worker process 0.")
+    assert reported["message"].endswith("ValueError: corrupt record 27 in shard-1.bin")

@@ -67,3 +67,15 @@ def test_identical_lists_have_no_difference() -> None:
 
 def test_describe_skips_buffers_that_are_none() -> None:
     assert describe([], [("running_mean", None), ("x", torch.zeros(1))]) == ["buffer x float32[1]"]
+
+
+def test_the_same_parameters_in_another_order_are_named_as_a_rank_dependent_iteration_order() -> None:
+    heads = ["alpha", "beta", "gamma"]
+    lines = [
+        describe(nn.ModuleDict({n: nn.Linear(2, 2) for n in order}).named_parameters())
+        for order in (heads, heads[::-1])
+    ]
+    message = mismatch_message(lines)
+    assert "Each rank has the same parameters, in another order" in message and "PYTHONHASHSEED" in message
+    other = mismatch_message([["parameter w float32[2]"], ["parameter v float32[2]"]])
+    assert "in another order" not in other
