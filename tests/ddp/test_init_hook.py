@@ -18,6 +18,7 @@ import ddpscope.agent
 import ddpscope.ddp  # noqa: F401  (the import is what wraps init_process_group)
 from ddpscope.ddp import monitor
 from ddpscope.ddp import watchdog as wd
+from ddpscope.ddp.progress import PROGRESS
 from tests.ddp.watchdog_support import Records, in_memory_records
 from tests.support.procs import free_port
 
@@ -157,13 +158,15 @@ def test_an_ordinary_rendezvous_sends_nothing_and_heartbeats_start_one_interval_
     assert beats and beats[0]["world_size"] == 3 and beats[0]["rank"] == 1
 
 
-def test_a_rank_whose_peer_never_starts_is_reported_in_the_rendezvous_at_the_hang_timeout_not_torchs() -> (
-    None
-):
+def test_a_rank_whose_peer_never_starts_is_reported_in_the_rendezvous_at_the_hang_timeout_not_torchs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Rank 0 of two, alone: torch's store waits for rank 1 until the group's timeout (30 min by default).
     if dist.is_initialized():
         pytest.skip("a process group already exists in this test process")
     monitor.disable()
+    for name, fresh in (("began", False), ("step", 0), ("phase", "idle")):  # a new process: no step yet
+        monkeypatch.setattr(PROGRESS, name, fresh)
     exporter = ddpscope.agent.InMemoryExporter()
     ddpscope.agent.configure(exporter=exporter, rank=0, hang_timeout_s=1.0, heartbeat_s=0.5)
     started = time.monotonic()
