@@ -16,6 +16,7 @@ thread, so a caller must not mutate a record after emitting it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import sys
 import threading
@@ -90,6 +91,8 @@ class Agent:
         self._rank = config.rank if config.rank is not None else 0
         self._job = config.job
         self._exporter: Any = exporter
+        self.own_exporter = exporter is None
+        """ddpscope's default (the spool and its shipper, made on first use), not an exporter of the caller's."""
         self._seqs = itertools.count()
         """``seq`` of each record; ``next`` is atomic under the GIL (the worker and ``emit_durable``
         callers both stamp)."""
@@ -654,6 +657,29 @@ def configure(**overrides: Any) -> Agent | NullAgent:
     if not config.disabled:
         lifecycle.install_sigterm()
     return new
+
+
+def adopt_rank(rank: int) -> None:
+    """Give the process group's rank to an agent configured without one, which labels its records rank 0.
+
+    No ``RANK`` in the environment is how ``torch.multiprocessing.spawn`` and a script that passes ``rank=``
+    to ``init_process_group`` run: without this every rank's heartbeats, collectives and hang reports said
+    rank 0. The agent is rebuilt with the rank, as ``configure`` would (the old one flushes what it holds).
+    An agent given a rank, disabled, or writing to an exporter of the script's own is left as it is.
+    Never raises."""
+    global _agent
+    try:
+        old = None
+        with _lock:
+            current = _agent
+            if current is None:
+                _agent = _build(Config.from_env(None, rank=rank), None)
+            elif isinstance(current, Agent) and current.config.rank is None and current.own_exporter:
+                old, _agent = current, _build(dataclasses.replace(current.config, rank=rank), None)
+        if old is not None:
+            old.shutdown(lifecycle.EXIT_FLUSH_S)
+    except Exception:
+        swallowed("adopt_rank")
 
 
 def emit(record: dict[str, Any]) -> None:

@@ -24,6 +24,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ddpscope.agent import adopt_rank
 from ddpscope.agent.log import get_logger
 from ddpscope.ddp import collectives, errors, job_check, watchdog
 from ddpscope.ddp.progress import PROGRESS
@@ -48,6 +49,7 @@ def enable(
     how long a newly started watchdog waits before its first heartbeat, and the job id check before
     it says this rank's id.
     """
+    _adopt_group_rank()
     collectives.install()
     errors.install_error_hooks()
     dog = watchdog.start_watchdog(
@@ -55,6 +57,17 @@ def enable(
     )
     job_check.start(delay_s=first_heartbeat_s)  # returns at once, never raises
     return dog
+
+
+def _adopt_group_rank() -> None:
+    """The default group's rank for an agent configured without one (``agent.adopt_rank``)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            adopt_rank(dist.get_rank())
+    except Exception:
+        logger.warning("ddpscope could not take the process group's rank", exc_info=True)
 
 
 def disable(timeout_s: float = 5.0) -> None:
