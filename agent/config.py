@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import sys
 import tempfile
 import unicodedata
 import urllib.parse
@@ -211,6 +212,8 @@ class Config:
             "shipper_linger_s": _env(env, DDPSCOPE_SHIPPER_LINGER_S, float, 600.0, _non_negative),
         }
         rank = _env(env, "RANK", int, None, _non_negative)
+        if rank is None:
+            rank = _group_rank()
         if rank is not None:
             values["rank"] = rank
         # None means "not given" (configure(job=None) is the same as leaving it out).
@@ -237,6 +240,19 @@ class Config:
     @property
     def ingest_url(self) -> str:
         return self.url.rstrip("/") + "/api/v1/ingest"
+
+
+def _group_rank() -> int | None:
+    """The default process group's rank when one exists in this process (torch already imported; the agent
+    imports nothing of it): a script launched without ``RANK`` (``torch.multiprocessing.spawn``) that
+    configures the agent after ``init_process_group`` gets its rank, not rank 0 on every rank."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:  # a group being destroyed on another thread
+        return None
+    return None
 
 
 def _positive(v: float) -> bool:

@@ -19,6 +19,8 @@ def worker(rank: int, world: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     labelled = agent.get_agent().config.rank
     print(f"rank {rank}: agent {labelled}, watchdog {watchdog._rank()}", flush=True)
+    agent.configure(job=os.environ["DDPSCOPE_JOB"])  # a script that configures the agent itself, after
+    print(f"rank {rank}: reconfigured {agent.get_agent().config.rank}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
