@@ -16,6 +16,13 @@ KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = (
         "forward's outputs get several backward() calls (pytorch/pytorch#143580, #106953): run the first "
         "iteration synced (outside no_sync()), backpropagate one summed loss, or leave static_graph off",
     ),
+    (
+        re.compile(r"Your training graph has changed in this iteration"),
+        "with static_graph=True, torch's DDP is promised that every iteration uses the same parameters, and "
+        "this rank's backward used a different set at this step than in its first iterations (a data- or "
+        "rank-dependent branch, a layer used only on some steps): make every iteration use the same "
+        "parameters, or drop static_graph=True and pass find_unused_parameters=True",
+    ),
 )
 
 

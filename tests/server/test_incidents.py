@@ -1228,3 +1228,22 @@ def test_a_mismatch_on_a_group_two_threads_use_at_once_blames_the_race_on_the_ra
     )
     assert "race" not in by_pg["pg:1"].message  # the threads' warning names the default group only
     assert only(incidents, "collectives_from_threads").culprit_ranks == [0, 1]
+
+
+def test_torch_s_static_graph_changed_error_names_the_promise_broken_and_both_ways_out() -> None:
+    # torch 2.13: DDP(static_graph=True) where rank 1 takes another branch at step 3.
+    job = started(2)
+    job.error(
+        1,
+        T0 + 1,
+        "Your training graph has changed in this iteration, e.g., one parameter is unused in first iteration, "
+        "but then got used in the second iteration. this is not compatible with static_graph set to True.",
+        step=3,
+    )
+    err = only(diagnose(job.snapshot(), T0 + 2), "rank_error")
+    assert err.culprit_ranks == [1]
+    assert (
+        "With static_graph=True, torch's DDP is promised that every iteration uses the same parameters"
+        in (err.message)
+    )
+    assert "pass find_unused_parameters=True" in err.message
