@@ -151,6 +151,13 @@ STOPPED_IN = Field(
 THREAD_STACK = (
     Field("thread", STR, doc="thread name"),
     Field("stack", STR, doc="formatted Python stack, innermost frame last"),
+    Field(
+        "daemon",
+        BOOL,
+        required=False,
+        doc="a thread other than the main one: whether it is a daemon (one that is not keeps the process from "
+        "exiting); absent for the main thread and threads started outside Python",
+    ),
 )
 
 UNSYNCED_GRADIENTS = "unsynced_gradients"

@@ -36,7 +36,7 @@ def current_frames() -> dict[int, FrameType]:
 
 def thread_stacks(skip_current: bool = False) -> list[dict[str, Any]]:
     """One ``{"thread", "stack"}`` per live thread, the main thread first, innermost frame last."""
-    names = {t.ident: t.name for t in threading.enumerate()}
+    threads = {t.ident: t for t in threading.enumerate()}
     me = threading.get_ident()
     main = threading.main_thread().ident
     out = []
@@ -46,8 +46,12 @@ def thread_stacks(skip_current: bool = False) -> list[dict[str, Any]]:
         lines = traceback.format_stack(frame, limit=None)
         if len(lines) > MAX_FRAMES:
             lines = [f"  ... {len(lines) - MAX_FRAMES} outer frames omitted\n", *lines[-MAX_FRAMES:]]
-        name = names.get(ident, f"thread-{ident}")
-        out.append({"thread": name, "stack": "".join(lines), "_main": ident == main})
+        thread = threads.get(ident)
+        name = thread.name if thread is not None else f"thread-{ident}"
+        entry: dict[str, Any] = {"thread": name, "stack": "".join(lines), "_main": ident == main}
+        if thread is not None and ident != main:
+            entry["daemon"] = thread.daemon  # a thread that is not one keeps the process from exiting
+        out.append(entry)
     out.sort(key=lambda s: not s["_main"])
     for s in out:
         del s["_main"]

@@ -64,6 +64,7 @@ from typing import Any
 from ddpscope.agent import emit, emit_durable, get_agent
 from ddpscope.agent.clock import now_ns
 from ddpscope.agent.config import MIN_HANG_TIMEOUT_S, hang_timeout_from_env, heartbeat_from_env
+from ddpscope.agent.exit_wait import ADVICE, at_exit, holders_phrase
 from ddpscope.agent.log import get_logger
 from ddpscope.agent.torch_waits import torch_wait
 from ddpscope.ddp import errors, setup_wait
@@ -447,6 +448,11 @@ class Watchdog:
             blocked_in = torch_wait(main_frame.f_code.co_filename, main_frame.f_code.co_name)
         cpu_now, cpu_then = self._main_cpu_s(), self._cpu_at_change
         main_cpu_s = None if cpu_now is None or cpu_then is None else max(0.0, cpu_now - cpu_then)
+        if main_frame is not None and at_exit(main_frame.f_code.co_name, main_frame.f_code.co_filename):
+            self._emit_hang(
+                phase, step, stalled_s, pending, inflight, _exit_wait(stalled_s), partial, main_cpu_s
+            )
+            return
         recent = self._recorder.recent(1)
         message = hang_message(
             _rank(),
@@ -492,6 +498,21 @@ class Watchdog:
         )
         # The agent prints urgent records to stderr itself; this line is for the process's own log.
         logger.info("ddpscope: %s", message)
+
+
+def _exit_wait(stalled_s: float) -> str:
+    """The report of a main thread waiting in Python's exit for threads that are not daemons."""
+    frames = current_frames()
+    holders = [
+        (t.name, _user_site(frames[t.ident]) if t.ident in frames else None)
+        for t in threading.enumerate()
+        if not t.daemon and t is not threading.main_thread() and t.is_alive()
+    ]
+    held = holders_phrase(holders)
+    return (
+        f"rank {_rank()} finished its script {stalled_s:.1f} s ago but cannot exit: its main thread waits in "
+        f"Python's shutdown for {held}, which {'has' if len(holders) < 2 else 'have'} not ended. {ADVICE}."
+    )
 
 
 _watchdog: Watchdog | None = None

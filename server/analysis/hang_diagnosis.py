@@ -28,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ddpscope.agent.exit_wait import ADVICE as EXIT_ADVICE
+from ddpscope.agent.exit_wait import holders_phrase, stack_at_exit
 from ddpscope.agent.torch_waits import RENDEZVOUS_PLACE, TorchWait
 from ddpscope.server.analysis.collective_diagnosis import CollectiveIndex
 from ddpscope.server.analysis.incident_model import (
@@ -40,8 +42,9 @@ from ddpscope.server.analysis.incident_model import (
     never_issued,
     ranks_phrase,
     record_s,
+    user_frame,
 )
-from ddpscope.server.analysis.native_wait import main_blocked, native_wait
+from ddpscope.server.analysis.native_wait import main_blocked, main_stack, native_wait
 from ddpscope.server.analysis.snapshot import JobSnapshot, p2p_pair
 from ddpscope.server.analysis.status import Liveness
 from ddpscope.server.analysis.stuck import (
@@ -278,6 +281,9 @@ class _HangReading:
         elif native is not None:
             msg += f", blocked in a collective ddpscope does not record: {native.what}"
 
+        if exit_wait := _exit_wait(h, state == "active", duration):
+            msg, culprits = exit_wait, [rank]
+            return self._incident(h, msg, culprits, state, bucket, params, site)
         why = self._peers_at_wait()
         for inc in missing:
             if wait and inc.pg == wait["pg"] and rank not in inc.culprit_ranks:
@@ -345,10 +351,23 @@ class _HangReading:
             "exited": "(ended when the rank exited) ",
             "lost": "(ended when the whole job fell silent) ",
         }.get(state, "")
+        return self._incident(h, prefix + msg, culprits, state, bucket, params, site)
+
+    def _incident(
+        self,
+        h: Record,
+        msg: str,
+        culprits: list[int],
+        state: str,
+        bucket: int | None,
+        params: list[str],
+        site: str | None,
+    ) -> Incident:
+        wait = self.wait
         return Incident(
             kind="hang",
-            message=prefix + msg + ".",
-            rank=rank,
+            message=msg + ".",
+            rank=self.rank,
             step=h.get("step"),
             seq=wait["coll_seq"] if wait else None,
             pg=wait["pg"] if wait else None,
@@ -360,6 +379,24 @@ class _HangReading:
             time_s=hang_start_s(h),
             active=state not in ("resolved", "exited"),
         )
+
+
+def _exit_wait(h: Record, active: bool, duration_s: float) -> str | None:
+    """The sentence for a rank whose main thread waits in Python's exit for threads that are not daemons
+    (``agent/exit_wait.py``), else None."""
+    if not stack_at_exit(main_stack(h)):
+        return None
+    holders = [
+        (str(s.get("thread")), user_frame(s.get("stack")))
+        for s in h.get("stacks") or []
+        if s.get("daemon") is False and not str(s.get("thread")).startswith(_OWN_THREADS)
+    ]
+    waits = "has waited" if active else "waited"
+    return (
+        f"Rank {h['rank']} finished its script but {'cannot' if active else 'could not'} exit: its main thread "
+        f"{waits} {duration_s:.0f} s in Python's shutdown for {holders_phrase(holders)}, which never ended. "
+        f"{EXIT_ADVICE[:1].upper()}{EXIT_ADVICE[1:]}"
+    )
 
 
 def tags_differ(wait: Record, rank: int, colls: CollectiveIndex) -> tuple[list[int], str] | None:

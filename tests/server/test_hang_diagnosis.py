@@ -820,3 +820,35 @@ def test_a_rank_that_exits_without_the_call_its_peer_makes_after_training_is_nam
     )
     assert "destroy the process group only after the last one" in early.message
     assert "still training" not in early.message
+
+
+AT_EXIT = '  File "/usr/lib/python3.11/threading.py", line 1590, in _shutdown\n    lock.acquire()\n'
+
+
+def test_a_rank_that_cannot_exit_for_a_non_daemon_thread_is_a_hang_though_no_peer_waits_for_it() -> None:
+    job = started(2)
+    end = job.train(5)
+    job.exit(0, end + 0.5, step=4)
+    stacks = [
+        {"thread": "MainThread", "stack": AT_EXIT},
+        {"thread": "pusher", "daemon": False, "stack": '  File "/proj/metrics.py", line 12, in push\n'},
+        {"thread": "loader", "daemon": True, "stack": '  File "/proj/data.py", line 3, in prefetch\n'},
+        {
+            "thread": "ddpscope-agent",
+            "daemon": False,
+            "stack": '  File "/x/agent/worker.py", line 1, in run\n',
+        },
+    ]
+    job.add("hang", 1, end + 6, phase="idle", step=4, stalled_s=5.0, pending_buckets=[], inflight=[],
+            stacks=stacks, message="cannot exit", main_cpu_s=0.0)  # fmt: skip
+    snap = job.snapshot()
+    assert job_status(snap, end + 7) == "hung"
+    incidents = diagnose(snap, end + 7)
+    assert kinds(incidents) == ["hang"]  # rank 0 exited after finishing too: no early exit
+    hang = only(incidents, "hang")
+    assert hang.culprit_ranks == [1] and hang.active
+    assert hang.message.startswith(
+        "Rank 1 finished its script but cannot exit: its main thread has waited 6 s in Python's shutdown for "
+        "thread 'pusher' (at /proj/metrics.py:12), which never ended."
+    )
+    assert "daemon=True" in hang.message

@@ -1,0 +1,45 @@
+"""A rank that finished its script but cannot exit: Python waits at shutdown for its non-daemon threads.
+
+The interpreter joins every thread not marked ``daemon`` before it exits (``threading._shutdown``), so one
+that never ends (a metrics pusher, an upload loop, a ThreadPoolExecutor never shut down) keeps a rank alive
+after training, holding its GPU or its node until the scheduler kills it. Its peers may have exited
+cleanly: nobody waits for it, and a stall in a rank's own code nobody waits for is no hang. This one is: the
+rank's work is over and it cannot leave. The main thread's innermost frame says so.
+
+Standard library only: the hang watchdog writes the rank's sentence, the collector (``hang_diagnosis``) reads
+the report's stacks.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+_SHUTDOWN = re.compile(r'File "[^"]*[/\\]threading\.py", line \d+, in _shutdown\n[^\n]*\n?\Z')
+"""The last frame of a formatted main-thread stack waiting in Python's exit for non-daemon threads."""
+
+ADVICE = (
+    "Python joins every thread not marked daemon before the process exits: make such a thread a daemon "
+    "(threading.Thread(..., daemon=True)), or stop and join it before the script ends (a metrics or upload "
+    "loop, a ThreadPoolExecutor never shut down, a queue consumer waiting for a sentinel)"
+)
+
+
+def at_exit(function: str, path: str) -> bool:
+    """Whether a main thread whose innermost Python frame is ``function`` in ``path`` waits in Python's exit
+    for non-daemon threads."""
+    return function == "_shutdown" and path.replace("\\", "/").endswith("/threading.py")
+
+
+def stack_at_exit(stack: str | None) -> bool:
+    """``at_exit`` for a formatted stack (``traceback.format_stack``), innermost frame last."""
+    return bool(stack) and _SHUTDOWN.search(stack or "") is not None
+
+
+def holders_phrase(threads: Sequence[tuple[str, str | None]]) -> str:
+    """``thread 'pusher' (at push.py:12), thread 'x'`` for (name, where) pairs; 'a thread' when none."""
+    if not threads:
+        return "a non-daemon thread"
+    named = [f"thread {name!r}" + (f" (at {where})" if where else "") for name, where in threads[:4]]
+    more = f" and {len(threads) - 4} more" if len(threads) > 4 else ""
+    return ", ".join(named) + more
