@@ -13,7 +13,9 @@ the report's stacks.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 _SHUTDOWN = re.compile(r'File "[^"]*[/\\]threading\.py", line \d+, in _shutdown\n[^\n]*\n?\Z')
 """The last frame of a formatted main-thread stack waiting in Python's exit for non-daemon threads."""
@@ -23,6 +25,29 @@ ADVICE = (
     "(threading.Thread(..., daemon=True)), or stop and join it before the script ends (a metrics or upload "
     "loop, a ThreadPoolExecutor never shut down, a queue consumer waiting for a sentinel)"
 )
+
+
+HANDLER_ADVICE = (
+    "Exit handlers (atexit) run after the script; one that blocks (an upload, a final save to storage that "
+    "does not answer, a join on a thread) keeps the rank alive: give it a timeout, or do that work before the "
+    "script ends"
+)
+
+
+def shutting_down() -> bool:
+    """Whether this process's script has ended and Python is shutting down (joining threads, running
+    atexit handlers): ``threading._shutdown`` sets the flag first thing (CPython 3.9+)."""
+    return bool(getattr(threading, "_SHUTTING_DOWN", False))
+
+
+def exiting(hang: Mapping[str, Any]) -> bool:
+    """Whether a hang report shows its rank stuck on the way out (its ``exiting`` flag, or a main thread
+    seen in Python's wait for non-daemon threads)."""
+    if hang.get("exiting"):
+        return True
+    stacks = hang.get("stacks") or []
+    main = next((s.get("stack") for s in stacks if s.get("thread") == "MainThread"), None)
+    return stack_at_exit(main)
 
 
 def at_exit(function: str, path: str) -> bool:

@@ -394,6 +394,13 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("inflight", OBJECTS, item=INFLIGHT),
         Field("stacks", OBJECTS, item=THREAD_STACK),
         Field("message", STR),
+        Field(
+            "exiting",
+            BOOL,
+            required=False,
+            doc="true when the rank's script had ended and the process was shutting down (joining threads that "
+            "are not daemons, running exit handlers): stuck on the way out",
+        ),
         STOPPED_IN,
         Field(
             "main_cpu_s",

@@ -64,7 +64,7 @@ from typing import Any
 from ddpscope.agent import emit, emit_durable, get_agent
 from ddpscope.agent.clock import now_ns
 from ddpscope.agent.config import MIN_HANG_TIMEOUT_S, hang_timeout_from_env, heartbeat_from_env
-from ddpscope.agent.exit_wait import ADVICE, at_exit, holders_phrase
+from ddpscope.agent.exit_wait import ADVICE, HANDLER_ADVICE, at_exit, holders_phrase, shutting_down
 from ddpscope.agent.log import get_logger
 from ddpscope.agent.torch_waits import torch_wait
 from ddpscope.ddp import errors, setup_wait
@@ -448,9 +448,10 @@ class Watchdog:
             blocked_in = torch_wait(main_frame.f_code.co_filename, main_frame.f_code.co_name)
         cpu_now, cpu_then = self._main_cpu_s(), self._cpu_at_change
         main_cpu_s = None if cpu_now is None or cpu_then is None else max(0.0, cpu_now - cpu_then)
-        if main_frame is not None and at_exit(main_frame.f_code.co_name, main_frame.f_code.co_filename):
+        if shutting_down():
+            message = _exit_wait(stalled_s, main_frame, main_site)
             self._emit_hang(
-                phase, step, stalled_s, pending, inflight, _exit_wait(stalled_s), partial, main_cpu_s
+                phase, step, stalled_s, pending, inflight, message, partial, main_cpu_s, exiting=True
             )
             return
         recent = self._recorder.recent(1)
@@ -479,9 +480,13 @@ class Watchdog:
         message: str,
         partial: dict[str, Any] | None,
         main_cpu_s: float | None,
+        *,
+        exiting: bool = False,
     ) -> None:
+        extra = {"exiting": True} if exiting else {}
         emit(
             {
+                **extra,
                 "kind": "hang",
                 "phase": phase,
                 "step": step,
@@ -500,18 +505,23 @@ class Watchdog:
         logger.info("ddpscope: %s", message)
 
 
-def _exit_wait(stalled_s: float) -> str:
-    """The report of a main thread waiting in Python's exit for threads that are not daemons."""
+def _exit_wait(stalled_s: float, main_frame: FrameType | None, main_site: str | None) -> str:
+    """The report of a rank whose script has ended and whose main thread is stuck on the way out: waiting
+    in Python's exit for threads that are not daemons, or in an exit handler."""
+    head = f"rank {_rank()} finished its script {stalled_s:.1f} s ago but cannot exit"
+    if main_frame is None or not at_exit(main_frame.f_code.co_name, main_frame.f_code.co_filename):
+        where = f" at {main_site}" if main_site else ""
+        return f"{head}: its main thread runs an exit handler that has not returned{where}. {HANDLER_ADVICE}."
     frames = current_frames()
     holders = [
         (t.name, _user_site(frames[t.ident]) if t.ident in frames else None)
         for t in threading.enumerate()
         if not t.daemon and t is not threading.main_thread() and t.is_alive()
     ]
-    held = holders_phrase(holders)
+    have = "has" if len(holders) < 2 else "have"
     return (
-        f"rank {_rank()} finished its script {stalled_s:.1f} s ago but cannot exit: its main thread waits in "
-        f"Python's shutdown for {held}, which {'has' if len(holders) < 2 else 'have'} not ended. {ADVICE}."
+        f"{head}: its main thread waits in Python's shutdown for {holders_phrase(holders)}, which {have} not "
+        f"ended. {ADVICE}."
     )
 
 

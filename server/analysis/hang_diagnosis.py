@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ddpscope.agent.exit_wait import ADVICE as EXIT_ADVICE
-from ddpscope.agent.exit_wait import holders_phrase, stack_at_exit
+from ddpscope.agent.exit_wait import HANDLER_ADVICE, exiting, holders_phrase, stack_at_exit
 from ddpscope.agent.torch_waits import RENDEZVOUS_PLACE, TorchWait
 from ddpscope.server.analysis.collective_diagnosis import CollectiveIndex
 from ddpscope.server.analysis.incident_model import (
@@ -382,20 +382,25 @@ class _HangReading:
 
 
 def _exit_wait(h: Record, active: bool, duration_s: float) -> str | None:
-    """The sentence for a rank whose main thread waits in Python's exit for threads that are not daemons
-    (``agent/exit_wait.py``), else None."""
-    if not stack_at_exit(main_stack(h)):
+    """The sentence for a rank stuck on its way out (``agent/exit_wait.py``): its main thread waits in
+    Python's exit for threads that are not daemons, or runs an exit handler that does not return; else None."""
+    if not exiting(h):
         return None
+    head = f"Rank {h['rank']} finished its script but {'cannot' if active else 'could not'} exit: its main thread "
+    if not stack_at_exit(main_stack(h)):
+        where = f" at {main_site(h)}" if main_site(h) else ""
+        return (
+            f"{head}{'has run' if active else 'ran'} an exit handler for {duration_s:.0f} s that never returned"
+            f"{where}. {HANDLER_ADVICE}"
+        )
     holders = [
         (str(s.get("thread")), user_frame(s.get("stack")))
         for s in h.get("stacks") or []
         if s.get("daemon") is False and not str(s.get("thread")).startswith(_OWN_THREADS)
     ]
-    waits = "has waited" if active else "waited"
     return (
-        f"Rank {h['rank']} finished its script but {'cannot' if active else 'could not'} exit: its main thread "
-        f"{waits} {duration_s:.0f} s in Python's shutdown for {holders_phrase(holders)}, which never ended. "
-        f"{EXIT_ADVICE[:1].upper()}{EXIT_ADVICE[1:]}"
+        f"{head}{'has waited' if active else 'waited'} {duration_s:.0f} s in Python's shutdown for "
+        f"{holders_phrase(holders)}, which never ended. {EXIT_ADVICE}"
     )
 
 

@@ -64,7 +64,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ddpscope.agent.exit_wait import stack_at_exit
+from ddpscope.agent.exit_wait import exiting
 from ddpscope.agent.records import UNSYNCED_GRADIENTS
 from ddpscope.agent.torch_waits import RENDEZVOUS_PLACE
 from ddpscope.server.analysis.collective_diagnosis import (
@@ -94,7 +94,7 @@ from ddpscope.server.analysis.incident_model import (
 )
 from ddpscope.server.analysis.mismatch_causes import SAME_LINE, SIZE_ABORT
 from ddpscope.server.analysis.model_order import model_incidents
-from ddpscope.server.analysis.native_wait import main_stack, native_wait
+from ddpscope.server.analysis.native_wait import native_wait
 from ddpscope.server.analysis.nonfinite import nonfinite_incidents
 from ddpscope.server.analysis.rank_settings import settings_incidents
 from ddpscope.server.analysis.replica_divergence import replica_incidents
@@ -591,7 +591,7 @@ def _stranded(
     if other_exit is not None and other_exit.get("reason") != "error":
         return False
     hang = live.active_hangs.get(o)
-    if hang is not None and stack_at_exit(main_stack(hang)):
+    if hang is not None and exiting(hang):
         return False  # it finished too, and waits in Python's exit for a thread of its own
     fatal = live.fatal.get(o)
     # A peer's lost connection after the exit; its own bug would be a primary error.

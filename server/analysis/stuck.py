@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ddpscope.agent.exit_wait import stack_at_exit
+from ddpscope.agent.exit_wait import exiting
 from ddpscope.server.analysis.incident_model import Record, phase_words, record_s, user_frame
 from ddpscope.server.analysis.native_wait import main_blocked, main_stack, native_wait
 from ddpscope.server.analysis.snapshot import JobSnapshot
@@ -105,7 +105,7 @@ def waiters(snapshot: JobSnapshot, hang: Record, waits: Sequence[Span] | None = 
 def is_hang(snapshot: JobSnapshot, hang: Record, waits: Sequence[Span] | None = None) -> bool:
     """A wait in a collective (recorded or not) always is; a stall in the rank's own code only while a
     peer waits for it. ``waits``: ``wait_spans(snapshot)``."""
-    if not in_own_code(hang) or stack_at_exit(main_stack(hang)):
+    if not in_own_code(hang) or exiting(hang):
         return True  # a rank that cannot exit is hung whether or not anyone waits for it
     return bool(waiters(snapshot, hang, waits))
 

@@ -852,3 +852,25 @@ def test_a_rank_that_cannot_exit_for_a_non_daemon_thread_is_a_hang_though_no_pee
         "thread 'pusher' (at /proj/metrics.py:12), which never ended."
     )
     assert "daemon=True" in hang.message
+
+
+def test_a_rank_whose_exit_handler_never_returns_is_a_hang_with_the_handlers_line() -> None:
+    job = started(2)
+    end = job.train(5)
+    job.exit(0, end + 0.5, step=4)
+    stacks = [
+        {
+            "thread": "MainThread",
+            "stack": '  File "/proj/train.py", line 30, in upload_final\n    time.sleep(3600)\n',
+        }
+    ]
+    job.add("hang", 1, end + 6, phase="idle", step=4, stalled_s=5.0, pending_buckets=[], inflight=[],
+            stacks=stacks, message="cannot exit", main_cpu_s=0.0, exiting=True)  # fmt: skip
+    incidents = diagnose(job.snapshot(), end + 7)
+    hang = only(incidents, "hang")
+    assert kinds(incidents) == ["hang"] and hang.culprit_ranks == [1]
+    assert (
+        "its main thread has run an exit handler for 6 s that never returned at /proj/train.py:30"
+        in hang.message
+    )
+    assert "give it a timeout, or do that work before the script ends" in hang.message
