@@ -318,6 +318,7 @@ class _HangReading:
                     if rank in blame and not blame[rank].endswith(FROM_HANG_REPORT)
                     else ""
                 )
+                + _routine(self.snapshot, h, site)
             )
         elif rank in blame:
             culprits = [rank]
@@ -379,6 +380,34 @@ class _HangReading:
             time_s=hang_start_s(h),
             active=state not in ("resolved", "exited"),
         )
+
+
+def _routine(snapshot: JobSnapshot, h: Record, site: str | None) -> str:
+    """The note for a stall in a rank's own code at a line where the same rank stalled before and went on
+    each time (an evaluation or a checkpoint on one rank while the others wait, every epoch): a routine
+    phase longer than the hang timeout, not a hang. '' the first time."""
+    if site is None:
+        return ""
+    before = []
+    for x in snapshot.hangs:
+        if x is h or x["rank"] != h["rank"] or record_s(x) >= record_s(h) or main_site(x) != site:
+            continue
+        start, end = span_s(snapshot, x)
+        if end != float("inf"):
+            before.append(end - start)
+    if not before:
+        return ""
+    went_on = (
+        f"once before and went on after {before[0]:.0f} s"
+        if len(before) == 1
+        else f"{len(before)} times before and went on each time (after {max(before):.0f} s at most)"
+    )
+    return (
+        f"; it stalled at this line {went_on}: "
+        "a routine phase of this rank alone that outlasts DDPSCOPE_HANG_TIMEOUT while its peers wait (an "
+        "evaluation or a checkpoint on one rank, then a collective), rather than a hang. Set "
+        "DDPSCOPE_HANG_TIMEOUT above its length, or spread that work over every rank"
+    )
 
 
 def _exit_wait(h: Record, active: bool, duration_s: float) -> str | None:

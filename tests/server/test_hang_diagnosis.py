@@ -874,3 +874,23 @@ def test_a_rank_whose_exit_handler_never_returns_is_a_hang_with_the_handlers_lin
         in hang.message
     )
     assert "give it a timeout, or do that work before the script ends" in hang.message
+
+
+def test_a_stall_at_a_line_where_the_rank_stalled_and_went_on_before_is_named_a_routine_phase() -> None:
+    # Rank 0 evaluates alone each epoch for 7 s while rank 1 waits in a barrier; the timeout is 5 s.
+    job = started(2)
+    end = job.train(3)
+    for epoch, t in enumerate((end + 5, end + 30)):
+        waiting_in(job, 1, t, 7 + epoch, step=2 + epoch)
+        stuck_hang(job, 0, t, step=2 + epoch, phase="idle", cpu_s=4.5)
+        if epoch == 0:
+            for r in (0, 1):
+                job.add("hang_resolved", r, t + 2, step=2, hang_s=7.0)
+    hangs = [i for i in diagnose(job.snapshot(), end + 31) if i.kind == "hang" and i.rank == 0]
+    first, second = sorted(hangs, key=lambda i: i.time_s or 0)
+    assert "routine phase" not in first.message
+    assert (
+        "it stalled at this line once before and went on after 7 s: a routine phase of this rank alone"
+        in (second.message)
+    )
+    assert "Set DDPSCOPE_HANG_TIMEOUT above its length" in second.message and second.culprit_ranks == [0]
