@@ -104,11 +104,15 @@ class Client:
     def job_path(self, job: str, what: str = "") -> str:
         return f"/api/v1/jobs/{urllib.parse.quote(job, safe='')}" + (f"/{what}" if what else "")
 
-    def items(self, path: str, **params: Any) -> list[dict[str, Any]]:
+    def page(self, path: str, **params: Any) -> dict[str, Any]:
+        """A list endpoint's whole answer: ``items`` and what the collector says beside them (``advice``)."""
         data = self.get(path, **params)
         if not isinstance(data, dict):
             raise self._not_a_collector(path, "JSON without an item list")
-        return list(data.get("items", []))
+        return data
+
+    def items(self, path: str, **params: Any) -> list[dict[str, Any]]:
+        return list(self.page(path, **params).get("items", []))
 
 
 def _snippet(body: str) -> str:

@@ -217,7 +217,8 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
     ]
     incidents = client.items(client.job_path(job, "incidents"))
     stragglers = client.items(client.job_path(job, "stragglers"))
-    unused = client.items(client.job_path(job, "unused-parameters"))
+    unused_page = client.page(client.job_path(job, "unused-parameters"))
+    unused = list(unused_page.get("items") or [])
     buckets = client.items(client.job_path(job, "buckets"))
     steps = client.items(client.job_path(job, "steps"), limit=2000)
 
@@ -277,6 +278,8 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
         )
     if not unused:
         out.append("none")
+    if unused_page.get("advice"):  # find_unused_parameters set to no purpose, or needed and unset
+        out.append(safe(unused_page["advice"]))
 
     disordered = [b for b in buckets if b.get("out_of_order")]
     out += ["", f"== Buckets ({len(buckets)})"]

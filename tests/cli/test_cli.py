@@ -48,6 +48,7 @@ def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         )
         _post(proc.url, _restarted_job("cli-restarted"))
         _post(proc.url, _died_mid_step("cli-died"))
+        _post(proc.url, synth_job(2, steps=12, buckets=3, job="cli-needless", find_unused=True))
         yield proc.url
 
 
@@ -110,6 +111,7 @@ def test_jobs_lists_every_job_with_its_status(collector: str) -> None:
         "cli-crowded": "finished",
         "cli-restarted": "finished",
         "cli-died": "failed",
+        "cli-needless": "finished",
     }
 
 
@@ -194,3 +196,11 @@ def test_an_unreachable_collector_exits_three_with_what_to_do() -> None:
 def test_a_usage_error_exits_two() -> None:
     assert ddpscope("report").returncode == 2
     assert ddpscope("frobnicate").returncode == 2
+
+
+def test_report_says_find_unused_parameters_is_set_for_nothing(collector: str) -> None:
+    out = ddpscope("report", "cli-needless", "--url", collector)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "find_unused_parameters=True but no parameter was ever unused" in out.stdout
+    healthy = ddpscope("report", "cli-healthy", "--url", collector)
+    assert "find_unused_parameters" not in healthy.stdout
