@@ -216,7 +216,9 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
         "",
     ]
     incidents = client.items(client.job_path(job, "incidents"))
-    stragglers = client.items(client.job_path(job, "stragglers"))
+    straggler_page = client.page(client.job_path(job, "stragglers"))
+    stragglers = list(straggler_page.get("items") or [])
+    stalls = list(straggler_page.get("stalls") or [])
     unused_page = client.page(client.job_path(job, "unused-parameters"))
     unused = list(unused_page.get("items") or [])
     buckets = client.items(client.job_path(job, "buckets"))
@@ -264,6 +266,8 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
             out.append(f"  but {safe(s['contention'])}")
     if not flagged:
         out.append("none: no rank is consistently slower than the others")
+    for st in stalls:
+        out.append(f"- now and then: {safe(st['message'])}")
 
     out += ["", "== Overlap of communication with backward"]
     sizes = [int(b["bytes"]) for b in buckets if isinstance(b.get("bytes"), int)]
@@ -293,7 +297,7 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
             out.append(safe(worst["advice"]))
     elif buckets:
         out.append("all buckets became ready in index order: no order penalty")
-    problems = len(active) + len(flagged)
+    problems = len(active) + len(flagged) + len(stalls)
     return "\n".join(out) + "\n", problems
 
 

@@ -76,7 +76,7 @@ class Straggler:
 PHASES = ("forward", "backward", "between_steps")
 
 
-def _phases(r: StepRow | StepTiming, previous_end_ns: int | None) -> tuple[float, ...]:
+def step_phases(r: StepRow | StepTiming, previous_end_ns: int | None) -> tuple[float, ...]:
     """(busy, compute, forward, backward, between steps, wait) of one rank's step, in seconds, each
     less the time blocked in other collectives within it."""
     ready = last_ready_ns(r)
@@ -120,7 +120,7 @@ def stragglers(
     by_step: dict[int, dict[int, tuple[float, ...]]] = defaultdict(dict)
     for (rank, step), r in by_rank_step.items():
         previous = by_rank_step.get((rank, step - 1))
-        by_step[step][rank] = _phases(r, None if previous is None else previous.backward_end_ns)
+        by_step[step][rank] = step_phases(r, None if previous is None else previous.backward_end_ns)
     recent = sorted(s for s, ranks in by_step.items() if len(ranks) >= 2 and s >= WARMUP_STEPS)[-window:]
     # Per rank and step: (slowdown, forward, backward, between ratios, then their excess seconds).
     ratios: dict[int, list[tuple[float, ...]]] = defaultdict(list)

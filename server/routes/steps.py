@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Response
@@ -10,6 +11,8 @@ from fastapi.concurrency import run_in_threadpool
 
 from ddpscope.server.analysis.buckets import bucket_stats
 from ddpscope.server.analysis.host_load import with_contention
+from ddpscope.server.analysis.stalls import WINDOW_STEPS as STALL_WINDOW_STEPS
+from ddpscope.server.analysis.stalls import intermittent_stalls
 from ddpscope.server.analysis.steps import page_metrics, page_timings
 from ddpscope.server.analysis.stops import Stop, newest_partial_step, stops
 from ddpscope.server.analysis.stragglers import THRESHOLD, WINDOW_STEPS, stragglers
@@ -132,11 +135,17 @@ async def buckets(
 
 
 def _stragglers(storage: Storage, job: str, job_id: int, threshold: float, window: int) -> Response:
-    page = storage.recent_step_page(job_id, window + 1)  # each step's predecessor: between-steps time
-    found = stragglers(page_timings(page), threshold=threshold, window=window)
+    # Stalls now and then need a longer look than stragglers (a stall every 10th batch, 3 at least).
+    page = storage.recent_step_page(job_id, max(window, STALL_WINDOW_STEPS) + 1)  # each step's predecessor
+    timings = page_timings(page)
+    found = stragglers(timings, threshold=threshold, window=window)
     if any(s.flagged for s in found):
         found = with_contention(found, latest_by_rank(storage.fetch_records(job, ["rank_start"])).values())
-    return items(found, threshold=threshold, window=window)
+    stalls = [
+        {**asdict(s), "message": s.sentence()}
+        for s in intermittent_stalls(timings, window=STALL_WINDOW_STEPS)
+    ]
+    return items(found, threshold=threshold, window=window, stalls=stalls)
 
 
 @router.get("/stragglers")
@@ -148,7 +157,8 @@ async def get_stragglers(
     window: Annotated[int, Query(ge=3, le=1000)] = WINDOW_STEPS,
 ) -> Response:
     """Every rank: ``slowdown`` (compute over the median of the others), ``steps_flagged``, ``flagged``, ``phase``,
-    and ``contention`` when a flagged rank's host has more compute threads than cores."""
+    and ``contention`` when a flagged rank's host has more compute threads than cores. Beside the items,
+    ``stalls``: ranks that hold the others up now and then (``analysis/stalls.py``), with a ``message``."""
     return await run_in_threadpool(_stragglers, storage, job, job_id, threshold, window)
 
 

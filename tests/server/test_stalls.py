@@ -1,0 +1,68 @@
+"""Stalls now and then: a rank that holds the others up in a few steps, not in most (synthetic steps)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from ddpscope.server.analysis.stalls import intermittent_stalls
+from ddpscope.server.analysis.stragglers import stragglers
+from ddpscope.server.rows import StepRow
+
+MS = 1_000_000
+
+
+def _steps(
+    world: int = 4, steps: int = 60, extra_ms: Callable[[int, int], int] = lambda rank, step: 0, seed: int = 5
+) -> list[StepRow]:
+    """Lock-step steps of ~40 ms; ``extra_ms(rank, step)`` delays that rank's forward (host work before it):
+    the others then wait in the all-reduce, as they do in a real job."""
+    rng = random.Random(seed)
+    rows, end = [], 0
+    for step in range(steps):
+        starts = {r: end + rng.randint(2, 4) + extra_ms(r, step) for r in range(world)}
+        last_ready = max(starts.values()) + 30
+        comm_end = last_ready + 8
+        for r, fs in starts.items():
+            ready = [(fs + 20) * MS, (fs + 30) * MS]
+            ends = [(max(fs + 20, last_ready - 10) + 8) * MS, comm_end * MS]
+            rows.append(
+                StepRow(
+                    r, step, True, fs * MS, (fs + 10) * MS, (fs + 10) * MS, (comm_end + 1) * MS,
+                    ready, list(ready), ends, [100, 100], [0, 1], [0, 1],
+                )
+            )  # fmt: skip
+        end = comm_end + 1
+    return rows
+
+
+def test_a_rank_whose_data_read_stalls_every_tenth_batch_is_named_with_the_interval_and_the_phase() -> None:
+    rows = _steps(extra_ms=lambda rank, step: 300 if rank == 1 and step % 10 == 5 else 0)
+    assert [s.rank for s in stragglers(rows) if s.flagged] == []  # its median step is everyone's
+    (stall,) = intermittent_stalls(rows)
+    assert (stall.rank, stall.every, stall.stalls, stall.phase) == (1, 10, 6, "between_steps")
+    assert 0.29 < stall.median_excess_s < 0.31 and stall.share > 0.3
+    assert stall.sentence().startswith("rank 1 stalls every 10 steps (6 times, 30")
+    assert "ms longer than the others each time, typically), between steps" in stall.sentence()
+
+
+def test_stalls_at_no_fixed_interval_are_counted_instead() -> None:
+    late = {7, 19, 23, 41, 50}
+    (stall,) = intermittent_stalls(
+        _steps(extra_ms=lambda rank, step: 200 if rank == 2 and step in late else 0)
+    )
+    assert stall.every is None and "in 5 of 58 steps" in stall.sentence()
+
+
+def test_a_loaded_host_where_every_rank_loses_the_cpu_now_and_then_names_nobody() -> None:
+    rng = random.Random(11)
+    hiccups = {(rng.randrange(4), rng.randrange(2, 60)) for _ in range(16)}
+    rows = _steps(extra_ms=lambda rank, step: 80 if (rank, step) in hiccups else 0)
+    assert intermittent_stalls(rows) == []
+
+
+def test_short_or_rare_stalls_and_a_steady_straggler_are_not_stalls() -> None:
+    assert intermittent_stalls(_steps(extra_ms=lambda r, s: 30 if r == 1 and s % 10 == 5 else 0)) == []
+    assert intermittent_stalls(_steps(extra_ms=lambda r, s: 300 if r == 1 and s in (10, 40) else 0)) == []
+    steady = _steps(extra_ms=lambda r, s: 50 if r == 3 else 0)
+    assert [s.rank for s in stragglers(steady) if s.flagged] == [3] and intermittent_stalls(steady) == []
