@@ -57,6 +57,8 @@ def _fmt_bytes(n: float) -> str:
 
 
 SMALL_BUCKET_BYTES = 1 << 20
+MANY_BUCKETS = 8
+"""This many buckets of a quarter of SMALL_BUCKET_BYTES or less: a bucket cap set too small."""
 """Below this median bucket size, splitting buckets further adds per-call cost rather than overlap."""
 
 
@@ -104,6 +106,16 @@ def _overlap_section(
                 f"straggler rank{'s' if len(stragglers) > 1 else ''} {slow} (see Stragglers): make "
                 f"{'them' if len(stragglers) > 1 else 'it'} as fast as the others first; smaller buckets "
                 "would not shorten that wait"
+            )
+        elif (
+            len(bucket_bytes) >= MANY_BUCKETS
+            and (median_bytes := statistics.median(bucket_bytes)) < SMALL_BUCKET_BYTES / 4
+        ):
+            verdict = (
+                f"most all-reduce time is exposed after backward, spread over {len(bucket_bytes)} small buckets "
+                f"(median {_fmt_bytes(median_bytes)}): each all-reduce pays a fixed cost whatever its size, so "
+                "fewer, larger buckets (a larger bucket_cap_mb; torch's default is 25) cut the communication "
+                "time, and more work per rank and step hides the rest"
             )
         elif bucket_bytes and (median_bytes := statistics.median(bucket_bytes)) < SMALL_BUCKET_BYTES:
             verdict = (

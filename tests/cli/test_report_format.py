@@ -71,8 +71,11 @@ def test_exposed_communication_with_buckets_already_small_does_not_advise_smalle
     step = {"rank": 0, "synced": True, "step_s": 0.010, "comm_s": 0.006, "exposed_comm_s": 0.005}
     verdict = _overlap_section([{**step, "overlap_ratio": 0.1}], [], [80] * 3000)[-1]
     assert "exposed comm 5.0 ms (50% of forward + backward)" in verdict, verdict
-    assert "the 3000 buckets are already small (median 80 B)" in verdict, verdict
+    assert "spread over 3000 small buckets (median 80 B)" in verdict, verdict
+    assert "fewer, larger buckets (a larger bucket_cap_mb" in verdict, verdict  # a cap set far too small
     assert "consider smaller buckets" not in verdict
+    few = _overlap_section([{**step, "overlap_ratio": 0.1}], [], [80] * 2)[-1]
+    assert "the 2 buckets are already small (median 80 B)" in few and "larger" not in few
     big = _overlap_section([{**step, "overlap_ratio": 0.1}], [], [25 << 20])[-1]
     assert "consider smaller buckets" in big
 
