@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ddpscope.server.analysis.steps import StepTiming
-from ddpscope.server.analysis.stragglers import PHASES, WARMUP_STEPS, median_without, step_phases
+from ddpscope.server.analysis.stragglers import PHASES, median_without, phases_by_step
 from ddpscope.server.rows import StepRow
 
 WINDOW_STEPS = 200
@@ -76,12 +76,7 @@ class Stall:
 
 def intermittent_stalls(rows: Sequence[StepRow | StepTiming], *, window: int = WINDOW_STEPS) -> list[Stall]:
     """The ranks that stall now and then (see the module doc), most costly first."""
-    by_rank_step = {(r.rank, r.step): r for r in rows}
-    by_step: dict[int, dict[int, tuple[float, ...]]] = defaultdict(dict)
-    for (rank, step), r in by_rank_step.items():
-        previous = by_rank_step.get((rank, step - 1))
-        by_step[step][rank] = step_phases(r, None if previous is None else previous.backward_end_ns)
-    recent = sorted(s for s, ranks in by_step.items() if len(ranks) >= 2 and s >= WARMUP_STEPS)[-window:]
+    by_step, recent = phases_by_step(rows, window)
     own: dict[int, list[float]] = defaultdict(list)
     for step in recent:
         for rank, values in by_step[step].items():

@@ -108,6 +108,20 @@ def _ratio(x: float, ref: float) -> float:
     return x / ref if ref > 0 else 1.0
 
 
+def phases_by_step(
+    rows: Sequence[StepRow | StepTiming], window: int
+) -> tuple[dict[int, dict[int, tuple[float, ...]]], list[int]]:
+    """``(step -> rank -> step_phases, the last `window` steps)``: the steps compared, those after the
+    warm-up that at least two ranks recorded, each rank's phases measured from its previous step's end."""
+    by_rank_step = {(r.rank, r.step): r for r in rows}
+    by_step: dict[int, dict[int, tuple[float, ...]]] = defaultdict(dict)
+    for (rank, step), r in by_rank_step.items():
+        previous = by_rank_step.get((rank, step - 1))
+        by_step[step][rank] = step_phases(r, None if previous is None else previous.backward_end_ns)
+    recent = sorted(s for s, ranks in by_step.items() if len(ranks) >= 2 and s >= WARMUP_STEPS)[-window:]
+    return by_step, recent
+
+
 def stragglers(
     rows: Sequence[StepRow | StepTiming],
     *,
@@ -116,12 +130,7 @@ def stragglers(
     min_excess_s: float = MIN_EXCESS_S,
 ) -> list[Straggler]:
     """One item per rank seen in the last ``window`` steps, most slowed down first."""
-    by_rank_step = {(r.rank, r.step): r for r in rows}
-    by_step: dict[int, dict[int, tuple[float, ...]]] = defaultdict(dict)
-    for (rank, step), r in by_rank_step.items():
-        previous = by_rank_step.get((rank, step - 1))
-        by_step[step][rank] = step_phases(r, None if previous is None else previous.backward_end_ns)
-    recent = sorted(s for s, ranks in by_step.items() if len(ranks) >= 2 and s >= WARMUP_STEPS)[-window:]
+    by_step, recent = phases_by_step(rows, window)
     # Per rank and step: (slowdown, forward, backward, between ratios, then their excess seconds).
     ratios: dict[int, list[tuple[float, ...]]] = defaultdict(list)
     flagged_steps: dict[int, int] = defaultdict(int)
