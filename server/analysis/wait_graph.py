@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ddpscope.server.analysis.collective_diagnosis import CollectiveIndex
 from ddpscope.server.analysis.incident_model import (
+    NEW_GROUP,
     Incident,
     Record,
     capitalized,
@@ -188,6 +189,19 @@ class WaitGraph:
         return sorted(out)
 
 
+def _created_out_of_order(graph: WaitGraph) -> int | None:
+    """The default group's sequence number of a mismatch between ``new_group`` calls (the ranks created
+    their groups in different orders), if any."""
+    for pg, seq in sorted(graph.mismatched):
+        if pg == "default" and any(
+            c.get("op") == NEW_GROUP
+            for c in (q.get(seq) for q in graph.colls.by_pg.get(pg, {}).values())
+            if c
+        ):
+            return seq
+    return None
+
+
 def deadlock_incidents(graph: WaitGraph, blame: dict[int, str]) -> list[Incident]:
     """One ``mismatch`` per deadlock: the ranks issue collectives on groups they share in a different
     order (the design's mismatch of process groups), so each waits for another forever."""
@@ -214,10 +228,18 @@ def deadlock_incidents(graph: WaitGraph, blame: dict[int, str]) -> list[Incident
                     f"order: a collective only rank {c} makes (a rank-dependent branch), or one {its} peers "
                     f"would make only after the collective {it} {'is' if len(peers) == 1 else 'are'} blocked in"
                 )
+        elif (created := _created_out_of_order(graph)) is not None:
+            groups = sorted({w.record["pg"] for w in waits})
+            msg += (
+                f". The ranks created their groups in different orders (see the mismatch at collective #{created} "
+                f"of group default): torch pairs groups by the order of the new_group calls, so {', '.join(groups)} "
+                "name different groups on different ranks. Create the groups in the same order on every rank."
+            )
         else:
             groups = sorted({w.record["pg"] for w in waits})
             msg += f". The ranks issue collectives on groups {', '.join(groups)} in a different order"
-        msg += ". Issue the collectives of groups that share ranks in the same order on every rank."
+        if not msg.endswith("."):
+            msg += ". Issue the collectives of groups that share ranks in the same order on every rank."
         first = graph.waits[culprits[0]]
         for c in culprits:
             w = graph.waits[c]

@@ -365,3 +365,23 @@ def test_a_later_async_all_reduce_behind_a_mismatched_collective_is_not_a_deadlo
     assert m.culprit_ranks == [2] and m.seq == 7 and "The ops differ:" in m.message, m.message
     assert "missing_collective" not in kinds(incidents), [i.message for i in incidents]
     assert all(i.culprit_ranks == [2] for i in incidents if i.kind == "hang")
+
+
+def test_a_deadlock_between_groups_created_in_different_orders_names_the_creation_order() -> None:
+    # Rank 0 made a (line 8) then b (line 10), rank 1 b then a: torch pairs rank 0's a with rank 1's b.
+    job = started(2)
+    end = job.train(2)  # default seqs 1..4
+    for r, sites in ((0, ("sg.py:8", "sg.py:10")), (1, ("sg.py:10", "sg.py:8"))):
+        for seq, site in zip((5, 6), sites, strict=True):
+            job.coll(r, end, seq, op="new_group", reduce_op=None, shapes=[[0, 1]], dtypes=[], site=site)
+    group_all_reduce(job, 0, end + 0.1, 1, pg="pg:1", members=[0, 1], site="sg.py:17", done=False)
+    group_all_reduce(job, 1, end + 0.1, 1, pg="pg:2", members=[0, 1], site="sg.py:17", done=False)
+    job.hang(0, end + 5, step=2, phase="idle", inflight=[inflight(1, end + 0.1, "sg.py:17", pg="pg:1")])
+    job.hang(1, end + 5, step=2, phase="idle", inflight=[inflight(1, end + 0.1, "sg.py:17", pg="pg:2")])
+    incidents = diagnose(job.snapshot(), end + 6)
+    deadlock = next(i for i in incidents if i.kind == "mismatch" and i.message.startswith("Deadlock"))
+    assert "The ranks created their groups in different orders (see the mismatch at collective #5" in (
+        deadlock.message
+    )
+    assert "Create the groups in the same order on every rank." in deadlock.message
+    assert "Issue the collectives of groups" not in deadlock.message
