@@ -281,10 +281,20 @@ def _silent_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int, st
             blame.setdefault(r, "went silent")
     if live.lost:
         quiet_s = live.now_s - max(live.last_alive_s.values(), default=live.now_s)
-        msg = (
-            f"No rank has reported for {quiet_s:.0f} s and not every rank exited cleanly: the job was killed, "
-            "stopped, or lost its connection to the collector; check the scheduler and the ranks' logs"
-        )
+        never = [r for r in live.ranks if r not in live.last_alive_s]
+        if never and all(r in live.exits for r in live.last_alive_s):
+            # Every rank heard of has exited: the job is over, and the ranks left are ones never heard of.
+            msg = (
+                f"Every rank heard of has exited, and {ranks_phrase(never)} of the job's {len(live.ranks)} never "
+                "reported: never started (a launch that failed on its node), ran without ddpscope, or the world "
+                "size counts ranks that were never launched (a WORLD_SIZE larger than the ranks started; see "
+                "any settings_differ incident)"
+            )
+        else:
+            msg = (
+                f"No rank has reported for {quiet_s:.0f} s and not every rank exited cleanly: the job was killed, "
+                "stopped, or lost its connection to the collector; check the scheduler and the ranks' logs"
+            )
         if live.hangs_at_death:
             msg += (
                 f". {capitalized(ranks_phrase(live.hangs_at_death))} hung until then (see the hang incidents)"

@@ -1247,3 +1247,15 @@ def test_torch_s_static_graph_changed_error_names_the_promise_broken_and_both_wa
         in (err.message)
     )
     assert "pass find_unused_parameters=True" in err.message
+
+
+def test_a_job_whose_heard_ranks_all_exited_names_the_ranks_never_heard_of_not_a_silence_of_0_s() -> None:
+    # Launched with a WORLD_SIZE one too large: ranks 0 and 1 ran (then were stopped), rank 2 never existed.
+    job = JobRecords(3)
+    for r in (0, 1):
+        job.start(r)
+    for r in (0, 1):
+        job.exit(r, T0 + 20, reason="sigterm", step=0)
+    silent = only(diagnose(job.snapshot(), T0 + 20.5), "job_silent")
+    assert silent.message.startswith("Every rank heard of has exited, and rank 2 of the job's 3 never reported")
+    assert "WORLD_SIZE larger than the ranks started" in silent.message
