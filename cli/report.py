@@ -228,9 +228,8 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
         "",
     ]
     incidents = client.items(client.job_path(job, "incidents"))
-    straggler_page = client.page(client.job_path(job, "stragglers"))
-    stragglers = list(straggler_page.get("items") or [])
-    stalls = list(straggler_page.get("stalls") or [])
+    stragglers = client.items(client.job_path(job, "stragglers"))
+    stalls = client.items(client.job_path(job, "stalls"))
     unused_page = client.page(client.job_path(job, "unused-parameters"))
     unused = list(unused_page.get("items") or [])
     buckets = client.items(client.job_path(job, "buckets"))

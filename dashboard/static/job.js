@@ -142,12 +142,14 @@
     a.setAttribute("download", `${job}-steps-${start || 0}-${end || "end"}.trace.json`);
   }
 
-  function drawStragglers(items, threshold) {
+  function drawStragglers(items, threshold, stalls) {
     show("stragglers", items.length > 0);
     if (!items.length) {
       ddp.say("stragglers-msg", "No straggler scores yet: they need a few steps from every rank.");
       return;
     }
+    // Ranks that hold the others up now and then (the collector's sentences), after the stragglers.
+    const now = (stalls || []).map((s) => ` Now and then: ${s.message}.`).join("");
     // Scores by phase: the overall slowdown and, when the API splits it, forward, backward and the time
     // between steps (optimizer, data loading: a rank that starts its forward late).
     items = [...items].sort((a, b) => a.rank - b.rank);
@@ -173,10 +175,10 @@
     const flagged = items.filter((i) => (i.flagged ?? (i.steps_flagged ?? 0) > 0));
     // A crowded host's note (more compute threads than cores) is said once, after the ranks it concerns.
     const notes = [...new Set(flagged.map((i) => i.contention).filter(Boolean))];
-    ddp.say("stragglers-msg", flagged.length
+    ddp.say("stragglers-msg", (flagged.length
       ? "Flagged: " + flagged.map((i) => `rank ${i.rank} (${(i.slowdown ?? 0).toFixed(2)}× slower${i.phase ? " in " + i.phase.replace("_", " ") : ""}, ${i.steps_flagged ?? "?"} steps)`).join(", ")
         + notes.map((n) => `. But ${n}.`).join("")
-      : "No rank is flagged as a straggler.");
+      : "No rank is flagged as a straggler.") + now);
     return drawn;
   }
 
@@ -238,19 +240,20 @@
   const settled = (p) => p.then((v) => ({ ok: true, v }), (e) => ({ ok: false, e }));
 
   async function refresh() {
-    const [info, steps, strag, incid, unused, buckets] = await Promise.all([
+    const [info, steps, strag, incid, unused, buckets, stalls] = await Promise.all([
       settled(ddp.api(ddp.jobPath(job))),
       settled(fetchSteps()),
       settled(ddp.api(ddp.jobPath(job, "/stragglers"))),
       settled(ddp.api(ddp.jobPath(job, "/incidents"))),
       settled(ddp.api(ddp.jobPath(job, "/unused-parameters"))),
       settled(ddp.api(ddp.jobPath(job, "/buckets"))),
+      settled(ddp.api(ddp.jobPath(job, "/stalls"))),
     ]);
     if (info.ok) world = info.v;
     const badge = document.getElementById("job-status");
     badge.textContent = world ? world.status : "";
     badge.className = "badge " + (world ? world.status : "");
-    const errors = [info, steps, strag, incid, unused, buckets].filter((r) => !r.ok).map((r) => r.e.message);
+    const errors = [info, steps, strag, incid, unused, buckets, stalls].filter((r) => !r.ok).map((r) => r.e.message);
     const w = windowed();
     show("heatmap", rows.size > 0);
     show("overlap", rows.size > 0);
@@ -258,7 +261,7 @@
     const drawing = [];
     if (rows.size) drawing.push(drawHeatmap(w), drawOverlap(w));
     drawSummary(w, incid.ok ? incid.v.items || [] : []);
-    if (strag.ok) drawing.push(drawStragglers(strag.v.items || [], strag.v.threshold));
+    if (strag.ok) drawing.push(drawStragglers(strag.v.items || [], strag.v.threshold, stalls.ok ? stalls.v.items : []));
     if (incid.ok) drawIncidents(incid.v.items || []);
     if (unused.ok) drawUnused(unused.v.items || [], unused.v.advice);
     if (buckets.ok) drawing.push(drawBuckets(buckets.v.items || []));

@@ -135,17 +135,11 @@ async def buckets(
 
 
 def _stragglers(storage: Storage, job: str, job_id: int, threshold: float, window: int) -> Response:
-    # Stalls now and then need a longer look than stragglers (a stall every 10th batch, 3 at least).
-    page = storage.recent_step_page(job_id, max(window, STALL_WINDOW_STEPS) + 1)  # each step's predecessor
-    timings = page_timings(page)
-    found = stragglers(timings, threshold=threshold, window=window)
+    page = storage.recent_step_page(job_id, window + 1)  # each step's predecessor: between-steps time
+    found = stragglers(page_timings(page), threshold=threshold, window=window)
     if any(s.flagged for s in found):
         found = with_contention(found, latest_by_rank(storage.fetch_records(job, ["rank_start"])).values())
-    stalls = [
-        {**asdict(s), "message": s.sentence()}
-        for s in intermittent_stalls(timings, window=STALL_WINDOW_STEPS)
-    ]
-    return items(found, threshold=threshold, window=window, stalls=stalls)
+    return items(found, threshold=threshold, window=window)
 
 
 @router.get("/stragglers")
@@ -157,9 +151,26 @@ async def get_stragglers(
     window: Annotated[int, Query(ge=3, le=1000)] = WINDOW_STEPS,
 ) -> Response:
     """Every rank: ``slowdown`` (compute over the median of the others), ``steps_flagged``, ``flagged``, ``phase``,
-    and ``contention`` when a flagged rank's host has more compute threads than cores. Beside the items,
-    ``stalls``: ranks that hold the others up now and then (``analysis/stalls.py``), with a ``message``."""
+    and ``contention`` when a flagged rank's host has more compute threads than cores."""
     return await run_in_threadpool(_stragglers, storage, job, job_id, threshold, window)
+
+
+def _stalls(storage: Storage, job_id: int, window: int) -> Response:
+    page = storage.recent_step_page(job_id, window + 1)  # each step's predecessor: between-steps time
+    found = intermittent_stalls(page_timings(page), window=window)
+    return items([{**asdict(s), "message": s.sentence()} for s in found], window=window)
+
+
+@router.get("/stalls")
+async def get_stalls(
+    job_id: JobIdDep,
+    storage: StorageDep,
+    steps: Annotated[int, Query(ge=10, le=2000)] = STALL_WINDOW_STEPS,
+) -> Response:
+    """Ranks that hold every other rank up now and then rather than in most steps (``analysis/stalls.py``):
+    ``rank``, ``stalls``, ``every``, ``median_excess_s``, ``share``, ``phase``, ``steps``, ``message``; over the
+    last ``steps`` steps. Apart from ``/stragglers``, which stays a short read: this one reads ten times the steps."""
+    return await run_in_threadpool(_stalls, storage, job_id, steps)
 
 
 def _unused(storage: Storage, job: str, job_id: int) -> Response:

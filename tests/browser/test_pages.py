@@ -89,6 +89,20 @@ def test_job_page_draws_every_rank_and_step_and_flags_the_straggler(collector: C
     assert all(shown == drawn for shown, drawn in sizes), sizes
 
 
+def test_job_page_names_a_rank_that_stalls_now_and_then_beside_the_stragglers(
+    collector: Collector, page
+) -> None:
+    job = unique("stall")
+    synth = SynthJob(job, world_size=3, buckets=3, stall=(1, 4))
+    post(collector.url, synth.start() + synth.steps(16))
+    open_job(page, collector.url, job)
+    said = text(page, "#stragglers-msg")
+    assert said.startswith("No rank is flagged as a straggler. Now and then: rank 1 stalls every 4 steps"), (
+        said
+    )
+    assert "in its backward" in said or "in its forward" in said, said
+
+
 def test_trace_link_downloads_perfetto_json_of_the_chosen_steps(collector: Collector, page) -> None:
     job = unique("trace")
     synth = SynthJob(job, world_size=2, buckets=3)

@@ -28,6 +28,7 @@ class SynthJob:
         world_size: int,
         buckets: int,
         slow_rank: int | None = None,
+        stall: tuple[int, int] | None = None,
         params_per_bucket: int = 2,
         param_name: str = "layers.{bucket}.p{i}",
     ) -> None:
@@ -35,6 +36,8 @@ class SynthJob:
         self.world_size = world_size
         self.buckets = buckets
         self.slow_rank = slow_rank
+        self.stall = stall
+        """(rank, every): that rank computes 8 times longer in every ``every``-th step (a stall now and then)."""
         self.seq = [0] * world_size
         self.next_step = 0
         # Start a little in the past so the whole job lands before "now" and looks live.
@@ -96,6 +99,12 @@ class SynthJob:
             compute = {
                 r: (1.5 if r == self.slow_rank else 1.0) + 0.02 * ((step * 7 + r * 3) % 5) for r in ranks
             }
+            if (
+                self.stall is not None
+                and step % self.stall[1] == self.stall[1] - 1
+                and self.stall[0] in compute
+            ):
+                compute[self.stall[0]] *= 8
             fwd_end = {r: t0 + int(20 * MS * compute[r]) for r in ranks}
             bwd_start = {r: fwd_end[r] + MS // 10 for r in ranks}
             bwd_len = {r: int(50 * MS * compute[r]) for r in ranks}

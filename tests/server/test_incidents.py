@@ -1257,5 +1257,7 @@ def test_a_job_whose_heard_ranks_all_exited_names_the_ranks_never_heard_of_not_a
     for r in (0, 1):
         job.exit(r, T0 + 20, reason="sigterm", step=0)
     silent = only(diagnose(job.snapshot(), T0 + 20.5), "job_silent")
-    assert silent.message.startswith("Every rank heard of has exited, and rank 2 of the job's 3 never reported")
+    assert silent.message.startswith(
+        "Every rank heard of has exited, and rank 2 of the job's 3 never reported"
+    )
     assert "WORLD_SIZE larger than the ranks started" in silent.message
