@@ -6,19 +6,14 @@ after training, holding its GPU or its node until the scheduler kills it. Its pe
 cleanly: nobody waits for it, and a stall in a rank's own code nobody waits for is no hang. This one is: the
 rank's work is over and it cannot leave. The main thread's innermost frame says so.
 
-Standard library only: the hang watchdog writes the rank's sentence, the collector (``hang_diagnosis``) reads
-the report's stacks.
+Standard library only: the hang watchdog writes the rank's sentence; the collector reads the report's
+``exiting`` flag, or its main thread's innermost frame (``server/analysis/native_wait.exiting``).
 """
 
 from __future__ import annotations
 
-import re
 import threading
-from collections.abc import Mapping, Sequence
-from typing import Any
-
-_SHUTDOWN = re.compile(r'File "[^"]*[/\\]threading\.py", line \d+, in _shutdown\n[^\n]*\n?\Z')
-"""The last frame of a formatted main-thread stack waiting in Python's exit for non-daemon threads."""
+from collections.abc import Sequence
 
 ADVICE = (
     "Python joins every thread not marked daemon before the process exits: make such a thread a daemon "
@@ -40,25 +35,10 @@ def shutting_down() -> bool:
     return bool(getattr(threading, "_SHUTTING_DOWN", False))
 
 
-def exiting(hang: Mapping[str, Any]) -> bool:
-    """Whether a hang report shows its rank stuck on the way out (its ``exiting`` flag, or a main thread
-    seen in Python's wait for non-daemon threads)."""
-    if hang.get("exiting"):
-        return True
-    stacks = hang.get("stacks") or []
-    main = next((s.get("stack") for s in stacks if s.get("thread") == "MainThread"), None)
-    return stack_at_exit(main)
-
-
 def at_exit(function: str, path: str) -> bool:
     """Whether a main thread whose innermost Python frame is ``function`` in ``path`` waits in Python's exit
     for non-daemon threads."""
     return function == "_shutdown" and path.replace("\\", "/").endswith("/threading.py")
-
-
-def stack_at_exit(stack: str | None) -> bool:
-    """``at_exit`` for a formatted stack (``traceback.format_stack``), innermost frame last."""
-    return bool(stack) and _SHUTDOWN.search(stack or "") is not None
 
 
 def holders_phrase(threads: Sequence[tuple[str, str | None]]) -> str:

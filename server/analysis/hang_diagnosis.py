@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ddpscope.agent.exit_wait import ADVICE as EXIT_ADVICE
-from ddpscope.agent.exit_wait import HANDLER_ADVICE, exiting, holders_phrase, stack_at_exit
+from ddpscope.agent.exit_wait import HANDLER_ADVICE, holders_phrase
 from ddpscope.agent.torch_waits import RENDEZVOUS_PLACE, TorchWait
 from ddpscope.server.analysis.collective_diagnosis import CollectiveIndex
 from ddpscope.server.analysis.incident_model import (
@@ -44,7 +44,7 @@ from ddpscope.server.analysis.incident_model import (
     record_s,
     user_frame,
 )
-from ddpscope.server.analysis.native_wait import main_blocked, main_stack, native_wait
+from ddpscope.server.analysis.native_wait import exiting, joining_threads, main_blocked, native_wait
 from ddpscope.server.analysis.snapshot import JobSnapshot, p2p_pair
 from ddpscope.server.analysis.status import Liveness
 from ddpscope.server.analysis.stuck import (
@@ -416,7 +416,7 @@ def _exit_wait(h: Record, active: bool, duration_s: float) -> str | None:
     if not exiting(h):
         return None
     head = f"Rank {h['rank']} finished its script but {'cannot' if active else 'could not'} exit: its main thread "
-    if not stack_at_exit(main_stack(h)):
+    if not joining_threads(h):
         where = f" at {main_site(h)}" if main_site(h) else ""
         return (
             f"{head}{'has run' if active else 'ran'} an exit handler for {duration_s:.0f} s that never returned"

@@ -64,7 +64,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ddpscope.agent.exit_wait import exiting
 from ddpscope.agent.records import UNSYNCED_GRADIENTS
 from ddpscope.agent.torch_waits import RENDEZVOUS_PLACE
 from ddpscope.server.analysis.collective_diagnosis import (
@@ -94,7 +93,7 @@ from ddpscope.server.analysis.incident_model import (
 )
 from ddpscope.server.analysis.mismatch_causes import SAME_LINE, SIZE_ABORT
 from ddpscope.server.analysis.model_order import model_incidents
-from ddpscope.server.analysis.native_wait import native_wait
+from ddpscope.server.analysis.native_wait import exiting, native_wait
 from ddpscope.server.analysis.nonfinite import nonfinite_incidents
 from ddpscope.server.analysis.rank_settings import settings_incidents
 from ddpscope.server.analysis.replica_divergence import replica_incidents

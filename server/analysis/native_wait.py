@@ -20,6 +20,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ddpscope.agent.exit_wait import at_exit
 from ddpscope.agent.torch_waits import TorchWait, blocked, torch_wait
 
 Record = Mapping[str, Any]
@@ -57,11 +58,30 @@ def main_stack(hang: Record) -> str | None:
     return stacks[0].get("stack")
 
 
-@functools.lru_cache(maxsize=4096)
-def _machinery(stack: str | None) -> TorchWait | None:
-    """Cached by stack text: every hang report of a large job is asked about by every other one."""
+def _innermost(stack: str | None) -> tuple[str, str] | None:
+    """(file, function) of a formatted stack's innermost frame (traceback order: the last one)."""
     frames = _LAST_FRAME.findall(stack or "")
     if not frames:
         return None
-    path, _, function = frames[-1]  # innermost last (traceback order)
-    return torch_wait(path, function)
+    path, _, function = frames[-1]
+    return path, function
+
+
+@functools.lru_cache(maxsize=4096)
+def _machinery(stack: str | None) -> TorchWait | None:
+    """Cached by stack text: every hang report of a large job is asked about by every other one."""
+    frame = _innermost(stack)
+    return None if frame is None else torch_wait(*frame)
+
+
+def joining_threads(hang: Record) -> bool:
+    """Whether the report's main thread waits in Python's exit for threads that are not daemons
+    (``agent/exit_wait.py``)."""
+    frame = _innermost(main_stack(hang))
+    return frame is not None and at_exit(frame[1], frame[0])
+
+
+def exiting(hang: Record) -> bool:
+    """Whether a hang report shows its rank stuck on its way out: its ``exiting`` flag (the script had ended),
+    or, from agents that do not send it, a main thread seen joining threads at exit."""
+    return bool(hang.get("exiting")) or joining_threads(hang)

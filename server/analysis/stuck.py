@@ -20,9 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ddpscope.agent.exit_wait import exiting
 from ddpscope.server.analysis.incident_model import Record, phase_words, record_s, user_frame
-from ddpscope.server.analysis.native_wait import main_blocked, main_stack, native_wait
+from ddpscope.server.analysis.native_wait import exiting, main_blocked, main_stack, native_wait
 from ddpscope.server.analysis.snapshot import JobSnapshot
 
 FROM_HANG_REPORT = " (its hang report)"

@@ -10,7 +10,8 @@ import textwrap
 import time
 from pathlib import Path
 
-from ddpscope.agent.exit_wait import at_exit, holders_phrase, stack_at_exit
+from ddpscope.agent.exit_wait import at_exit, holders_phrase
+from ddpscope.server.analysis.native_wait import joining_threads
 from tests.support.procs import kill_group
 
 SCRIPT = textwrap.dedent(
@@ -100,5 +101,9 @@ def test_a_main_thread_in_pythons_shutdown_is_told_from_its_innermost_frame() ->
         "join", "/usr/lib/python3.11/threading.py"
     )
     stack = '  File "/proj/train.py", line 3, in <module>\n  File "/usr/lib/python3.11/threading.py", line 1590, in _shutdown\n    lock.acquire()\n'
-    assert stack_at_exit(stack) and not stack_at_exit(stack.replace("_shutdown", "wait"))
+
+    def report(main: str) -> dict[str, object]:
+        return {"stacks": [{"thread": "MainThread", "stack": main}]}
+
+    assert joining_threads(report(stack)) and not joining_threads(report(stack.replace("_shutdown", "wait")))
     assert holders_phrase([("a", "x.py:1"), ("b", None)]) == "thread 'a' (at x.py:1), thread 'b'"
