@@ -27,7 +27,7 @@ from typing import Any
 from ddpscope.agent import lifecycle
 from ddpscope.agent._errors import swallowed
 from ddpscope.agent.clock import now_ns
-from ddpscope.agent.config import Config
+from ddpscope.agent.config import Config, group_rank
 from ddpscope.agent.exporters import Exporter, ExportResult, InMemoryExporter
 from ddpscope.agent.implied import IMPLIES_KEY, Implies, implied_records
 from ddpscope.agent.log import get_logger
@@ -659,8 +659,9 @@ def configure(**overrides: Any) -> Agent | NullAgent:
     return new
 
 
-def adopt_rank(rank: int) -> None:
-    """Give the process group's rank to an agent configured without one, which labels its records rank 0.
+def adopt_rank(rank: int | None = None) -> None:
+    """Give the process group's rank (``rank``, else the default group's, if one exists) to an agent
+    configured without one, which labels its records rank 0.
 
     No ``RANK`` in the environment is how ``torch.multiprocessing.spawn`` and a script that passes ``rank=``
     to ``init_process_group`` run: without this every rank's heartbeats, collectives and hang reports said
@@ -669,6 +670,9 @@ def adopt_rank(rank: int) -> None:
     Never raises."""
     global _agent
     try:
+        rank = group_rank() if rank is None else rank
+        if rank is None:
+            return
         old = None
         with _lock:
             current = _agent

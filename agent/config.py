@@ -213,7 +213,7 @@ class Config:
         }
         rank = _env(env, "RANK", int, None, _non_negative)
         if rank is None:
-            rank = _group_rank()
+            rank = group_rank()
         if rank is not None:
             values["rank"] = rank
         # None means "not given" (configure(job=None) is the same as leaving it out).
@@ -242,7 +242,7 @@ class Config:
         return self.url.rstrip("/") + "/api/v1/ingest"
 
 
-def _group_rank() -> int | None:
+def group_rank() -> int | None:
     """The default process group's rank when one exists in this process (torch already imported; the agent
     imports nothing of it): a script launched without ``RANK`` (``torch.multiprocessing.spawn``) that
     configures the agent after ``init_process_group`` gets its rank, not rank 0 on every rank."""

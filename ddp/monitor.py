@@ -49,7 +49,7 @@ def enable(
     how long a newly started watchdog waits before its first heartbeat, and the job id check before
     it says this rank's id.
     """
-    _adopt_group_rank()
+    adopt_rank()  # the default group's, for an agent made without RANK (torch.multiprocessing.spawn)
     collectives.install()
     errors.install_error_hooks()
     dog = watchdog.start_watchdog(
@@ -57,17 +57,6 @@ def enable(
     )
     job_check.start(delay_s=first_heartbeat_s)  # returns at once, never raises
     return dog
-
-
-def _adopt_group_rank() -> None:
-    """The default group's rank for an agent configured without one (``agent.adopt_rank``)."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            adopt_rank(dist.get_rank())
-    except Exception:
-        logger.warning("ddpscope could not take the process group's rank", exc_info=True)
 
 
 def disable(timeout_s: float = 5.0) -> None:
