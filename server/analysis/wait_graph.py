@@ -214,6 +214,7 @@ def deadlock_incidents(graph: WaitGraph, blame: dict[int, str]) -> list[Incident
             for w in waits
         )
         msg = f"Deadlock across process groups: {chain}. {'Neither' if len(cycle) == 2 else 'None of them'} can go on"
+        fix = "Issue the collectives of groups that share ranks in the same order on every rank."
         if len(culprits) < len(cycle):
             for c in culprits:
                 w = graph.waits[c]
@@ -228,18 +229,19 @@ def deadlock_incidents(graph: WaitGraph, blame: dict[int, str]) -> list[Incident
                     f"order: a collective only rank {c} makes (a rank-dependent branch), or one {its} peers "
                     f"would make only after the collective {it} {'is' if len(peers) == 1 else 'are'} blocked in"
                 )
-        elif (created := _created_out_of_order(graph)) is not None:
-            groups = sorted({w.record["pg"] for w in waits})
-            msg += (
-                f". The ranks created their groups in different orders (see the mismatch at collective #{created} "
-                f"of group default): torch pairs groups by the order of the new_group calls, so {', '.join(groups)} "
-                "name different groups on different ranks. Create the groups in the same order on every rank."
-            )
         else:
-            groups = sorted({w.record["pg"] for w in waits})
-            msg += f". The ranks issue collectives on groups {', '.join(groups)} in a different order"
-        if not msg.endswith("."):
-            msg += ". Issue the collectives of groups that share ranks in the same order on every rank."
+            groups = ", ".join(sorted({w.record["pg"] for w in waits}))
+            created = _created_out_of_order(graph)
+            if created is None:
+                msg += f". The ranks issue collectives on groups {groups} in a different order"
+            else:
+                msg += (
+                    f". The ranks created their groups in different orders (see the mismatch at collective "
+                    f"#{created} of group default): torch pairs groups by the order of the new_group calls, so "
+                    f"{groups} name different groups on different ranks"
+                )
+                fix = "Create the groups in the same order on every rank."
+        msg += f". {fix}"
         first = graph.waits[culprits[0]]
         for c in culprits:
             w = graph.waits[c]
