@@ -347,6 +347,10 @@ def sync_schedule_incidents(colls: CollectiveIndex, blame: dict[int, str]) -> li
             for r, q in ranks.items()
         }
         common = sorted(set.intersection(*(set(q) for q in engine.values()))) if len(engine) > 1 else []
+        # Past the first number where the ranks' calls disagree, the calls no longer pair: that mismatch
+        # is the finding (a setting that differs, a skipped collective), not the steps its records carry.
+        disagree = _first_disagreement(ranks, common[-1]) if common else None
+        common = [s for s in common if disagree is None or s < disagree]
         for before, seq in zip(common, common[1:], strict=False):
             moved = {r: q[seq] - q[before] for r, q in engine.items()}
             if len(set(moved.values())) < 2 or bisect.bisect(shadowed, before) < bisect.bisect(shadowed, seq):
@@ -393,6 +397,16 @@ def sync_schedule_incidents(colls: CollectiveIndex, blame: dict[int, str]) -> li
                 blame.setdefault(r, "synchronizes gradients after a different number of steps")
             break
     return out
+
+
+def _first_disagreement(ranks: Mapping[int, Mapping[int, Record]], upto: int) -> int | None:
+    """The lowest sequence number up to ``upto`` at which the ranks that issued it issued different calls."""
+    issued = sorted({s for q in ranks.values() for s in q if s <= upto})
+    for seq in issued:
+        calls = [q[seq] for q in ranks.values() if seq in q]
+        if len(calls) > 1 and len({signature(c, root=False) for c in calls}) > 1:
+            return seq
+    return None
 
 
 def _sync_period(steps_by_seq: Mapping[int, int]) -> int | None:
@@ -484,6 +498,13 @@ def _mismatch(
             f". The {reason} differ: the ranks run different exchange patterns, which waits until the "
             "process group's timeout (or fails on a size check) on gloo and NCCL alike"
         )
+        differ = _wrapped_differently(recs, starts)
+        if differ:
+            msg += (
+                f". Both are the DDP engine's own collectives, and the ranks wrapped the model with different "
+                f"arguments ({differ}), so they issue different ones; wrap the same model with the same "
+                "DistributedDataParallel arguments on every rank"
+            )
     elif _sizes_differ(reason):
         msg += f". The {reason} differ: {size_consequence(crec, rrec)}"
         msg += _bucket_settings(recs, starts, keys)
@@ -647,20 +668,26 @@ def _bucket_settings(
             "backpropagated on some ranks only, a `continue` before backward(), a model whose forward runs on "
             "some ranks only); run the same forward and backward passes on every rank"
         )
+    differ = _wrapped_differently(recs, starts)
+    what = f": {differ}" if differ else " (the same model wrapped the same way gives the same buckets)"
+    return (
+        f". Both are the DDP engine's bucket all-reduces, so the ranks built different buckets{what}; "
+        "wrap the same model with the same DistributedDataParallel arguments on every rank"
+    )
+
+
+def _wrapped_differently(recs: Mapping[int, Record], starts: Mapping[int, Record]) -> str:
+    """ "find_unused_parameters is True on rank 0, False on rank 1" for the DDP arguments that decide which
+    collectives the engine issues and differ between the ranks of ``recs``, when every call in ``recs`` is
+    the engine's own; '' otherwise."""
+    if not all(c.get("source") == "engine" for c in recs.values()):
+        return ""
     differ = []
     for key in ("bucket_cap_mb", "find_unused_parameters"):
         values = {r: starts.get(r, {}).get(key) for r in recs}
         if len(set(values.values())) > 1:
             differ.append(f"{key} is " + ", ".join(f"{v} on rank {r}" for r, v in sorted(values.items())))
-    what = (
-        f": {'; '.join(differ)}"
-        if differ
-        else " (the same model wrapped the same way gives the same buckets)"
-    )
-    return (
-        f". Both are the DDP engine's bucket all-reduces, so the ranks built different buckets{what}; "
-        "wrap the same model with the same DistributedDataParallel arguments on every rank"
-    )
+    return "; ".join(differ)
 
 
 def _inside_step(culprits: list[int], ref: list[int], recs: Mapping[int, Record]) -> str:
