@@ -1203,7 +1203,9 @@ def test_an_extra_forward_on_one_rank_mid_training_is_not_a_sync_mismatch() -> N
     assert kinds(diagnose(job.snapshot(), t + 0.1)) == []
 
 
-def test_calls_that_no_longer_pair_are_one_mismatch_named_by_the_wrapping_not_a_sync_schedule_mismatch() -> None:
+def test_calls_that_no_longer_pair_are_one_mismatch_named_by_the_wrapping_not_a_sync_schedule_mismatch() -> (
+    None
+):
     # torch DDP with find_unused_parameters on rank 0 only: rank 0's unused-parameter all-reduce of step 0
     # meets rank 1's bucket-rebuild broadcast of step 1 at #2. The steps those records carry say nothing
     # about accumulation: the calls themselves differ.
@@ -1219,8 +1221,10 @@ def test_calls_that_no_longer_pair_are_one_mismatch_named_by_the_wrapping_not_a_
     mismatches = [i for i in diagnose(job.snapshot(), t + 0.3) if i.kind == "mismatch"]
     assert [m.seq for m in mismatches] == [2]
     assert "different numbers of steps" not in mismatches[0].message
-    assert "wrapped the model with different arguments (find_unused_parameters is True on rank 0, False on " \
+    assert (
+        "wrapped the model with different arguments (find_unused_parameters is True on rank 0, False on "
         "rank 1)" in mismatches[0].message
+    )
 
 
 def test_healthy_training_has_no_sync_mismatch() -> None:
