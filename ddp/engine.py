@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.nn.parameter import is_lazy
 
 from ddpscope import agent
 from ddpscope.agent import clock as agent_clock
@@ -137,6 +138,20 @@ def _check_dense_gradients(module: nn.Module) -> None:
         raise ValueError(SPARSE_GRADIENTS.format(where=f" (embeddings with sparse=True: {sparse})"))
 
 
+def _check_materialized(module: nn.Module) -> None:
+    """Refuse, before any collective, parameters a lazy module has not created yet (``nn.LazyLinear`` before
+    its first forward): they have no shape to bucket or broadcast."""
+    lazy = [name for name, p in module.named_parameters() if is_lazy(p)]
+    lazy += [name for name, b in module.named_buffers() if is_lazy(b)]
+    if lazy:
+        raise ValueError(
+            f"DistributedDataParallel: {len(lazy)} parameter(s) or buffer(s) of this module are not created yet "
+            f"({', '.join(lazy[:5])}{', ...' if len(lazy) > 5 else ''}): a lazy module (nn.LazyLinear, "
+            "nn.LazyConv2d, ...) makes them at its first forward. Run one forward with a batch of the real shape "
+            "before wrapping the module, on every rank."
+        )
+
+
 class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism with per-bucket measurements; see the module docstring.
 
@@ -166,6 +181,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         Joinable.__init__(self)  # nn.Module's __init__ does not call on along the MRO
         _check_unsupported(unsupported, module)
         _check_dense_gradients(module)
+        _check_materialized(module)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "DistributedDataParallel needs a process group: call "

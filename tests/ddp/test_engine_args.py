@@ -51,3 +51,14 @@ def test_a_sparse_embedding_is_refused_at_wrapping_naming_it_and_the_way_out() -
     ) as info:
         DistributedDataParallel(model)
     assert "sparse=False" in str(info.value) and "instrument()" in str(info.value)
+
+
+def test_a_lazy_module_not_run_yet_is_refused_at_wrapping_naming_its_parameters_and_the_way_out() -> None:
+    from ddpscope.ddp import DistributedDataParallel
+
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))
+    # Before any process group is needed: it once died in the layout check on torch's "Can't access the
+    # shape of an uninitialized parameter", which blames load_state_dict.
+    with pytest.raises(ValueError, match=r"not created yet \(0.weight, 0.bias\)") as info:
+        DistributedDataParallel(model)
+    assert "Run one forward" in str(info.value)
