@@ -23,6 +23,16 @@ KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = (
         "rank-dependent branch, a layer used only on some steps): make every iteration use the same "
         "parameters, or drop static_graph=True and pass find_unused_parameters=True",
     ),
+    (
+        re.compile(r"Expected to mark a variable ready only once"),
+        "torch's DDP saw one parameter's gradient arrive twice in one backward. The usual cause is reentrant "
+        "activation checkpointing (torch.utils.checkpoint with use_reentrant=True, under "
+        "find_unused_parameters=True or over a block run twice in one forward): pass use_reentrant=False. "
+        "Otherwise a parameter takes part in two backward passes of one iteration (a module called outside "
+        "the DDP model's forward, or several backward() calls before the optimizer step): make each "
+        "iteration one forward through the DDP model and one backward, or pass static_graph=True if the "
+        "graph is the same every iteration",
+    ),
 )
 
 

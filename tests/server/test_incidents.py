@@ -1273,6 +1273,22 @@ def test_torch_s_static_graph_changed_error_names_the_promise_broken_and_both_wa
     assert "pass find_unused_parameters=True" in err.message
 
 
+def test_torch_s_marked_ready_twice_error_names_reentrant_checkpointing_and_its_way_out() -> None:
+    # torch 2.13: torch.utils.checkpoint(use_reentrant=True) inside DDP(find_unused_parameters=True).
+    job = started(2)
+    for r in (0, 1):
+        job.error(
+            r,
+            T0 + 1 + r * 0.001,
+            "Expected to mark a variable ready only once. This error is caused by one of the following reasons: "
+            "1) Use of a module parameter outside the `forward` function. ...\nParameter at index 1 with name "
+            "a.bias has been marked as ready twice.",
+            step=0,
+        )
+    err = only(diagnose(job.snapshot(), T0 + 2), "rank_error")
+    assert "reentrant activation checkpointing" in err.message and "pass use_reentrant=False" in err.message
+
+
 def test_a_job_whose_heard_ranks_all_exited_names_the_ranks_never_heard_of_not_a_silence_of_0_s() -> None:
     # Launched with a WORLD_SIZE one too large: ranks 0 and 1 ran (then were stopped), rank 2 never existed.
     job = JobRecords(3)
