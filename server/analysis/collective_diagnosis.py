@@ -36,6 +36,7 @@ from ddpscope.server.analysis.incident_model import (
 )
 from ddpscope.server.analysis.mismatch_causes import (
     SAME_LINE,
+    SAME_LINE_ROOT,
     same_line,
     same_line_advice,
     size_consequence,
@@ -509,12 +510,7 @@ def _mismatch(
         msg += f". The {reason} differ: {size_consequence(crec, rrec)}"
         msg += _bucket_settings(recs, starts, keys)
     elif "roots" in reason:
-        arg = ROOTED_OPS.get(crec.get("op") or "", "root")
-        msg += (
-            f". The {reason} differ ({arg}): the ranks disagree on which rank "
-            f"{'sends' if arg == 'src' else 'receives'} the data, so they wait for each other until the "
-            "process group's timeout on gloo (where it completes, a rank gets the wrong rank's data)"
-        )
+        msg += f". The {reason} differ{_roots_consequence(crec)}"
     else:
         msg += f". The {reason} differ: gloo pairs them silently and the results are wrong"
     msg += _later_too(later)
@@ -568,9 +564,13 @@ def _same_line(
     )
     first = recs[ranks[0]]
     other = next(recs[r] for r in ranks if full_key(recs[r]) != full_key(first))
+    if reason == "roots":
+        what, consequence = SAME_LINE_ROOT, _roots_consequence(first)
+    else:
+        what, consequence = SAME_LINE, f": {size_consequence(first, other)}"
     msg = (
         f"Every rank issued {first.get('op')} at {site} as collective #{seq} of group {pg} ({calls}): "
-        f"{SAME_LINE}. The {reason} differ: {size_consequence(first, other)}"
+        f"{what}. The {reason} differ{consequence}"
     )
     msg += _later_too(later) + ". "
     if tied:
@@ -581,10 +581,22 @@ def _same_line(
         )
     else:
         msg += f"{capitalized(ranks_phrase(culprits))} had the odd {reason}. "
-    msg += same_line_advice(reason)
+    # Group ranks equal global ranks on the default group only; elsewhere "its own rank" is not checked.
+    own_roots = pg == "default" and all(recs[r].get("root") == r for r in ranks)
+    msg += same_line_advice(reason, own_roots)
     for r in culprits:
         blame.setdefault(r, f"issued {first.get('op')} at {site} with {reason} its peers did not use")
     return _mismatch_incident(pg, seq, recs, msg, culprits, site)
+
+
+def _roots_consequence(call: Record) -> str:
+    """ " (src): the ranks disagree on which rank sends ..." for a rooted ``call`` whose roots differ."""
+    arg = ROOTED_OPS.get(call.get("op") or "", "root")
+    return (
+        f" ({arg}): the ranks disagree on which rank {'sends' if arg == 'src' else 'receives'} the data, so "
+        "they wait for each other until the process group's timeout on gloo (where it completes, a rank gets "
+        "the wrong rank's data)"
+    )
 
 
 def _mismatch_incident(

@@ -129,13 +129,16 @@ def skipped_routine(recs: Mapping[int, Record], ranks: Mapping[int, Mapping[int,
 SAME_LINE = "one line, run with a size or dtype that depends on the rank or its data"
 """What a mismatch at one call site says; a rank then aborted by gloo died of that line, not of a peer."""
 
+SAME_LINE_ROOT = "one line, run with a root that depends on the rank"
+
 
 def same_line(recs: Mapping[int, Record], reason: str) -> str | None:
     """The call site every rank issued the collective from, when that one line ran with different shapes
     or dtypes on the ranks (variable-length outputs gathered, a last partial batch, a per-rank count):
     the ranks agree on what to call and when, so none of them is the odd one, and the fix is in the line
-    itself. None when the ranks differ in anything else (op, reduce op, root) or in their lines."""
-    if any(part not in ("shapes", "dtypes") for part in reason.split(" and ")):
+    itself. Likewise a root (``src``/``dst``) computed per rank. None when the ranks differ in anything else
+    (op, reduce op) or in their lines."""
+    if any(part not in ("shapes", "dtypes", "roots") for part in reason.split(" and ")):
         return None
     sites = {c.get("call_site") for c in recs.values()}
     ops = {c.get("op") for c in recs.values()}
@@ -146,8 +149,19 @@ def same_line(recs: Mapping[int, Record], reason: str) -> str | None:
     return str(next(iter(sites)))
 
 
-def same_line_advice(reason: str) -> str:
-    """What to do about one line issuing a collective with rank-dependent ``reason`` (shapes, dtypes)."""
+def same_line_advice(reason: str, own_roots: bool = False) -> str:
+    """What to do about one line issuing a collective with rank-dependent ``reason`` (shapes, dtypes,
+    roots); ``own_roots`` when each rank passed its own rank as the root."""
+    if reason == "roots":
+        mine = (
+            "Here each rank passed its own rank, so every rank took itself for the root. "
+            if own_roots
+            else ""
+        )
+        return (
+            f"{mine}Every rank must pass the same root: a constant (usually 0) or a value every rank computes "
+            "alike, never dist.get_rank() or a per-host setting."
+        )
     fixes = []
     if "shapes" in reason:
         fixes.append(

@@ -56,17 +56,31 @@ def test_root_and_group_ranks_are_optional_and_root_may_be_null() -> None:
 # ----------------------------------------------------------------------------------------------- roots
 
 
-def test_a_broadcast_with_a_different_src_on_each_rank_is_a_mismatch_naming_both_srcs_and_the_line() -> None:
+def test_one_line_broadcasting_from_each_rank_s_own_rank_blames_the_line_and_the_per_rank_src() -> None:
     job = started(2)
     end = job.train(3)  # seqs 1..6
-    for r in (0, 1):  # each rank believes it is the source: both wait until the timeout on gloo
+    for r in (0, 1):  # broadcast_object_list(cfg, src=rank): both wait until the timeout on gloo
         coll(job, r, end, 7, root=r, done=False)
     m = only(diagnose(job.snapshot(), end + 0.5), "mismatch")
     assert m.seq == 7 and m.pg == "default" and m.call_site == "train.py:64"
     assert m.culprit_ranks == [1]  # an even split: rank 0's call is the reference
-    assert "rank 1 issued broadcast(src=1) [8] float32 at train.py:64" in m.message
-    assert "where rank 0 issued broadcast(src=0) [8] float32 at train.py:64" in m.message
+    assert m.message.startswith(
+        "Every rank issued broadcast at train.py:64 as collective #7 of group default (rank 0: broadcast(src=0) "
+        "[8] float32; rank 1: broadcast(src=1) [8] float32): one line, run with a root that depends on the rank"
+    )
     assert "The roots differ (src)" in m.message and "timeout" in m.message
+    assert "each rank passed its own rank, so every rank took itself for the root" in m.message
+    assert "same collectives in the same order" not in m.message  # they did issue the same one
+
+
+def test_one_line_with_a_root_from_a_per_host_setting_blames_the_line_without_saying_own_rank() -> None:
+    job = started(3)
+    end = job.train(2)
+    for r in range(3):
+        coll(job, r, end, 5, root=0 if r < 2 else 1)
+    m = only(diagnose(job.snapshot(), end + 0.5), "mismatch")
+    assert m.culprit_ranks == [2] and "one line, run with a root that depends on the rank" in m.message
+    assert "its own rank" not in m.message and "Every rank must pass the same root" in m.message
 
 
 def test_the_odd_root_among_three_ranks_is_the_culprit() -> None:
@@ -76,7 +90,8 @@ def test_the_odd_root_among_three_ranks_is_the_culprit() -> None:
         coll(job, r, end, 5, op="scatter", root=2 if r == 2 else 0)
     m = only(diagnose(job.snapshot(), end + 0.5), "mismatch")
     assert m.culprit_ranks == [2]
-    assert "rank 2 issued scatter(src=2)" in m.message and "ranks 0, 1 issued scatter(src=0)" in m.message
+    assert "ranks 0, 1: scatter(src=0)" in m.message and "rank 2: scatter(src=2)" in m.message
+    assert "Rank 2 had the odd roots" in m.message
 
 
 def test_a_reduce_to_different_dsts_names_the_reduce_op_and_the_dst() -> None:
