@@ -50,6 +50,7 @@ STATE_BROADCAST_ADVICE = (
 )
 
 RENDEZVOUS_PLACE = "init_process_group's rendezvous"
+GROUP_CONSTRUCTION_PLACE = "a process group's construction"
 RENDEZVOUS_ADVICE = (
     "start every rank of the job (WORLD_SIZE of them) with the same MASTER_ADDR and MASTER_PORT (or init_method), "
     "an address every host can reach: a rank that never started, died before init_process_group, or cannot reach "
@@ -92,7 +93,7 @@ _MACHINERY: tuple[tuple[re.Pattern[str], re.Pattern[str] | None, str, str, str |
     (
         re.compile(r"(?:^|/)torch/distributed/distributed_c10d\.py$"),
         re.compile(r"^_new_process_group_helper$|^_store_based_barrier$"),
-        "a process group's construction (torch.distributed {function})",
+        GROUP_CONSTRUCTION_PLACE + " (torch.distributed {function})",
         "the backend connects each rank of a new process group (init_process_group's, or new_group's) to "
         "every other there, and waits until all of them have come",
         "a rank still connecting after its peers left waits for a rank that died or never made this "

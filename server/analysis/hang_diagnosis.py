@@ -30,7 +30,7 @@ from typing import Any
 
 from ddpscope.agent.exit_wait import ADVICE as EXIT_ADVICE
 from ddpscope.agent.exit_wait import HANDLER_ADVICE, holders_phrase
-from ddpscope.agent.torch_waits import RENDEZVOUS_PLACE, TorchWait
+from ddpscope.agent.torch_waits import GROUP_CONSTRUCTION_PLACE, RENDEZVOUS_PLACE, TorchWait
 from ddpscope.server.analysis.collective_diagnosis import CollectiveIndex
 from ddpscope.server.analysis.incident_model import (
     AFTER_FORWARD,
@@ -45,6 +45,9 @@ from ddpscope.server.analysis.incident_model import (
     user_frame,
 )
 from ddpscope.server.analysis.native_wait import exiting, joining_threads, main_blocked, native_wait
+from ddpscope.server.analysis.restart_race import ADVICE as RESTART_ADVICE
+from ddpscope.server.analysis.restart_race import HANG_CAUSE as RESTART_HANG_CAUSE
+from ddpscope.server.analysis.restart_race import relaunched_before_start
 from ddpscope.server.analysis.snapshot import JobSnapshot, p2p_pair
 from ddpscope.server.analysis.status import Liveness
 from ddpscope.server.analysis.stuck import (
@@ -338,6 +341,12 @@ class _HangReading:
             msg += why_tags
         elif wait:
             msg += "; every rank issued this collective in time: the wait is inside the backend (network, or a peer stuck in native code)"
+        elif (
+            native is not None
+            and native.place.startswith(GROUP_CONSTRUCTION_PLACE)
+            and relaunched_before_start(self.snapshot, h)
+        ):
+            msg += f"{RESTART_HANG_CAUSE}{RESTART_ADVICE}"
         elif native is not None:
             msg += (
                 "; no other rank's hang report places it elsewhere meanwhile: look for a rank that is slow, "

@@ -97,12 +97,14 @@ from ddpscope.server.analysis.native_wait import exiting, native_wait
 from ddpscope.server.analysis.nonfinite import nonfinite_incidents
 from ddpscope.server.analysis.rank_settings import settings_incidents
 from ddpscope.server.analysis.replica_divergence import replica_incidents
+from ddpscope.server.analysis.restart_race import stale_peer_address
 from ddpscope.server.analysis.shared_job import shared_job_incidents
 from ddpscope.server.analysis.snapshot import (
     JobSnapshot,
     RankSteps,
     UnusedParameter,
     parameter_order,
+    process_starts,
     split_restart,
 )
 from ddpscope.server.analysis.status import (
@@ -214,8 +216,9 @@ def diagnose(
     """Every incident in the job at ``now_s`` (aligned-clock seconds), oldest first."""
     settings = settings_incidents(snapshot)  # the whole snapshot: it sets aside ranks not restarted yet
     settings += shared_job_incidents(snapshot)  # the whole snapshot too: the older run is the evidence
+    starts = process_starts(snapshot)
     snapshot, previous = split_restart(snapshot)
-    restart_s = min((record_s(s) for s in snapshot.ranks.values()), default=now_s)
+    restart_s = min((t / 1e9 for r, (_, t) in starts.items() if r not in snapshot.retired), default=now_s)
     live = liveness(snapshot, now_s, silent_after_s=silent_after_s)
     colls = CollectiveIndex(snapshot, live)
     blame: dict[int, str] = {}
@@ -228,7 +231,7 @@ def diagnose(
     out += deadlock_incidents(graph, blame)
     missing = missing_incidents(colls, live, snapshot, blame, graph)
     out += missing
-    out += _error_incidents(live, snapshot, colls, blame, mismatches)
+    out += _error_incidents(live, snapshot, colls, blame, mismatches, previous)
     out += hang_incidents(snapshot, live, colls, missing, blame, graph)
     out += _unused_incidents(snapshot, live)
     out += warning_incidents(snapshot)
@@ -621,7 +624,9 @@ def _error_incidents(
     colls: CollectiveIndex,
     blame: dict[int, str],
     mismatches: Sequence[Incident] = (),
+    previous: JobSnapshot | None = None,
 ) -> list[Incident]:
+    """``previous``: what the processes before a restart left (``split_restart``), if any."""
     primaries = [e for e in live.errors if not is_secondary(e)]
     victims = [e for e in live.errors if is_secondary(e)]
     attached: set[int] = set()
@@ -833,6 +838,8 @@ def _error_incidents(
             cause = f"the cause is on {ranks_phrase(culprits)}: {why.removeprefix('; ')}"
             for r in culprits:
                 blame.setdefault(r, "waited in a transfer whose peer used another tag")
+        elif previous is not None and (stale := stale_peer_address(left, previous.rank_errors)):
+            cause = stale
         else:
             cause = "no rank reported a cause: look for a rank killed by the OS or a network failure"
         msg = (

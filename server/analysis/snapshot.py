@@ -187,10 +187,7 @@ def split_restart(snapshot: JobSnapshot) -> tuple[JobSnapshot, JobSnapshot | Non
     ``previous`` has no ``ranks``, so every record in it counts, and its ``rank_last_seen_s`` is rebuilt
     from its records.
     """
-    starts: dict[int, tuple[str | None, int]] = {
-        r: (s["stream"], s["time_ns"]) for r, s in snapshot.ranks.items()
-    }
-    starts.update({r: (None, launch_ns) for r, launch_ns in snapshot.retired.items()})
+    starts = process_starts(snapshot)
 
     def earlier(rec: Mapping[str, Any]) -> bool:
         return _before_start(rec, starts.get(rec["rank"]))
@@ -205,6 +202,14 @@ def split_restart(snapshot: JobSnapshot) -> tuple[JobSnapshot, JobSnapshot | Non
     if not any(older.values()):
         return snapshot, None
     current = replace(snapshot, **side(False))
+    unstarted = [r for r, (stream, _) in starts.items() if stream is not None and r in snapshot.ranks
+                 and snapshot.ranks[r]["stream"] != stream]  # fmt: skip
+    if unstarted:
+        # Relaunched processes that never reached their DDP model: the old ones' start, steps and
+        # accounting are not theirs.
+        current.ranks = {r: s for r, s in current.ranks.items() if r not in unstarted}
+        current.steps = {r: s for r, s in current.steps.items() if r not in unstarted}
+        current.agent_stats = {r: a for r, a in current.agent_stats.items() if r not in unstarted}
     if not (older["rank_errors"] or older["hangs"] or older["collectives"]):
         return current, None
     previous = JobSnapshot(job=snapshot.job, world_size=snapshot.world_size, **older)
@@ -212,6 +217,59 @@ def split_restart(snapshot: JobSnapshot) -> tuple[JobSnapshot, JobSnapshot | Non
     for rec in [*previous.heartbeats.values(), *(r for f in PER_PROCESS for r in older[f])]:
         seen[rec["rank"]] = max(seen.get(rec["rank"], 0.0), rec["time_ns"] / 1e9)
     return current, previous
+
+
+def process_starts(snapshot: JobSnapshot) -> dict[int, tuple[str | None, int]]:
+    """``{rank: (stream, time_ns)}``: where each rank's current process begins. Its latest ``rank_start``;
+    for a rank the newest launch left out, ``(None, that launch's start)``; and for a rank whose process
+    exited and whose next process reported without reaching a ``rank_start`` (a torchrun restart that
+    failed in ``init_process_group``), that process's stream and first record."""
+    starts: dict[int, tuple[str | None, int]] = {
+        r: (s["stream"], s["time_ns"]) for r, s in snapshot.ranks.items()
+    }
+    starts.update({r: (None, launch_ns) for r, launch_ns in snapshot.retired.items()})
+    starts.update(_relaunched_unstarted(snapshot, starts))
+    return starts
+
+
+def _relaunched_unstarted(
+    snapshot: JobSnapshot, starts: Mapping[int, tuple[str | None, int]]
+) -> dict[int, tuple[str, int]]:
+    """Ranks whose latest process exited (``rank_exit``) after its ``rank_start`` and that then reported
+    from another process that never sent one: ``{rank: (its stream, its first record's time)}``, the
+    newest such process. A process's own derived streams (``<stream>.crash``, ``<stream>.shipper-<pid>``)
+    are the same process."""
+    exits: dict[int, int] = {}
+    """rank -> when its started process exited."""
+    for e in snapshot.rank_exits:
+        start = starts.get(e["rank"])
+        if (
+            start is not None
+            and start[0] is not None
+            and process_stream(e["stream"]) == process_stream(start[0])
+        ):
+            exits[e["rank"]] = max(exits.get(e["rank"], 0), e["time_ns"])
+    firsts: dict[int, dict[str, int]] = {}
+    records = [*snapshot.heartbeats.values(), *(r for f in PER_PROCESS for r in getattr(snapshot, f))]
+    for rec in records:
+        rank, stream = rec["rank"], rec.get("stream")
+        if rank not in exits or stream is None or rec["time_ns"] <= exits[rank]:
+            continue
+        if process_stream(stream) == process_stream(starts[rank][0] or ""):
+            continue
+        seen = firsts.setdefault(rank, {})
+        seen[stream] = min(seen.get(stream, rec["time_ns"]), rec["time_ns"])
+    return {rank: max(seen.items(), key=lambda kv: kv[1]) for rank, seen in firsts.items()}
+
+
+_DERIVED_STREAM = re.compile(r"\.(?:crash|shipper-\d+)$")
+"""The suffix of a stream the shipper derives from a process's own (``agent/shipper.py``)."""
+
+
+def process_stream(stream: str) -> str:
+    """The agent stream a derived stream (``<stream>.crash``, ``<stream>.shipper-<pid>``) belongs to: the
+    process that sent it."""
+    return _DERIVED_STREAM.sub("", stream)
 
 
 def _newest_start(latest_starts: Mapping[int, Mapping[str, Any]]) -> Mapping[str, Any] | None:
