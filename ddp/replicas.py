@@ -23,6 +23,13 @@ parameters instead (still naming the parameters of a run that differs). A norm t
 
 At the same checks it notices parameters added to the module after it was wrapped: DDP never all-reduces
 them, a drift the digests cannot see (the parameters are not in them).
+
+Digests follow the sync count, so a rank whose backwards never synchronise (every micro-batch under
+``no_sync()``, the synced last one forgotten) takes none, while each optimizer step moves its parameters
+apart from its peers'. Between two syncs the parameters of a healthy rank do not change (gradient
+accumulation steps the optimizer after the synced backward), so after every ``UNSYNCED_CHECK`` training
+forwards in a row without a sync, ``take`` compares the norms with those of the previous such check and says
+so (``unsynced_gradients``) when they moved: two norm computations per 32 forwards, only in such a stretch.
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ EVERY = 64
 """Synchronised backwards between digests once past the first ``EVERY`` (every power of two before)."""
 MAX_ENTRIES = 512
 """Norms in one record, at most: a model with more parameters sends norms of runs of parameters."""
+UNSYNCED_CHECK = 16
+"""Training forwards in a row without a synchronised backward between two looks at the parameters: longer
+than any usual gradient accumulation, so a healthy job never pays for it."""
 NAN_NORM = -1.0
 INF_NORM = -2.0
 """Norms are never negative: these two stand for a NaN and an infinite norm on the wire."""
@@ -93,9 +103,20 @@ class ReplicaDigest:
         self.off = False
         """No more digests: one failed (an exotic tensor type), or this rank's sync count stopped matching
         its peers' (``stop``)."""
+        self._stretch_syncs = -1
+        self._stretch = 0
+        """Training forwards since the sync count last moved (it was ``_stretch_syncs`` throughout)."""
+        self._stretch_norms: list[float] | None = None
+        self._told_unsynced = False
 
     def take(self, step: int, syncs: int) -> None:
         """Ship a digest if one is due after ``syncs`` synchronised backwards. Never raises."""
+        if syncs != self._stretch_syncs:
+            self._stretch_syncs, self._stretch, self._stretch_norms = syncs, 0, None
+        else:
+            self._stretch += 1
+            if self._stretch % UNSYNCED_CHECK == 0 and not (self.off or self._told_unsynced):
+                self._check_unsynced_updates(step)
         if self.off or syncs == self._last or not digest_due(syncs):
             return
         self._last = syncs
@@ -137,6 +158,38 @@ class ReplicaDigest:
             pad = -len(values) % self.group
             values = torch.nn.functional.pad(values, (0, pad)).view(-1, self.group).norm(dim=1)
         return [wire_norm(v) for v in values.tolist()]
+
+    def _check_unsynced_updates(self, step: int) -> None:
+        """Compare the parameters' norms with the previous look in this stretch without syncs: any change
+        is an optimizer step on gradients DDP never all-reduced. Never raises."""
+        try:
+            norms = self.norms()
+        except Exception:
+            self.off = True
+            logger.warning(
+                "ddpscope: the replica digest failed; ranks' parameters are not compared", exc_info=True
+            )
+            return
+        before, self._stretch_norms = self._stretch_norms, norms
+        if before is None or before == norms:
+            return
+        self._told_unsynced = True
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        moved = [
+            names.get(id(p), f"#{i}")
+            for i, p in enumerate(self.params)
+            if before[i // self.group] != norms[i // self.group]
+        ]
+        warn_unsynced(
+            self.rank,
+            step,
+            f"the last {self._stretch} training forwards ran without a synchronised backward (every backward "
+            f"under no_sync(), or none), yet {len(moved)} parameter(s) DDP all-reduces changed meanwhile "
+            f"({shown(moved)}): an optimizer step ran on gradients that were never all-reduced, so the ranks' "
+            "copies of the model drift apart. Run the last micro-batch of each accumulation outside no_sync(), "
+            "and step the optimizer only after it.",
+            moved,
+        )
 
     def _check_added(self, step: int) -> None:
         added = [

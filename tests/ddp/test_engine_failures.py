@@ -153,6 +153,21 @@ def test_a_layer_unfrozen_after_wrapping_is_called_out_once_on_every_rank_as_its
         assert record["parameters"] == ["trunk.weight", "trunk.bias"]
 
 
+def test_an_accumulation_that_never_synchronises_while_the_optimizer_steps_is_called_out_once_per_rank(
+    tmp_path,
+) -> None:
+    ranks = run_job("failures.py", 2, ["never_synced"], tmp_path, timeout_s=90)
+    for rank in ranks:
+        # The 40 healthy micro-batches before say nothing: the parameters did not move between syncs.
+        (record,) = [r for r in rank["records"] if r["kind"] == "warning"]
+        assert record["code"] == "unsynced_gradients" and record["step"] > 41
+        assert sorted(record["parameters"]) == sorted(
+            ["trunk.weight", "trunk.bias", "branch.weight", "branch.bias", "head.weight", "head.bias"]
+        )
+        assert "training forwards ran without a synchronised backward" in record["message"]
+        assert "outside no_sync()" in record["message"]
+
+
 def digests_by_step(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return {r["step"]: r for r in records if r["kind"] == "replica_digest"}
 

@@ -18,6 +18,9 @@ Usage: failures.py SCENARIO OUTDIR
   ranks' copies of that layer still agree.
 - ``replicas``: rank 0 alone steps an LR scheduler after step 2, so the ranks' copies drift apart; a layer
   is added to the module after wrapping at step 5.
+- ``never_synced``: a healthy accumulation of 40 micro-batches under ``no_sync()`` and one synced, then 40
+  micro-batches all under ``no_sync()`` with an optimizer step after every second one (the synced last
+  micro-batch forgotten).
 """
 
 from __future__ import annotations
@@ -237,6 +240,29 @@ def replicas(rank: int) -> dict[str, Any]:
     return {"warnings": logged}
 
 
+def never_synced(rank: int) -> dict[str, Any]:
+    """A long accumulation done right, then one that never synchronises while the optimizer steps."""
+    logged = _capture.logged_warnings()
+    torch.manual_seed(0)
+    inner = Branchy()
+    model = DistributedDataParallel(inner)
+    opt = torch.optim.SGD(inner.parameters(), lr=0.01)
+    torch.manual_seed(100 + rank)  # each rank its own data
+    for _ in range(40):
+        with model.no_sync():
+            (model(torch.randn(4, 8)).square().mean() / 41).backward()
+    (model(torch.randn(4, 8)).square().mean() / 41).backward()
+    opt.step()
+    opt.zero_grad()
+    for micro in range(40):
+        with model.no_sync():
+            model(torch.randn(4, 8)).square().mean().backward()
+        if micro % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+    return {"warnings": logged}
+
+
 def disabled(rank: int) -> dict[str, Any]:
     agent.configure(disabled=True)
     model = DistributedDataParallel(nn.Linear(4, 2))
@@ -257,6 +283,7 @@ def main() -> None:
         "disabled": disabled,
         "bypass": bypass,
         "thawed": thawed,
+        "never_synced": never_synced,
         "frozen_late": frozen_late,
         "cut_short": cut_short,
         "misaligned": misaligned,
