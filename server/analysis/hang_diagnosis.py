@@ -52,6 +52,7 @@ from ddpscope.server.analysis.snapshot import JobSnapshot, p2p_pair
 from ddpscope.server.analysis.status import Liveness
 from ddpscope.server.analysis.stuck import (
     FROM_HANG_REPORT,
+    LOADER_WAIT,
     Stuck,
     hang_start_s,
     in_own_code,
@@ -62,6 +63,7 @@ from ddpscope.server.analysis.stuck import (
     stuck_outside,
     wait_spans,
     waiters,
+    waits_for_loader,
 )
 from ddpscope.server.analysis.wait_graph import WaitGraph
 
@@ -311,6 +313,8 @@ class _HangReading:
             culprits = [rank]
             cpu = main_blocked(h)
             how = "" if cpu is None else "blocked (no CPU), " if cpu else "computing all along, "
+            if waits_for_loader(h):
+                how = f"{LOADER_WAIT}, "
             msg += (
                 f"; it {'is' if state == 'active' else 'was'} stuck in its own code, {how}outside any collective, "
                 f"while {ranks_phrase(others)} "

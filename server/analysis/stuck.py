@@ -17,6 +17,7 @@ rank's own code: it is a hang, and it makes the peer it waits for one.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,11 +42,15 @@ class Stuck:
     blocked: bool | None = None
     """Its main thread waited through the stall (a lock, I/O, a sleep, a data loader's queue) rather than
     computed (a loop that does not end, a slow step); None when the report does not say."""
+    loader: bool = False
+    """Its main thread waited inside a DataLoader for a batch its worker processes did not deliver."""
 
     def phrase(self) -> str:
         at = f" at {self.site}" if self.site else ""
         how = (
-            ""
+            f", {LOADER_WAIT}"
+            if self.loader
+            else ""
             if self.blocked is None
             else ", blocked, using no CPU (waiting on a lock, I/O, a queue or a sleep)"
             if self.blocked
@@ -54,6 +59,31 @@ class Stuck:
         if self.phase == "idle":
             return f"stuck between steps after step {self.step}{at}{how}{FROM_HANG_REPORT}"
         return f"stuck {phase_words(self.phase)} at step {self.step}{at}{how}{FROM_HANG_REPORT}"
+
+
+LOADER_WAIT = (
+    "waiting inside its DataLoader for the next batch, which its worker processes did not deliver (a read "
+    "that never returns, a deadlock or an endless loop in the dataset or its collate_fn; `py-spy dump --pid` "
+    "on a worker shows where, and DataLoader(timeout=...) turns such a wait into an error)"
+)
+
+_LOADER_FRAME = re.compile(r"/torch/utils/data/dataloader\.py$")
+_WAIT_FRAME = re.compile(r"/(?:queue|queues|threading|selectors|connection|synchronize)\.py$|<frozen")
+"""Where a main thread waits for a DataLoader's worker: the loader's own code, then a queue's or lock's."""
+
+
+def waits_for_loader(hang: Record) -> bool:
+    """The main thread's innermost frames are a DataLoader waiting on its workers' queue: a frame of
+    torch's dataloader.py with only queue, lock and pipe frames inside it (a dataset read in the main
+    process, num_workers=0, puts the user's own frames innermost instead)."""
+    frames = [path for path, _, _ in _FRAME_PARTS.findall(main_stack(hang) or "")]
+    for i in range(len(frames) - 1, -1, -1):
+        if _LOADER_FRAME.search(frames[i]):
+            return all(_WAIT_FRAME.search(f) or _LOADER_FRAME.search(f) for f in frames[i + 1 :])
+    return False
+
+
+_FRAME_PARTS = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
 def main_site(hang: Record) -> str | None:
@@ -132,5 +162,7 @@ def stuck_outside(
             continue
         if at_s is not None and not (start <= at_s <= resolved_s):
             continue
-        out[r] = Stuck(r, str(h.get("phase")), h.get("step"), main_site(h), start, main_blocked(h))
+        out[r] = Stuck(
+            r, str(h.get("phase")), h.get("step"), main_site(h), start, main_blocked(h), waits_for_loader(h)
+        )
     return out

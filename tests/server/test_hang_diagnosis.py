@@ -53,6 +53,40 @@ def test_a_rank_stuck_in_its_data_loader_is_the_culprit_of_its_peers_hang_and_of
     assert "alive, doing something else" not in missing.message
 
 
+LOADER_STACK = (
+    '  File "/proj/train.py", line 14, in <module>\n'
+    '  File "/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py", line 725, in __next__\n'
+    '  File "/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py", line 1291, in _try_get_data\n'
+    '  File "/usr/lib/python3.11/multiprocessing/queues.py", line 113, in get\n'
+    '  File "/usr/lib/python3.11/multiprocessing/connection.py", line 947, in wait\n'
+    '  File "/usr/lib/python3.11/selectors.py", line 415, in select\n'
+)
+"""torch 2.13: a main thread waiting for a batch its DataLoader worker never delivers (num_workers=1)."""
+
+
+@pytest.mark.parametrize(
+    ("stack", "loader"),
+    [
+        (LOADER_STACK, True),
+        # num_workers=0: the dataset runs in the main thread, its own line is innermost and says where.
+        (LOADER_STACK.replace("  File \"/usr/lib/python3.11/multiprocessing/queues.py", '  File "/proj/data.py", '
+         'line 9, in __getitem__\n  File "/usr/lib/python3.11/multiprocessing/queues.py'), False),
+    ],
+)  # fmt: skip
+def test_a_rank_whose_data_loader_workers_deliver_no_batch_is_said_to_wait_for_them(
+    stack: str, loader: bool
+) -> None:
+    job = started(2)
+    end = job.train(3)
+    waiting_in(job, 0, end + 5, 7, step=3)
+    job.add("hang", 1, end + 5, phase="idle", step=2, stalled_s=5.0, pending_buckets=[], inflight=[],
+            stacks=[{"thread": "MainThread", "stack": stack}], message="no progress", main_cpu_s=0.0)  # fmt: skip
+    hangs = {i.rank: i for i in diagnose(job.snapshot(), end + 6) if i.kind == "hang"}
+    said = "waiting inside its DataLoader for the next batch, which its worker processes did not deliver"
+    assert (said in hangs[0].message) is loader and (said in hangs[1].message) is loader
+    assert hangs[0].culprit_ranks == hangs[1].culprit_ranks == [1]
+
+
 @pytest.mark.parametrize(
     ("cpu_s", "said"),
     [
