@@ -56,10 +56,18 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.0f} B" if n < 1024 else f"{n / 1024:.0f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
 
 
+FEW_BUCKETS = 2
+"""At most this many buckets: the all-reduce waits for (nearly) the whole backward whatever their size."""
 SMALL_BUCKET_BYTES = 1 << 20
 MANY_BUCKETS = 8
 """This many buckets of a quarter of SMALL_BUCKET_BYTES or less: a bucket cap set too small."""
 """Below this median bucket size, splitting buckets further adds per-call cost rather than overlap."""
+
+
+def _median_of(rows: Sequence[dict[str, Any]], key: str) -> float | None:
+    """The median of ``key`` over the rows that have it, None when none has."""
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return statistics.median(values) if values else None
 
 
 def _overlap_section(
@@ -116,6 +124,23 @@ def _overlap_section(
                 f"(median {_fmt_bytes(median_bytes)}): each all-reduce pays a fixed cost whatever its size, so "
                 "fewer, larger buckets (a larger bucket_cap_mb; torch's default is 25) cut the communication "
                 "time, and more work per rank and step hides the rest"
+            )
+        elif (
+            bucket_bytes
+            and len(bucket_bytes) <= FEW_BUCKETS
+            and (backward := _median_of(synced, "backward_s"))
+            and backward >= 2 * (comm := statistics.median(s["comm_s"] for s in synced))
+        ):
+            # All of the gradients in one or two buckets: the all-reduce can only start near the end of
+            # the backward, however long the backward is. Splitting them lets it start earlier.
+            whole = sum(bucket_bytes)
+            verdict = (
+                f"most all-reduce time is exposed after backward: the gradients ({_fmt_bytes(whole)}) fit in "
+                f"{len(bucket_bytes)} bucket{'s' if len(bucket_bytes) > 1 else ''}, whose all-reduce starts only "
+                f"once the backward has produced all of {'their' if len(bucket_bytes) > 1 else 'its'} "
+                f"gradients; the backward ({_fmt_s(backward)}) is long enough to hide the communication "
+                f"({_fmt_s(comm)}): a smaller bucket_cap_mb (about {whole / 4 / (1 << 20):.2g}, four buckets) "
+                "starts the all-reduces while the backward still runs"
             )
         elif bucket_bytes and (median_bytes := statistics.median(bucket_bytes)) < SMALL_BUCKET_BYTES:
             verdict = (

@@ -80,6 +80,24 @@ def test_exposed_communication_with_buckets_already_small_does_not_advise_smalle
     assert "consider smaller buckets" in big
 
 
+def test_exposed_communication_of_one_bucket_beside_a_long_backward_advises_splitting_it() -> None:
+    from ddpscope.cli.report import _overlap_section
+
+    # 3,000 small parameters (258 KiB) in one bucket, a 60 ms backward, 4 ms of all-reduce after it.
+    step = {"rank": 0, "synced": True, "step_s": 0.105, "backward_s": 0.060, "comm_s": 0.004,
+            "exposed_comm_s": 0.004, "overlap_ratio": 0.0}  # fmt: skip
+    verdict = _overlap_section([step], [], [258 << 10])[-1]
+    assert "already small" not in verdict, verdict
+    assert (
+        "the gradients (258 KiB) fit in 1 bucket, whose all-reduce starts only once the backward" in verdict
+    )
+    assert "the backward (60.0 ms) is long enough to hide the communication (4.0 ms)" in verdict
+    assert "a smaller bucket_cap_mb (about 0.063, four buckets)" in verdict
+    # A backward too short to hide it: splitting would only add per-call cost.
+    short = _overlap_section([{**step, "backward_s": 0.005}], [], [258 << 10])[-1]
+    assert "already small" in short and "smaller bucket_cap_mb" not in short
+
+
 # A real faulthandler dump of a rank gloo aborted (a size mismatch): the abort came from a gloo thread,
 # so no thread is "Current" and the newest Python thread, ddpscope's watchdog, comes first.
 ABORT_DUMP = """Fatal Python error: Aborted
