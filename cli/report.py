@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ddpscope.agent.config import MAX_JOB_LENGTH, sanitized_job_id
 from ddpscope.cli.client import Client, CollectorError
 
 # C0/C1 control characters and DEL, except newline and tab which stacks legitimately contain, and the
@@ -231,10 +232,17 @@ def _stopped_section(stopped: Stopped, buckets: list[dict[str, Any]]) -> list[st
 
 
 def unknown_job(client: Client, job: str) -> LookupError:
-    """The error for a job the collector does not know, listing the jobs it does."""
-    return LookupError(
-        f"no job {safe(job)!r} at the collector (known jobs: {known_jobs(client.items('/api/v1/jobs'))})"
-    )
+    """The error for a job the collector does not know, listing the jobs it does; when the name is not a
+    valid job id, the id the agent reported that DDPSCOPE_JOB under instead (it warned so at start)."""
+    items = client.items("/api/v1/jobs")
+    stored = sanitized_job_id(job)
+    if stored != job and any(j.get("job") == stored for j in items):
+        return LookupError(
+            f"no job {safe(job)!r} at the collector: that is not a valid job id (no '/', no control "
+            f"characters, at most {MAX_JOB_LENGTH} characters), and ddpscope reported it as {safe(stored)!r}; "
+            f"ask for that one (ddpscope report {safe(stored)!r})"
+        )
+    return LookupError(f"no job {safe(job)!r} at the collector (known jobs: {known_jobs(items)})")
 
 
 def render_report(client: Client, job: str) -> tuple[str, int]:

@@ -49,6 +49,8 @@ def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         _post(proc.url, _restarted_job("cli-restarted"))
         _post(proc.url, _died_mid_step("cli-died"))
         _post(proc.url, synth_job(2, steps=12, buckets=3, job="cli-needless", find_unused=True))
+        # DDPSCOPE_JOB='team/exp-1' as the agent reports it (it warns: a job id has no '/').
+        _post(proc.url, synth_job(2, steps=4, buckets=1, job="team_exp-1"))
         yield proc.url
 
 
@@ -112,6 +114,7 @@ def test_jobs_lists_every_job_with_its_status(collector: str) -> None:
         "cli-restarted": "finished",
         "cli-died": "failed",
         "cli-needless": "finished",
+        "team_exp-1": "finished",
     }
 
 
@@ -154,6 +157,15 @@ def test_report_of_an_unknown_job_exits_four_and_lists_the_known_ones(collector:
     out = ddpscope("report", "no-such-job", "--url", collector)
     assert out.returncode == 4
     assert "no job 'no-such-job'" in out.stderr and "cli-healthy" in out.stderr
+
+
+def test_report_of_a_job_named_as_its_invalid_environment_value_names_the_id_it_was_reported_under(
+    collector: str,
+) -> None:
+    out = ddpscope("report", "team/exp-1", "--url", collector)
+    assert out.returncode == 4
+    assert "no job 'team/exp-1' at the collector: that is not a valid job id" in out.stderr
+    assert "ddpscope reported it as 'team_exp-1'; ask for that one" in out.stderr
 
 
 def test_export_writes_a_perfetto_trace_of_the_requested_steps(collector: str, tmp_path: Path) -> None:
