@@ -37,8 +37,8 @@ buffer broadcast before each forward (a wrapper around DDP's method) are recorde
 collectives, as the engine records its own: a rank waiting there for a peer stuck before its forward
 waits in a collective that peer never issued. The buffer broadcast is also counted as time blocked in
 a collective, not as the waiting rank's own forward (``BlockedTime``).
-Records name a rank and a step, not a model, so one model per process and job is measured; a second
-one is refused (see ``instrument``).
+Records name a rank and a step, not a model, so one model per process and job is measured: a second one
+takes over from the first (see ``instrument``), its steps numbered on from the first's.
 """
 
 from __future__ import annotations
@@ -104,9 +104,11 @@ def instrument(
     that already has a communication hook is refused (a hook's collectives do not show which bucket
     they reduce, so ddpscope times a hook by wrapping it): register nothing yourself and pass
     ``comm_hook``/``comm_state`` here instead. Instrumenting twice returns the model unchanged. One
-    model per process and job is measured: a second, different model is refused with ``ValueError``
-    unless the agent was configured with another job since (``ddpscope.agent.configure(job=...)``),
-    which detaches the previous model (measured again if instrumented again, unless it has a hook).
+    model per process and job is measured: a second, different model takes over and the previous one
+    trains on unmeasured (measured again if instrumented again, unless it has a hook). In the same job
+    (a model built again after unfreezing layers or re-creating the process group; a GAN's second model)
+    it says so in the log and numbers its steps on from the previous model's; under a job configured
+    since (``ddpscope.agent.configure(job=...)``) it starts from step 0.
     With ``DDPSCOPE_DISABLED=1`` nothing is attached (the user's ``comm_hook``, if given, is
     registered as torch would).
     """
@@ -136,10 +138,9 @@ def instrument(
         return ddp
     _refuse_unsupported(ddp)
     job = str(getattr(config, "job", ""))
-    if _current is not None:
-        _refuse_or_detach(_current, job)
+    first_step = 0 if _current is None else _take_over(_current, job)
     monitor.enable()  # recorder patches, rank_error hooks, hang watchdog: as the engine does
-    _current = Instrumentation(ddp, comm_hook, comm_state, job)
+    _current = Instrumentation(ddp, comm_hook, comm_state, job, first_step)
     setattr(ddp, _ATTR, _current)
     return ddp
 
@@ -148,25 +149,30 @@ _current: Instrumentation | None = None
 """The measured model of this process (one per process and job)."""
 
 
-def _refuse_or_detach(previous: Instrumentation, job: str) -> None:
-    """A second model: refused in the same job, where records carry no model and would mix under one
-    (rank, step); under a new job (``agent.configure(job=...)``, models measured one after the other,
-    as bench/end_to_end.py does) the previous model stops being measured."""
+def _take_over(previous: Instrumentation, job: str) -> int:
+    """Stop measuring ``previous`` for a new model; returns the step number the new model starts at.
+
+    Under another job (``agent.configure(job=...)``, models measured one after the other, as
+    bench/end_to_end.py does) the new model starts at 0. In the same job records carry no model, so the
+    new one numbers its steps on from the previous one's: a model built again (after unfreezing layers,
+    or after re-creating the process group) continues the job's steps; of a GAN's two models the one
+    instrumented last is measured. Said in the log, never raised: training goes on either way."""
+    previous.remove_hooks()
     if previous.job != job:
         logger.info(
             "ddpscope: job %s: no longer measuring the model instrumented for job %s", job, previous.job
         )
-        previous.remove_hooks()
-        return
-    raise ValueError(
-        f"instrument(): another DistributedDataParallel model is already instrumented in this process "
-        f"(job {job!r}). ddpscope measures one instrumented DDP model per process and job: its step "
-        "records, bucket layout and hang reports name a rank and a step, not a model, so a second "
-        "model's records would mix with the first's. Instrument only the model whose training you want "
-        "to observe (the others still train, unmeasured), or put the networks in one nn.Module under a "
-        "single DistributedDataParallel; to measure models one after the other, call "
-        "ddpscope.agent.configure(job=...) with a new job before instrumenting the next one."
+        return 0
+    logger.warning(
+        "ddpscope: instrument() of another DistributedDataParallel model in job %r: ddpscope now measures "
+        "this one (from step %d on) and no longer the previous one, which trains on unmeasured. It measures "
+        "one instrumented model per process and job (step records name a rank and a step, not a model): "
+        "for a model built again, nothing to do; for models trained side by side (a GAN), instrument only "
+        "the one to observe, or put them in one nn.Module under a single DistributedDataParallel.",
+        job,
+        previous.step_reached,
     )
+    return previous.step_reached
 
 
 def instrumentation(ddp: DistributedDataParallel) -> Instrumentation | None:
@@ -202,7 +208,12 @@ class Instrumentation:
     """The hooks and per-step state attached to one torch DDP model by ``instrument()``."""
 
     def __init__(
-        self, ddp: DistributedDataParallel, comm_hook: CommHook | None, comm_state: Any, job: str = ""
+        self,
+        ddp: DistributedDataParallel,
+        comm_hook: CommHook | None,
+        comm_state: Any,
+        job: str = "",
+        first_step: int = 0,
     ) -> None:
         self.ddp = ddp
         self.job = job
@@ -232,7 +243,7 @@ class Instrumentation:
         self._set_layout(read_layout(ddp, self._learner, self._base) or predict_initial(ddp, self._base))
 
         self.timer = StepTimer(self._rank, self._bucket_bytes)
-        self._step = 0
+        self._step = first_step
         """The number the next training forward gets (no_sync forwards count too, as in the engine)."""
         self._cur = 0
         self._synced = True
@@ -275,7 +286,7 @@ class Instrumentation:
                 static_graph=bool(getattr(ddp, "static_graph", False)),
             )
         )
-        self._emit_layout("initial")
+        self._emit_layout("initial", first_step)
 
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_param_hook(i)) for i, p in enumerate(params)
@@ -927,6 +938,11 @@ class Instrumentation:
             return hook
 
         ddp.join_hook = join_hook  # type: ignore[method-assign]
+
+    @property
+    def step_reached(self) -> int:
+        """The number this model's next training forward would get: where a model taking over goes on."""
+        return self._step
 
     def remove_hooks(self) -> None:
         """Detach the hooks and give torch's Reducer its own process group back (a user's comm hook

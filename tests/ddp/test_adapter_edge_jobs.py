@@ -94,13 +94,22 @@ def test_every_synced_step_after_the_rebuild_reports_torchs_buckets(accumulated:
 # -- a second model --------------------------------------------------------------------------------
 
 
-def test_a_second_model_in_the_same_job_is_refused_saying_what_is_supported(
-    accumulated: tuple[JobRun, Path],
+def test_a_second_model_in_the_same_job_takes_over_numbering_its_steps_on_from_the_first(
+    tmp_path: Path,
 ) -> None:
-    _, out = accumulated
-    message = result(out, 0)["refusal"]
-    assert "one instrumented DDP model per process" in message
-    assert "one nn.Module under a" in message and "configure(job=...)" in message
+    # A model built again (after unfreezing layers, after re-creating the process group): refusing it
+    # raised into training; its steps starting from 0 again would have mixed with the first model's.
+    job = run("takeover", tmp_path)
+    assert all(exited_cleanly(r) for r in job.results), job.output()
+    for rank in (0, 1):
+        assert result(tmp_path, rank)["first_detached"]
+        (warning,) = [w for w in result(tmp_path, rank)["warnings"] if "instrument() of another" in w]
+        assert "now measures this one (from step 8 on)" in warning and "trains on unmeasured" in warning
+        assert "instrument only the one to observe" in warning  # the GAN's case
+        # The first model's 8 steps, the second's 4 numbered on; the first's 4 more after are not measured.
+        assert [r["step"] for r in job.of(rank, "step")] == list(range(12))
+        initial = [lay["step"] for lay in job.of(rank, "layout") if lay["reason"] == "initial"]
+        assert initial == [0, 8]
 
 
 def test_instrumenting_the_same_model_again_still_returns_it(accumulated: tuple[JobRun, Path]) -> None:

@@ -7,9 +7,11 @@ what the test checks to OUT_DIR/rank<R>.json.
 
 Scenarios:
   accumulate  gradient accumulation: no_sync() on three steps of four, so torch rebuilds its buckets
-              in a no_sync() forward; torch's own logging data at the end. Then a second model:
-              refused in the same job, instrument() again on the first returns it, and, once the
-              agent is configured with another job (records to OUT_DIR/second<R>.jsonl), accepted.
+              in a no_sync() forward; torch's own logging data at the end. Then instrument() again on
+              the first returns it, and a second model under another job (records to
+              OUT_DIR/second<R>.jsonl) is measured alone.
+  takeover    a model trained 8 steps, then another model instrumented in the same job (one built again)
+              trained 4, then the first trained 4 more: the second takes over, its steps numbered on.
   peer_dies   rank 1 dies (os._exit) while rank 0 waits in a bucket all-reduce past the hang timeout.
   waits       a model with BatchNorm; rank 1 is slow before each forward (rank 0 waits for it in
               torch's buffer broadcast) and before the loss all-reduce after each step (rank 0 waits
@@ -80,11 +82,6 @@ def accumulate(rank: int, out_dir: str) -> dict[str, Any]:
         "reducer_parameters": list(state.layout.names),
     }
     other = DDP(mlp())
-    try:
-        instrument(other)
-        result["refusal"] = ""
-    except ValueError as e:
-        result["refusal"] = str(e)
     result["again_is_same"] = instrument(model) is model
     _capture.flush()
     # Models measured one after the other, each under its own job (bench/end_to_end.py does this).
@@ -102,6 +99,17 @@ def accumulate(rank: int, out_dir: str) -> dict[str, Any]:
     train(model, rank, SYNC_EVERY)
     agent.get_agent().force_flush(5.0)
     return result
+
+
+def takeover(rank: int, out_dir: str) -> dict[str, Any]:
+    logged = _capture.logged_warnings()
+    first = instrument(DDP(mlp(), bucket_cap_mb=0.1))
+    train(first, rank, 8)
+    state = instrumentation(first)
+    second = instrument(DDP(mlp(), bucket_cap_mb=0.1))  # built again: the same job goes on with it
+    train(second, rank, SYNC_EVERY)
+    train(first, rank, SYNC_EVERY)  # still trains, unmeasured
+    return {"warnings": logged, "first_detached": state is not None and state.detached}
 
 
 def peer_dies(rank: int, out_dir: str) -> dict[str, Any]:
@@ -198,6 +206,7 @@ def main() -> None:
     rank = dist.get_rank()
     scenarios = {
         "accumulate": accumulate,
+        "takeover": takeover,
         "peer_dies": peer_dies,
         "waits": waits,
         "join": join,
