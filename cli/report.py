@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ddpscope.agent.config import MAX_JOB_LENGTH, sanitized_job_id
+from ddpscope.agent.config import sanitized_job_id
+from ddpscope.agent.records import MAX_JOB_LENGTH
 from ddpscope.cli.client import Client, CollectorError
 
 # C0/C1 control characters and DEL, except newline and tab which stacks legitimately contain, and the
