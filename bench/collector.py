@@ -11,7 +11,7 @@
    median of the rounds' ratios (the machine is too noisy for one pair).
 3. **Query latency**: a collector on a database of 1 M step records (``--quick``: 100 k), p95 over
    HTTP of ``timeline?step=S``, ``steps?start=S&end=S+49`` (50 steps x all ranks) and ``stragglers``
-   (last 20 steps).
+   (last 20 steps); ``stalls`` (last 200 steps) beside them, with no target of its own.
 
 Targets on the 2-core machine: ingest >= 0.8 x the raw ceiling and >= 20 000 step records/s; p95 <= 50 ms.
 Prints the machine; writes bench/results/collector.json.
@@ -184,6 +184,8 @@ def query_latency(db_url: str, job: str, steps: int, repeats: int) -> dict[str, 
                 rng.randrange(steps - 50)
             ),
             "stragglers": lambda: f"/api/v1/jobs/{job}/stragglers",
+            # Ten times the steps /stragglers reads (200 against 20): no target of its own, measured beside.
+            "stalls": lambda: f"/api/v1/jobs/{job}/stalls",
         }
         for name, make in queries.items():
             times = []
