@@ -1,5 +1,6 @@
 """What torch's own DDP errors mean, where the message alone does not say: internal assertions a user
-cannot act on ("please report a bug to PyTorch") that known, reproducible usage triggers.
+cannot act on ("please report a bug to PyTorch") that known, reproducible usage triggers, and the
+checkpoint keys a DDP wrapper prefixes with ``module.``.
 
 Each entry was reproduced on torch 2.13 (gloo) before it went in; the advice names torch's issue.
 """
@@ -32,6 +33,18 @@ KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = (
         "the DDP model's forward, or several backward() calls before the optimizer step): make each "
         "iteration one forward through the DDP model and one backward, or pass static_graph=True if the "
         "graph is the same every iteration",
+    ),
+    (
+        re.compile(r'Unexpected key\(s\) in state_dict: "module\.'),
+        "the checkpoint was saved from the DistributedDataParallel wrapper, whose state_dict() prefixes every "
+        "key with 'module.', and is loaded into the bare model: save model.module.state_dict() instead, or "
+        "strip the prefix when loading (torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, "
+        "'module.'))",
+    ),
+    (
+        re.compile(r'Missing key\(s\) in state_dict: "module\.'),
+        "a checkpoint of the bare model (keys without 'module.') is loaded into the DistributedDataParallel "
+        "wrapper, whose keys carry that prefix: load it into model.module instead (or before wrapping)",
     ),
 )
 

@@ -1289,6 +1289,29 @@ def test_torch_s_marked_ready_twice_error_names_reentrant_checkpointing_and_its_
     assert "reentrant activation checkpointing" in err.message and "pass use_reentrant=False" in err.message
 
 
+@pytest.mark.parametrize(
+    ("message", "said"),
+    [
+        (
+            'Error(s) in loading state_dict for Sequential:\n\tMissing key(s) in state_dict: "0.weight", "0.bias". '
+            '\n\tUnexpected key(s) in state_dict: "module.0.weight", "module.0.bias". ',
+            "save model.module.state_dict() instead",
+        ),
+        (
+            "Error(s) in loading state_dict for DistributedDataParallel:\n\tMissing key(s) in state_dict: "
+            '"module.0.weight". \n\tUnexpected key(s) in state_dict: "0.weight". ',
+            "load it into model.module instead",
+        ),
+    ],
+)
+def test_a_checkpoint_loaded_across_the_ddp_wrapper_names_the_module_prefix(message: str, said: str) -> None:
+    job = started(2)
+    for r in (0, 1):
+        job.error(r, T0 + 1 + r * 0.001, message, step=None)
+    err = only(diagnose(job.snapshot(), T0 + 2), "rank_error")
+    assert said in err.message and "'module.'" in err.message
+
+
 def test_a_job_whose_heard_ranks_all_exited_names_the_ranks_never_heard_of_not_a_silence_of_0_s() -> None:
     # Launched with a WORLD_SIZE one too large: ranks 0 and 1 ran (then were stopped), rank 2 never existed.
     job = JobRecords(3)
