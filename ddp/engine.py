@@ -89,7 +89,7 @@ class _Interleaving:
         if last is not None and last() is model:
             return
         self.last = weakref.ref(model)
-        if last is None or last() is None or model._step == 0 or self.warned:
+        if last is None or last() is None or model._step == model._first_step or self.warned:
             return
         self.warned = True
         logger.warning(
@@ -102,6 +102,16 @@ class _Interleaving:
 
 
 _INTERLEAVING = _Interleaving()
+
+_MODELS: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+"""The engine models of this process: a model built while others live numbers its steps on from theirs."""
+
+
+def _first_step(job: str) -> int:
+    """The step a model built now starts at: where the live engine models of the same job have got to. A
+    model built again (after unfreezing layers, after re-creating the process group) continues the job's
+    steps instead of repeating its numbers; models built together (a GAN's two) all start at 0."""
+    return max((m._step for m in list(_MODELS) if m._job == job), default=0)
 
 
 def _check_unsupported(unsupported: dict[str, Any], module: nn.Module) -> None:
@@ -204,7 +214,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._rank = dist.get_rank(process_group)
         self._world = dist.get_world_size(process_group)
         self._global_rank = global_rank()
-        self._step = 0
+        self._job = str(getattr(agent.get_agent().config, "job", ""))
+        self._step = self._first_step = _first_step(self._job)
+        _MODELS.add(self)
 
         named = list(module.named_parameters())
         trainable = [(n, p) for n, p in named if p.requires_grad]

@@ -168,6 +168,18 @@ def test_an_accumulation_that_never_synchronises_while_the_optimizer_steps_is_ca
         assert "outside no_sync()" in record["message"]
 
 
+def test_a_model_wrapped_again_numbers_its_steps_on_and_models_wrapped_together_start_at_zero(
+    tmp_path,
+) -> None:
+    ranks = run_job("failures.py", 2, ["rebuilt"], tmp_path, timeout_s=90)
+    for rank in ranks:
+        # Each wrapper numbered from 0 before: steps 0, 1, 2, 0, 1 mixed two models in the per-step views.
+        assert [r["step"] for r in rank["records"] if r["kind"] == "step"] == [0, 1, 2, 3, 4]
+        initial = [r["step"] for r in rank["records"] if r["kind"] == "layout" and r["reason"] == "initial"]
+        assert initial == [0, 3]
+        assert rank["gan_first_steps"] == [0, 0]
+
+
 def digests_by_step(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return {r["step"]: r for r in records if r["kind"] == "replica_digest"}
 

@@ -18,6 +18,8 @@ Usage: failures.py SCENARIO OUTDIR
   ranks' copies of that layer still agree.
 - ``replicas``: rank 0 alone steps an LR scheduler after step 2, so the ranks' copies drift apart; a layer
   is added to the module after wrapping at step 5.
+- ``rebuilt``: a model trained 3 steps, then wrapped again (a new DistributedDataParallel of the same module,
+  as after unfreezing layers) and trained 2 more; then two models built together and trained in turn (a GAN).
 - ``never_synced``: a healthy accumulation of 40 micro-batches under ``no_sync()`` and one synced, then 40
   micro-batches all under ``no_sync()`` with an optimizer step after every second one (the synced last
   micro-batch forgotten).
@@ -263,6 +265,26 @@ def never_synced(rank: int) -> dict[str, Any]:
     return {"warnings": logged}
 
 
+def rebuilt(rank: int) -> dict[str, Any]:
+    """A model wrapped again mid-training: its steps go on from the first wrapper's."""
+    torch.manual_seed(0)
+    inner = Branchy()
+    first = DistributedDataParallel(inner)
+    for _ in range(3):
+        first(torch.randn(4, 8)).sum().backward()
+    second = DistributedDataParallel(inner)  # built again: the same job goes on with it
+    for _ in range(2):
+        second(torch.randn(4, 8)).sum().backward()
+    agent.configure(exporter=agent.InMemoryExporter(), job="failures-rebuilt-gan", rank=rank)
+    del first, second
+    generator, discriminator = DistributedDataParallel(Branchy()), DistributedDataParallel(Branchy())
+    gan = [generator._first_step, discriminator._first_step]
+    for _ in range(2):
+        generator(torch.randn(4, 8)).sum().backward()
+        discriminator(torch.randn(4, 8)).sum().backward()
+    return {"gan_first_steps": gan}
+
+
 def disabled(rank: int) -> dict[str, Any]:
     agent.configure(disabled=True)
     model = DistributedDataParallel(nn.Linear(4, 2))
@@ -284,6 +306,7 @@ def main() -> None:
         "bypass": bypass,
         "thawed": thawed,
         "never_synced": never_synced,
+        "rebuilt": rebuilt,
         "frozen_late": frozen_late,
         "cut_short": cut_short,
         "misaligned": misaligned,
