@@ -50,6 +50,15 @@ _prev_sigterm: Any = signal.SIG_DFL
 _prev_excepthook: Callable[..., Any] = sys.__excepthook__
 
 
+def exception_text(exc: BaseException) -> str:
+    """``str(exc)``, which user code can make raise (an exception class whose ``__str__`` fails): then
+    what the traceback module prints in its place, with the reason, so the error is still reported."""
+    try:
+        return str(exc)
+    except Exception as inner:
+        return f"<exception str() failed: {type(inner).__name__}>"
+
+
 def _no_agent() -> Any:
     return None
 
@@ -229,7 +238,7 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Traceback
                     "step": None,
                     "phase": "unknown",
                     "error_type": exc_type.__name__,
-                    "message": str(exc)[:2000],
+                    "message": exception_text(exc)[:2000],
                     "stack": "".join(traceback.format_exception(exc_type, exc, tb)),
                     "fatal": True,
                 }

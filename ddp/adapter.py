@@ -53,6 +53,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpscope import agent
 from ddpscope.agent import clock as agent_clock
+from ddpscope.agent import lifecycle
 from ddpscope.agent.clock import now_ns
 from ddpscope.agent.log import get_logger
 from ddpscope.ddp import monitor
@@ -440,7 +441,7 @@ class Instrumentation:
         note on the exception (shown in the user's traceback and shipped with the record) says so: torch's
         advice there is find_unused_parameters."""
         self._forwarding = False
-        unfinished = UNFINISHED_REDUCTION in str(exc)
+        unfinished = UNFINISHED_REDUCTION in lifecycle.exception_text(exc)
         if unfinished and self._cut_short is not None:
             with contextlib.suppress(Exception):
                 exc.add_note(f"ddpscope: {BACKWARD_CUT_SHORT.format(step=self._cut_short)}")

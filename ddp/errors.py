@@ -113,7 +113,7 @@ def report_error(
                 "step": step,
                 "phase": phase,
                 "error_type": type(exc).__name__,
-                "message": _bounded(str(exc)) or type(exc).__name__,
+                "message": _bounded(lifecycle.exception_text(exc)) or type(exc).__name__,
                 "stack": stack,
                 "fatal": fatal,
                 "partial_step": partial,

@@ -49,6 +49,23 @@ def test_report_error_emits_step_phase_type_message_and_stack(records: Records) 
     assert "fail_deep" in err["stack"] and err["stack"].rstrip().endswith("prior iteration")
 
 
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise ValueError("no text")
+
+
+def test_an_exception_whose_str_raises_is_still_reported_by_type_and_stack(records: Records) -> None:
+    # It was lost: report_error died on str(exc) and logged "could not report an error".
+    try:
+        raise _Unprintable()
+    except _Unprintable as exc:
+        assert errors.report_error(exc) is True
+    (err,) = records("rank_error")
+    assert err["error_type"] == "_Unprintable"
+    assert err["message"] == "<exception str() failed: ValueError>"
+    assert "raise _Unprintable()" in err["stack"]
+
+
 def test_the_same_exception_is_reported_once_per_fatality(records: Records) -> None:
     exc = ValueError("x")
     assert errors.report_error(exc) is True
