@@ -46,6 +46,11 @@ logger = logging.getLogger(__name__)
 
 JR = ["job", "rank"]
 
+DIVERGED_KINDS = ("replicas_diverged", "nonfinite_parameters", "unsynced_gradients")
+"""Incidents of ranks that no longer train one model: ``ddpscope_replicas_diverged`` is 1 while one holds. The
+last is the drift a digest cannot see (gradients never all-reduced: a step through ``model.module``, a second
+backward, every micro-batch under ``no_sync()``, a parameter added or unfrozen after wrapping)."""
+
 Clock = Callable[[], float]
 """Seconds on the collector's clock (``time.time``); tests pass their own."""
 
@@ -92,8 +97,9 @@ def _gauges() -> dict[str, GaugeMetricFamily]:
         ),
         "diverged": GaugeMetricFamily(
             "ddpscope_replicas_diverged",
-            "1 while the ranks' copies of the model differ, or hold NaN or infinite parameters (the "
-            "replicas_diverged and nonfinite_parameters incidents)",
+            "1 while the ranks' copies of the model differ, hold NaN or infinite parameters, or drift apart on "
+            "gradients DDP never all-reduced (the replicas_diverged, nonfinite_parameters and unsynced_gradients "
+            "incidents)",
             labels=["job"],
         ),
     }
@@ -201,9 +207,7 @@ class StorageCollector(Collector):
         # Active only: after a restart the old processes' mismatch is history and must stop paging.
         active = [i.kind for i in diagnose(snap, now_s) if i.active]
         mism.add_metric([job], float(active.count("mismatch")))
-        g["diverged"].add_metric(
-            [job], float(any(k in ("replicas_diverged", "nonfinite_parameters") for k in active))
-        )
+        g["diverged"].add_metric([job], float(any(k in DIVERGED_KINDS for k in active)))
         totals: dict[tuple[int, str, str], int] = {}
         for stats in self.storage.fetch_records(job, ["agent_stats"]):
             for key, n in stats["dropped"].items():

@@ -232,6 +232,19 @@ def test_a_mismatch_of_the_processes_before_a_restart_stops_counting(client):
     assert value(samples, "ddpscope_collective_mismatches_total", "fixed") == 0.0
 
 
+def test_replicas_diverged_is_1_while_a_rank_trains_on_gradients_ddp_never_all_reduced(client):
+    # Every micro-batch under no_sync() while the optimizer steps: the digests follow syncs and see nothing.
+    records = synth_job(2, 6, 2, job="unsynced", finished=False)
+    t_ns = max(r["time_ns"] for r in records)
+    feed(client, records)
+    assert value(scrape(client, last_s(records) + 1), "ddpscope_replicas_diverged", "unsynced") == 0.0
+    warned = [extra("unsynced", r, "warning", t_ns + 1, 1, step=40, code="unsynced_gradients",
+                    message="the last 32 training forwards ran without a synchronised backward", parameters=["w"])
+              for r in (0, 1)]  # fmt: skip
+    feed(client, warned)
+    assert value(scrape(client, last_s(warned) + 1), "ddpscope_replicas_diverged", "unsynced") == 1.0
+
+
 def test_replicas_diverged_is_1_while_the_ranks_copies_differ_and_0_once_they_agree_again(client):
     records = synth_job(2, 6, 2, job="drift", finished=False)
     t_ns = max(r["time_ns"] for r in records)
