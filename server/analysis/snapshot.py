@@ -258,7 +258,8 @@ def _relaunched_unstarted(
         if process_stream(stream) == process_stream(starts[rank][0] or ""):
             continue
         seen = firsts.setdefault(rank, {})
-        seen[stream] = min(seen.get(stream, rec["time_ns"]), rec["time_ns"])
+        own = process_stream(stream)  # a crash report of the new process is that process
+        seen[own] = min(seen.get(own, rec["time_ns"]), rec["time_ns"])
     return {rank: max(seen.items(), key=lambda kv: kv[1]) for rank, seen in firsts.items()}
 
 
