@@ -72,6 +72,7 @@ from ddpscope.server.analysis.collective_diagnosis import (
     missing_incidents,
     sync_schedule_incidents,
 )
+from ddpscope.server.analysis.crash_loop import note_crash_loop
 from ddpscope.server.analysis.hang_diagnosis import hang_incidents, tags_differ, through_past_waits
 from ddpscope.server.analysis.incident_model import (
     STOP_SIGNALS,
@@ -239,6 +240,7 @@ def diagnose(
     out += replica_incidents(snapshot)
     out += model_incidents(snapshot)
     out += settings
+    note_crash_loop(out, snapshot, previous)
     out += _before_restart_incidents(previous, restart_s, silent_after_s)
     name_groups(out, colls.group_ranks)
     out.sort(key=lambda i: (i.time_s if i.time_s is not None else now_s, i.kind, i.rank or 0))
