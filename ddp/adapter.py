@@ -56,7 +56,7 @@ from ddpscope.agent import clock as agent_clock
 from ddpscope.agent import lifecycle
 from ddpscope.agent.clock import now_ns
 from ddpscope.agent.log import get_logger
-from ddpscope.ddp import monitor
+from ddpscope.ddp import monitor, peer_presence
 from ddpscope.ddp.adapter_group import ObservedGroup
 from ddpscope.ddp.adapter_layout import (
     Layout,
@@ -66,7 +66,7 @@ from ddpscope.ddp.adapter_layout import (
     read_layout,
     reducer_parameters,
 )
-from ddpscope.ddp.clock import estimate_offset
+from ddpscope.ddp.clock import ClockEstimate, estimate_offset
 from ddpscope.ddp.collectives import (
     RECORDER,
     PlannedCollective,
@@ -229,7 +229,18 @@ class Instrumentation:
         self._plans: dict[tuple[int, int, Any], PlannedCollective] = {}
         """(bucket index, numel, dtype) -> its all-reduce's recorder plan (see ``_plan``)."""
 
-        estimate = estimate_offset(self._group)
+        absent = peer_presence.missing(self._group)
+        if absent:
+            # They would never join the ping-pong: train on with this rank's own clock (one host's ranks
+            # share one; across hosts the timelines may be offset by the hosts' difference).
+            logger.warning(
+                "ddpscope: ranks %s run without ddpscope (DDPSCOPE_DISABLED set on their node only?): they are "
+                "not observed, and the clocks are not aligned. Set DDPSCOPE_DISABLED alike on every rank.",
+                absent,
+            )
+            estimate = ClockEstimate(0, 0, 0)
+        else:
+            estimate = estimate_offset(self._group)
         agent_clock.set_offset(estimate.offset_ns, estimate.error_ns)
 
         params, names = reducer_parameters(ddp)

@@ -25,7 +25,7 @@ from torch.nn.parameter import is_lazy
 from ddpscope import agent
 from ddpscope.agent import clock as agent_clock
 from ddpscope.agent.log import get_logger
-from ddpscope.ddp import monitor
+from ddpscope.ddp import monitor, peer_presence, watchdog
 from ddpscope.ddp.broadcast import broadcast_coalesced
 from ddpscope.ddp.clock import estimate_offset
 from ddpscope.ddp.collectives import disabled
@@ -102,6 +102,13 @@ class _Interleaving:
 
 
 _INTERLEAVING = _Interleaving()
+
+WITHOUT_DDPSCOPE = (
+    "DistributedDataParallel: ranks {ranks} run without ddpscope (DDPSCOPE_DISABLED set in their "
+    "environment, on their node only?), so their DistributedDataParallel is torch's own, whose construction "
+    "and gradient all-reduces differ from ddpscope's engine: the job would hang. Set DDPSCOPE_DISABLED alike "
+    "on every rank (or use torch's DDP with ddpscope.ddp.instrument(), which trains on beside such ranks)."
+)
 
 _MODELS: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
 """The engine models of this process: a model built while others live numbers its steps on from theirs."""
@@ -226,6 +233,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
 
         self._frozen = FrozenAtWrap(module, self._global_rank)
+        # Before ddpscope's first collective: ranks without ddpscope run torch's own DDP, which never
+        # joins it, and would leave these ranks waiting until the group's timeout.
+        absent = peer_presence.missing(process_group, wait_s=watchdog.hang_timeout_setting())
+        if absent:
+            raise RuntimeError(WITHOUT_DDPSCOPE.format(ranks=absent))
         estimate = estimate_offset(process_group)
         agent_clock.set_offset(estimate.offset_ns, estimate.error_ns)
         buffers = list(module.named_buffers()) if broadcast_buffers else []

@@ -26,7 +26,7 @@ from typing import Any
 
 from ddpscope.agent import adopt_rank
 from ddpscope.agent.log import get_logger
-from ddpscope.ddp import collectives, errors, job_check, watchdog
+from ddpscope.ddp import collectives, errors, job_check, peer_presence, watchdog
 from ddpscope.ddp.progress import PROGRESS
 
 logger = get_logger(__name__)
@@ -56,6 +56,7 @@ def enable(
         timeout_s=hang_timeout_s, heartbeat_s=heartbeat_s, first_heartbeat_s=first_heartbeat_s
     )
     job_check.start(delay_s=first_heartbeat_s)  # returns at once, never raises
+    peer_presence.announce()  # one store write; peers building a model look for it (never raises)
     return dog
 
 

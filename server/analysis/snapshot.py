@@ -235,32 +235,44 @@ def process_starts(snapshot: JobSnapshot) -> dict[int, tuple[str | None, int]]:
 def _relaunched_unstarted(
     snapshot: JobSnapshot, starts: Mapping[int, tuple[str | None, int]]
 ) -> dict[int, tuple[str, int]]:
-    """Ranks whose latest process exited (``rank_exit``) after its ``rank_start`` and that then reported
-    from another process that never sent one: ``{rank: (its stream, its first record's time)}``, the
-    newest such process. A process's own derived streams (``<stream>.crash``, ``<stream>.shipper-<pid>``)
-    are the same process."""
-    exits: dict[int, int] = {}
-    """rank -> when its started process exited."""
+    """Ranks with a process that began after another process of the rank had exited (``rank_exit``), and
+    later than the rank's latest ``rank_start``, whose own process must be one that exited: a restart that
+    never reached its DDP model (a torchrun restart failing in ``init_process_group``, a job rerun under
+    the same id that fails in its set-up again). ``{rank: (that process's stream, its first record's
+    time)}``, the newest such process. A process's derived streams (``<stream>.crash``,
+    ``<stream>.shipper-<pid>``) are that process."""
+    exits: dict[int, dict[str, int]] = {}
+    """rank -> process -> when it exited."""
     for e in snapshot.rank_exits:
-        start = starts.get(e["rank"])
-        if (
-            start is not None
-            and start[0] is not None
-            and process_stream(e["stream"]) == process_stream(start[0])
-        ):
-            exits[e["rank"]] = max(exits.get(e["rank"], 0), e["time_ns"])
+        own = exits.setdefault(e["rank"], {})
+        process = process_stream(str(e["stream"]))
+        own[process] = max(own.get(process, 0), e["time_ns"])
     firsts: dict[int, dict[str, int]] = {}
-    records = [*snapshot.heartbeats.values(), *(r for f in PER_PROCESS for r in getattr(snapshot, f))]
-    for rec in records:
+    """rank -> process -> its first record's time, for the ranks with an exit."""
+    for rec in [*snapshot.heartbeats.values(), *(r for f in PER_PROCESS for r in getattr(snapshot, f))]:
         rank, stream = rec["rank"], rec.get("stream")
-        if rank not in exits or stream is None or rec["time_ns"] <= exits[rank]:
-            continue
-        if process_stream(stream) == process_stream(starts[rank][0] or ""):
-            continue
-        seen = firsts.setdefault(rank, {})
-        own = process_stream(stream)  # a crash report of the new process is that process
-        seen[own] = min(seen.get(own, rec["time_ns"]), rec["time_ns"])
-    return {rank: max(seen.items(), key=lambda kv: kv[1]) for rank, seen in firsts.items()}
+        if rank in exits and stream is not None:
+            seen = firsts.setdefault(rank, {})
+            process = process_stream(str(stream))
+            seen[process] = min(seen.get(process, rec["time_ns"]), rec["time_ns"])
+    out: dict[int, tuple[str, int]] = {}
+    for rank, seen in firsts.items():
+        start = starts.get(rank)
+        if start is not None and start[0] is None:
+            continue  # left out by the newest launch: its records are the earlier run's
+        started = None if start is None else process_stream(start[0] or "")
+        ended = exits[rank]
+        later = [
+            (t, process)
+            for process, t in seen.items()
+            if process != started
+            and (start is None or (t > start[1] and ended.get(started or "", t) < t))
+            and any(other != process and end < t for other, end in ended.items())
+        ]
+        if later:
+            t, process = max(later)
+            out[rank] = (process, t)
+    return out
 
 
 _DERIVED_STREAM = re.compile(r"\.(?:crash|shipper-\d+)$")

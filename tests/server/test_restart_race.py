@@ -97,3 +97,23 @@ def test_a_crash_report_the_shipper_sends_after_the_exit_is_the_same_process_not
     job.records.append(rec)
     incidents = diagnose(job.snapshot(), end + 1)
     assert not any(i.message.startswith("Before the ranks restarted") for i in incidents), incidents
+
+
+def test_a_rerun_that_fails_in_set_up_again_is_told_apart_from_the_run_before_though_neither_started() -> (
+    None
+):
+    # Both runs died before any rank built its model (no rank_start at all): the second's records were
+    # filed with the first's, and its hang read as lasting through both.
+    job = JobRecords(2)
+    t = 1_700_000_000.0
+    for r in (0, 1):
+        job.error(r, t + 1, f"first run's error on rank {r}", step=None)
+        job.exit(r, t + 1.1, reason="error", step=None)
+        job._incarnation[r] = 2
+    for r in (0, 1):
+        job.error(r, t + 60, f"second run's error on rank {r}", step=None)
+    incidents = diagnose(job.snapshot(), t + 61)
+    current = [i for i in incidents if i.active]
+    history = [i for i in incidents if not i.active]
+    assert current and all("second run" in i.message and "first run" not in i.message for i in current)
+    assert history and all(i.message.startswith("Before the ranks restarted") for i in history)
