@@ -56,7 +56,7 @@ from ddpscope.agent import clock as agent_clock
 from ddpscope.agent import lifecycle
 from ddpscope.agent.clock import now_ns
 from ddpscope.agent.log import get_logger
-from ddpscope.ddp import monitor, peer_presence
+from ddpscope.ddp import monitor, peer_presence, watchdog
 from ddpscope.ddp.adapter_group import ObservedGroup
 from ddpscope.ddp.adapter_layout import (
     Layout,
@@ -229,7 +229,9 @@ class Instrumentation:
         self._plans: dict[tuple[int, int, Any], PlannedCollective] = {}
         """(bucket index, numel, dtype) -> its all-reduce's recorder plan (see ``_plan``)."""
 
-        absent = peer_presence.missing(self._group)
+        absent = peer_presence.missing(
+            self._group, min(peer_presence.WAIT_S, watchdog.hang_timeout_setting())
+        )
         if absent:
             # They would never join the ping-pong: train on with this rank's own clock (one host's ranks
             # share one; across hosts the timelines may be offset by the hosts' difference).

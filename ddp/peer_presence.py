@@ -27,7 +27,8 @@ from ddpscope.ddp.groups import global_rank, pg_name
 logger = get_logger(__name__)
 
 WAIT_S = 30.0
-"""How long a rank waits for its group's announcements before deciding some peers run without ddpscope."""
+"""How long ``instrument()`` waits for its group's announcements (at most; the hang timeout if shorter)
+before deciding some peers run without ddpscope. The engine waits the hang timeout: it refuses then."""
 POLL_FIRST_S, POLL_MAX_S = 0.01, 1.0
 
 _decisions: dict[str, int] = {}
