@@ -230,6 +230,13 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("host_cpus", INT, required=False, doc="the host's CPUs (os.cpu_count())"),
         Field("cpus_allowed", INT, required=False, doc="the CPUs the rank's affinity allows it"),
         Field("threads", INT, required=False, doc="the rank's intra-op threads (torch.get_num_threads())"),
+        Field(
+            "unobserved_ranks",
+            INTS,
+            required=False,
+            doc="global ranks of the model's DDP group that run without ddpscope (DDPSCOPE_DISABLED on their "
+            "node: they never said otherwise in the store), so nothing of them is sent; absent when none",
+        ),
     ),
     # The bucket layout, at start-up ("initial") and whenever buckets are rebuilt ("rebuilt").
     "layout": (

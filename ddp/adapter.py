@@ -298,6 +298,7 @@ class Instrumentation:
                 bucket_cap_mb=float(ddp.bucket_bytes_cap) / _MIB,
                 clock=estimate,
                 static_graph=bool(getattr(ddp, "static_graph", False)),
+                unobserved_ranks=absent,
             )
         )
         self._emit_layout("initial", first_step)

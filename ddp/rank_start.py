@@ -17,6 +17,7 @@ import importlib.metadata
 import os
 import platform
 import socket
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -91,6 +92,7 @@ def rank_start_record(
     bucket_cap_mb: float,
     clock: ClockEstimate,
     static_graph: bool = False,
+    unobserved_ranks: Sequence[int] = (),
 ) -> dict[str, Any]:
     """A ``rank_start`` record ready for ``agent.emit()``; warns (once) when the process group would time
     out before the hang watchdog reports.
@@ -126,6 +128,7 @@ def rank_start_record(
         **timeouts,
         "check_gradients": gradient_check_enabled(),
         **_cpu_share(),
+        **({"unobserved_ranks": [int(r) for r in unobserved_ranks]} if unobserved_ranks else {}),
     }
 
 

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpscope.agent.rank_spans import ranks_text
-from ddpscope.server.analysis.incident_model import Incident, Record, record_s
+from ddpscope.server.analysis.incident_model import Incident, Record, capitalized, ranks_phrase, record_s
 from ddpscope.server.analysis.snapshot import PER_PROCESS, JobSnapshot, split_restart
+from ddpscope.server.analysis.status import unobserved_ranks
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +112,9 @@ def settings_incidents(snapshot: JobSnapshot) -> list[Incident]:
     if diffs:  # rare: only then is it worth dividing the records at a restart (every scrape diagnoses)
         starts = _with_heartbeat_sizes(current_starts(snapshot), snapshot.heartbeats)
         diffs = _all_differences(starts)
+    unobserved = sorted(unobserved_ranks(snapshot) - set(snapshot.ranks))
     if not diffs:
-        return []
+        return [_unobserved_incident(unobserved, starts)] if unobserved else []
     culprits = sorted({r for d in diffs for r in d.odd})
     advice = []
     for rule in RULES:
@@ -127,6 +129,9 @@ def settings_incidents(snapshot: JobSnapshot) -> list[Incident]:
         "The ranks disagree on settings that must be the same on every rank: "
         f"{'; '.join(_describe(d) for d in diffs)}. {' '.join(advice)}"
     )
+    if unobserved:
+        message += f" {_unobserved_sentence(unobserved)}"
+        culprits = sorted({*culprits, *unobserved})
     compared = {r for d in diffs for rs in d.holders.values() for r in rs}
     return [
         Incident(
@@ -137,6 +142,26 @@ def settings_incidents(snapshot: JobSnapshot) -> list[Incident]:
             time_s=max(record_s(starts[r]) for r in compared),
         )
     ]
+
+
+def _unobserved_sentence(ranks: list[int]) -> str:
+    return (
+        f"{capitalized(ranks_phrase(ranks))} {'runs' if len(ranks) == 1 else 'run'} without ddpscope "
+        "(DDPSCOPE_DISABLED set on that node only?): the others found no word of it in the store, so what runs "
+        "there trains unobserved (no steps, hang reports or errors of theirs) and the clocks were not aligned. Set "
+        "DDPSCOPE_DISABLED alike on every rank."
+    )
+
+
+def _unobserved_incident(ranks: list[int], starts: Mapping[int, Record]) -> Incident:
+    """The ``settings_differ`` incident for ranks running without ddpscope beside ranks running it."""
+    return Incident(
+        kind="settings_differ",
+        message=_unobserved_sentence(ranks),
+        rank=ranks[0] if len(ranks) == 1 else None,
+        culprit_ranks=ranks,
+        time_s=min((record_s(s) for s in starts.values()), default=None),
+    )
 
 
 def _with_heartbeat_sizes(

@@ -199,6 +199,11 @@ def _s(record: Mapping[str, Any]) -> float:
     return float(record["time_ns"]) / 1e9
 
 
+def unobserved_ranks(snapshot: JobSnapshot) -> set[int]:
+    """Ranks some rank's ``rank_start`` names as running without ddpscope (``unobserved_ranks``)."""
+    return {int(r) for start in snapshot.ranks.values() for r in start.get("unobserved_ranks") or ()}
+
+
 def liveness(
     snapshot: JobSnapshot,
     now_s: float,
@@ -211,7 +216,9 @@ def liveness(
     snapshot = split_restart(snapshot)[0]
     seen_ranks = set(snapshot.rank_last_seen_s) | set(snapshot.heartbeats) | set(snapshot.ranks)
     seen_ranks |= named_ranks(snapshot.collectives)
-    ranks = sorted(set(range(snapshot.world_size)) | seen_ranks)
+    # Ranks a started rank found running without ddpscope send nothing by design: not silent, not waited for.
+    heard = set(snapshot.rank_last_seen_s) | set(snapshot.heartbeats) | set(snapshot.ranks)
+    ranks = sorted((set(range(snapshot.world_size)) | seen_ranks) - (unobserved_ranks(snapshot) - heard))
     live = Liveness(
         now_s=now_s,
         silent_after_s=silent_after_s,
