@@ -35,6 +35,13 @@ KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = (
         "graph is the same every iteration",
     ),
     (
+        re.compile(r"element 0 of tensors does not require grad and does not have a grad_fn"),
+        "the loss has no autograd graph: the forward ran with autograd off (torch.no_grad() or "
+        "torch.set_grad_enabled(False) still in force, say after an evaluation on this rank only, or "
+        "model.eval() code that turned it off) or the loss was detached; re-enable autograd before the "
+        "training forward (torch.set_grad_enabled(True), or scope the evaluation in a with torch.no_grad(): block)",
+    ),
+    (
         re.compile(r'Unexpected key\(s\) in state_dict: "module\.'),
         "the checkpoint was saved from the DistributedDataParallel wrapper, whose state_dict() prefixes every "
         "key with 'module.', and is loaded into the bare model: save model.module.state_dict() instead, or "
