@@ -139,6 +139,8 @@ _TORCH_MODEL_DIFFERS = re.compile(
 every rank raises it, and only all the messages together tell the odd rank (``_odd_models``)."""
 _LAYOUT_DIFFERS = re.compile(r"Ranks \[([\d, ]+)\] differ from rank \d+")
 """The engine's construction-time check: every rank raises it, naming the ranks whose model differs."""
+_WITHOUT_DDPSCOPE = re.compile(r"DistributedDataParallel: ranks \[([\d, ]+)\] run without ddpscope")
+"""The engine's refusal of peers that run without ddpscope (``ddp/peer_presence.py``): they are the cause."""
 FROZEN_AFTER_WRAP = "frozen (requires_grad=False) after"
 """What the engines' missing-gradient errors (and ddpscope's note on torch's) say of parameters frozen after
 wrapping (``ddp/drift.py``)."""
@@ -190,7 +192,7 @@ def _named(error: Record) -> _Named | None:
     m = MONITORED_BARRIER.search(message)
     if m:
         return _Named(tuple(int(r) for r in re.findall(r"\d+", m.group(1))), ())
-    m = _LAYOUT_DIFFERS.search(message)
+    m = _LAYOUT_DIFFERS.search(message) or _WITHOUT_DDPSCOPE.search(message)
     if m:
         return _Named(tuple(int(r) for r in re.findall(r"\d+", m.group(1))), ())
     m = _TORCH_UNUSED.search(message)

@@ -33,3 +33,12 @@ def test_a_rank_named_unobserved_that_reports_after_all_is_judged_like_any_other
     job, t = half_observed(2)
     job.start(1, T0 + 0.5)  # it did run ddpscope (it started late): its records count again
     assert "settings_differ" not in kinds(diagnose(job.snapshot(), t))
+
+
+def test_the_engines_refusal_of_a_peer_without_ddpscope_blames_that_peer_not_the_rank_that_raised() -> None:
+    from ddpscope.ddp.engine import WITHOUT_DDPSCOPE
+
+    job = JobRecords(2)
+    job.error(0, T0 + 5, WITHOUT_DDPSCOPE.format(ranks=[1]), step=None)
+    (incident,) = [i for i in diagnose(job.snapshot(), T0 + 6) if i.kind == "rank_error"]
+    assert incident.culprit_ranks == [1] and "The cause is on rank 1" in incident.message
