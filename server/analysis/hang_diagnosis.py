@@ -255,7 +255,10 @@ class _HangReading:
         if rank not in self.live.last_alive_s:
             # Known only from its peers' point-to-point or group records: stuck or slow before anything
             # ddpscope measures (its set-up, a process group it creates), or never started.
-            return "; it has never reported: it is stuck or slow before its first measured collective, or not running"
+            return (
+                "; it has never reported: it is stuck or slow before its first measured collective, or not "
+                "running (or running without ddpscope: DDPSCOPE_DISABLED set on its node)"
+            )
         return ""
 
     def incident(
