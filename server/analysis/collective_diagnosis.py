@@ -323,7 +323,9 @@ def _threads_race(incident: Incident, snapshot: JobSnapshot, blame: dict[int, st
     return incident
 
 
-def sync_schedule_incidents(colls: CollectiveIndex, blame: dict[int, str]) -> list[Incident]:
+def sync_schedule_incidents(
+    colls: CollectiveIndex, blame: dict[int, str], mismatches: Sequence[Incident] = ()
+) -> list[Incident]:
     """Ranks that reduce gradients after different numbers of steps (``no_sync`` accumulation counts
     that differ per rank): every engine all-reduce still pairs op for op, so nothing else sees it,
     but each averages a different number of micro-batches per rank (silently wrong gradients), and
@@ -348,9 +350,10 @@ def sync_schedule_incidents(colls: CollectiveIndex, blame: dict[int, str]) -> li
             for r, q in ranks.items()
         }
         common = sorted(set.intersection(*(set(q) for q in engine.values()))) if len(engine) > 1 else []
-        # Past the first number where the ranks' calls disagree, the calls no longer pair: that mismatch
-        # is the finding (a setting that differs, a skipped collective), not the steps its records carry.
-        disagree = _first_disagreement(ranks, common[-1]) if common else None
+        # Past the first number where the ranks' calls disagree (``mismatches``: mismatch_incidents' finding
+        # on this group), the calls no longer pair: that mismatch is the finding (a setting that differs, a
+        # skipped collective), not the steps its records carry.
+        disagree = min((i.seq for i in mismatches if i.pg == pg and i.seq is not None), default=None)
         common = [s for s in common if disagree is None or s < disagree]
         for before, seq in zip(common, common[1:], strict=False):
             moved = {r: q[seq] - q[before] for r, q in engine.items()}
@@ -398,16 +401,6 @@ def sync_schedule_incidents(colls: CollectiveIndex, blame: dict[int, str]) -> li
                 blame.setdefault(r, "synchronizes gradients after a different number of steps")
             break
     return out
-
-
-def _first_disagreement(ranks: Mapping[int, Mapping[int, Record]], upto: int) -> int | None:
-    """The lowest sequence number up to ``upto`` at which the ranks that issued it issued different calls."""
-    issued = sorted({s for q in ranks.values() for s in q if s <= upto})
-    for seq in issued:
-        calls = [q[seq] for q in ranks.values() if seq in q]
-        if len(calls) > 1 and len({signature(c, root=False) for c in calls}) > 1:
-            return seq
-    return None
 
 
 def _sync_period(steps_by_seq: Mapping[int, int]) -> int | None:

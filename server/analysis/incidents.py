@@ -229,7 +229,7 @@ def diagnose(
     out += _early_exit_incidents(snapshot, live, blame)
     mismatches = mismatch_incidents(colls, snapshot, blame)
     out += mismatches
-    out += sync_schedule_incidents(colls, blame)
+    out += sync_schedule_incidents(colls, blame, mismatches)
     graph = WaitGraph(colls, live, {(i.pg, i.seq): i.culprit_ranks for i in mismatches if i.pg and i.seq})
     out += deadlock_incidents(graph, blame)
     missing = missing_incidents(colls, live, snapshot, blame, graph)
