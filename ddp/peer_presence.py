@@ -3,8 +3,8 @@
 ``DDPSCOPE_DISABLED=1`` on some nodes only (an image or a launcher script that differs) leaves those ranks
 without ddpscope: they never join the clock ping-pong ddpscope runs when a DDP model is built, so their
 peers waited in it until the process group's timeout and the job died of ddpscope. The ranks that run it
-say so in the default group's c10d store before building a model (``announce``, as soon as the group exists,
-so a peer slow to reach its model has long said it); ``missing`` waits a bounded time for every member of a
+say so in the default group's c10d store (``announce``, from ``monitor.enable``: as soon as the group exists,
+so a peer slow to reach its model has long said it, and in any case before the model that asks); ``missing`` waits a bounded time for every member of a
 DDP group to have said so, and one decision per model built on that group (``compare_set`` on one key: the
 first rank to decide decides for all, so a rank that arrives late cannot run the ping-pong its peers
 skipped). ``instrument()`` then skips the ping-pong and trains on; ddpscope's engine refuses, since the
@@ -72,7 +72,6 @@ def _missing(group: Any, wait_s: float) -> list[int]:
     store = _store()
     if store is None or dist.get_world_size(group) < 2:
         return []
-    announce()
     members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     name = pg_name(group)
     built = _decisions.get(name, 0)
@@ -81,17 +80,19 @@ def _missing(group: Any, wait_s: float) -> list[int]:
     decision_key = f"{_prefix()}decision/{name}/{built}"
     deadline = time.monotonic() + wait_s
     pause = POLL_FIRST_S
-    absent = members
+    absent: list[int] = []
     while True:
+        # One round trip a look (``check`` is true when every key exists); each member's own key is read
+        # only at the deadline, to name the missing: no O(world) reads at start-up.
         decided = store.check([decision_key])
-        if decided:
+        if decided or store.check(keys):
             break
-        absent = [r for r, k in zip(members, keys, strict=True) if not store.check([k])]
-        if not absent or time.monotonic() >= deadline:
+        if time.monotonic() >= deadline:
+            absent = [r for r, k in zip(members, keys, strict=True) if not store.check([k])]
             break
         time.sleep(pause)
         pause = min(pause * 2, POLL_MAX_S)
-    mine = ",".join(map(str, absent)) if not decided else ""
+    mine = ",".join(map(str, absent))
     # The first decision stands: a late rank follows what its peers did ("" = every rank runs ddpscope).
     value = store.compare_set(decision_key, "", mine or "none") if not decided else store.get(decision_key)
     text = value.decode() if isinstance(value, bytes) else str(value)
