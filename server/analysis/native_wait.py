@@ -25,7 +25,8 @@ from ddpscope.agent.torch_waits import TorchWait, blocked, torch_wait
 
 Record = Mapping[str, Any]
 
-_LAST_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+"""One frame of a formatted stack: its path, line and function."""
 
 
 def native_wait(hang: Record) -> TorchWait | None:
@@ -60,7 +61,7 @@ def main_stack(hang: Record) -> str | None:
 
 def _innermost(stack: str | None) -> tuple[str, str] | None:
     """(file, function) of a formatted stack's innermost frame (traceback order: the last one)."""
-    frames = _LAST_FRAME.findall(stack or "")
+    frames = FRAME.findall(stack or "")
     if not frames:
         return None
     path, _, function = frames[-1]

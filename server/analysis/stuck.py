@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ddpscope.server.analysis.incident_model import Record, phase_words, record_s, user_frame
-from ddpscope.server.analysis.native_wait import exiting, main_blocked, main_stack, native_wait
+from ddpscope.server.analysis.native_wait import FRAME, exiting, main_blocked, main_stack, native_wait
 from ddpscope.server.analysis.snapshot import JobSnapshot
 
 FROM_HANG_REPORT = " (its hang report)"
@@ -76,14 +76,11 @@ def waits_for_loader(hang: Record) -> bool:
     """The main thread's innermost frames are a DataLoader waiting on its workers' queue: a frame of
     torch's dataloader.py with only queue, lock and pipe frames inside it (a dataset read in the main
     process, num_workers=0, puts the user's own frames innermost instead)."""
-    frames = [path for path, _, _ in _FRAME_PARTS.findall(main_stack(hang) or "")]
+    frames = [path for path, _, _ in FRAME.findall(main_stack(hang) or "")]
     for i in range(len(frames) - 1, -1, -1):
         if _LOADER_FRAME.search(frames[i]):
             return all(_WAIT_FRAME.search(f) or _LOADER_FRAME.search(f) for f in frames[i + 1 :])
     return False
-
-
-_FRAME_PARTS = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
 def main_site(hang: Record) -> str | None:
