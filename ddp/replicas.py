@@ -136,10 +136,14 @@ class ReplicaDigest:
             if not self._told_added:
                 self._check_added(step)
         except Exception:
-            self.off = True
-            logger.warning(
-                "ddpscope: the replica digest failed; ranks' parameters are not compared", exc_info=True
-            )
+            self._failed()
+
+    def _failed(self) -> None:
+        """A digest failed (an exotic tensor type): no more digests or looks, said once. Call in ``except``."""
+        self.off = True
+        logger.warning(
+            "ddpscope: the replica digest failed; ranks' parameters are not compared", exc_info=True
+        )
 
     def stop(self) -> None:
         """This rank shadowed its peers' steps under ``Join`` (it ran out of data): it does not count their
@@ -165,10 +169,7 @@ class ReplicaDigest:
         try:
             norms = self.norms()
         except Exception:
-            self.off = True
-            logger.warning(
-                "ddpscope: the replica digest failed; ranks' parameters are not compared", exc_info=True
-            )
+            self._failed()
             return
         before, self._stretch_norms = self._stretch_norms, norms
         if before is None or before == norms:
