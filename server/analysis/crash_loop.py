@@ -41,12 +41,16 @@ def note_crash_loop(
     for incident in incidents:
         if incident.kind != "rank_error" or not incident.active or incident.rank is None:
             continue
-        own = [e for e in current.rank_errors if e["rank"] == incident.rank and _signature(e) is not None]
-        if not own:
-            continue
-        key = _signature(own[0])
+        key = next(
+            (
+                k
+                for e in current.rank_errors
+                if e["rank"] == incident.rank and (k := _signature(e)) is not None
+            ),
+            None,
+        )
         by_rank = earlier.get(key) if key is not None else None
-        if not by_rank or key is None:
+        if key is None or not by_rank:
             continue
         attempts = max(len(streams) for streams in by_rank.values())
         error_type, site = key
