@@ -214,10 +214,9 @@ def liveness(
     """Work out, for every rank, whether it exited, died, hangs, went silent or crashed (its current
     process: what a restarted rank's earlier process left is set aside)."""
     snapshot = split_restart(snapshot)[0]
-    seen_ranks = set(snapshot.rank_last_seen_s) | set(snapshot.heartbeats) | set(snapshot.ranks)
-    seen_ranks |= named_ranks(snapshot.collectives)
-    # Ranks a started rank found running without ddpscope send nothing by design: not silent, not waited for.
     heard = set(snapshot.rank_last_seen_s) | set(snapshot.heartbeats) | set(snapshot.ranks)
+    seen_ranks = heard | named_ranks(snapshot.collectives)
+    # Ranks a started rank found running without ddpscope send nothing by design: not silent, not waited for.
     ranks = sorted((set(range(snapshot.world_size)) | seen_ranks) - (unobserved_ranks(snapshot) - heard))
     live = Liveness(
         now_s=now_s,
