@@ -241,6 +241,8 @@ def _relaunched_unstarted(
     the same id that fails in its set-up again). ``{rank: (that process's stream, its first record's
     time)}``, the newest such process. A process's derived streams (``<stream>.crash``,
     ``<stream>.shipper-<pid>``) are that process."""
+    if not snapshot.rank_exits:
+        return {}  # the usual case, asked at every diagnosis: no process has exited, none came after one
     exits: dict[int, dict[str, int]] = {}
     """rank -> process -> when it exited."""
     for e in snapshot.rank_exits:
