@@ -12,17 +12,26 @@ from tests.server.test_incidents import T0, JobRecords, inflight, kinds, only, s
 
 
 def stuck_hang(
-    job: JobRecords, rank: int, t: float, *, step: int, phase: str, line: int = 12, cpu_s: float | None = None
+    job: JobRecords,
+    rank: int,
+    t: float,
+    *,
+    step: int,
+    phase: str,
+    line: int = 12,
+    cpu_s: float | None = None,
+    stack: str | None = None,
 ) -> None:
-    """A hang report with nothing in flight: the main thread sits in user code (traceback format)."""
+    """A hang report with nothing in flight: the main thread sits in user code (traceback format), or at
+    ``stack``."""
+    main = stack or (
+        '  File "/proj/train.py", line 80, in <module>\n'
+        f'  File "/proj/data.py", line {line}, in next_batch\n'
+        '  File "/usr/lib/python3.11/threading.py", line 629, in wait\n'
+    )
     stacks = [
         {"thread": "ddpscope-agent", "stack": '  File "/work/agent/worker.py", line 107, in _run\n'},
-        {
-            "thread": "MainThread",
-            "stack": '  File "/proj/train.py", line 80, in <module>\n'
-            f'  File "/proj/data.py", line {line}, in next_batch\n'
-            '  File "/usr/lib/python3.11/threading.py", line 629, in wait\n',
-        },
+        {"thread": "MainThread", "stack": main},
     ]
     job.add("hang", rank, t, phase=phase, step=step, stalled_s=5.0, pending_buckets=[], inflight=[],
             stacks=stacks, message="no progress", main_cpu_s=cpu_s)  # fmt: skip
@@ -79,8 +88,7 @@ def test_a_rank_whose_data_loader_workers_deliver_no_batch_is_said_to_wait_for_t
     job = started(2)
     end = job.train(3)
     waiting_in(job, 0, end + 5, 7, step=3)
-    job.add("hang", 1, end + 5, phase="idle", step=2, stalled_s=5.0, pending_buckets=[], inflight=[],
-            stacks=[{"thread": "MainThread", "stack": stack}], message="no progress", main_cpu_s=0.0)  # fmt: skip
+    stuck_hang(job, 1, end + 5, step=2, phase="idle", cpu_s=0.0, stack=stack)
     hangs = {i.rank: i for i in diagnose(job.snapshot(), end + 6) if i.kind == "hang"}
     said = "waiting inside its DataLoader for the next batch, which its worker processes did not deliver"
     assert (said in hangs[0].message) is loader and (said in hangs[1].message) is loader
