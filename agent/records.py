@@ -362,6 +362,14 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             doc="global ranks of the group's members, on every collective of a group other than the "
             "default one (whose members are all ranks, and which omits it)",
         ),
+        Field(
+            "signal",
+            STR,
+            required=False,
+            max_length=16,
+            doc="a user's call made from inside a Python signal handler: that signal's name ('SIGTERM'); "
+            "absent otherwise",
+        ),
     ),
     # Completion of a collective issued earlier.
     "collective_end": (

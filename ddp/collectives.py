@@ -54,6 +54,7 @@ from ddpscope.agent.clock import now_ns
 from ddpscope.agent.log import get_logger
 from ddpscope.ddp.issuing_threads import IssuingThreads
 from ddpscope.ddp.progress import IN_STEP, PROGRESS, Progress
+from ddpscope.ddp.signal_handlers import handling_signal
 
 logger = get_logger(__name__)
 
@@ -216,11 +217,13 @@ class CollectiveRecorder:
         shapes: list[list[int]] | None = None,
         dtypes: list[str] | None = None,
         tag: int | None = None,
+        signal: str | None = None,
     ) -> int:
         """Number a collective about to be issued, emit its ``collective`` record; return its seq.
 
         ``root`` is the global rank of a rooted op's src (broadcast, scatter) or dst (reduce, gather);
-        ``tag`` a point-to-point op's tag, recorded when not 0 (torch's default).
+        ``tag`` a point-to-point op's tag, recorded when not 0 (torch's default); ``signal`` the signal
+        whose handler made the call (``signal_handlers``).
         ``shapes`` and ``dtypes`` (the engine's, computed once per bucket) save reading them from the
         tensors: with the caches cold from a backward pass that alone costs ~20 us a call.
 
@@ -262,6 +265,8 @@ class CollectiveRecorder:
                 record["root"] = root
             if tag:
                 record["tag"] = tag
+            if signal is not None:
+                record["signal"] = signal
             progress = self.progress
             progress.inflight[(pg, seq)] = record
             if pg == "default":
@@ -338,10 +343,18 @@ class CollectiveRecorder:
         A user's call made inside a training step (from its forward to the end of its backward: in a
         module's forward, a loss function, a backward hook) carries that step; one between steps carries
         none. The collector tells by it a rank that made an extra call inside its step from one that left
-        its training loop. Never raises."""
+        its training loop. A call from a signal handler is recorded with that signal and never planned:
+        the same line called from the loop is another matter. Never raises."""
         plans = self._user_plans
         progress = self.progress
         step = progress.step if source == "user" and progress.phase in IN_STEP else None
+        signal = handling_signal() if source == "user" else None
+        if signal is not None:
+            seq = self.begin(
+                pg, op, tensors, reduce_op=reduce_op, source=source, step=step, call_site=call_site,
+                root=root, tag=tag, signal=signal,
+            )  # fmt: skip
+            return seq, None
         try:
             shapes = [(t.shape, t.dtype) for t in tensors]
             key = (pg, op, reduce_op, call_site, root, tag, source, step is not None, *shapes)

@@ -429,6 +429,9 @@ def _mismatch(
 ) -> Incident:
     if reason == "direction":
         return _same_direction(pg, seq, recs, blame)
+    handled = {r: str(c["signal"]) for r, c in recs.items() if c.get("signal")}
+    if handled and len(handled) < len(recs):
+        return _from_signal_handler(pg, seq, reason, recs, handled, blame, later)
     skip = skipped_routine(recs, ranks)
     site = same_line(recs, reason) if skip is None else None
     if site is not None:
@@ -580,6 +583,48 @@ def _same_line(
     for r in culprits:
         blame.setdefault(r, f"issued {first.get('op')} at {site} with {reason} its peers did not use")
     return _mismatch_incident(pg, seq, recs, msg, culprits, site)
+
+
+def _from_signal_handler(
+    pg: str,
+    seq: int,
+    reason: str,
+    recs: Mapping[int, Record],
+    handled: Mapping[int, str],
+    blame: dict[int, str],
+    later: int,
+) -> Incident:
+    """A mismatch whose odd side was called from a signal handler (the agent records the signal): a
+    preemption handler that checkpoints with a collective. Whichever side the majority is on, the handler's
+    ranks are at fault: the signal reached them at one point of their loop and their peers elsewhere, or
+    not at all."""
+    culprits = sorted(handled)
+    others = sorted(r for r in recs if r not in handled)
+    call, other = recs[culprits[0]], recs[others[0]]
+    signals = " / ".join(sorted(set(handled.values())))
+    its = "its" if len(culprits) == 1 else "their"
+    steps = sorted({recs[r]["step"] for r in culprits if recs[r].get("step") is not None})
+    where = f"inside step {', '.join(map(str, steps))}" if steps else "between two steps"
+    if _sizes_differ(reason):
+        consequence = size_consequence(call, other)
+    elif "ops" in reason:
+        consequence = "the ranks wait for each other until the process group's timeout"
+    else:
+        consequence = "gloo pairs them silently and the results are wrong"
+    msg = (
+        f"{capitalized(ranks_phrase(culprits))} issued {describe(call)} from {its} {signals} handler, where "
+        f"{ranks_phrase(others)} issued {describe(other)}, at collective #{seq} of group {pg}{_later_too(later)}"
+        f": {consequence}. Python runs a signal handler in the main thread wherever it is when the signal "
+        f"arrives ({ranks_phrase(culprits)}: {where}), and a signal reaches the ranks at different moments or "
+        "only some of them (one node's preemption), so a collective in a handler meets whatever its peers are "
+        "doing. Let the handler only set a flag; at one point of the training loop, all-reduce the flag (MAX) "
+        "on every rank and checkpoint or stop together once it is set."
+    )
+    for r in culprits:
+        blame.setdefault(
+            r, f"called {recs[r].get('op')} from its {handled[r]} handler at #{seq} of group {pg}"
+        )
+    return _mismatch_incident(pg, seq, recs, msg, culprits, call.get("call_site"))
 
 
 def _roots_consequence(call: Record) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -338,6 +339,29 @@ def test_a_user_call_repeated_from_one_line_is_planned_and_records_what_it_did_b
     broadcasts = [{k: v for k, v in r.items() if k not in moving} for r in begins[1::2]]
     assert [(r["shapes"], r["root"]) for r in broadcasts] == [([[1]], 0), ([[2]], 0)] * 2
     assert RECORDER.inflight() == []
+
+
+def test_a_call_from_a_signal_handler_carries_the_signal_even_from_a_line_the_loop_had_planned(
+    records: Records,
+) -> None:
+    """A preemption handler that checkpoints with the same helper the loop calls: the helper's collective
+    is planned from the loop, yet the handler's call must say it came from the handler."""
+    previous = signal.getsignal(signal.SIGUSR1)
+
+    def checkpoint() -> None:
+        dist.all_reduce(torch.ones(2))
+
+    signal.signal(signal.SIGUSR1, lambda signum, frame: checkpoint())
+    try:
+        for _ in range(3):
+            checkpoint()
+        os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs here, in this thread
+        checkpoint()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    begins = records("collective")
+    assert [r.get("signal") for r in begins] == [None, None, None, "SIGUSR1", None]
+    assert len({r["call_site"] for r in begins}) == 1
 
 
 def test_a_user_call_made_inside_a_step_carries_that_step_and_one_between_steps_carries_none(

@@ -68,9 +68,12 @@ class JobRecords:
         shapes: list[list[int]] | None = None, dtypes: list[str] | None = None,
         site: str | None = "train.py:10", pg: str = "default", step: int | None = None,
         done: bool = True, source: str = "user", group_ranks: list[int] | None = None,
+        signal: str | None = None,
     ) -> None:  # fmt: skip
         shapes = shapes if shapes is not None else [[4]]
-        members = {} if group_ranks is None else {"group_ranks": group_ranks}
+        members: dict[str, Any] = {} if group_ranks is None else {"group_ranks": group_ranks}
+        if signal is not None:
+            members["signal"] = signal
         self.add(
             "collective", rank, t, pg=pg, coll_seq=seq, op=op, reduce_op=reduce_op, shapes=shapes,
             dtypes=dtypes or ["float32"] * len(shapes), call_site=site, start_ns=int(t * 1e9), step=step,
@@ -974,6 +977,38 @@ def test_a_rank_that_called_barrier_after_its_last_step_is_said_to_have_left_its
     assert "rank 1 issued barrier at train.py:120 where rank 0 issued all_reduce(SUM)" in m.message
     assert "torch.distributed.algorithms.Join" in m.message and "same synced steps" in m.message
     assert m.culprit_ranks == [1] and m.seq == 17 and m.call_site == "train.py:120"
+
+
+def test_a_collective_from_a_signal_handler_is_blamed_on_the_handler_even_on_a_majority_of_ranks() -> None:
+    # SIGTERM reached ranks 0 and 1 of a node between steps 7 and 8; their handler checkpoints behind a
+    # barrier while rank 2, on another node, is in step 8's bucket all-reduce.
+    job = started(3)
+    end = job.train(8)
+    for r in (0, 1):
+        job.coll(
+            r,
+            end,
+            17,
+            op="barrier",
+            reduce_op=None,
+            shapes=[],
+            site="train.py:12",
+            done=False,
+            signal="SIGTERM",
+        )
+    job.coll(2, end, 17, shapes=[[10]], site="ddp/reducer.py:88", source="engine", step=8, done=False)
+    job.hang(2, end + 5, step=8, inflight=[inflight(17, end, site="ddp/reducer.py:88")])
+    incidents = diagnose(job.snapshot(), end + 5.1)
+    m = only(incidents, "mismatch")
+    assert m.culprit_ranks == [0, 1] and m.call_site == "train.py:12", m.message
+    assert m.message.startswith(
+        "Ranks 0, 1 issued barrier at train.py:12 from their SIGTERM handler, where rank 2 issued all_reduce(SUM)"
+    ), m.message
+    assert "(ranks 0, 1: between two steps)" in m.message and "all-reduce the flag (MAX)" in m.message
+    assert (
+        "rank 1 (called barrier from its SIGTERM handler at #17 of group default)"
+        in only(incidents, "hang").message
+    )
 
 
 def test_a_user_collective_inside_a_step_on_one_rank_is_not_said_to_leave_the_loop() -> None:
