@@ -44,6 +44,8 @@ checkpoint write, the interpreter's own pauses) reads as a hang, and every step 
 its resolution."""
 DDPSCOPE_HEARTBEAT_S = "DDPSCOPE_HEARTBEAT_S"
 """Seconds between heartbeats emitted by the watchdog (ddp/). Default 2.0."""
+DDPSCOPE_MEMORY_INTERVAL_S = "DDPSCOPE_MEMORY_INTERVAL_S"
+"""Seconds between the watchdog's ``memory`` records (agent/memory.py); a jump is sent at once. Default 30."""
 DDPSCOPE_DISABLED = "DDPSCOPE_DISABLED"
 """``1`` (or true/yes/on) turns the agent into a null object: no threads, no files, no hooks. Default unset."""
 DDPSCOPE_QUEUE_SIZE = "DDPSCOPE_QUEUE_SIZE"
@@ -279,6 +281,11 @@ def hang_timeout_from_env(env: Mapping[str, str]) -> float:
 def heartbeat_from_env(env: Mapping[str, str]) -> float:
     """``DDPSCOPE_HEARTBEAT_S`` (2 s if unset or bad)."""
     return float(_env(env, DDPSCOPE_HEARTBEAT_S, float, 2.0, _positive, "a number of seconds > 0"))
+
+
+def memory_interval_from_env(env: Mapping[str, str]) -> float:
+    """``DDPSCOPE_MEMORY_INTERVAL_S`` (30 s if unset or bad)."""
+    return float(_env(env, DDPSCOPE_MEMORY_INTERVAL_S, float, 30.0, _positive, "a number of seconds > 0"))
 
 
 def _non_negative(v: float) -> bool:

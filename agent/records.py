@@ -544,6 +544,20 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("reason", STR, doc="'finished', 'sigterm', 'sigint' (KeyboardInterrupt) or 'error'"),
     ),
     # The agent's own accounting, cumulative since the stream started (the latest one wins).
+    # A rank's memory and the host's (agent/memory.py): every DDPSCOPE_MEMORY_INTERVAL_S, and at once on a jump.
+    "memory": (
+        Field("step", INT, doc="the rank's step when sampled"),
+        Field("rss_bytes", INT, doc="the process's resident memory"),
+        Field("available_bytes", INT, doc="the host's MemAvailable"),
+        Field("total_bytes", INT, doc="the host's MemTotal"),
+        Field(
+            "limit_bytes",
+            INT,
+            required=False,
+            doc="the memory cgroup's limit, when below the host's memory (a container, a Slurm job); absent otherwise",
+        ),
+        Field("cgroup_bytes", INT, required=False, doc="the memory cgroup's usage, beside limit_bytes"),
+    ),
     "agent_stats": (
         Field("emitted", INT),
         Field("dropped", COUNTS, doc="'reason:kind' -> records dropped"),

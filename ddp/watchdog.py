@@ -63,9 +63,15 @@ from typing import Any
 
 from ddpscope.agent import emit, emit_durable, get_agent
 from ddpscope.agent.clock import now_ns
-from ddpscope.agent.config import MIN_HANG_TIMEOUT_S, hang_timeout_from_env, heartbeat_from_env
+from ddpscope.agent.config import (
+    MIN_HANG_TIMEOUT_S,
+    hang_timeout_from_env,
+    heartbeat_from_env,
+    memory_interval_from_env,
+)
 from ddpscope.agent.exit_wait import ADVICE, HANDLER_ADVICE, at_exit, holders_phrase, shutting_down
 from ddpscope.agent.log import get_logger
+from ddpscope.agent.memory import MemoryReader
 from ddpscope.agent.torch_waits import torch_wait
 from ddpscope.ddp import errors, setup_wait
 from ddpscope.ddp.collectives import FOLD_WAIT_NS, RECORDER, CollectiveRecorder, disabled
@@ -211,6 +217,7 @@ class Watchdog:
         main_cpu_s: Callable[[], float | None] = _main_thread_cpu_s,
         main_frame: Callable[[], FrameType | None] = _main_frame,
         world_size: Callable[[], int | None] = _world_size,
+        memory: MemoryReader | None = None,
     ) -> None:
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
@@ -224,6 +231,8 @@ class Watchdog:
         self._main_cpu_s = main_cpu_s
         self._main_frame = main_frame
         self._world_size = world_size
+        self._memory = memory
+        """Sends the rank's ``memory`` records beside its heartbeats (``start_watchdog`` gives one)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_counter = progress.counter
@@ -382,6 +391,11 @@ class Watchdog:
         # Durable (the ring, ~100 us every 2 s on this thread): a rank killed right after its last
         # heartbeat still shows when it was last alive, to the second.
         emit_durable(record)
+        if self._memory is not None:
+            sample = self._memory.due(now)
+            if sample is not None:
+                sample["step"] = progress.step
+                emit_durable(sample)  # the last one before the OOM killer's SIGKILL is the evidence
 
     def _check_torch_wait(self, now: float) -> None:
         """Before the first step, with nothing recorded in flight: report a main thread blocked in one call
@@ -560,7 +574,11 @@ def start_watchdog(
             if (current.timeout_s, current.heartbeat_s) == (timeout, heartbeat):
                 return current
             current.stop()
-        _watchdog = Watchdog(timeout_s=timeout, heartbeat_s=heartbeat)
+        _watchdog = Watchdog(
+            timeout_s=timeout,
+            heartbeat_s=heartbeat,
+            memory=MemoryReader(memory_interval_from_env(os.environ)),
+        )
         if not disabled():
             _watchdog.start(first_heartbeat_s)
             global _atexit_registered

@@ -42,6 +42,7 @@ from ddpscope.agent.records import RECORD_KINDS
 from ddpscope.server import schema
 from ddpscope.server.analysis.snapshot import (
     COLLECTIVE_WINDOW,
+    MEMORY_WINDOW_NS,
     JobSnapshot,
     RankSteps,
     attempt_starts,
@@ -369,7 +370,7 @@ class Storage:
         if row is None:
             return None
         recs = self.fetch_records(
-            job, [k for k in ALL_KINDS if k not in ("step", "collective", "collective_end")]
+            job, [k for k in ALL_KINDS if k not in ("step", "collective", "collective_end", "memory")]
         )
         by_kind: dict[str, list[dict[str, Any]]] = {}
         for r in recs:
@@ -394,6 +395,7 @@ class Storage:
             rank_exits=by_kind.get("rank_exit", []),
             warnings=by_kind.get("warning", []),
             digests=by_kind.get("replica_digest", []),
+            memory=self._memory_window(row.id),
             collectives=merge_collectives(colls, ends),
             steps=steps,
             unused=aggregate_unused(self.unused_rows(row.id)),
@@ -405,6 +407,22 @@ class Storage:
         )
         # Not the jobs row's world size, the largest ever declared: a relaunch may have fewer ranks.
         return settle_world(snap)
+
+    def _memory_window(self, job_id: int) -> list[dict[str, Any]]:
+        """The job's ``memory`` records of the ``MEMORY_WINDOW_NS`` up to its newest, oldest first: two
+        queries on the events' (job, kind, time) index, however long the job ran."""
+        t = schema.events
+        of_job = (t.c.job_id == job_id, t.c.kind == "memory")
+        with self.engines.reader.connect() as conn:
+            newest = conn.execute(select(func.max(t.c.time_ns)).where(*of_job)).scalar()
+            if newest is None:
+                return []
+            q = (
+                select(t.c.body)
+                .where(*of_job, t.c.time_ns >= newest - MEMORY_WINDOW_NS)
+                .order_by(t.c.time_ns)
+            )
+            return [decode_json(r.body) for r in conn.execute(q)]
 
     def _collective_window(
         self, job: str, job_id: int, current_streams: set[str]

@@ -92,6 +92,7 @@ from ddpscope.server.analysis.incident_model import (
     user_frame,
     where,
 )
+from ddpscope.server.analysis.memory import memory_incidents, note_memory
 from ddpscope.server.analysis.mismatch_causes import SAME_LINE, SIZE_ABORT
 from ddpscope.server.analysis.model_order import model_incidents
 from ddpscope.server.analysis.native_wait import exiting, native_wait
@@ -241,6 +242,10 @@ def diagnose(
     out += nonfinite_incidents(snapshot)
     out += replica_incidents(snapshot)
     out += model_incidents(snapshot)
+    out += memory_incidents(
+        snapshot, [r for r in live.ranks if r not in live.exits and r not in live.crashed]
+    )
+    note_memory(out, snapshot, live.last_alive_s)
     out += settings
     note_crash_loop(out, snapshot, previous)
     out += _before_restart_incidents(previous, restart_s, silent_after_s)

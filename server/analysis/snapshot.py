@@ -15,6 +15,8 @@ Every record inside is a **wire-shaped dict**: exactly the fields of ``ddpscope.
   ``last_coll_seq``, ``pid``, ``time_ns``).
 - ``hangs``, ``hang_resolved``, ``rank_errors``, ``rank_exits``, ``warnings``, ``digests``
   (``replica_digest``): every record of that kind, ordered by ``time_ns``.
+- ``memory``: the ``memory`` records of the last ``MEMORY_WINDOW_NS`` before the newest one, ordered by
+  ``time_ns`` (a rank sends one every 30 s: a long job's whole history would be read for nothing).
 - ``collectives``: ``collective`` records with their ``collective_end`` merged in as three extra keys,
   ``end_ns`` (int or None while in flight), ``ok`` (bool or None), ``error`` (str or None). Only a recent
   window is loaded: per process group, the collectives whose ``coll_seq`` is within
@@ -92,6 +94,7 @@ class JobSnapshot:
     rank_exits: list[Record] = field(default_factory=list)
     warnings: list[Record] = field(default_factory=list)
     digests: list[Record] = field(default_factory=list)
+    memory: list[Record] = field(default_factory=list)
     collectives: list[Record] = field(default_factory=list)
     steps: dict[int, RankSteps] = field(default_factory=dict)
     unused: list[UnusedParameter] = field(default_factory=list)
@@ -169,6 +172,7 @@ PER_PROCESS = (
     "rank_exits",
     "warnings",
     "digests",
+    "memory",
     "collectives",
 )
 """The record lists of a snapshot that belong to one process of a rank (``split_restart`` divides them)."""
@@ -329,6 +333,18 @@ def settle_world(snap: JobSnapshot) -> JobSnapshot:
     return snap
 
 
+MEMORY_WINDOW_NS = 3600 * 10**9
+"""How far back from the newest ``memory`` record a snapshot reads them: an hour, 120 samples a rank."""
+
+
+def memory_window(samples: list[Record]) -> list[Record]:
+    """The samples of the ``MEMORY_WINDOW_NS`` up to the newest (``samples`` ordered by time)."""
+    if not samples:
+        return []
+    since = samples[-1]["time_ns"] - MEMORY_WINDOW_NS
+    return [m for m in samples if m["time_ns"] >= since]
+
+
 def window_collectives(collectives: list[Record], window: int = COLLECTIVE_WINDOW) -> list[Record]:
     """Keep, per process group, the last ``window`` sequence numbers."""
     top: dict[str, int] = {}
@@ -373,6 +389,7 @@ def snapshot_from_records(job: str, records: Iterable[Mapping[str, Any]]) -> Job
         rank_exits=by_kind.get("rank_exit", []),
         warnings=by_kind.get("warning", []),
         digests=by_kind.get("replica_digest", []),
+        memory=memory_window(by_kind.get("memory", [])),
         collectives=window_collectives(merged),
         steps=steps,
         unused=aggregate_unused(

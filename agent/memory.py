@@ -1,0 +1,145 @@
+"""A rank's memory, and the memory it may grow into: the evidence for a leak and for the OOM killer.
+
+A rank the kernel's out-of-memory killer ends gets SIGKILL: no traceback, no exit hook, nothing in the
+job's logs. Its peers then fail on a lost connection, and "killed, crashed in native code, or os._exit()"
+is all anyone can say, unless the rank's memory was watched on the way there. So the watchdog's thread
+samples it at each heartbeat (``/proc/self/statm``, ~5 us) and sends a ``memory`` record every
+``DDPSCOPE_MEMORY_INTERVAL_S`` (30 s), and at once when the resident size moved by more than 2 % of the
+host's memory since the last one (a blow-up can go from healthy to killed in seconds):
+
+- ``rss_bytes``: the process's resident memory (its DataLoader workers are processes of their own);
+- ``available_bytes`` / ``total_bytes``: the host's ``MemAvailable`` and ``MemTotal`` (``/proc/meminfo``),
+  since the killer acts on the host's memory, which other ranks and processes share;
+- ``limit_bytes`` / ``cgroup_bytes``: the memory cgroup's limit and usage, when it has a limit below the
+  host's memory (a container, a Slurm job's cgroup): the killer acts there first.
+
+Linux only: elsewhere ``MemoryReader.read`` returns None and nothing is sent. Never raises.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+MEMORY_JUMP = 0.02
+"""A change of the resident size, as a fraction of the host's memory, that is sent without waiting."""
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            text = f.read(64).strip()
+    except OSError:
+        return None
+    try:
+        return int(text)
+    except ValueError:  # cgroup v2's "max": no limit
+        return None
+
+
+def _cgroup_files(
+    proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+) -> tuple[str, str] | None:
+    """(limit file, usage file) of this process's memory cgroup, v1 or v2; None when there is none."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    unified = None
+    for line in lines:
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if "memory" in controllers.split(","):  # v1: a hierarchy of its own
+            return _existing(
+                os.path.join(root, "memory"), path, "memory.limit_in_bytes", "memory.usage_in_bytes"
+            )
+        if hierarchy == "0" and not controllers:
+            unified = path
+    if unified is not None:  # v2
+        return _existing(root, unified, "memory.max", "memory.current")
+    return None
+
+
+def _existing(base: str, path: str, limit: str, usage: str) -> tuple[str, str] | None:
+    """The cgroup's own files, else the mount root's: a container sees its cgroup at the root, where the
+    path ``/proc/self/cgroup`` names does not exist."""
+    for directory in (os.path.join(base, path.lstrip("/")), base):
+        if os.path.exists(os.path.join(directory, limit)):
+            return os.path.join(directory, limit), os.path.join(directory, usage)
+    return None
+
+
+def _meminfo() -> tuple[int, int] | None:
+    """(MemAvailable, MemTotal) in bytes."""
+    available = total = None
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemTotal:"):
+                    total = int(line.split()[1]) * 1024
+                elif line.startswith(b"MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                if total is not None and available is not None:
+                    return available, total
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory, from ``/proc/self/statm``."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class MemoryReader:
+    """Decides when a ``memory`` record is due and reads it. One per watchdog; used from its thread."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._cgroup = _cgroup_files()
+        self._sent_at: float | None = None
+        self._sent_rss = 0
+        self._total = (_meminfo() or (0, 0))[1]
+
+    def due(self, now: float) -> dict[str, Any] | None:
+        """The ``memory`` record to send now (without ``kind``'s envelope fields), or None."""
+        try:
+            rss = resident_bytes()
+            if rss is None:
+                return None
+            moved = abs(rss - self._sent_rss) > MEMORY_JUMP * self._total if self._total else False
+            if self._sent_at is not None and now - self._sent_at < self.interval_s and not moved:
+                return None
+            record = self.read(rss)
+            if record is not None:
+                self._sent_at, self._sent_rss = now, rss
+            return record
+        except Exception:  # a /proc oddity must never stop the watchdog's heartbeat
+            return None
+
+    def read(self, rss: int) -> dict[str, Any] | None:
+        info = _meminfo()
+        if info is None:
+            return None
+        available, total = info
+        self._total = total
+        record: dict[str, Any] = {
+            "kind": "memory",
+            "rss_bytes": rss,
+            "available_bytes": available,
+            "total_bytes": total,
+        }
+        if self._cgroup is not None:
+            limit = _read_int(self._cgroup[0])
+            if limit is not None and 0 < limit < total:
+                usage = _read_int(self._cgroup[1])
+                record["limit_bytes"] = limit
+                if usage is not None:
+                    record["cgroup_bytes"] = usage
+        return record

@@ -1,0 +1,235 @@
+"""Memory that grows every step, and the OOM killer behind a rank that vanished: from ``memory`` records.
+
+Each rank's watchdog sends its resident memory and its host's (``agent/memory.py``) every 30 s. Two
+questions are answered from them:
+
+- **Is a rank leaking?** ``memory_incidents``: a rank whose resident memory grew steadily over its recent
+  samples (the snapshot's last hour): by at least ``MIN_GROWTH_BYTES`` and ``MIN_GROWTH_FRACTION`` of where
+  it began, in each quarter of that time, the second half still growing at ``MIN_LATE_SHARE`` of the first
+  half's pace. Warm-up (allocator pools, a DataLoader's prefetch, optimizer state made at the first step)
+  grows fast and then flattens, which the last test tells from a leak, whose pace holds. The incident says
+  the rate per minute and per step and, from the host's available memory and the growth of its ranks, when
+  the host runs out: then the kernel's OOM killer ends a rank with SIGKILL, and nothing of it says why.
+- **Did the OOM killer end a rank?** ``note_memory``: a rank that stopped reporting with no error and no exit
+  (``rank_crashed``, ``rank_silent``, ``job_silent``) gets what its last sample says: the host or its cgroup
+  all but full, or full by then at the pace it grew (the OOM killer, most likely), or plenty left (not
+  memory: look elsewhere).
+
+Pure functions of a ``JobSnapshot``; a rank sends nothing on other platforms than Linux, and older
+agents send nothing: then nothing is said.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from ddpscope.server.analysis.incident_model import Incident, Record, capitalized, ranks_phrase
+from ddpscope.server.analysis.snapshot import JobSnapshot
+
+MIN_SAMPLES = 8
+"""Samples a rank needs before its growth is judged (4 minutes at the agent's 30 s)."""
+MIN_GROWTH_BYTES = 64 * 2**20
+MIN_GROWTH_FRACTION = 0.05
+MIN_LATE_SHARE = 0.4
+"""The growth of the window's second half, as a share of its first half's, below which growth is flattening."""
+NEARLY_FULL = 0.05
+"""Available memory, as a share of the host's (or the cgroup's usage left to its limit), that counts as full."""
+DEATH_SLACK_S = 60.0
+"""How far past a rank's last sample the memory, at its pace, may fill for the OOM killer to be named."""
+
+
+@dataclass(frozen=True, slots=True)
+class Growth:
+    """A rank's steady growth over its window of samples."""
+
+    rank: int
+    first: Record
+    last: Record
+    bytes_per_s: float
+
+    @property
+    def per_step(self) -> float | None:
+        steps = int(self.last.get("step", 0)) - int(self.first.get("step", 0))
+        return (self.last["rss_bytes"] - self.first["rss_bytes"]) / steps if steps > 0 else None
+
+
+def by_rank(samples: Iterable[Record]) -> dict[int, list[Record]]:
+    """The samples of each rank, oldest first."""
+    out: dict[int, list[Record]] = {}
+    for m in sorted(samples, key=lambda m: m["time_ns"]):
+        out.setdefault(int(m["rank"]), []).append(m)
+    return out
+
+
+def growth(samples: Sequence[Record]) -> Growth | None:
+    """The rank's steady growth over ``samples`` (one rank, oldest first), or None (too few samples, too
+    little growth, a quarter that did not grow, or growth that is flattening)."""
+    if len(samples) < MIN_SAMPLES:
+        return None
+    first, last = samples[0], samples[-1]
+    grown = last["rss_bytes"] - first["rss_bytes"]
+    if grown < max(MIN_GROWTH_BYTES, MIN_GROWTH_FRACTION * first["rss_bytes"]):
+        return None
+    n = len(samples)
+    quarters = [samples[(i * (n - 1)) // 4] for i in range(5)]
+    if any(b["rss_bytes"] <= a["rss_bytes"] for a, b in zip(quarters, quarters[1:], strict=False)):
+        return None
+    middle = quarters[2]["rss_bytes"]
+    early, late = middle - first["rss_bytes"], last["rss_bytes"] - middle
+    early_s = (quarters[2]["time_ns"] - first["time_ns"]) / 1e9
+    late_s = (last["time_ns"] - quarters[2]["time_ns"]) / 1e9
+    if early_s <= 0 or late_s <= 0 or late / late_s < MIN_LATE_SHARE * early / early_s:
+        return None
+    return Growth(int(first["rank"]), first, last, _slope(samples))
+
+
+def _slope(samples: Sequence[Record]) -> float:
+    """Least-squares bytes per second."""
+    t0 = samples[0]["time_ns"]
+    xs = [(m["time_ns"] - t0) / 1e9 for m in samples]
+    ys = [float(m["rss_bytes"]) for m in samples]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+
+
+def headroom(sample: Record) -> tuple[int, int, str]:
+    """(bytes left, bytes in all, what runs out) where the sample was taken: the cgroup's limit when it has
+    one below the host's memory, else the host's available memory."""
+    limit, used = sample.get("limit_bytes"), sample.get("cgroup_bytes")
+    host_left = int(sample["available_bytes"])
+    if isinstance(limit, int) and isinstance(used, int):
+        left = limit - used
+        if left < host_left:
+            return max(0, left), limit, "the memory cgroup's limit"
+    return host_left, int(sample["total_bytes"]), "the host's memory"
+
+
+def _hosts(snapshot: JobSnapshot) -> dict[int, str]:
+    return {r: str(s.get("host", "?")) for r, s in snapshot.ranks.items()}
+
+
+def memory_incidents(snapshot: JobSnapshot, live_ranks: Iterable[int]) -> list[Incident]:
+    """One ``memory_growth`` incident for the ranks whose memory grows steadily (see the module doc);
+    inactive once none of them is live any more."""
+    samples = by_rank(snapshot.memory)
+    grown = {r: g for r, s in samples.items() if (g := growth(s)) is not None}
+    if not grown:
+        return []
+    hosts = _hosts(snapshot)
+    fastest = max(grown.values(), key=lambda g: g.bytes_per_s)
+    r, first, last = fastest.rank, fastest.first, fastest.last
+    span_s = (last["time_ns"] - first["time_ns"]) / 1e9
+    per_step = fastest.per_step
+    step_text = f", {_size(per_step)} a step" if per_step is not None and per_step > 0 else ""
+    others = sorted(set(grown) - {r})
+    alike = f"; {ranks_phrase(others)} grew too" if others else ""
+    msg = (
+        f"Rank {r}'s memory grew steadily from {_size(first['rss_bytes'])} to {_size(last['rss_bytes'])} in "
+        f"{_duration(span_s)} (+{_size(fastest.bytes_per_s * 60)}/min{step_text}), at a pace that is not "
+        f"flattening as a warm-up would{alike}. "
+    )
+    host = hosts.get(r)
+    on_host = [g for q, g in grown.items() if hosts.get(q) == host] if host is not None else [fastest]
+    left, total, what = headroom(last)
+    pace = sum(g.bytes_per_s for g in on_host)
+    if pace > 0:
+        who = f"its {len(on_host)} growing ranks fill" if len(on_host) > 1 else "it fills"
+        msg += (
+            f"{capitalized(what)} on {host or 'its host'} had {_size(left)} of {_size(total)} left, which {who}"
+            f" in ~{_duration(left / pace)} at this pace; then the kernel's OOM killer ends a rank with "
+            "SIGKILL, and nothing in its log says why. "
+        )
+    msg += (
+        "Memory that grows every step is something kept every step: a loss or an output stored with its "
+        "autograd graph (losses.append(loss) instead of loss.item()), a list or dict that grows each step "
+        "(metrics, a cache keyed by batch), tensors kept for logging. tracemalloc snapshots (or memray) two "
+        "steps apart on one rank name the line."
+    )
+    live = set(live_ranks)
+    return [
+        Incident(
+            kind="memory_growth",
+            message=msg,
+            rank=r,
+            step=last.get("step"),
+            culprit_ranks=sorted(grown),
+            time_s=first["time_ns"] / 1e9,
+            active=any(q in live for q in grown),
+        )
+    ]
+
+
+def death_note(snapshot: JobSnapshot, rank: int, gone_s: float | None) -> str:
+    """What a vanished rank's last ``memory`` sample says of the OOM killer ('' without one): named when
+    the host (or cgroup) was all but full, or would have been by ``gone_s`` (when the rank was last heard
+    of) plus ``DEATH_SLACK_S`` at the pace its ranks grew; ruled out when far from full."""
+    samples = by_rank(snapshot.memory)
+    mine = samples.get(rank)
+    if not mine:
+        return ""
+    last = mine[-1]
+    left, total, what = headroom(last)
+    at_s = last["time_ns"] / 1e9
+    before = f"{max(0.0, (gone_s or at_s) - at_s):.0f} s before it went silent"
+    state = (
+        f"rank {rank} held {_size(last['rss_bytes'])} and {what} had {_size(left)} of {_size(total)} left "
+        f"({before})"
+    )
+    if left <= NEARLY_FULL * total:
+        return (
+            f" Its memory points at the kernel's OOM killer: {state}. The kernel's log on its host "
+            f"(dmesg, journalctl -k) says 'Out of memory: Killed process {snapshot.ranks.get(rank, {}).get('pid', '<pid>')}'."
+        )
+    hosts = _hosts(snapshot)
+    host = hosts.get(rank)
+    pace = sum(
+        g.bytes_per_s for q, s in samples.items() if hosts.get(q) == host and (g := growth(s)) is not None
+    )
+    if pace > 0 and left / pace <= max(0.0, (gone_s or at_s) - at_s) + DEATH_SLACK_S:
+        return (
+            f" Its memory points at the kernel's OOM killer: {state}, and the memory of the ranks on its host "
+            f"grew +{_size(pace * 60)}/min, enough to fill it by then. The kernel's log on its host (dmesg, "
+            "journalctl -k) says 'Out of memory: Killed process ...'."
+        )
+    if left >= 0.25 * total:
+        return f" Not for lack of memory: {state}."
+    return ""
+
+
+def note_memory(
+    incidents: Sequence[Incident], snapshot: JobSnapshot, last_alive_s: Mapping[int, float]
+) -> None:
+    """Append ``death_note`` to the incidents of ranks that vanished: ``rank_crashed`` and ``rank_silent``
+    (their rank), ``job_silent`` (the rank that fell quiet first, when it names one, else the first rank
+    whose memory points at the OOM killer)."""
+    for inc in incidents:
+        if (
+            inc.kind in ("rank_crashed", "rank_silent")
+            and inc.rank is not None
+            or inc.kind == "job_silent"
+            and inc.rank is not None
+        ):
+            inc.message += death_note(snapshot, inc.rank, last_alive_s.get(inc.rank))
+        elif inc.kind == "job_silent":
+            for r in sorted(last_alive_s):
+                note = death_note(snapshot, r, last_alive_s[r])
+                if "OOM killer" in note:
+                    inc.message += f" Rank {r}:{note.replace(' Its memory', ' its memory', 1)}"
+                    break
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"

@@ -1,0 +1,98 @@
+"""A rank's memory records: read from /proc and the memory cgroup, sent on an interval or at once on a jump,
+beside the watchdog's heartbeats."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ddpscope.agent import memory
+from ddpscope.agent.memory import MemoryReader, _cgroup_files
+from ddpscope.ddp import watchdog as wd
+from ddpscope.ddp.collectives import CollectiveRecorder
+from ddpscope.ddp.progress import Progress
+from tests.ddp.watchdog_support import ManualClock, Records, in_memory_records
+
+
+@pytest.fixture
+def records() -> Iterator[Records]:
+    yield from in_memory_records(rank=1)
+
+
+def test_a_reading_has_this_process_and_its_host_and_is_sent_once_per_interval() -> None:
+    reader = MemoryReader(interval_s=30.0)
+    first = reader.due(0.0)
+    assert first is not None and first["kind"] == "memory"
+    assert (
+        0 < first["rss_bytes"] < first["total_bytes"] and 0 < first["available_bytes"] <= first["total_bytes"]
+    )
+    assert reader.due(10.0) is None
+    assert reader.due(31.0) is not None
+
+
+def test_a_jump_of_the_resident_size_is_sent_before_the_interval_is_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rss = [2**30]
+    monkeypatch.setattr(memory, "resident_bytes", lambda: rss[0])
+    reader = MemoryReader(interval_s=30.0)
+    total = reader.due(0.0)["total_bytes"]  # type: ignore[index]
+    rss[0] += int(0.01 * total)
+    assert reader.due(1.0) is None
+    rss[0] += int(0.02 * total)
+    jumped = reader.due(2.0)
+    assert jumped is not None and jumped["rss_bytes"] == rss[0]
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_the_memory_cgroups_limit_is_found_in_its_own_directory_or_at_the_mounts_root(
+    tmp_path: Path, version: str
+) -> None:
+    own = "/slurm/job_42/step_0"
+    if version == "v1":
+        proc = "12:memory:" + own + "\n11:cpu,cpuacct:" + own + "\n"
+        base, limit, usage = tmp_path / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+    else:
+        proc = "0::" + own + "\n"
+        base, limit, usage = tmp_path, "memory.max", "memory.current"
+    (tmp_path / "cgroup").write_text(proc)
+    base.mkdir(exist_ok=True)
+    (base / limit).write_text("8589934592\n")  # a container sees its cgroup at the root
+    assert _cgroup_files(str(tmp_path / "cgroup"), str(tmp_path)) == (str(base / limit), str(base / usage))
+    mine = base / own.lstrip("/")
+    mine.mkdir(parents=True)
+    (mine / limit).write_text("4294967296\n")
+    assert _cgroup_files(str(tmp_path / "cgroup"), str(tmp_path)) == (str(mine / limit), str(mine / usage))
+    (tmp_path / "cgroup").write_text("0::/\n" if version == "v1" else "3:cpu:/x\n")
+    if version == "v2":
+        assert _cgroup_files(str(tmp_path / "cgroup"), str(tmp_path)) is None
+
+
+def test_a_cgroup_limit_below_the_hosts_memory_is_sent_with_its_usage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "memory.max").write_text("1073741824\n")
+    (tmp_path / "memory.current").write_text("536870912\n")
+    monkeypatch.setattr(
+        memory, "_cgroup_files", lambda: (str(tmp_path / "memory.max"), str(tmp_path / "memory.current"))
+    )
+    reading = MemoryReader(interval_s=30.0).due(0.0)
+    assert reading is not None and reading["limit_bytes"] == 2**30 and reading["cgroup_bytes"] == 2**29
+    (tmp_path / "memory.max").write_text("max\n")  # v2's "no limit"
+    assert "limit_bytes" not in (MemoryReader(interval_s=30.0).due(0.0) or {})
+
+
+def test_the_watchdog_sends_memory_with_the_step_beside_its_heartbeats(records: Records) -> None:
+    progress, clock = Progress(), ManualClock()
+    dog = wd.Watchdog(
+        timeout_s=60.0, heartbeat_s=1.0, progress=progress, recorder=CollectiveRecorder(progress=progress),
+        clock=clock, memory=MemoryReader(interval_s=5.0),
+    )  # fmt: skip
+    progress.enter("forward", step=7)
+    for _ in range(12):  # heartbeats at 0, 1, ..., 11 s; memory at 0, 5 and 10 s
+        dog.check()
+        clock.now += 1.0
+    sent = records("memory")
+    assert [m["step"] for m in sent] == [7, 7, 7] and len(records("heartbeat")) == 12

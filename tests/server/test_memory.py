@@ -1,0 +1,123 @@
+"""A rank's memory: steady growth told from warm-up, and the OOM killer named (or ruled out) for a rank
+that vanished, from ``memory`` records."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ddpscope.server.analysis.incidents import diagnose
+from ddpscope.server.analysis.memory import death_note, growth
+from tests.server.test_incidents import JobRecords, only, started
+
+GiB, MiB = 2**30, 2**20
+TOTAL = 24 * GiB
+
+
+def sample(
+    job: JobRecords, rank: int, t: float, rss: float, *, step: int = 0, available: float = 20 * GiB,
+    limit: float | None = None, cgroup: float | None = None,
+) -> None:  # fmt: skip
+    extra = {} if limit is None else {"limit_bytes": int(limit), "cgroup_bytes": int(cgroup or 0)}
+    job.add(
+        "memory", rank, t, step=step, rss_bytes=int(rss), available_bytes=int(available), total_bytes=TOTAL,
+        **extra,
+    )  # fmt: skip
+
+
+def samples(job: JobRecords, rank: int, t0: float, rss: Callable[[int], float], n: int = 20, dt: float = 30.0,
+            **kw: float) -> float:  # fmt: skip
+    """``n`` samples every ``dt`` s, the i-th of ``rss(i)`` bytes, 100 steps apart; returns the last time."""
+    for i in range(n):
+        sample(job, rank, t0 + i * dt, rss(i), step=100 * i, **kw)  # type: ignore[arg-type]
+    return t0 + (n - 1) * dt
+
+
+def test_memory_that_grows_at_a_steady_pace_is_a_leak_with_its_rate_per_minute_and_per_step() -> None:
+    job = started(2)
+    end = job.train(3)
+    samples(job, 0, end, lambda i: 2 * GiB)  # flat
+    last = samples(job, 1, end, lambda i: 2 * GiB + i * 50 * MiB)  # +50 MiB every 30 s, 100 steps
+    job.heartbeat(0, last, step=1900)
+    job.heartbeat(1, last, step=1900)
+    m = only(diagnose(job.snapshot(), last + 1), "memory_growth")
+    assert m.culprit_ranks == [1] and m.rank == 1 and m.active, m.message
+    assert m.message.startswith("Rank 1's memory grew steadily from 2.0 GiB to 2.9 GiB in 10 min "), m.message
+    assert "+100.0 MiB/min, 512.0 KiB a step" in m.message
+    # 20 GiB available at 100 MiB/min: the host runs out in ~3.4 h.
+    assert "The host's memory on node-1 had 20.0 GiB of 24.0 GiB left, which it fills in ~3.4 h" in m.message
+    assert "loss.item()" in m.message
+
+
+def test_warm_up_that_flattens_noise_and_small_growth_are_not_leaks() -> None:
+    warm_up = [{"rank": 0, "time_ns": i * 30 * 10**9, "step": i, "rss_bytes": int(4 * GiB * (1 - 0.5 ** (i / 2)))}
+               for i in range(20)]  # fmt: skip
+    noisy = [{"rank": 0, "time_ns": i * 30 * 10**9, "step": i, "rss_bytes": 3 * GiB + (i % 3) * 200 * MiB}
+             for i in range(20)]  # fmt: skip
+    small = [
+        {"rank": 0, "time_ns": i * 30 * 10**9, "step": i, "rss_bytes": 3 * GiB + i * MiB} for i in range(20)
+    ]
+    few = [
+        {"rank": 0, "time_ns": i * 30 * 10**9, "step": i, "rss_bytes": GiB + i * 100 * MiB} for i in range(5)
+    ]
+    assert [growth(s) for s in (warm_up, noisy, small, few)] == [None] * 4
+    steady = [
+        {"rank": 0, "time_ns": i * 30 * 10**9, "step": i, "rss_bytes": GiB + i * 100 * MiB} for i in range(8)
+    ]
+    found = growth(steady)
+    assert found is not None and abs(found.bytes_per_s - 100 * MiB / 30) < 1
+
+
+def test_a_killed_rank_whose_host_was_all_but_out_of_memory_is_put_down_to_the_oom_killer() -> None:
+    job = started(2)
+    end = job.train(5)
+    samples(job, 1, end - 600, lambda i: 10 * GiB + i * 600 * MiB, available=512 * MiB)
+    job.error(0, end + 0.03, "[../gloo/transport/tcp/pair.cc:598] Connection reset by peer", step=5)
+    crash = only(diagnose(job.snapshot(), end + 0.5), "rank_crashed")
+    assert (
+        "Its memory points at the kernel's OOM killer: rank 1 held 21.1 GiB and the host's memory had "
+        in (crash.message)
+    ), crash.message
+    assert "512.0 MiB of 24.0 GiB left" in crash.message and "Killed process 1001" in crash.message
+
+
+def test_a_rank_killed_between_samples_is_put_down_to_the_oom_killer_when_its_pace_fills_the_cgroup() -> None:
+    """A Slurm job's cgroup of 16 GiB on a 24 GiB host: its limit, not the host, runs out; the last sample
+    came 25 s before the kill, with 1 GiB left and 200 MiB/s of growth."""
+    job = started(2)
+    end = job.train(5)
+    last = samples(job, 1, end - 25 - 9 * 5, lambda i: 6 * GiB + i * GiB, n=10, dt=5.0, limit=16 * GiB,
+                   cgroup=15 * GiB)  # fmt: skip
+    job.heartbeat(1, end, step=5)
+    job.error(0, end + 0.03, "[../gloo/transport/tcp/pair.cc:598] Connection reset by peer", step=5)
+    crash = only(diagnose(job.snapshot(), end + 0.5), "rank_crashed")
+    assert abs(last - (end - 25)) < 1e-6
+    assert (
+        "the memory cgroup's limit had 1.0 GiB of 16.0 GiB left (25 s before it went silent)" in crash.message
+    )
+    assert "grew +12.0 GiB/min, enough to fill it by then" in crash.message, crash.message
+
+
+def test_a_killed_rank_with_memory_to_spare_is_said_not_to_have_run_out() -> None:
+    job = started(2)
+    end = job.train(5)
+    samples(job, 1, end - 60, lambda i: 2 * GiB, n=3)
+    job.error(0, end + 0.03, "[../gloo/transport/tcp/pair.cc:598] Connection reset by peer", step=5)
+    crash = only(diagnose(job.snapshot(), end + 0.5), "rank_crashed")
+    assert "Not for lack of memory" in crash.message and "rank 1 held 2.0 GiB" in crash.message
+
+
+def test_a_rank_without_memory_records_gets_no_memory_note() -> None:
+    job = started(2)
+    assert death_note(job.snapshot(), 1, None) == ""
+
+
+def test_a_job_that_went_quiet_whole_names_the_oom_killer_for_the_rank_whose_host_was_full() -> None:
+    # The OOM killer took every rank at once (or the node went down): no rank fell quiet first.
+    job = started(2)
+    end = job.train(5)
+    samples(job, 0, end - 600, lambda i: 2 * GiB, available=256 * MiB)
+    samples(job, 1, end - 600, lambda i: 2 * GiB, available=256 * MiB)
+    silent = only(diagnose(job.snapshot(), end + 600), "job_silent")
+    assert "Rank 0: its memory points at the kernel's OOM killer: rank 0 held 2.0 GiB" in silent.message, (
+        silent.message
+    )
