@@ -36,6 +36,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ddpscope.server.analysis.incidents import diagnose
+from ddpscope.server.analysis.memory import by_rank as memory_by_rank
+from ddpscope.server.analysis.memory import headroom
 from ddpscope.server.analysis.status import Liveness, liveness
 from ddpscope.server.analysis.steps import mean_overlap, page_metrics, page_timings
 from ddpscope.server.analysis.stragglers import WINDOW_STEPS, stragglers
@@ -100,6 +102,22 @@ def _gauges() -> dict[str, GaugeMetricFamily]:
             "1 while the ranks' copies of the model differ, hold NaN or infinite parameters, or drift apart on "
             "gradients DDP never all-reduced (the replicas_diverged, nonfinite_parameters and unsynced_gradients "
             "incidents)",
+            labels=["job"],
+        ),
+        "rss": GaugeMetricFamily(
+            "ddpscope_rank_memory_bytes",
+            "The rank's resident memory in its latest memory record (sent every 30 s)",
+            labels=JR,
+        ),
+        "headroom": GaugeMetricFamily(
+            "ddpscope_memory_available_bytes",
+            "Memory left where the rank runs, in its latest memory record: the host's MemAvailable, or what its "
+            "memory cgroup's limit leaves when that is less; at 0 the kernel's OOM killer ends a process",
+            labels=JR,
+        ),
+        "growth": GaugeMetricFamily(
+            "ddpscope_memory_growth",
+            "1 while a rank's memory grows steadily (the memory_growth incident): a leak on its way to the OOM killer",
             labels=["job"],
         ),
     }
@@ -203,11 +221,16 @@ class StorageCollector(Collector):
                 overlap = mean_overlap(ms)
                 if overlap is not None:
                     g["overlap"].add_metric(labels, overlap)
+        for rank, samples in memory_by_rank(snap.memory).items():
+            latest = samples[-1]
+            g["rss"].add_metric([job, str(rank)], float(latest["rss_bytes"]))
+            g["headroom"].add_metric([job, str(rank)], float(headroom(latest)[0]))
         g["unused"].add_metric([job], float(len(snap.unused)))
         # Active only: after a restart the old processes' mismatch is history and must stop paging.
         active = [i.kind for i in diagnose(snap, now_s) if i.active]
         mism.add_metric([job], float(active.count("mismatch")))
         g["diverged"].add_metric([job], float(any(k in DIVERGED_KINDS for k in active)))
+        g["growth"].add_metric([job], float("memory_growth" in active))
         totals: dict[tuple[int, str, str], int] = {}
         for stats in self.storage.fetch_records(job, ["agent_stats"]):
             for key, n in stats["dropped"].items():

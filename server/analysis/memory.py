@@ -165,52 +165,73 @@ def death_note(snapshot: JobSnapshot, rank: int, gone_s: float | None) -> str:
     """What a vanished rank's last ``memory`` sample says of the OOM killer ('' without one): named when
     the host (or cgroup) was all but full, or would have been by ``gone_s`` (when the rank was last heard
     of) plus ``DEATH_SLACK_S`` at the pace its ranks grew; ruled out when far from full."""
+    found = _last_state(snapshot, rank, gone_s, "it went silent")
+    if found is None:
+        return ""
+    state, left, total, pace, gap_s = found
+    pid = snapshot.ranks.get(rank, {}).get("pid", "<pid>")
+    kernel_log = (
+        f"The kernel's log on its host (dmesg, journalctl -k) says 'Out of memory: Killed process {pid}'."
+    )
+    if left <= NEARLY_FULL * total:
+        return f" Its memory points at the kernel's OOM killer: {state}. {kernel_log}"
+    if pace > 0 and left / pace <= gap_s + DEATH_SLACK_S:
+        return (
+            f" Its memory points at the kernel's OOM killer: {state}, and the memory of the ranks on its host "
+            f"grew +{_size(pace * 60)}/min, enough to fill it by then. {kernel_log}"
+        )
+    if left >= 0.25 * total:
+        return f" Not for lack of memory, as far as its last sample shows: {state}."
+    return ""
+
+
+def allocation_note(snapshot: JobSnapshot, rank: int, error_s: float | None) -> str:
+    """The memory behind a rank's failed allocation ('' without a sample): where it and its host stood."""
+    found = _last_state(snapshot, rank, error_s, "the error")
+    if found is None:
+        return ""
+    state, _, _, pace, _ = found
+    grew = f"; the memory of the ranks on its host grew +{_size(pace * 60)}/min" if pace > 0 else ""
+    return f" When last sampled, {state}{grew}."
+
+
+def _last_state(
+    snapshot: JobSnapshot, rank: int, event_s: float | None, event: str
+) -> tuple[str, int, int, float, float] | None:
+    """(what the rank's last sample says, bytes left, bytes in all, its host's growth in bytes/s, seconds from
+    that sample to ``event_s``), or None without a sample."""
     samples = by_rank(snapshot.memory)
     mine = samples.get(rank)
     if not mine:
-        return ""
+        return None
     last = mine[-1]
     left, total, what = headroom(last)
     at_s = last["time_ns"] / 1e9
-    before = f"{max(0.0, (gone_s or at_s) - at_s):.0f} s before it went silent"
+    gap_s = max(0.0, (event_s or at_s) - at_s)
     state = (
         f"rank {rank} held {_size(last['rss_bytes'])} and {what} had {_size(left)} of {_size(total)} left "
-        f"({before})"
+        f"({gap_s:.0f} s before {event})"
     )
-    if left <= NEARLY_FULL * total:
-        return (
-            f" Its memory points at the kernel's OOM killer: {state}. The kernel's log on its host "
-            f"(dmesg, journalctl -k) says 'Out of memory: Killed process {snapshot.ranks.get(rank, {}).get('pid', '<pid>')}'."
-        )
     hosts = _hosts(snapshot)
     host = hosts.get(rank)
     pace = sum(
         g.bytes_per_s for q, s in samples.items() if hosts.get(q) == host and (g := growth(s)) is not None
     )
-    if pace > 0 and left / pace <= max(0.0, (gone_s or at_s) - at_s) + DEATH_SLACK_S:
-        return (
-            f" Its memory points at the kernel's OOM killer: {state}, and the memory of the ranks on its host "
-            f"grew +{_size(pace * 60)}/min, enough to fill it by then. The kernel's log on its host (dmesg, "
-            "journalctl -k) says 'Out of memory: Killed process ...'."
-        )
-    if left >= 0.25 * total:
-        return f" Not for lack of memory: {state}."
-    return ""
+    return state, left, total, pace, gap_s
+
+
+ALLOCATION_FAILED = ("can't allocate memory", "Cannot allocate memory", "MemoryError", "std::bad_alloc")
+"""A rank's own error that says host memory ran out (torch's CPU allocator, ENOMEM, Python, C++)."""
 
 
 def note_memory(
     incidents: Sequence[Incident], snapshot: JobSnapshot, last_alive_s: Mapping[int, float]
 ) -> None:
-    """Append ``death_note`` to the incidents of ranks that vanished: ``rank_crashed`` and ``rank_silent``
-    (their rank), ``job_silent`` (the rank that fell quiet first, when it names one, else the first rank
-    whose memory points at the OOM killer)."""
+    """Append what the ranks' memory says to the incidents it explains: ``death_note`` to a vanished rank's
+    (``rank_crashed``, ``rank_silent``; ``job_silent``'s rank that fell quiet first, else the first rank whose
+    memory points at the OOM killer), ``allocation_note`` to a rank's error of a failed allocation."""
     for inc in incidents:
-        if (
-            inc.kind in ("rank_crashed", "rank_silent")
-            and inc.rank is not None
-            or inc.kind == "job_silent"
-            and inc.rank is not None
-        ):
+        if inc.kind in ("rank_crashed", "rank_silent", "job_silent") and inc.rank is not None:
             inc.message += death_note(snapshot, inc.rank, last_alive_s.get(inc.rank))
         elif inc.kind == "job_silent":
             for r in sorted(last_alive_s):
@@ -218,6 +239,12 @@ def note_memory(
                 if "OOM killer" in note:
                     inc.message += f" Rank {r}:{note.replace(' Its memory', ' its memory', 1)}"
                     break
+        elif (
+            inc.kind == "rank_error"
+            and inc.rank is not None
+            and any(s in inc.message for s in ALLOCATION_FAILED)
+        ):
+            inc.message += allocation_note(snapshot, inc.rank, inc.time_s)
 
 
 def _size(n: float) -> str:

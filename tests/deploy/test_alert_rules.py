@@ -14,7 +14,14 @@ from tests.support.system import STRICT
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 PROMTOOL = shutil.which("promtool")
-ALERTS = {"DDPJobHang", "DDPStraggler", "DDPCollectiveMismatch", "DDPRankSilent", "DDPReplicasDiverged"}
+ALERTS = {
+    "DDPJobHang",
+    "DDPStraggler",
+    "DDPCollectiveMismatch",
+    "DDPRankSilent",
+    "DDPReplicasDiverged",
+    "DDPMemoryGrowth",
+}
 
 
 def needs_promtool(test: Any) -> Any:

@@ -103,7 +103,7 @@ def test_a_killed_rank_with_memory_to_spare_is_said_not_to_have_run_out() -> Non
     samples(job, 1, end - 60, lambda i: 2 * GiB, n=3)
     job.error(0, end + 0.03, "[../gloo/transport/tcp/pair.cc:598] Connection reset by peer", step=5)
     crash = only(diagnose(job.snapshot(), end + 0.5), "rank_crashed")
-    assert "Not for lack of memory" in crash.message and "rank 1 held 2.0 GiB" in crash.message
+    assert "Not for lack of memory, as far as its last sample shows" in crash.message and "rank 1 held 2.0 GiB" in crash.message
 
 
 def test_a_rank_without_memory_records_gets_no_memory_note() -> None:
@@ -121,3 +121,16 @@ def test_a_job_that_went_quiet_whole_names_the_oom_killer_for_the_rank_whose_hos
     assert "Rank 0: its memory points at the kernel's OOM killer: rank 0 held 2.0 GiB" in silent.message, (
         silent.message
     )
+
+
+def test_a_failed_allocation_says_where_the_ranks_memory_and_its_hosts_stood() -> None:
+    job = started(2)
+    end = job.train(5)
+    samples(job, 1, end - 300, lambda i: 3 * GiB + i * 500 * MiB, n=11, available=2 * GiB)
+    job.error(1, end, "DefaultCPUAllocator: can't allocate memory: you tried to allocate 4294967296 bytes. "
+              "Error code 12 (Cannot allocate memory)", step=5)  # fmt: skip
+    err = only(diagnose(job.snapshot(), end + 0.5), "rank_error")
+    assert "When last sampled, rank 1 held 7.9 GiB and the host's memory had 2.0 GiB of 24.0 GiB left " in (
+        err.message
+    ), err.message
+    assert "(0 s before the error); the memory of the ranks on its host grew +1000.0 MiB/min." in err.message

@@ -31,6 +31,7 @@ PER_JOB = {
     "ddpscope_rank_finished",
     "ddpscope_unused_parameters",
     "ddpscope_replicas_diverged",
+    "ddpscope_memory_growth",
     "ddpscope_collective_mismatches_total",
 }
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -354,3 +355,23 @@ def test_the_app_applies_the_retention_setting_to_its_own_metrics(db_url):
     with make_client(db_url, metrics_retention_s=120.0) as client:
         feed(client, failed_job("old", t0_ns=t0))
         assert 'job="old"' not in client.get("/metrics").text
+
+
+def test_memory_gauges_follow_each_ranks_latest_sample_and_growth_is_1_while_a_rank_leaks(client):
+    records = synth_job(2, 6, 2, job="leaky", finished=False)
+    t_ns = max(r["time_ns"] for r in records)
+    gib = 2**30
+    for i in range(10):  # rank 1 grows 100 MiB every 30 s, rank 0 holds still
+        for r in (0, 1):
+            records.append(extra("leaky", r, "memory", t_ns + i * 30 * 10**9, i, step=10 * i,
+                                 rss_bytes=gib + r * i * 100 * 2**20, available_bytes=20 * gib - i * 100 * 2**20,
+                                 total_bytes=24 * gib))  # fmt: skip
+    feed(client, records)
+    samples = scrape(client, last_s(records) + 1)
+    assert value(samples, "ddpscope_rank_memory_bytes", "leaky", 0) == gib
+    assert value(samples, "ddpscope_rank_memory_bytes", "leaky", 1) == gib + 900 * 2**20
+    assert value(samples, "ddpscope_memory_available_bytes", "leaky", 1) == 20 * gib - 900 * 2**20
+    assert value(samples, "ddpscope_memory_growth", "leaky") == 1.0
+    steady = synth_job(2, 6, 2, job="steady", finished=False)
+    feed(client, steady)
+    assert value(scrape(client, last_s(steady) + 1), "ddpscope_memory_growth", "steady") == 0.0
