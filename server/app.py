@@ -18,7 +18,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from ddpscope.server.gate import IngestGate
 from ddpscope.server.metrics import make_registry
-from ddpscope.server.routes import health, incidents, ingest, jobs, steps
+from ddpscope.server.routes import health, incidents, ingest, jobs, memory, steps
 from ddpscope.server.settings import Settings
 from ddpscope.server.storage import Storage
 
@@ -43,7 +43,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="ddpscope collector", version="1", lifespan=lifespan)
     app.state.settings = settings
     app.state.ingest_gate = IngestGate(settings.max_pending_ingest)
-    for module in (ingest, health, jobs, steps, incidents):
+    for module in (ingest, health, jobs, steps, incidents, memory):
         app.include_router(module.router)
     _include_dashboard(app)
     return app

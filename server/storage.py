@@ -395,7 +395,7 @@ class Storage:
             rank_exits=by_kind.get("rank_exit", []),
             warnings=by_kind.get("warning", []),
             digests=by_kind.get("replica_digest", []),
-            memory=self._memory_window(row.id),
+            memory=self.memory_window(row.id),
             collectives=merge_collectives(colls, ends),
             steps=steps,
             unused=aggregate_unused(self.unused_rows(row.id)),
@@ -408,7 +408,7 @@ class Storage:
         # Not the jobs row's world size, the largest ever declared: a relaunch may have fewer ranks.
         return settle_world(snap)
 
-    def _memory_window(self, job_id: int) -> list[dict[str, Any]]:
+    def memory_window(self, job_id: int) -> list[dict[str, Any]]:
         """The job's ``memory`` records of the ``MEMORY_WINDOW_NS`` up to its newest, oldest first: two
         queries on the events' (job, kind, time) index, however long the job ran."""
         t = schema.events

@@ -30,6 +30,7 @@ INCIDENT_KINDS = (
             "settings_differ",
             "models_differ",
             "job_id_shared",
+            "memory_growth",
         }
     )
     | WARNING_CODES

@@ -5,11 +5,13 @@ questions are answered from them:
 
 - **Is a rank leaking?** ``memory_incidents``: a rank whose resident memory grew steadily over its recent
   samples (the snapshot's last hour): by at least ``MIN_GROWTH_BYTES`` and ``MIN_GROWTH_FRACTION`` of where
-  it began, in each quarter of that time, the second half still growing at ``MIN_LATE_SHARE`` of the first
-  half's pace. Warm-up (allocator pools, a DataLoader's prefetch, optimizer state made at the first step)
-  grows fast and then flattens, which the last test tells from a leak, whose pace holds. The incident says
-  the rate per minute and per step and, from the host's available memory and the growth of its ranks, when
-  the host runs out: then the kernel's OOM killer ends a rank with SIGKILL, and nothing of it says why.
+  it began; in three of the four quarters of that time, the last among them (one pause, an evaluation or a
+  checkpoint, is allowed); the second half still growing at ``MIN_LATE_SHARE`` of the first half's pace.
+  Warm-up (allocator pools, a DataLoader's prefetch, optimizer state made at the first step) grows fast and
+  then flattens, which the last test tells from a leak, whose pace holds. The incident says the rate per
+  minute and per step (over the second half) and, from the host's available memory and the growth of its
+  ranks, when the host runs out: then the kernel's OOM killer ends a rank with SIGKILL, and nothing of it
+  says why.
 - **Did the OOM killer end a rank?** ``note_memory``: a rank that stopped reporting with no error and no exit
   (``rank_crashed``, ``rank_silent``, ``job_silent``) gets what its last sample says: the host or its cgroup
   all but full, or full by then at the pace it grew (the OOM killer, most likely), or plenty left (not
@@ -21,7 +23,7 @@ agents send nothing: then nothing is said.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ddpscope.server.analysis.incident_model import Incident, Record, capitalized, ranks_phrase
@@ -41,17 +43,15 @@ DEATH_SLACK_S = 60.0
 
 @dataclass(frozen=True, slots=True)
 class Growth:
-    """A rank's steady growth over its window of samples."""
+    """A rank's steady growth over its window of samples, its pace measured over the window's second half
+    (the first may hold the end of a warm-up: a rank's first sample is taken before its model is built)."""
 
     rank: int
     first: Record
     last: Record
     bytes_per_s: float
-
-    @property
-    def per_step(self) -> float | None:
-        steps = int(self.last.get("step", 0)) - int(self.first.get("step", 0))
-        return (self.last["rss_bytes"] - self.first["rss_bytes"]) / steps if steps > 0 else None
+    per_step: float | None
+    """Bytes per training step, when the steps moved over that half."""
 
 
 def by_rank(samples: Iterable[Record]) -> dict[int, list[Record]]:
@@ -73,7 +73,8 @@ def growth(samples: Sequence[Record]) -> Growth | None:
         return None
     n = len(samples)
     quarters = [samples[(i * (n - 1)) // 4] for i in range(5)]
-    if any(b["rss_bytes"] <= a["rss_bytes"] for a, b in zip(quarters, quarters[1:], strict=False)):
+    grew = [b["rss_bytes"] > a["rss_bytes"] for a, b in zip(quarters, quarters[1:], strict=False)]
+    if sum(grew) < 3 or not grew[-1]:  # one pause allowed (an evaluation, a checkpoint), but not the last
         return None
     middle = quarters[2]["rss_bytes"]
     early, late = middle - first["rss_bytes"], last["rss_bytes"] - middle
@@ -81,17 +82,20 @@ def growth(samples: Sequence[Record]) -> Growth | None:
     late_s = (last["time_ns"] - quarters[2]["time_ns"]) / 1e9
     if early_s <= 0 or late_s <= 0 or late / late_s < MIN_LATE_SHARE * early / early_s:
         return None
-    return Growth(int(first["rank"]), first, last, _slope(samples))
+    recent = samples[n // 2 :]
+    per_step = _slope(recent, lambda m: float(m.get("step", 0)))
+    return Growth(
+        int(first["rank"]), first, last, _slope(recent, lambda m: m["time_ns"] / 1e9) or 0.0, per_step
+    )
 
 
-def _slope(samples: Sequence[Record]) -> float:
-    """Least-squares bytes per second."""
-    t0 = samples[0]["time_ns"]
-    xs = [(m["time_ns"] - t0) / 1e9 for m in samples]
+def _slope(samples: Sequence[Record], x_of: Callable[[Record], float]) -> float | None:
+    """Least-squares resident bytes per unit of ``x_of`` (seconds, steps); None when x never moved."""
+    xs = [x_of(m) for m in samples]
     ys = [float(m["rss_bytes"]) for m in samples]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else None
 
 
 def headroom(sample: Record) -> tuple[int, int, str]:
@@ -159,6 +163,50 @@ def memory_incidents(snapshot: JobSnapshot, live_ranks: Iterable[int]) -> list[I
             active=any(q in live for q in grown),
         )
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemory:
+    """One rank's memory for the ``/memory`` endpoint: its latest sample, its growth, its samples."""
+
+    rank: int
+    host: str | None
+    rss_bytes: int
+    available_bytes: int
+    """What is left where it runs: the host's MemAvailable, or its cgroup's limit less its usage if less."""
+    total_bytes: int
+    """The host's memory, or its cgroup's limit when that is lower."""
+    growing: bool
+    """Its memory grows steadily (the ``memory_growth`` incident's test)."""
+    bytes_per_min: float | None
+    """Its growth when ``growing``."""
+    samples: list[tuple[float, int, int, int]]
+    """(aligned-clock seconds, step, rss bytes, available bytes), oldest first, over the snapshot's window."""
+
+
+def memory_report(samples: Iterable[Record], starts: Mapping[int, Record]) -> list[RankMemory]:
+    """Each rank's ``RankMemory``, by rank, from ``memory`` records and the ranks' ``rank_start``."""
+    out = []
+    for rank, mine in sorted(by_rank(samples).items()):
+        last = mine[-1]
+        left, total, _ = headroom(last)
+        g = growth(mine)
+        out.append(
+            RankMemory(
+                rank=rank,
+                host=starts[rank].get("host") if rank in starts else None,
+                rss_bytes=int(last["rss_bytes"]),
+                available_bytes=left,
+                total_bytes=total,
+                growing=g is not None,
+                bytes_per_min=g.bytes_per_s * 60 if g is not None else None,
+                samples=[
+                    (m["time_ns"] / 1e9, int(m.get("step", 0)), int(m["rss_bytes"]), headroom(m)[0])
+                    for m in mine
+                ],
+            )
+        )
+    return out
 
 
 def death_note(snapshot: JobSnapshot, rank: int, gone_s: float | None) -> str:

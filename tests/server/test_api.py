@@ -208,7 +208,7 @@ def test_an_unknown_incident_kind_is_a_400_that_lists_the_kinds(client):
     r = client.get("/api/v1/jobs/synth/incidents?kind=hangs")
     assert r.status_code == 400 and "'hangs' is not an incident kind" in r.json()["detail"]
     assert (
-        "hang, job_id_shared, job_ids_differ, job_silent, mismatch" in r.json()["detail"]
+        "hang, job_id_shared, job_ids_differ, job_silent, memory_growth, mismatch" in r.json()["detail"]
         and "unsynced_gradients" in r.json()["detail"]
     )
     # A known kind the job does not have is an empty list, not an error.

@@ -103,7 +103,10 @@ def test_a_killed_rank_with_memory_to_spare_is_said_not_to_have_run_out() -> Non
     samples(job, 1, end - 60, lambda i: 2 * GiB, n=3)
     job.error(0, end + 0.03, "[../gloo/transport/tcp/pair.cc:598] Connection reset by peer", step=5)
     crash = only(diagnose(job.snapshot(), end + 0.5), "rank_crashed")
-    assert "Not for lack of memory, as far as its last sample shows" in crash.message and "rank 1 held 2.0 GiB" in crash.message
+    assert (
+        "Not for lack of memory, as far as its last sample shows" in crash.message
+        and "rank 1 held 2.0 GiB" in crash.message
+    )
 
 
 def test_a_rank_without_memory_records_gets_no_memory_note() -> None:
@@ -134,3 +137,15 @@ def test_a_failed_allocation_says_where_the_ranks_memory_and_its_hosts_stood() -
         err.message
     ), err.message
     assert "(0 s before the error); the memory of the ranks on its host grew +1000.0 MiB/min." in err.message
+
+
+def test_growth_paused_for_a_quarter_of_the_window_is_still_a_leak_but_not_once_it_stopped() -> None:
+    def ramp(rss_mib: Callable[[int], int]) -> list[dict[str, int]]:
+        return [
+            {"rank": 0, "time_ns": i * 30 * 10**9, "step": i, "rss_bytes": GiB + rss_mib(i) * MiB}
+            for i in range(20)
+        ]
+
+    paused = ramp(lambda i: 100 * min(i, 3) + 100 * max(0, i - 11))  # an evaluation from sample 3 to 11
+    stopped = ramp(lambda i: 100 * min(i, 14))  # no growth in the last quarter: not leaking now
+    assert growth(paused) is not None and growth(stopped) is None

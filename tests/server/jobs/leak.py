@@ -1,0 +1,54 @@
+"""A rank of a 2-rank job (DDPSCOPE_URL, DDPSCOPE_JOB from the env) that keeps 2 MiB every step on rank 1
+(``leak``) or nothing (``steady``), with memory records every half second.
+
+    python leak.py leak|steady ddpscope|torch
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpscope import agent
+from ddpscope.ddp import DistributedDataParallel, instrument
+from tests.support.job_end import destroy_together
+
+STEPS = 240
+
+
+def main() -> None:
+    mode, engine = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    model = (
+        instrument(nn.parallel.DistributedDataParallel(net))
+        if engine == "torch"
+        else DistributedDataParallel(net)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    kept = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = model(torch.randn(8, 16)).square().mean()
+        loss.backward()
+        opt.step()
+        if mode == "leak" and rank == 1:
+            kept.append(torch.ones(512, 1024))  # 2 MiB a step, kept "for logging"
+        time.sleep(0.03)
+    agent.emit({"kind": "rank_exit", "step": STEPS - 1, "reason": "finished"})
+    agent.get_agent().force_flush(10.0)
+    destroy_together()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["DDPSCOPE_MEMORY_INTERVAL_S"] = "0.5"  # read when the watchdog starts, with the process group
+    main()
