@@ -106,6 +106,7 @@ async def job_page(request: Request, job: str) -> HTMLResponse:
   <table id="unused" class="grid" hidden><thead><tr><th>parameter</th><th>ranks</th><th>steps</th></tr></thead>
   <tbody></tbody></table></section>
 <section><h2>Bucket layout</h2><div id="buckets" class="plot small" hidden></div><p class="msg" id="buckets-msg"></p></section>
+<section><h2>Memory per rank</h2><div id="memory" class="plot small" hidden></div><p class="msg" id="memory-msg"></p></section>
 """
     page = render_page(
         title=f"ddpscope: {job}",

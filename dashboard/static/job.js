@@ -233,6 +233,42 @@
     return drawn;
   }
 
+  const GIB = 2 ** 30;
+
+  function drawMemory(items) {
+    show("memory", items.length > 0);
+    if (!items.length) {
+      ddp.say("memory-msg", "No memory records: the ranks' agents send one every 30 s (Linux only).");
+      return;
+    }
+    // Resident memory per rank over time, and what is left where each runs (dotted): a leak climbs
+    // towards the kernel's OOM killer, which ends a rank without a word when the dotted line reaches 0.
+    const traces = [];
+    const many = items.length > 12;
+    for (const r of items) {
+      const color = PALETTE[r.rank % PALETTE.length];
+      const x = r.samples.map((s) => new Date(s[0] * 1000));
+      const steps = r.samples.map((s) => s[1]);
+      traces.push({ type: "scatter", mode: "lines", name: "rank " + r.rank, legendgroup: "r" + r.rank, x,
+        y: r.samples.map((s) => s[2] / GIB), customdata: steps, line: { width: 1.5, color },
+        hovertemplate: `rank ${r.rank} · step %{customdata}<br>resident %{y:.2f} GiB<extra></extra>` });
+      traces.push({ type: "scatter", mode: "lines", name: `rank ${r.rank} available`, legendgroup: "r" + r.rank,
+        showlegend: false, x, y: r.samples.map((s) => s[3] / GIB), customdata: steps, line: { width: 1, dash: "dot", color },
+        hovertemplate: `rank ${r.rank} · step %{customdata}<br>available %{y:.2f} GiB<extra></extra>` });
+    }
+    const drawn = ddp.plot("memory", traces, {
+      height: 260, showlegend: !many, hovermode: "closest",
+      xaxis: { title: { text: "time" } }, yaxis: { title: { text: "GiB (dotted: available)" }, rangemode: "tozero" },
+    });
+    const growing = items.filter((r) => r.growing);
+    const largest = items.reduce((a, b) => (b.rss_bytes > a.rss_bytes ? b : a));
+    ddp.say("memory-msg", (growing.length
+      ? "Growing: " + growing.map((r) => `rank ${r.rank} (+${ddp.fmtBytes(r.bytes_per_min)}/min)`).join(", ") + "; see the memory_growth incident."
+      : "No rank's memory grows steadily.")
+      + ` Largest: rank ${largest.rank}, ${ddp.fmtBytes(largest.rss_bytes)}, with ${ddp.fmtBytes(largest.available_bytes)} of ${ddp.fmtBytes(largest.total_bytes)} left where it runs.`);
+    return drawn;
+  }
+
   // Plot divs start hidden (an empty frame says nothing) and are shown before drawing, so Plotly
   // measures their real width.
   function show(id, visible) { document.getElementById(id).hidden = !visible; }
@@ -240,7 +276,7 @@
   const settled = (p) => p.then((v) => ({ ok: true, v }), (e) => ({ ok: false, e }));
 
   async function refresh() {
-    const [info, steps, strag, incid, unused, buckets, stalls] = await Promise.all([
+    const [info, steps, strag, incid, unused, buckets, stalls, memory] = await Promise.all([
       settled(ddp.api(ddp.jobPath(job))),
       settled(fetchSteps()),
       settled(ddp.api(ddp.jobPath(job, "/stragglers"))),
@@ -248,12 +284,13 @@
       settled(ddp.api(ddp.jobPath(job, "/unused-parameters"))),
       settled(ddp.api(ddp.jobPath(job, "/buckets"))),
       settled(ddp.api(ddp.jobPath(job, "/stalls"))),
+      settled(ddp.api(ddp.jobPath(job, "/memory"))),
     ]);
     if (info.ok) world = info.v;
     const badge = document.getElementById("job-status");
     badge.textContent = world ? world.status : "";
     badge.className = "badge " + (world ? world.status : "");
-    const errors = [info, steps, strag, incid, unused, buckets, stalls].filter((r) => !r.ok).map((r) => r.e.message);
+    const errors = [info, steps, strag, incid, unused, buckets, stalls, memory].filter((r) => !r.ok).map((r) => r.e.message);
     const w = windowed();
     show("heatmap", rows.size > 0);
     show("overlap", rows.size > 0);
@@ -265,6 +302,7 @@
     if (incid.ok) drawIncidents(incid.v.items || []);
     if (unused.ok) drawUnused(unused.v.items || [], unused.v.advice);
     if (buckets.ok) drawing.push(drawBuckets(buckets.v.items || []));
+    if (memory.ok) drawing.push(drawMemory(memory.v.items || []));
     await Promise.all(drawing);
     let msg = rows.size ? "" : "This job has not reported any steps yet. The page updates by itself.";
     if (errors.length) msg = (msg ? msg + " " : "") + "Some data could not be loaded: " + errors.join("; ");

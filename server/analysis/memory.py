@@ -156,8 +156,7 @@ def memory_incidents(snapshot: JobSnapshot, live_ranks: Iterable[int]) -> list[I
         Incident(
             kind="memory_growth",
             message=msg,
-            rank=r,
-            step=last.get("step"),
+            rank=r,  # no step: a leak is no place where the job stopped (the job page links such a step)
             culprit_ranks=sorted(grown),
             time_s=first["time_ns"] / 1e9,
             active=any(q in live for q in grown),

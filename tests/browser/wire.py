@@ -54,6 +54,22 @@ class SynthJob:
         validate_record(rec)
         return rec
 
+    def memory(self, rank: int, samples: int, *, start_bytes: int, per_sample: int) -> list[dict[str, Any]]:
+        """``samples`` memory records of ``rank`` every 30 s up to now, growing ``per_sample`` bytes each."""
+        gib, end_ns = 2**30, self.clock_ns
+        return [
+            self._record(
+                "memory",
+                rank,
+                end_ns - (samples - 1 - i) * 30 * 10**9,
+                step=10 * i,
+                rss_bytes=start_bytes + i * per_sample,
+                available_bytes=20 * gib - i * per_sample,
+                total_bytes=24 * gib,
+            )  # fmt: skip
+            for i in range(samples)
+        ]
+
     def partial_step(self, *, launched: int, done: int) -> dict[str, Any]:
         """The next step so far, as a hang or error report carries it: every bucket ready up to
         ``launched`` (exclusive) launched, the first ``done`` of them finished."""
