@@ -543,7 +543,6 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("step", INT, nullable=True),
         Field("reason", STR, doc="'finished', 'sigterm', 'sigint' (KeyboardInterrupt) or 'error'"),
     ),
-    # The agent's own accounting, cumulative since the stream started (the latest one wins).
     # A rank's memory and the host's (agent/memory.py): every DDPSCOPE_MEMORY_INTERVAL_S, and at once on a jump.
     "memory": (
         Field("step", INT, doc="the rank's step when sampled"),
@@ -558,6 +557,7 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         ),
         Field("cgroup_bytes", INT, required=False, doc="the memory cgroup's usage, beside limit_bytes"),
     ),
+    # The agent's own accounting, cumulative since the stream started (the latest one wins).
     "agent_stats": (
         Field("emitted", INT),
         Field("dropped", COUNTS, doc="'reason:kind' -> records dropped"),

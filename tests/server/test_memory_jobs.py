@@ -6,7 +6,6 @@ Every rank and the collector are killed by process group when the module's jobs 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,13 +27,6 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[str, s
         yield started
 
 
-def finished(j: RealJob) -> str | None:
-    deadline = time.monotonic() + WAIT_S
-    while j.status() != "finished" and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return j.status()
-
-
 def growth(incidents: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [i for i in incidents if i["kind"] == "memory_growth"]
 
@@ -45,7 +37,7 @@ def test_a_rank_that_keeps_memory_every_step_is_named_with_its_pace_per_step(
 ) -> None:
     j = jobs["leak", engine]
     assert j.exited_cleanly(), j.logs()
-    assert finished(j) == "finished"
+    assert j.settled_status() == "finished"
     (inc,) = j.wait_for("rank 1's memory growth", growth)
     assert inc["rank"] == 1 and inc["culprit_ranks"] == [1], inc
     assert inc["message"].startswith("Rank 1's memory grew steadily from "), inc
@@ -58,7 +50,7 @@ def test_a_rank_that_keeps_memory_every_step_is_named_with_its_pace_per_step(
 def test_a_job_that_keeps_nothing_gets_no_memory_incident(jobs: dict[tuple[str, str], RealJob]) -> None:
     j = jobs["steady", "ddpscope"]
     assert j.exited_cleanly(), j.logs()
-    assert finished(j) == "finished"
+    assert j.settled_status() == "finished"
     assert growth(j.incidents()) == [], j.incidents()
     ranks = get_json(f"{j.url}/api/v1/jobs/{j.job}/memory")["items"]
     assert [r["rank"] for r in ranks] == [0, 1] and not any(r["growing"] for r in ranks), ranks

@@ -11,7 +11,6 @@ Every rank and the collector are killed by process group when the module's jobs 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -46,20 +45,13 @@ def nonfinite_loss(incidents: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [i for i in incidents if i["kind"] == "nonfinite_loss"]
 
 
-def finished(j: RealJob) -> str | None:
-    deadline = time.monotonic() + WAIT_S
-    while j.status() != "finished" and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return j.status()
-
-
 @pytest.mark.parametrize("engine", ["ddpscope", "torch"])
 def test_the_rank_whose_batch_held_a_nan_is_named_with_its_step_though_every_rank_went_nan(
     jobs: dict[tuple[str, str], RealJob], engine: str
 ) -> None:
     j = jobs["spread", engine]
     assert j.exited_cleanly(), j.logs()
-    assert finished(j) == "finished"  # a NaN stops nothing: the job runs on, on garbage
+    assert j.settled_status() == "finished"  # a NaN stops nothing: the job runs on, on garbage
     (inc,) = j.wait_for("rank 1's NaN loss", nonfinite_loss)
     assert (inc["rank"], inc["step"], inc["culprit_ranks"]) == (1, 3, [1]), inc
     message = inc["message"]
@@ -73,7 +65,7 @@ def test_the_rank_whose_batch_held_a_nan_is_named_with_its_step_though_every_ran
 def test_a_nan_step_the_loop_skipped_is_said_to_have_recovered(jobs: dict[tuple[str, str], RealJob]) -> None:
     j = jobs["skipped", "torch"]
     assert j.exited_cleanly(), j.logs()
-    assert finished(j) == "finished"
+    assert j.settled_status() == "finished"
     (inc,) = j.wait_for("rank 1's skipped NaN step", nonfinite_loss)
     assert (inc["rank"], inc["step"], inc["culprit_ranks"]) == (1, 3, [1]), inc
     assert "finite again from step 4" in inc["message"], inc
@@ -87,7 +79,7 @@ def test_a_nan_one_ranks_backward_made_under_a_finite_loss_is_traced_to_its_rank
 ) -> None:
     j = jobs["backward", engine]
     assert j.exited_cleanly(), j.logs()
-    assert finished(j) == "finished"
+    assert j.settled_status() == "finished"
 
     def kind(name: str) -> Callable[[list[dict[str, Any]]], list[dict[str, Any]]]:
         return lambda incidents: [i for i in incidents if i["kind"] == name]
@@ -106,7 +98,7 @@ def test_a_nan_one_ranks_own_update_put_in_its_parameters_is_not_blamed_on_its_b
 ) -> None:
     j = jobs["update", "ddpscope"]
     assert j.exited_cleanly(), j.logs()
-    assert finished(j) == "finished"
+    assert j.settled_status() == "finished"
     (inc,) = j.wait_for("rank 1's NaN loss", nonfinite_loss)
     assert (inc["rank"], inc["step"], inc["culprit_ranks"]) == (1, 3, [1]), inc
     message = inc["message"]

@@ -46,6 +46,13 @@ class RealJob:
         jobs = get_json(f"{self.url}/api/v1/jobs")["items"]
         return next((j["status"] for j in jobs if j["job"] == self.job), None)
 
+    def settled_status(self, wanted: str = "finished") -> str | None:
+        """Poll the job's status until it is ``wanted`` or ``wait_s`` passes; the last status read."""
+        deadline = time.monotonic() + self.wait_s
+        while (status := self.status()) != wanted and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return status
+
     def wait_for(self, what: str, found: Callable[[list[dict[str, Any]]], Any]) -> Any:
         """Poll the incidents until ``found(incidents)`` is truthy; fail with what was seen and the logs."""
         deadline = time.monotonic() + self.wait_s
