@@ -23,6 +23,7 @@ agents send nothing: then nothing is said.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -232,14 +233,32 @@ def death_note(snapshot: JobSnapshot, rank: int, gone_s: float | None) -> str:
     return ""
 
 
-def allocation_note(snapshot: JobSnapshot, rank: int, error_s: float | None) -> str:
-    """The memory behind a rank's failed allocation ('' without a sample): where it and its host stood."""
+def allocation_note(snapshot: JobSnapshot, rank: int, error_s: float | None, message: str) -> str:
+    """The memory behind a rank's failed allocation ('' without a sample): where it and its host stood and,
+    when torch says how much it asked for, whether that could ever have fit."""
     found = _last_state(snapshot, rank, error_s, "the error")
     if found is None:
         return ""
-    state, _, _, pace, _ = found
+    state, left, total, pace, _ = found
     grew = f"; the memory of the ranks on its host grew +{_size(pace * 60)}/min" if pace > 0 else ""
-    return f" When last sampled, {state}{grew}."
+    note = f" When last sampled, {state}{grew}."
+    asked = _ASKED.search(message)
+    if asked is not None:
+        n = int(asked.group(1))
+        if n > total:
+            note += (
+                f" The allocation alone asked for {_size(n)}, more than the {_size(total)} there are: a size "
+                "computed wrong (a dimension multiplied in, a whole dataset in one batch), not memory used up."
+            )
+        elif n < left:
+            note += (
+                f" The allocation ({_size(n)}) would have fitted in what was left then: the memory filled since, "
+                "or a limit of the process's own (ulimit -v) refused it."
+            )
+    return note
+
+
+_ASKED = re.compile(r"tried to allocate (\d+) bytes")
 
 
 def _last_state(
@@ -267,8 +286,15 @@ def _last_state(
     return state, left, total, pace, gap_s
 
 
-ALLOCATION_FAILED = ("can't allocate memory", "Cannot allocate memory", "MemoryError", "std::bad_alloc")
-"""A rank's own error that says host memory ran out (torch's CPU allocator, ENOMEM, Python, C++)."""
+MEMORY_ERRORS = (
+    "can't allocate memory",
+    "Cannot allocate memory",
+    "MemoryError",
+    "std::bad_alloc",
+    "is killed by signal: Killed",
+)
+"""A rank's own error that says host memory ran out (torch's CPU allocator, ENOMEM, Python, C++) or that the
+OOM killer took one of its DataLoader workers."""
 
 
 def note_memory(
@@ -276,7 +302,7 @@ def note_memory(
 ) -> None:
     """Append what the ranks' memory says to the incidents it explains: ``death_note`` to a vanished rank's
     (``rank_crashed``, ``rank_silent``; ``job_silent``'s rank that fell quiet first, else the first rank whose
-    memory points at the OOM killer), ``allocation_note`` to a rank's error of a failed allocation."""
+    memory points at the OOM killer), ``allocation_note`` to a rank's error of a failed allocation or a worker the OOM killer took."""
     for inc in incidents:
         if inc.kind in ("rank_crashed", "rank_silent", "job_silent") and inc.rank is not None:
             inc.message += death_note(snapshot, inc.rank, last_alive_s.get(inc.rank))
@@ -287,15 +313,13 @@ def note_memory(
                     inc.message += f" Rank {r}:{note.replace(' Its memory', ' its memory', 1)}"
                     break
         elif (
-            inc.kind == "rank_error"
-            and inc.rank is not None
-            and any(s in inc.message for s in ALLOCATION_FAILED)
+            inc.kind == "rank_error" and inc.rank is not None and any(e in inc.message for e in MEMORY_ERRORS)
         ):
-            inc.message += allocation_note(snapshot, inc.rank, inc.time_s)
+            inc.message += allocation_note(snapshot, inc.rank, inc.time_s, inc.message)
 
 
 def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n:.0f} B"

@@ -49,6 +49,15 @@ KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = (
         "'module.'))",
     ),
     (
+        re.compile(r"DataLoader worker \(pid\(?s?\)? ?[\d, ]+\)? is killed by signal: Killed"),
+        "a DataLoader worker of this rank got SIGKILL, almost always from the kernel's OOM killer (its log on "
+        "this host says 'Out of memory: Killed process' with the worker's pid). Workers are processes of their "
+        "own, so the rank's memory hides theirs, and each one turns the pages of the Dataset's Python lists "
+        "and dicts it reads into private copies (reference counts write to them): use fewer workers "
+        "(num_workers), a smaller prefetch_factor, or keep the data in numpy arrays or tensors rather than "
+        "Python objects",
+    ),
+    (
         re.compile(r'Missing key\(s\) in state_dict: "module\.'),
         "a checkpoint of the bare model (keys without 'module.') is loaded into the DistributedDataParallel "
         "wrapper, whose keys carry that prefix: load it into model.module instead (or before wrapping)",

@@ -1341,6 +1341,10 @@ def test_torch_s_marked_ready_twice_error_names_reentrant_checkpointing_and_its_
             "element 0 of tensors does not require grad and does not have a grad_fn",
             "torch.set_grad_enabled(False) still in force",
         ),
+        (
+            "DataLoader worker (pid 29820) is killed by signal: Killed. ",
+            "DataLoader worker of this rank got SIGKILL, almost always from the kernel's OOM killer",
+        ),
     ],
 )
 def test_torch_errors_a_user_meets_under_ddp_name_their_usual_cause(message: str, said: str) -> None:

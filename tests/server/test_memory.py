@@ -149,3 +149,15 @@ def test_growth_paused_for_a_quarter_of_the_window_is_still_a_leak_but_not_once_
     paused = ramp(lambda i: 100 * min(i, 3) + 100 * max(0, i - 11))  # an evaluation from sample 3 to 11
     stopped = ramp(lambda i: 100 * min(i, 14))  # no growth in the last quarter: not leaking now
     assert growth(paused) is not None and growth(stopped) is None
+
+
+def test_an_allocation_larger_than_the_host_is_said_to_be_a_size_computed_wrong() -> None:
+    job = started(2)
+    end = job.train(5)
+    samples(job, 1, end - 60, lambda i: 300 * MiB, n=3)
+    job.error(1, end, "DefaultCPUAllocator: can't allocate memory: you tried to allocate 51200000000000 bytes. "
+              "Error code 12 (Cannot allocate memory)", step=5)  # fmt: skip
+    err = only(diagnose(job.snapshot(), end + 0.5), "rank_error")
+    assert "The allocation alone asked for 46.6 TiB, more than the 24.0 GiB there are: a size computed wrong" in (
+        err.message
+    ), err.message
