@@ -158,6 +158,7 @@ def test_an_allocation_larger_than_the_host_is_said_to_be_a_size_computed_wrong(
     job.error(1, end, "DefaultCPUAllocator: can't allocate memory: you tried to allocate 51200000000000 bytes. "
               "Error code 12 (Cannot allocate memory)", step=5)  # fmt: skip
     err = only(diagnose(job.snapshot(), end + 0.5), "rank_error")
-    assert "The allocation alone asked for 46.6 TiB, more than the 24.0 GiB there are: a size computed wrong" in (
-        err.message
+    assert (
+        "The allocation alone asked for 46.6 TiB, more than the 24.0 GiB there are: a size computed wrong"
+        in (err.message)
     ), err.message
