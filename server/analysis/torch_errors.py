@@ -49,6 +49,14 @@ KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = (
         "'module.'))",
     ),
     (
+        re.compile(r"failed to listen on any local network address.*EADDRINUSE"),
+        "something on rank 0's host already listens on the rendezvous port this message names "
+        "(MASTER_PORT): another job on the same node with the same port (torchrun's default is 29500), or "
+        "a previous run's processes still alive (ss -ltnp shows which). Give each job a port of its own "
+        "(torchrun --master-port, or --standalone on one node, which picks a free one), or stop the old "
+        "processes; the other ranks may otherwise reach the other job's store",
+    ),
+    (
         re.compile(r"DataLoader worker \(pid\(?s?\)? ?[\d, ]+\)? is killed by signal: Killed"),
         "a DataLoader worker of this rank got SIGKILL, almost always from the kernel's OOM killer (its log on "
         "this host says 'Out of memory: Killed process' with the worker's pid). Workers are processes of their "

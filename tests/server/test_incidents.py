@@ -1342,6 +1342,11 @@ def test_torch_s_marked_ready_twice_error_names_reentrant_checkpointing_and_its_
             "torch.set_grad_enabled(False) still in force",
         ),
         (
+            "The server socket has failed to listen on any local network address. port: 29533, useIpv6: false, "
+            "code: -98, name: EADDRINUSE, message: address already in use",
+            "another job on the same node with the same port (torchrun's default is 29500)",
+        ),
+        (
             "DataLoader worker (pid 29820) is killed by signal: Killed. ",
             "DataLoader worker of this rank got SIGKILL, almost always from the kernel's OOM killer",
         ),
