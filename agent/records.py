@@ -439,6 +439,14 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("stack", STR),
         Field("fatal", BOOL, doc="the process died of it (uncaught, abort, fatal signal)"),
         STOPPED_IN,
+        Field(
+            "thread",
+            STR,
+            required=False,
+            max_length=200,
+            doc="the name of the thread the exception ended, when not the main thread (the rank kept running); "
+            "absent otherwise",
+        ),
     ),
     # Something that does not stop training but makes its result wrong: said once per cause and model.
     "warning": (

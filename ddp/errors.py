@@ -73,10 +73,12 @@ def report_error(
     *,
     flush: bool | None = None,
     where: tuple[int | None, str, str] | None = None,
+    thread: str | None = None,
 ) -> bool:
     """Emit a ``rank_error`` for ``exc`` (step and phase from PROGRESS). Never raises.
 
-    ``where``: (step, phase, stack) noted earlier, for an exception reported after the fact.
+    ``where``: (step, phase, stack) noted earlier, for an exception reported after the fact. ``thread``:
+    the name of the thread the exception ended, when it is not the main thread.
 
     Returns False when this exception was already reported with the same ``fatal`` flag. ``flush``
     (default: ``fatal``) waits up to 2 s for the record to leave the process.
@@ -107,18 +109,19 @@ def report_error(
         if len(stack) > MAX_STACK_CHARS:
             # Keep the end: the innermost frames and the message are what a reader needs.
             stack = "...\n" + stack[-MAX_STACK_CHARS:]
-        emit(
-            {
-                "kind": "rank_error",
-                "step": step,
-                "phase": phase,
-                "error_type": type(exc).__name__,
-                "message": _bounded(lifecycle.exception_text(exc)) or type(exc).__name__,
-                "stack": stack,
-                "fatal": fatal,
-                "partial_step": partial,
-            }
-        )
+        record = {
+            "kind": "rank_error",
+            "step": step,
+            "phase": phase,
+            "error_type": type(exc).__name__,
+            "message": _bounded(lifecycle.exception_text(exc)) or type(exc).__name__,
+            "stack": stack,
+            "fatal": fatal,
+            "partial_step": partial,
+        }
+        if thread is not None:
+            record["thread"] = thread[:200]
+        emit(record)
         if fatal if flush is None else flush:
             get_agent().force_flush(FLUSH_TIMEOUT_S)
         return True
@@ -162,8 +165,10 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Traceback
 def _threading_excepthook(args: Any) -> None:
     exc = args.exc_value
     if exc is not None and not isinstance(exc, SystemExit):
-        # A dying thread does not end the process (the main thread goes through sys.excepthook).
-        report_error(exc, fatal=False, flush=True)
+        # A dying thread does not end the process (the main thread goes through sys.excepthook). Its
+        # name: a main thread left waiting for what it would have made (a queue it filled) is told by it.
+        thread = getattr(args, "thread", None)
+        report_error(exc, fatal=False, flush=True, thread=getattr(thread, "name", None) or "?")
     previous = _previous.get("threading") or threading.__excepthook__
     previous(args)
 

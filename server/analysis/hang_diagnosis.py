@@ -54,6 +54,7 @@ from ddpscope.server.analysis.stuck import (
     FROM_HANG_REPORT,
     LOADER_WAIT,
     Stuck,
+    dead_thread_note,
     hang_start_s,
     in_own_code,
     is_hang,
@@ -318,6 +319,8 @@ class _HangReading:
             how = "" if cpu is None else "blocked (no CPU), " if cpu else "computing all along, "
             if waits_for_loader(h):
                 how = f"{LOADER_WAIT}, "
+            elif cpu is not False and (dead := dead_thread_note(self.snapshot, rank, hang_start_s(h))):
+                how += f"{dead.removeprefix(', ')}, "
             msg += (
                 f"; it {'is' if state == 'active' else 'was'} stuck in its own code, {how}outside any collective, "
                 f"while {ranks_phrase(others)} "

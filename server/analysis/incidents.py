@@ -686,7 +686,10 @@ def _error_incidents(
             if unplaced
             else step_phrase(p.get("step"), p.get("phase"), started=began)
         )
-        head = f"Rank {p['rank']} {'died' if p.get('fatal') else 'raised (and kept running)'}{where_txt}"
+        if p.get("thread") and not p.get("fatal"):
+            head = f"Rank {p['rank']}'s thread {p['thread']!r} died (the rank kept running){where_txt}"
+        else:
+            head = f"Rank {p['rank']} {'died' if p.get('fatal') else 'raised (and kept running)'}{where_txt}"
         msg = f"{head}: {p.get('error_type')}: {first_line(p.get('message', '')).rstrip('.')}"
         if BACKWARD_CUT_SHORT in str(p.get("stack") or ""):
             # torch's advice (unused parameters) is wrong here; ddpscope's note on the error says why.

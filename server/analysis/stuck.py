@@ -21,7 +21,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ddpscope.server.analysis.incident_model import Record, phase_words, record_s, user_frame
+from ddpscope.server.analysis.incident_model import Record, first_line, phase_words, record_s, user_frame
 from ddpscope.server.analysis.native_wait import FRAME, exiting, main_blocked, main_stack, native_wait
 from ddpscope.server.analysis.snapshot import JobSnapshot
 
@@ -44,6 +44,8 @@ class Stuck:
     computed (a loop that does not end, a slow step); None when the report does not say."""
     loader: bool = False
     """Its main thread waited inside a DataLoader for a batch its worker processes did not deliver."""
+    dead_thread: str = ""
+    """``dead_thread_note``: a thread of the rank that died before it got stuck, when its main thread waits."""
 
     def phrase(self) -> str:
         at = f" at {self.site}" if self.site else ""
@@ -57,8 +59,8 @@ class Stuck:
             else ", computing all along (a loop that does not end, or work far slower than usual)"
         )
         if self.phase == "idle":
-            return f"stuck between steps after step {self.step}{at}{how}{FROM_HANG_REPORT}"
-        return f"stuck {phase_words(self.phase)} at step {self.step}{at}{how}{FROM_HANG_REPORT}"
+            return f"stuck between steps after step {self.step}{at}{how}{self.dead_thread}{FROM_HANG_REPORT}"
+        return f"stuck {phase_words(self.phase)} at step {self.step}{at}{how}{self.dead_thread}{FROM_HANG_REPORT}"
 
 
 LOADER_WAIT = (
@@ -70,6 +72,28 @@ LOADER_WAIT = (
 _LOADER_FRAME = re.compile(r"/torch/utils/data/dataloader\.py$")
 _WAIT_FRAME = re.compile(r"/(?:queue|queues|threading|selectors|connection|synchronize)\.py$|<frozen")
 """Where a main thread waits for a DataLoader's worker: the loader's own code, then a queue's or lock's."""
+
+
+def dead_thread_note(snapshot: JobSnapshot, rank: int, before_s: float) -> str:
+    """ ", after its thread 'prefetcher' died (ValueError: ... at data.py:40): ..." when a thread of ``rank``
+    other than its main thread died of an exception before ``before_s`` (the rank kept running): a main
+    thread then blocked waits for what that thread would have made (a queue it filled, an event it set, a
+    future it completed), which never comes. '' when none did."""
+    dead = [
+        e
+        for e in snapshot.rank_errors
+        if e["rank"] == rank and e.get("thread") and not e.get("fatal") and record_s(e) <= before_s
+    ]
+    if not dead:
+        return ""
+    e = dead[-1]
+    site = user_frame(str(e.get("stack") or ""))
+    at = f" at {site}" if site else ""
+    return (
+        f", after its thread {e['thread']!r} died ({e.get('error_type')}: {first_line(str(e.get('message', '')), 200)}"
+        f"{at}): what the main thread waits for would have come from that thread (a queue it filled, an event "
+        "it set), so it never comes"
+    )
 
 
 def waits_for_loader(hang: Record) -> bool:
@@ -159,7 +183,9 @@ def stuck_outside(
             continue
         if at_s is not None and not (start <= at_s <= resolved_s):
             continue
+        blocked = main_blocked(h)
+        dead = dead_thread_note(snapshot, r, start) if blocked is not False else ""
         out[r] = Stuck(
-            r, str(h.get("phase")), h.get("step"), main_site(h), start, main_blocked(h), waits_for_loader(h)
+            r, str(h.get("phase")), h.get("step"), main_site(h), start, blocked, waits_for_loader(h), dead
         )
     return out

@@ -94,7 +94,9 @@ def test_capture_errors_reports_and_lets_the_exception_propagate(records: Record
     ]
 
 
-def test_an_uncaught_exception_in_a_thread_becomes_a_non_fatal_rank_error(records: Records) -> None:
+def test_an_uncaught_exception_in_a_thread_becomes_a_non_fatal_rank_error_naming_the_thread(
+    records: Records,
+) -> None:
     seen: list[str] = []
     previous = threading.excepthook
     threading.excepthook = lambda args: seen.append(args.thread.name if args.thread else "")
@@ -106,7 +108,7 @@ def test_an_uncaught_exception_in_a_thread_becomes_a_non_fatal_rank_error(record
     finally:
         threading.excepthook = previous
     (err,) = records("rank_error")
-    assert (err["message"], err["fatal"]) == ("loader died", False)
+    assert (err["message"], err["fatal"], err["thread"]) == ("loader died", False, "loader")
     assert seen == ["loader"]  # the previous hook still ran
 
 

@@ -42,6 +42,35 @@ def waiting_in(job: JobRecords, rank: int, t: float, seq: int, *, step: int) -> 
     job.hang(rank, t, step=step, inflight=[inflight(seq, t - 5)])
 
 
+def test_a_rank_blocked_after_one_of_its_threads_died_is_told_that_the_thread_is_what_it_waits_for() -> None:
+    # A prefetch thread raised on a corrupt record after step 1; the main thread then waits on its queue.
+    job = started(2)
+    end = job.train(3)
+    job.add("rank_error", 1, end - 0.1, step=1, phase="idle", error_type="ValueError",
+            message="corrupt record 30 in shard-0001.tar", fatal=False, thread="prefetcher",
+            stack='Traceback (most recent call last):\n  File "/proj/data.py", line 40, in produce\n'
+                  "ValueError: corrupt record 30 in shard-0001.tar\n")  # fmt: skip
+    waiting_in(job, 0, end + 5, 7, step=3)
+    stuck_hang(job, 1, end + 5, step=2, phase="idle", cpu_s=0.0)
+    incidents = diagnose(job.snapshot(), end + 6)
+    died = "after its thread 'prefetcher' died (ValueError: corrupt record 30 in shard-0001.tar at /proj/data.py:40)"
+    hangs = {i.rank: i for i in incidents if i.kind == "hang"}
+    assert died in hangs[0].message and died.removeprefix("after") in hangs[1].message, hangs[1].message
+    error = only(incidents, "rank_error")
+    assert error.message.startswith(
+        "Rank 1's thread 'prefetcher' died (the rank kept running) after step 1"
+    ), error
+    # A main thread computing all along is not waiting for anything that thread made.
+    busy = started(2)
+    end = busy.train(3)
+    busy.records += [r for r in job.records if r["kind"] == "rank_error"]
+    waiting_in(busy, 0, end + 5, 7, step=3)
+    stuck_hang(busy, 1, end + 5, step=2, phase="idle", cpu_s=5.0)
+    assert "prefetcher" not in " ".join(
+        i.message for i in diagnose(busy.snapshot(), end + 6) if i.kind == "hang"
+    )
+
+
 def test_a_rank_stuck_in_its_data_loader_is_the_culprit_of_its_peers_hang_and_of_its_own() -> None:
     job = started(2)
     end = job.train(3)  # collectives 1..6
