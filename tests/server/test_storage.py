@@ -447,3 +447,27 @@ def test_steps_sent_in_blocks_are_stored_exactly_as_steps_sent_one_by_one(storag
         {**s.to_wire("j"), "stream": ""} for s in single
     ]
     assert storage.unused_rows(jobs["blocks"].id) == storage.unused_rows(jobs["single"].id) != []
+
+
+def test_a_snapshot_reads_the_last_hour_of_memory_records_however_long_the_job_ran(storage):
+    job = JobRecords(2, job="long-memory")
+    job.start(0)
+    job.start(1)
+    for i in range(3 * 60):  # three hours, a record a minute per rank
+        for r in (0, 1):
+            job.add(
+                "memory",
+                r,
+                T0 + 60 * i,
+                step=i,
+                rss_bytes=2**30 + i,
+                available_bytes=2**34,
+                total_bytes=2**35,
+            )
+    storage.write_batch(decoded(job.records))
+    snap = storage.load_snapshot("long-memory")
+    assert snap is not None
+    times = [m["time_ns"] for m in snap.memory]
+    assert times == sorted(times) and len(times) == 2 * 61  # the newest and the hour before it, both ranks
+    assert min(times) == int((T0 + 60 * 119) * 1e9) and {m["rank"] for m in snap.memory} == {0, 1}
+    assert len(storage.fetch_records("long-memory", ["memory"])) == 2 * 180  # all kept, for an export
