@@ -102,7 +102,6 @@ class MemoryReader:
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
-        self._cgroup = _cgroup_files()
         self._sent_at: float | None = None
         self._sent_rss = 0
         self._total = (_meminfo() or (0, 0))[1]
@@ -135,10 +134,11 @@ class MemoryReader:
             "available_bytes": available,
             "total_bytes": total,
         }
-        if self._cgroup is not None:
-            limit = _read_int(self._cgroup[0])
+        cgroup = _cgroup_files()  # looked up at each record (~10 us): a process may be moved into another
+        if cgroup is not None:
+            limit = _read_int(cgroup[0])
             if limit is not None and 0 < limit < total:
-                usage = _read_int(self._cgroup[1])
+                usage = _read_int(cgroup[1])
                 record["limit_bytes"] = limit
                 if usage is not None:
                     record["cgroup_bytes"] = usage

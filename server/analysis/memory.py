@@ -38,8 +38,12 @@ MIN_LATE_SHARE = 0.4
 """The growth of the window's second half, as a share of its first half's, below which growth is flattening."""
 NEARLY_FULL = 0.05
 """Available memory, as a share of the host's (or the cgroup's usage left to its limit), that counts as full."""
-DEATH_SLACK_S = 60.0
-"""How far past a rank's last sample the memory, at its pace, may fill for the OOM killer to be named."""
+DEATH_SLACK_S = 5.0
+"""How long after a rank was last heard of its memory, at its latest pace, may fill for the OOM killer to be
+named (its silence is noticed up to a heartbeat late)."""
+RECENT_SAMPLES = 4
+"""The samples a rank's latest pace is measured over, for a death: a blow-up to the OOM killer can take
+seconds (a batch of the wrong size, a tensor kept per step of a fast loop), too few samples for a leak's test."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,15 +222,16 @@ def death_note(snapshot: JobSnapshot, rank: int, gone_s: float | None) -> str:
         return ""
     state, left, total, pace, gap_s = found
     pid = snapshot.ranks.get(rank, {}).get("pid", "<pid>")
+    heading = "Memory cgroup out of memory" if "cgroup" in state else "Out of memory"
     kernel_log = (
-        f"The kernel's log on its host (dmesg, journalctl -k) says 'Out of memory: Killed process {pid}'."
+        f"The kernel's log on its host (dmesg, journalctl -k) says '{heading}: Killed process {pid}'."
     )
     if left <= NEARLY_FULL * total:
         return f" Its memory points at the kernel's OOM killer: {state}. {kernel_log}"
     if pace > 0 and left / pace <= gap_s + DEATH_SLACK_S:
         return (
-            f" Its memory points at the kernel's OOM killer: {state}, and the memory of the ranks on its host "
-            f"grew +{_size(pace * 60)}/min, enough to fill it by then. {kernel_log}"
+            f" Its memory points at the kernel's OOM killer: {state}, and the memory of the ranks on its host grew "
+            f"{_pace(pace)}, enough to fill it by then. {kernel_log}"
         )
     if left >= 0.25 * total:
         return f" Not for lack of memory, as far as its last sample shows: {state}."
@@ -240,7 +245,7 @@ def allocation_note(snapshot: JobSnapshot, rank: int, error_s: float | None, mes
     if found is None:
         return ""
     state, left, total, pace, _ = found
-    grew = f"; the memory of the ranks on its host grew +{_size(pace * 60)}/min" if pace > 0 else ""
+    grew = f"; the memory of the ranks on its host grew {_pace(pace)}" if pace > 0 else ""
     note = f" When last sampled, {state}{grew}."
     asked = _ASKED.search(message)
     if asked is not None:
@@ -280,10 +285,16 @@ def _last_state(
     )
     hosts = _hosts(snapshot)
     host = hosts.get(rank)
-    pace = sum(
-        g.bytes_per_s for q, s in samples.items() if hosts.get(q) == host and (g := growth(s)) is not None
-    )
+    pace = sum(_recent_pace(s) for q, s in samples.items() if hosts.get(q) == host)
     return state, left, total, pace, gap_s
+
+
+def _recent_pace(samples: Sequence[Record]) -> float:
+    """Bytes per second the resident memory grew over the last ``RECENT_SAMPLES`` samples (0 if it shrank)."""
+    recent = samples[-RECENT_SAMPLES:]
+    if len(recent) < 2:
+        return 0.0
+    return max(0.0, _slope(recent, lambda m: m["time_ns"] / 1e9) or 0.0)
 
 
 MEMORY_ERRORS = (
@@ -323,6 +334,13 @@ def _size(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n:.0f} B"
+
+
+def _pace(bytes_per_s: float) -> str:
+    """+1.2 GiB/min, or per second when that fast (a blow-up)."""
+    if bytes_per_s * 60 >= 2**30 * 10:
+        return f"+{_size(bytes_per_s)}/s"
+    return f"+{_size(bytes_per_s * 60)}/min"
 
 
 def _duration(seconds: float) -> str:

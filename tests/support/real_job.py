@@ -114,10 +114,11 @@ def jobs_at_one_collector(
     prefix: str,
     hang_timeout_s: float,
     wait_s: float,
+    env: dict[str, str] | None = None,
 ) -> Iterator[dict[tuple[str, str], RealJob]]:
     """A real collector on a SQLite file in ``tmp`` and one 2-rank job per (scenario, engine) of ``jobs``
-    (``python script scenario engine``), all started at once (their waits overlap); every rank's process
-    group and the collector are killed when the block ends."""
+    (``python script scenario engine``), all started at once (their waits overlap), each with ``env`` added
+    to its own; every rank's process group and the collector are killed when the block ends."""
     import uuid
 
     with contextlib.ExitStack() as stack:
@@ -128,13 +129,14 @@ def jobs_at_one_collector(
         started: dict[tuple[str, str], RealJob] = {}
         for scenario, engine in jobs:
             job_id = f"{prefix}-{scenario}-{engine}-{uuid.uuid4().hex[:6]}"
-            env = {
+            job_env = {
+                **(env or {}),
                 "DDPSCOPE_URL": url,
                 "DDPSCOPE_JOB": job_id,
                 "DDPSCOPE_HANG_TIMEOUT": str(hang_timeout_s),
                 "DDPSCOPE_HEARTBEAT_S": "0.5",
                 "DDPSCOPE_SPOOL_DIR": str(tmp / job_id),
             }
-            procs = stack.enter_context(started_ranks(script, 2, args=[scenario, engine], env=env))
+            procs = stack.enter_context(started_ranks(script, 2, args=[scenario, engine], env=job_env))
             started[(scenario, engine)] = RealJob(url, job_id, procs, wait_s=wait_s)
         yield started

@@ -1,7 +1,9 @@
 """A rank of a 2-rank job (DDPSCOPE_URL, DDPSCOPE_JOB from the env) that keeps 2 MiB every step on rank 1
-(``leak``) or nothing (``steady``), with memory records every half second.
+(``leak``) or nothing (``steady``), with memory records every half second. ``oom``: rank 1 first moves itself
+into the memory cgroup ``LEAK_CGROUP`` names (its limit set by the test) and keeps 4 MiB a step until the
+kernel's OOM killer ends it.
 
-    python leak.py leak|steady ddpscope|torch
+    python leak.py leak|steady|oom ddpscope|torch
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if mode == "oom" and rank == 1:
+        with open(os.path.join(os.environ["LEAK_CGROUP"], "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))  # from here on its new memory counts against the cgroup's limit
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     model = (
@@ -42,6 +47,8 @@ def main() -> None:
         opt.step()
         if mode == "leak" and rank == 1:
             kept.append(torch.ones(512, 1024))  # 2 MiB a step, kept "for logging"
+        elif mode == "oom" and rank == 1:
+            kept.append(torch.ones(1024, 1024))  # 4 MiB a step, until the OOM killer
         time.sleep(0.03)
     agent.emit({"kind": "rank_exit", "step": STEPS - 1, "reason": "finished"})
     agent.get_agent().force_flush(10.0)
