@@ -342,8 +342,53 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
             out.append(safe(worst["advice"]))
     elif buckets:
         out.append("all buckets became ready in index order: no order penalty")
+    out += _memory_section(_memory(client, job))
     problems = len(active) + len(flagged) + len(stalls)
     return "\n".join(out) + "\n", problems
+
+
+MEMORY_ROWS = 16
+"""Ranks listed in the memory section at most: the growing ones first, then the largest."""
+
+
+def _memory(client: Client, job: str) -> list[dict[str, Any]]:
+    """The job's ``/memory`` items; none from a collector older than that endpoint."""
+    try:
+        return client.items(client.job_path(job, "memory"))
+    except CollectorError as e:
+        if e.status == 404:
+            return []
+        raise
+
+
+def _memory_section(ranks: list[dict[str, Any]]) -> list[str]:
+    out = ["", f"== Memory ({len(ranks)} ranks)"]
+    if not ranks:
+        return [*out, "no memory records (each rank sends one every 30 s, on Linux)"]
+    shown = sorted(ranks, key=lambda r: (not r.get("growing"), -int(r.get("rss_bytes") or 0)))[:MEMORY_ROWS]
+    out.append(f"{'rank':>4}  {'resident':>10}  {'left where it runs':>22}  growing")
+    for r in sorted(shown, key=lambda r: int(r["rank"])):
+        left = f"{_fmt_size(r.get('available_bytes'))} of {_fmt_size(r.get('total_bytes'))}"
+        grows = (
+            f"+{_fmt_size(r['bytes_per_min'])}/min" if r.get("growing") and r.get("bytes_per_min") else "no"
+        )
+        out.append(f"{r['rank']:>4}  {_fmt_size(r.get('rss_bytes')):>10}  {left:>22}  {grows}")
+    hidden = [r for r in ranks if r not in shown]
+    if hidden:
+        growing = sum(1 for r in hidden if r.get("growing"))
+        out.append(
+            f"... {len(hidden)} more ranks, {growing or 'none'} of them growing (GET /memory has them all)"
+        )
+    return out
+
+
+def _fmt_size(n: Any) -> str:
+    if not isinstance(n, (int, float)):
+        return "?"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
 
 
 def _stack_tail(stack: str, lines: int = 8, call_site: str | None = None) -> list[str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddpscope.cli.report import _stack_tail
+from ddpscope.cli.report import MEMORY_ROWS, _memory_section, _stack_tail
 
 
 def test_a_hang_stack_shows_the_main_threads_innermost_frames_and_counts_the_other_threads() -> None:
@@ -136,3 +136,25 @@ def test_a_crash_dump_without_a_call_site_shows_faulthandlers_current_thread() -
     shown = _stack_tail(current)
     assert shown[0] == "Current thread 0x00007fa8b90106c0 (most recent call last) (innermost frames)"
     assert "worker.py" in shown[-3] and 'threading.py", line 331 in wait' in shown[-2]
+
+
+def test_the_memory_section_lists_growing_ranks_first_and_says_how_many_more_there_are() -> None:
+    gib = 1 << 30
+    ranks = [
+        {
+            "rank": r,
+            "rss_bytes": gib + r,
+            "available_bytes": 20 * gib,
+            "total_bytes": 24 * gib,
+            "growing": False,
+        }
+        for r in range(20)
+    ]
+    ranks[17].update(growing=True, bytes_per_min=100 * (1 << 20))
+    lines = _memory_section(ranks)
+    assert lines[1] == "== Memory (20 ranks)"
+    assert any(line.split()[:2] == ["17", "1.0"] and line.endswith("+100.0 MiB/min") for line in lines), lines
+    assert len(lines) == 3 + MEMORY_ROWS + 1 and lines[-1].startswith(
+        "... 4 more ranks, none of them growing"
+    )
+    assert _memory_section([])[-1] == "no memory records (each rank sends one every 30 s, on Linux)"
