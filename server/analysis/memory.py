@@ -221,11 +221,10 @@ def death_note(snapshot: JobSnapshot, rank: int, gone_s: float | None) -> str:
     if found is None:
         return ""
     state, left, total, pace, gap_s = found
-    pid = snapshot.ranks.get(rank, {}).get("pid", "<pid>")
     heading = "Memory cgroup out of memory" if "cgroup" in state else "Out of memory"
-    kernel_log = (
-        f"The kernel's log on its host (dmesg, journalctl -k) says '{heading}: Killed process {pid}'."
-    )
+    pid = snapshot.ranks.get(rank, {}).get("pid")  # unknown for a restart's earlier processes
+    line = f"'{heading}: Killed process {pid}'" if pid else f"'{heading}: Killed process' and the rank's pid"
+    kernel_log = f"The kernel's log on its host (dmesg, journalctl -k) says {line}."
     if left <= NEARLY_FULL * total:
         return f" Its memory points at the kernel's OOM killer: {state}. {kernel_log}"
     if pace > 0 and left / pace <= gap_s + DEATH_SLACK_S:
