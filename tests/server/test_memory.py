@@ -172,3 +172,20 @@ def test_an_allocation_larger_than_the_host_is_said_to_be_a_size_computed_wrong(
         "The allocation alone asked for 46.6 TiB, more than the 24.0 GiB there are: a size computed wrong"
         in (err.message)
     ), err.message
+
+
+def test_an_oom_kill_before_a_restart_stays_on_record_with_its_memory() -> None:
+    job = started(2)
+    end = job.train(5)
+    samples(job, 1, end - 300, lambda i: 20 * GiB, n=11, available=256 * MiB)
+    job.error(0, end + 0.03, "[../gloo/transport/tcp/pair.cc:598] Connection reset by peer", step=5)
+    for r in (0, 1):  # torchrun restarts both
+        job.start(r, end + 10)
+    job.train(3, t=end + 11)
+    incidents = diagnose(job.snapshot(), end + 15)
+    (before,) = [i for i in incidents if i.kind == "rank_crashed"]
+    assert not before.active and before.message.startswith("Before the ranks restarted"), before
+    assert "Its memory points at the kernel's OOM killer: rank 1 held 20.0 GiB" in before.message, (
+        before.message
+    )
+    assert "says 'Out of memory: Killed process' and the rank's pid" in before.message
