@@ -92,7 +92,7 @@ from ddpscope.server.analysis.incident_model import (
     user_frame,
     where,
 )
-from ddpscope.server.analysis.memory import memory_incidents, note_memory
+from ddpscope.server.analysis.memory import memory_incidents, note_memory, note_oom_loop
 from ddpscope.server.analysis.mismatch_causes import SAME_LINE, SIZE_ABORT
 from ddpscope.server.analysis.model_order import model_incidents
 from ddpscope.server.analysis.native_wait import exiting, native_wait
@@ -249,6 +249,7 @@ def diagnose(
     out += settings
     note_crash_loop(out, snapshot, previous)
     out += _before_restart_incidents(previous, restart_s, silent_after_s)
+    note_oom_loop(out)
     name_groups(out, colls.group_ranks)
     out.sort(key=lambda i: (i.time_s if i.time_s is not None else now_s, i.kind, i.rank or 0))
     return out

@@ -328,6 +328,31 @@ def note_memory(
             inc.message += allocation_note(snapshot, inc.rank, inc.time_s, inc.message)
 
 
+OOM_NAMED = "OOM killer: "
+"""In a vanished rank's incident once ``death_note`` put it down to the OOM killer."""
+
+
+def note_oom_loop(incidents: Sequence[Incident]) -> None:
+    """Append to the current attempt's OOM kills how many earlier attempts (the history incidents before a
+    restart) the OOM killer ended too: each restart starts the same climb, and the restart budget goes on it."""
+    earlier = sum(
+        1 for i in incidents if not i.active and i.kind == "rank_crashed" and OOM_NAMED in i.message
+    )
+    if not earlier:
+        return
+    for inc in incidents:
+        if (
+            inc.active
+            and inc.kind in ("rank_crashed", "rank_silent", "job_silent")
+            and OOM_NAMED in inc.message
+        ):
+            inc.message += (
+                f" The OOM killer ended {earlier} earlier attempt{'s' if earlier > 1 else ''} of this job too: a "
+                "restart climbs to the same end. Make each rank need less memory (a smaller batch, fewer DataLoader "
+                "workers, the leak above fixed) or give it more before restarting it again."
+            )
+
+
 def _size(n: float) -> str:
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:

@@ -189,3 +189,20 @@ def test_an_oom_kill_before_a_restart_stays_on_record_with_its_memory() -> None:
         before.message
     )
     assert "says 'Out of memory: Killed process' and the rank's pid" in before.message
+
+
+def test_an_oom_kill_that_ended_the_attempt_before_too_says_restarting_climbs_to_the_same_end() -> None:
+    job = started(2)
+    end = job.train(5)
+    samples(job, 1, end - 300, lambda i: 20 * GiB, n=11, available=256 * MiB)
+    job.error(0, end + 0.03, "[../gloo/transport/tcp/pair.cc:598] Connection reset by peer", step=5)
+    for r in (0, 1):
+        job.start(r, end + 10)
+    end2 = job.train(5, t=end + 11)
+    samples(job, 1, end2 - 9, lambda i: 20 * GiB, n=10, dt=1.0, available=256 * MiB)  # after the restart
+    job.error(0, end2 + 20.03, "[../gloo/transport/tcp/pair.cc:598] Connection reset by peer", step=5)
+    crashes = [i for i in diagnose(job.snapshot(), end2 + 20.5) if i.kind == "rank_crashed"]
+    current = [i for i in crashes if i.active]
+    assert (
+        len(current) == 1 and "The OOM killer ended 1 earlier attempt of this job too" in current[0].message
+    ), [i.message for i in crashes]
