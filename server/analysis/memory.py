@@ -69,7 +69,10 @@ def by_rank(samples: Iterable[Record]) -> dict[int, list[Record]]:
 
 def growth(samples: Sequence[Record]) -> Growth | None:
     """The rank's steady growth over ``samples`` (one rank, oldest first), or None (too few samples, too
-    little growth, a quarter that did not grow, or growth that is flattening)."""
+    little growth, a quarter that did not grow, or growth that is flattening). Samples taken after the
+    rank's steps stopped (its script's end: a final flush, waiting for its peers; a hang) are left out but
+    the first: they say nothing of growth per step, and a leak that ran to the end of a job stays named."""
+    samples = _while_training(samples)
     if len(samples) < MIN_SAMPLES:
         return None
     first, last = samples[0], samples[-1]
@@ -92,6 +95,14 @@ def growth(samples: Sequence[Record]) -> Growth | None:
     return Growth(
         int(first["rank"]), first, last, _slope(recent, lambda m: m["time_ns"] / 1e9) or 0.0, per_step
     )
+
+
+def _while_training(samples: Sequence[Record]) -> Sequence[Record]:
+    """``samples`` up to the first one of the rank's last step (the later ones were taken at that step too)."""
+    end = len(samples)
+    while end > 1 and samples[end - 2].get("step") == samples[-1].get("step"):
+        end -= 1
+    return samples[:end]
 
 
 def _slope(samples: Sequence[Record], x_of: Callable[[Record], float]) -> float | None:

@@ -206,3 +206,13 @@ def test_an_oom_kill_that_ended_the_attempt_before_too_says_restarting_climbs_to
     assert (
         len(current) == 1 and "The OOM killer ended 1 earlier attempt of this job too" in current[0].message
     ), [i.message for i in crashes]
+
+
+def test_a_leak_that_ran_to_the_end_of_the_job_is_named_though_memory_stayed_flat_while_the_rank_finished() -> (
+    None
+):
+    # Rank 1 kept 100 MiB a step for 12 samples, then waited 12 more at its last step (a final flush, its peers).
+    ramp = [{"rank": 1, "time_ns": i * 10**9, "step": min(i, 11) * 10, "rss_bytes": GiB + min(i, 11) * 100 * MiB}
+            for i in range(24)]  # fmt: skip
+    found = growth(ramp)
+    assert found is not None and found.last["time_ns"] == 11 * 10**9
