@@ -84,17 +84,27 @@ def growth(samples: Sequence[Record]) -> Growth | None:
     grew = [b["rss_bytes"] > a["rss_bytes"] for a, b in zip(quarters, quarters[1:], strict=False)]
     if sum(grew) < 3 or not grew[-1]:  # one pause allowed (an evaluation, a checkpoint), but not the last
         return None
-    middle = quarters[2]["rss_bytes"]
-    early, late = middle - first["rss_bytes"], last["rss_bytes"] - middle
-    early_s = (quarters[2]["time_ns"] - first["time_ns"]) / 1e9
-    late_s = (last["time_ns"] - quarters[2]["time_ns"]) / 1e9
-    if early_s <= 0 or late_s <= 0 or late / late_s < MIN_LATE_SHARE * early / early_s:
+    middle = quarters[2]
+    early, late = middle["rss_bytes"] - first["rss_bytes"], last["rss_bytes"] - middle["rss_bytes"]
+    # The pace per step when the steps moved in both halves: a leak of so much a step keeps its pace per step
+    # however the steps' speed changes (a busier host, a slower phase); else per second.
+    x_of = (
+        (lambda m: float(m.get("step", 0)))
+        if _moved(first, middle, "step") and _moved(middle, last, "step")
+        else (lambda m: m["time_ns"] / 1e9)
+    )
+    early_x, late_x = x_of(middle) - x_of(first), x_of(last) - x_of(middle)
+    if early_x <= 0 or late_x <= 0 or late / late_x < MIN_LATE_SHARE * early / early_x:
         return None
     recent = samples[n // 2 :]
     per_step = _slope(recent, lambda m: float(m.get("step", 0)))
     return Growth(
         int(first["rank"]), first, last, _slope(recent, lambda m: m["time_ns"] / 1e9) or 0.0, per_step
     )
+
+
+def _moved(a: Record, b: Record, key: str) -> bool:
+    return isinstance(a.get(key), int) and isinstance(b.get(key), int) and b[key] > a[key]
 
 
 def _while_training(samples: Sequence[Record]) -> Sequence[Record]:

@@ -216,3 +216,15 @@ def test_a_leak_that_ran_to_the_end_of_the_job_is_named_though_memory_stayed_fla
             for i in range(24)]  # fmt: skip
     found = growth(ramp)
     assert found is not None and found.last["time_ns"] == 11 * 10**9
+
+
+def test_a_leak_per_step_is_named_though_the_steps_slowed_down_in_the_second_half() -> None:
+    # 2 MiB a step throughout; 30 steps per 30 s sample at first, then 8 (a busier host): per second the pace
+    # falls to a quarter, per step it holds.
+    samples, step, rss = [], 0, GiB
+    for i in range(20):
+        samples.append({"rank": 0, "time_ns": i * 30 * 10**9, "step": step, "rss_bytes": rss})
+        moved = 30 if i < 10 else 8
+        step, rss = step + moved, rss + moved * 2 * MiB
+    found = growth(samples)
+    assert found is not None and found.per_step is not None and abs(found.per_step - 2 * MiB) < 1
