@@ -54,8 +54,13 @@ def _rank_process(rank: int, processes: dict[int, dict[str, Any]]) -> str:
     return f"{rank} (pid {proc['pid']} on {safe(proc.get('host'))})"
 
 
-def _fmt_bytes(n: float) -> str:
-    return f"{n:.0f} B" if n < 1024 else f"{n / 1024:.0f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
+def _fmt_bytes(n: Any) -> str:
+    """Bucket sizes and memory: B and whole KiB, tenths of MiB and GiB; '?' for a value that is no number."""
+    if not isinstance(n, (int, float)):
+        return "?"
+    if n < 1 << 20:
+        return f"{n:.0f} B" if n < 1024 else f"{n / 1024:.0f} KiB"
+    return f"{n / (1 << 20):.1f} MiB" if n < 1 << 30 else f"{n / (1 << 30):.1f} GiB"
 
 
 FEW_BUCKETS = 2
@@ -368,11 +373,11 @@ def _memory_section(ranks: list[dict[str, Any]]) -> list[str]:
     shown = sorted(ranks, key=lambda r: (not r.get("growing"), -int(r.get("rss_bytes") or 0)))[:MEMORY_ROWS]
     out.append(f"{'rank':>4}  {'resident':>10}  {'left where it runs':>22}  growing")
     for r in sorted(shown, key=lambda r: int(r["rank"])):
-        left = f"{_fmt_size(r.get('available_bytes'))} of {_fmt_size(r.get('total_bytes'))}"
+        left = f"{_fmt_bytes(r.get('available_bytes'))} of {_fmt_bytes(r.get('total_bytes'))}"
         grows = (
-            f"+{_fmt_size(r['bytes_per_min'])}/min" if r.get("growing") and r.get("bytes_per_min") else "no"
+            f"+{_fmt_bytes(r['bytes_per_min'])}/min" if r.get("growing") and r.get("bytes_per_min") else "no"
         )
-        out.append(f"{r['rank']:>4}  {_fmt_size(r.get('rss_bytes')):>10}  {left:>22}  {grows}")
+        out.append(f"{r['rank']:>4}  {_fmt_bytes(r.get('rss_bytes')):>10}  {left:>22}  {grows}")
     hidden = [r for r in ranks if r not in shown]
     if hidden:
         growing = sum(1 for r in hidden if r.get("growing"))
@@ -380,15 +385,6 @@ def _memory_section(ranks: list[dict[str, Any]]) -> list[str]:
             f"... {len(hidden)} more ranks, {growing or 'none'} of them growing (GET /memory has them all)"
         )
     return out
-
-
-def _fmt_size(n: Any) -> str:
-    if not isinstance(n, (int, float)):
-        return "?"
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
 
 
 def _stack_tail(stack: str, lines: int = 8, call_site: str | None = None) -> list[str]:

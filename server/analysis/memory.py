@@ -41,6 +41,9 @@ NEARLY_FULL = 0.05
 DEATH_SLACK_S = 5.0
 """How long after a rank was last heard of its memory, at its latest pace, may fill for the OOM killer to be
 named (its silence is noticed up to a heartbeat late)."""
+OOM_NAMED = "OOM killer: "
+"""In a vanished rank's note (``death_note``) and so its incident, once it is put down to the OOM killer."""
+
 RECENT_SAMPLES = 4
 """The samples a rank's latest pace is measured over, for a death: a blow-up to the OOM killer can take
 seconds (a batch of the wrong size, a tensor kept per step of a fast loop), too few samples for a leak's test."""
@@ -247,10 +250,10 @@ def death_note(snapshot: JobSnapshot, rank: int, gone_s: float | None) -> str:
     line = f"'{heading}: Killed process {pid}'" if pid else f"'{heading}: Killed process' and the rank's pid"
     kernel_log = f"The kernel's log on its host (dmesg, journalctl -k) says {line}."
     if left <= NEARLY_FULL * total:
-        return f" Its memory points at the kernel's OOM killer: {state}. {kernel_log}"
+        return f" Its memory points at the kernel's {OOM_NAMED}{state}. {kernel_log}"
     if pace > 0 and left / pace <= gap_s + DEATH_SLACK_S:
         return (
-            f" Its memory points at the kernel's OOM killer: {state}, and the memory of the ranks on its host grew "
+            f" Its memory points at the kernel's {OOM_NAMED}{state}, and the memory of the ranks on its host grew "
             f"{_pace(pace)}, enough to fill it by then. {kernel_log}"
         )
     if left >= 0.25 * total:
@@ -340,17 +343,13 @@ def note_memory(
         elif inc.kind == "job_silent":
             for r in sorted(last_alive_s):
                 note = death_note(snapshot, r, last_alive_s[r])
-                if "OOM killer" in note:
+                if OOM_NAMED in note:
                     inc.message += f" Rank {r}:{note.replace(' Its memory', ' its memory', 1)}"
                     break
         elif (
             inc.kind == "rank_error" and inc.rank is not None and any(e in inc.message for e in MEMORY_ERRORS)
         ):
             inc.message += allocation_note(snapshot, inc.rank, inc.time_s, inc.message)
-
-
-OOM_NAMED = "OOM killer: "
-"""In a vanished rank's incident once ``death_note`` put it down to the OOM killer."""
 
 
 def note_oom_loop(incidents: Sequence[Incident]) -> None:
