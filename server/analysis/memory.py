@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ddpscope.server.analysis.incident_model import Incident, Record, capitalized, ranks_phrase
-from ddpscope.server.analysis.snapshot import JobSnapshot
+from ddpscope.server.analysis.snapshot import JobSnapshot, latest_attempt
 
 MIN_SAMPLES = 8
 """Samples a rank needs before its growth is judged (4 minutes at the agent's 30 s)."""
@@ -212,17 +212,23 @@ class RankMemory:
     """(aligned-clock seconds, step, rss bytes, available bytes), oldest first, over the snapshot's window."""
 
 
-def memory_report(samples: Iterable[Record], starts: Mapping[int, Record]) -> list[RankMemory]:
-    """Each rank's ``RankMemory``, by rank, from ``memory`` records and the ranks' ``rank_start``."""
+def memory_report(samples: Iterable[Record], rank_starts: Sequence[Record]) -> list[RankMemory]:
+    """Each rank's ``RankMemory``, by rank, from ``memory`` records and the job's ``rank_start`` records.
+    All of a rank's samples are charted (a restart shows as its drop), but its growth is judged over its
+    latest attempt's alone, as the ``memory_growth`` incident judges it: the climb of an attempt that ended
+    is not the current process's."""
+    host = {s["rank"]: s.get("host") for s in sorted(rank_starts, key=lambda s: s["time_ns"])}
+    samples = list(samples)
+    current = by_rank(latest_attempt(samples, rank_starts))
     out = []
     for rank, mine in sorted(by_rank(samples).items()):
         last = mine[-1]
         left, total, _ = headroom(last)
-        g = growth(mine)
+        g = growth(current.get(rank, []))
         out.append(
             RankMemory(
                 rank=rank,
-                host=starts[rank].get("host") if rank in starts else None,
+                host=host.get(rank),
                 rss_bytes=int(last["rss_bytes"]),
                 available_bytes=left,
                 total_bytes=total,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ddpscope.server.analysis.incidents import diagnose
-from ddpscope.server.analysis.memory import death_note, growth
+from ddpscope.server.analysis.memory import death_note, growth, memory_report
 from tests.server.test_incidents import JobRecords, only, started
 
 GiB, MiB = 2**30, 2**20
@@ -228,3 +228,24 @@ def test_a_leak_per_step_is_named_though_the_steps_slowed_down_in_the_second_hal
         step, rss = step + moved, rss + moved * 2 * MiB
     found = growth(samples)
     assert found is not None and found.per_step is not None and abs(found.per_step - 2 * MiB) < 1
+
+
+def test_the_memory_view_judges_growth_over_the_current_attempt_as_the_incident_does_but_charts_them_all() -> (
+    None
+):
+    job = started(2)
+    end = job.train(3)
+    grew = samples(job, 1, end, lambda i: 2 * GiB + i * 50 * MiB)  # a leak until the restart
+    for r in (0, 1):
+        job.start(r, grew + 10)
+    flat = samples(job, 1, grew + 11, lambda i: 2 * GiB, n=10)  # the restarted process holds steady
+    memory = [r for r in job.records if r["kind"] == "memory"]
+    starts = [r for r in job.records if r["kind"] == "rank_start"]
+    (rank1,) = memory_report(memory, starts)
+    assert not rank1.growing and rank1.bytes_per_min is None, rank1
+    assert len(rank1.samples) == 30 and rank1.host == "node-1"
+    assert not [i for i in diagnose(job.snapshot(), flat + 1) if i.kind == "memory_growth" and i.active]
+    # The same climb in the current attempt is growth in both.
+    samples(job, 0, flat + 1, lambda i: 2 * GiB + i * 50 * MiB)
+    memory = [r for r in job.records if r["kind"] == "memory"]
+    assert [m.growing for m in memory_report(memory, starts)] == [True, False]
