@@ -41,7 +41,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from ddpscope.server.storage import Storage
@@ -51,6 +51,7 @@ COLLECTIVE_WINDOW = 256
 mismatch without loading a long job's whole history."""
 
 Record = dict[str, Any]
+R = TypeVar("R", bound=Mapping[str, Any])
 
 
 @dataclass(slots=True)
@@ -404,7 +405,7 @@ def snapshot_from_records(job: str, records: Iterable[Mapping[str, Any]]) -> Job
     return settle_world(snap)
 
 
-def latest_attempt(records: Iterable[Record], rank_starts: Iterable[Mapping[str, Any]]) -> list[Record]:
+def latest_attempt(records: Iterable[R], rank_starts: Iterable[Mapping[str, Any]]) -> list[R]:
     """The records that belong to each restarted rank's latest attempt (what the collector's step
     views show; ``storage._latest_attempt`` is the same test in SQL): see ``attempt_starts``."""
     starts = attempt_starts(rank_starts)
