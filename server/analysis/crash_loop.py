@@ -5,7 +5,11 @@ current attempt's error alone does not show that restarting cannot help.
 ``note_crash_loop`` adds that to the current attempt's ``rank_error`` incidents when an earlier attempt's
 processes died of an error of the same type raised at the same user line. Attempts are counted per rank (a
 process of each rank per attempt), so an error that moves between ranks is counted at least once per
-attempt it ended on some rank: "at least N". Pure functions over records; no database, no HTTP.
+attempt it ended on some rank: "at least N".
+
+``note_repeated_stop`` does the same for a job that stops without an error of its own at the same place every
+attempt: the same collective mismatch, missing collective or hang at the same user line in each attempt's
+history (``incidents._before_restart_incidents``, one list per attempt). Pure functions; no database, no HTTP.
 """
 
 from __future__ import annotations
@@ -60,3 +64,32 @@ def note_crash_loop(
             "it (a bad sample, a missing file, a bug on that line); fix its cause before the next restart, "
             "or stop restarting it (torchrun --max-restarts)."
         )
+
+
+REPEATING = {"mismatch": "collective mismatch", "missing_collective": "missing collective", "hang": "hang"}
+"""The stops a restart meets again when their cause is in the code or the data, and what to call them."""
+
+
+def note_repeated_stop(incidents: Sequence[Incident], earlier: Sequence[Sequence[Incident]]) -> None:
+    """Append to each active incident of ``REPEATING`` kinds how many earlier attempts (``earlier``: each
+    attempt's history incidents) stopped with the same kind at the same call site. A hang is noted only
+    when no mismatch or missing collective was: the hangs there are that cause's waiting ranks."""
+    noted = False
+    for kind in REPEATING:  # causes first
+        for incident in incidents:
+            if incident.kind != kind or not incident.active or incident.call_site is None:
+                continue
+            if kind == "hang" and noted:
+                return
+            attempts = sum(
+                1 for attempt in earlier
+                if any(i.kind == kind and i.call_site == incident.call_site for i in attempt)
+            )  # fmt: skip
+            if not attempts:
+                continue
+            noted = True
+            incident.message += (
+                f" The same {REPEATING[kind]} at {incident.call_site} stopped {attempts} earlier "
+                f"attempt{'s' if attempts > 1 else ''} of this job too: restarting does not get past it; fix its "
+                "cause before the next restart, or stop restarting it (torchrun --max-restarts)."
+            )

@@ -72,7 +72,7 @@ from ddpscope.server.analysis.collective_diagnosis import (
     missing_incidents,
     sync_schedule_incidents,
 )
-from ddpscope.server.analysis.crash_loop import note_crash_loop
+from ddpscope.server.analysis.crash_loop import note_crash_loop, note_repeated_stop
 from ddpscope.server.analysis.hang_diagnosis import hang_incidents, tags_differ, through_past_waits
 from ddpscope.server.analysis.incident_model import (
     STOP_SIGNALS,
@@ -102,11 +102,13 @@ from ddpscope.server.analysis.replica_divergence import replica_incidents
 from ddpscope.server.analysis.restart_race import stale_peer_address
 from ddpscope.server.analysis.shared_job import shared_job_incidents
 from ddpscope.server.analysis.snapshot import (
+    PER_PROCESS,
     JobSnapshot,
     RankSteps,
     UnusedParameter,
     parameter_order,
     process_starts,
+    split_attempts,
     split_restart,
 )
 from ddpscope.server.analysis.status import (
@@ -248,8 +250,10 @@ def diagnose(
     note_memory(out, snapshot, live.last_alive_s)
     out += settings
     note_crash_loop(out, snapshot, previous)
-    out += _before_restart_incidents(previous, restart_s, silent_after_s)
-    note_oom_loop(out)
+    history = _before_restart_incidents(previous, restart_s, silent_after_s)
+    note_repeated_stop(out, history)
+    note_oom_loop(out, history)
+    out += [i for attempt in history for i in attempt]
     name_groups(out, colls.group_ranks)
     out.sort(key=lambda i: (i.time_s if i.time_s is not None else now_s, i.kind, i.rank or 0))
     return out
@@ -1046,25 +1050,40 @@ def _error_incident(
 
 def _before_restart_incidents(
     previous: JobSnapshot | None, restart_s: float, silent_after_s: float
-) -> list[Incident]:
+) -> list[list[Incident]]:
     """The diagnosis of the processes that ran before the ranks restarted (torchrun ``--max-restarts``,
     a job resubmitted under the same id), as history: ``active=False``, and not what the job's status
     rests on. "It crashed at 3 a.m. and came back" must stay on record.
 
-    ``previous`` (``snapshot.split_restart``) is diagnosed like a job of its own at the moment of the
-    restart: a SIGKILLed rank is found by the same silence-before-the-victims rule. Staleness verdicts
-    (silent ranks) are dropped: by then every old process has stopped reporting by definition."""
+    Each earlier attempt (``snapshot.split_attempts``) is diagnosed like a job of its own at the moment
+    the next one began: a SIGKILLed rank is found by the same silence-before-the-victims rule, and a hang
+    in the first attempt is not hidden by the second one's failure to connect. Staleness verdicts
+    (silent ranks) are dropped: by then every old process has stopped reporting by definition. One list per
+    attempt, oldest first."""
     if previous is None:
         return []
-    out = []
-    for incident in diagnose(previous, restart_s, silent_after_s=silent_after_s):
-        if incident.kind in ("rank_silent", "job_silent") or not incident.active:
-            continue
-        ago = f" ({restart_s - incident.time_s:.0f} s before it)" if incident.time_s is not None else ""
-        incident.message = f"Before the ranks restarted{ago}: {incident.message}"
-        incident.active = False
-        out.append(incident)
+    attempts = split_attempts(previous)
+    ends = [_began_s(a) for a in attempts[1:]] + [restart_s]
+    out: list[list[Incident]] = []
+    for k, (attempt, ended_s) in enumerate(zip(attempts, ends, strict=True)):
+        which = f"In attempt {k + 1} of {len(attempts) + 1}, before" if len(attempts) > 1 else "Before"
+        out.append([])
+        for incident in diagnose(attempt, ended_s, silent_after_s=silent_after_s):
+            if incident.kind in ("rank_silent", "job_silent") or not incident.active:
+                continue
+            ago = f" ({ended_s - incident.time_s:.0f} s before it)" if incident.time_s is not None else ""
+            incident.message = f"{which} the ranks restarted{ago}: {incident.message}"
+            incident.active = False
+            out[-1].append(incident)
     return out
+
+
+def _began_s(attempt: JobSnapshot) -> float:
+    """When the first process of an earlier attempt was first heard from (the end of the attempt before)."""
+    return min(
+        (r["time_ns"] / 1e9 for f in PER_PROCESS for r in getattr(attempt, f)),
+        default=attempt.last_seen_s,
+    )
 
 
 # ------------------------------------------------------------------------------------ unused parameters

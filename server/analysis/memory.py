@@ -358,13 +358,12 @@ def note_memory(
             inc.message += allocation_note(snapshot, inc.rank, inc.time_s, inc.message)
 
 
-def note_oom_loop(incidents: Sequence[Incident]) -> None:
-    """Append to the current attempt's OOM kills how many earlier attempts (the history incidents before a
-    restart) the OOM killer ended too: each restart starts the same climb, and the restart budget goes on it."""
-    earlier = sum(
-        1 for i in incidents if not i.active and i.kind == "rank_crashed" and OOM_NAMED in i.message
-    )
-    if not earlier:
+def note_oom_loop(incidents: Sequence[Incident], earlier: Sequence[Sequence[Incident]]) -> None:
+    """Append to the current attempt's OOM kills how many earlier attempts (``earlier``: each attempt's
+    history incidents) the OOM killer ended too: each restart starts the same climb, and the restart budget
+    goes on it."""
+    attempts = sum(1 for a in earlier if any(i.kind == "rank_crashed" and OOM_NAMED in i.message for i in a))
+    if not attempts:
         return
     for inc in incidents:
         if (
@@ -373,9 +372,9 @@ def note_oom_loop(incidents: Sequence[Incident]) -> None:
             and OOM_NAMED in inc.message
         ):
             inc.message += (
-                f" The OOM killer ended {earlier} earlier attempt{'s' if earlier > 1 else ''} of this job too: a "
-                "restart climbs to the same end. Make each rank need less memory (a smaller batch, fewer DataLoader "
-                "workers, the leak above fixed) or give it more before restarting it again."
+                f" The OOM killer ended {attempts} earlier attempt{'s' if attempts > 1 else ''} of this job too: "
+                "a restart climbs to the same end. Make each rank need less memory (a smaller batch, fewer "
+                "DataLoader workers, the leak above fixed) or give it more before restarting it again."
             )
 
 

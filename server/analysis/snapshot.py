@@ -217,11 +217,54 @@ def split_restart(snapshot: JobSnapshot) -> tuple[JobSnapshot, JobSnapshot | Non
         current.agent_stats = {r: a for r, a in current.agent_stats.items() if r not in unstarted}
     if not (older["rank_errors"] or older["hangs"] or older["collectives"]):
         return current, None
-    previous = JobSnapshot(job=snapshot.job, world_size=snapshot.world_size, **older)
-    seen = previous.rank_last_seen_s
-    for rec in [*previous.heartbeats.values(), *(r for f in PER_PROCESS for r in older[f])]:
+    return current, _history(snapshot, older)
+
+
+def _history(snapshot: JobSnapshot, fields: Mapping[str, Any]) -> JobSnapshot:
+    """A snapshot of processes that ran before a restart, from their ``PER_PROCESS`` records and heartbeats:
+    no ``ranks`` (every record counts), ``rank_last_seen_s`` from the records."""
+    history = JobSnapshot(job=snapshot.job, world_size=snapshot.world_size, **fields)
+    seen = history.rank_last_seen_s
+    for rec in [*history.heartbeats.values(), *(r for f in PER_PROCESS for r in getattr(history, f))]:
         seen[rec["rank"]] = max(seen.get(rec["rank"], 0.0), rec["time_ns"] / 1e9)
-    return current, previous
+    return history
+
+
+def split_attempts(previous: JobSnapshot) -> list[JobSnapshot]:
+    """``split_restart``'s ``previous`` (everything before the current processes) as one snapshot per
+    attempt, oldest first: a job torchrun restarted twice before the current attempt ran three times, and
+    each attempt ended in its own way (a hang, then a restart that failed to connect). Each rank's
+    processes are taken in the order they began (a process's derived streams are that process), and its
+    k-th process belongs to attempt k: torchrun restarts every rank together."""
+    began: dict[int, dict[str, int]] = {}
+    """rank -> process -> its first record's time."""
+    records = [*previous.heartbeats.values(), *(r for f in PER_PROCESS for r in getattr(previous, f))]
+    for rec in records:
+        process = process_stream(str(rec.get("stream")))
+        mine = began.setdefault(rec["rank"], {})
+        mine[process] = min(mine.get(process, rec["time_ns"]), rec["time_ns"])
+    attempt = {
+        (rank, process): k
+        for rank, mine in began.items()
+        for k, process in enumerate(sorted(mine, key=lambda p: (mine[p], p)))
+    }
+    count = max(attempt.values(), default=0) + 1
+    if count == 1:
+        return [previous]
+
+    def of(rec: Mapping[str, Any]) -> int:
+        return attempt[(rec["rank"], process_stream(str(rec.get("stream"))))]
+
+    return [
+        _history(
+            previous,
+            {
+                **{f: [r for r in getattr(previous, f) if of(r) == k] for f in PER_PROCESS},
+                "heartbeats": {r: h for r, h in previous.heartbeats.items() if of(h) == k},
+            },
+        )
+        for k in range(count)
+    ]
 
 
 def process_starts(snapshot: JobSnapshot) -> dict[int, tuple[str | None, int]]:
