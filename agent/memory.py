@@ -7,7 +7,13 @@ samples it at each heartbeat (``/proc/self/statm``, ~5 us) and sends a ``memory`
 ``DDPSCOPE_MEMORY_INTERVAL_S`` (30 s), and at once when the resident size moved by more than 2 % of the
 host's memory since the last one (a blow-up can go from healthy to killed in seconds):
 
-- ``rss_bytes``: the process's resident memory (its DataLoader workers are processes of their own);
+- ``rss_bytes``: the process's resident memory;
+- ``workers_bytes`` / ``workers``: the memory of its worker processes that is their own: the children it
+  forked or started through ``multiprocessing`` (DataLoader workers; a forkserver and its children), not
+  a program it ran (``subprocess``) nor ddpscope's shipper, by their command lines. ``Private_Clean + Private_Dirty`` of ``/proc/<pid>/smaps_rollup`` (~3 ms a worker, read with
+  each record, not each heartbeat). A forked worker's resident size counts every page it shares with the
+  rank, so summing those would count the rank's memory once per worker; what a worker keeps, or copies
+  from the rank by touching it (Python objects' reference counts: copy-on-read), is private;
 - ``available_bytes`` / ``total_bytes``: the host's ``MemAvailable`` and ``MemTotal`` (``/proc/meminfo``),
   since the killer acts on the host's memory, which other ranks and processes share;
 - ``limit_bytes`` / ``cgroup_bytes``: the memory cgroup's limit and usage, when it has a limit below the
@@ -88,6 +94,70 @@ def _meminfo() -> tuple[int, int] | None:
     return None
 
 
+MAX_WORKERS = 64
+"""Child processes read at most per record: a rank with more is not a DataLoader's (a process pool)."""
+
+
+def _children(pid: int) -> list[int]:
+    """The processes ``pid``'s threads started (``/proc/<pid>/task/*/children``), empty when unknown."""
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                out += [int(c) for c in f.read().split()]
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def _private_bytes(pid: int) -> int | None:
+    """``pid``'s memory that no other process maps (its unique set), from ``smaps_rollup``."""
+    private = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith((b"Private_Clean:", b"Private_Dirty:")):
+                    private += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return private
+
+
+def _cmdline(pid: int) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _is_worker(cmdline: bytes | None, own: bytes | None) -> bool:
+    """A process forked from the rank (its command line is the rank's) or started by ``multiprocessing``
+    (spawn, forkserver): a DataLoader's worker, a pool's."""
+    return (
+        cmdline is not None
+        and (cmdline == own or b"multiprocessing" in cmdline)
+        and b"resource_tracker" not in cmdline  # multiprocessing's own helper, not a worker
+    )
+
+
+def workers_memory(pid: int | None = None) -> tuple[int, int] | None:
+    """(private bytes, count) of the worker processes among the descendants of ``pid`` (this process): its
+    DataLoader workers, a forkserver's children. None when it has none."""
+    pid = os.getpid() if pid is None else pid
+    own = _cmdline(pid)
+    todo, seen = [c for c in _children(pid) if _is_worker(_cmdline(c), own)], 0
+    total = 0
+    while todo and seen < MAX_WORKERS:
+        child = todo.pop()
+        private = _private_bytes(child)
+        if private is None:  # exited meanwhile
+            continue
+        total, seen = total + private, seen + 1
+        todo += _children(child)
+    return (total, seen) if seen else None
+
+
 def resident_bytes() -> int | None:
     """This process's resident memory, from ``/proc/self/statm``."""
     try:
@@ -134,6 +204,9 @@ class MemoryReader:
             "available_bytes": available,
             "total_bytes": total,
         }
+        workers = workers_memory()
+        if workers is not None:
+            record["workers_bytes"], record["workers"] = workers
         cgroup = _cgroup_files()  # looked up at each record (~10 us): a process may be moved into another
         if cgroup is not None:
             limit = _read_int(cgroup[0])

@@ -564,6 +564,14 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             doc="the memory cgroup's limit, when below the host's memory (a container, a Slurm job); absent otherwise",
         ),
         Field("cgroup_bytes", INT, required=False, doc="the memory cgroup's usage, beside limit_bytes"),
+        Field(
+            "workers_bytes",
+            INT,
+            required=False,
+            doc="the private memory (not shared with the rank) of its child processes: DataLoader workers; "
+            "absent when it has none",
+        ),
+        Field("workers", INT, required=False, doc="how many child processes workers_bytes counts"),
     ),
     # The agent's own accounting, cumulative since the stream started (the latest one wins).
     "agent_stats": (

@@ -371,13 +371,18 @@ def _memory_section(ranks: list[dict[str, Any]]) -> list[str]:
     if not ranks:
         return [*out, "no memory records (each rank sends one every 30 s, on Linux)"]
     shown = sorted(ranks, key=lambda r: (not r.get("growing"), -int(r.get("rss_bytes") or 0)))[:MEMORY_ROWS]
-    out.append(f"{'rank':>4}  {'resident':>10}  {'left where it runs':>22}  growing")
+    out.append(f"{'rank':>4}  {'resident':>10}  {'workers':>10}  {'left where it runs':>22}  growing")
     for r in sorted(shown, key=lambda r: int(r["rank"])):
         left = f"{_fmt_bytes(r.get('available_bytes'))} of {_fmt_bytes(r.get('total_bytes'))}"
         grows = (
             f"+{_fmt_bytes(r['bytes_per_min'])}/min" if r.get("growing") and r.get("bytes_per_min") else "no"
         )
-        out.append(f"{r['rank']:>4}  {_fmt_bytes(r.get('rss_bytes')):>10}  {left:>22}  {grows}")
+        if r.get("growing") and r.get("growing_in") == "workers":
+            grows += " (its DataLoader workers)"
+        workers = "-" if r.get("workers_bytes") is None else _fmt_bytes(r.get("workers_bytes"))
+        out.append(
+            f"{r['rank']:>4}  {_fmt_bytes(r.get('rss_bytes')):>10}  {workers:>10}  {left:>22}  {grows}"
+        )
     hidden = [r for r in ranks if r not in shown]
     if hidden:
         growing = sum(1 for r in hidden if r.get("growing"))

@@ -252,18 +252,23 @@
       traces.push({ type: "scatter", mode: "lines", name: "rank " + r.rank, legendgroup: "r" + r.rank, x,
         y: r.samples.map((s) => s[2] / GIB), customdata: steps, line: { width: 1.5, color },
         hovertemplate: `rank ${r.rank} · step %{customdata}<br>resident %{y:.2f} GiB<extra></extra>` });
+      if (r.samples.some((s) => s[4] > 0)) {
+        traces.push({ type: "scatter", mode: "lines", name: `rank ${r.rank} workers`, legendgroup: "r" + r.rank,
+          x, y: r.samples.map((s) => s[4] / GIB), customdata: steps, line: { width: 1, dash: "dash", color },
+          hovertemplate: `rank ${r.rank} · step %{customdata}<br>DataLoader workers' own %{y:.2f} GiB<extra></extra>` });
+      }
       traces.push({ type: "scatter", mode: "lines", name: `rank ${r.rank} available`, legendgroup: "r" + r.rank,
         showlegend: false, x, y: r.samples.map((s) => s[3] / GIB), customdata: steps, line: { width: 1, dash: "dot", color },
         hovertemplate: `rank ${r.rank} · step %{customdata}<br>available %{y:.2f} GiB<extra></extra>` });
     }
     const drawn = ddp.plot("memory", traces, {
       height: 260, showlegend: !many, hovermode: "closest",
-      xaxis: { title: { text: "time" } }, yaxis: { title: { text: "GiB (dotted: available)" }, rangemode: "tozero" },
+      xaxis: { title: { text: "time" } }, yaxis: { title: { text: "GiB (dashed: workers; dotted: available)" }, rangemode: "tozero" },
     });
     const growing = items.filter((r) => r.growing);
     const largest = items.reduce((a, b) => (b.rss_bytes > a.rss_bytes ? b : a));
     ddp.say("memory-msg", (growing.length
-      ? "Growing: " + growing.map((r) => `rank ${r.rank} (+${ddp.fmtBytes(r.bytes_per_min)}/min)`).join(", ") + "; see the memory_growth incident."
+      ? "Growing: " + growing.map((r) => `rank ${r.rank}${r.growing_in === "workers" ? "'s DataLoader workers" : ""} (+${ddp.fmtBytes(r.bytes_per_min)}/min)`).join(", ") + "; see the memory_growth incident."
       : "No rank's memory grows steadily.")
       + ` Largest: rank ${largest.rank}, ${ddp.fmtBytes(largest.rss_bytes)}, with ${ddp.fmtBytes(largest.available_bytes)} of ${ddp.fmtBytes(largest.total_bytes)} left where it runs.`);
     return drawn;

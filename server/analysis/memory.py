@@ -41,6 +41,8 @@ NEARLY_FULL = 0.05
 DEATH_SLACK_S = 5.0
 """How long after a rank was last heard of its memory, at its latest pace, may fill for the OOM killer to be
 named (its silence is noticed up to a heartbeat late)."""
+WORKERS = "workers_bytes"
+"""A ``memory`` record's field of its rank's DataLoader workers' own memory (``agent/memory.py``)."""
 OOM_NAMED = "OOM killer: "
 """In a vanished rank's note (``death_note``) and so its incident, once it is put down to the OOM killer."""
 
@@ -60,6 +62,12 @@ class Growth:
     bytes_per_s: float
     per_step: float | None
     """Bytes per training step, when the steps moved over that half."""
+    of: str = "rss_bytes"
+    """What grew: the rank's own resident memory, or its DataLoader workers' (``workers_bytes``)."""
+
+    @property
+    def in_workers(self) -> bool:
+        return self.of == WORKERS
 
 
 def by_rank(samples: Iterable[Record]) -> dict[int, list[Record]]:
@@ -70,25 +78,33 @@ def by_rank(samples: Iterable[Record]) -> dict[int, list[Record]]:
     return out
 
 
-def growth(samples: Sequence[Record]) -> Growth | None:
-    """The rank's steady growth over ``samples`` (one rank, oldest first), or None (too few samples, too
+def growth(samples: Sequence[Record], of: str = "rss_bytes", until_ns: int | None = None) -> Growth | None:
+    """The steady growth of ``of`` (the rank's resident memory, or ``WORKERS``: its DataLoader workers'
+    own memory, 0 in a sample without workers) over ``samples`` (one rank, oldest first), or None (too few samples, too
     little growth, a quarter that did not grow, or growth that is flattening). Samples taken after the
     rank's steps stopped (its script's end: a final flush, waiting for its peers; a hang) are left out but
-    the first: they say nothing of growth per step, and a leak that ran to the end of a job stays named."""
-    samples = _while_training(samples)
+    the first: they say nothing of growth per step, and a leak that ran to the end of a job stays named.
+    So are the samples after ``until_ns`` (the rank's exit: its teardown frees what it kept)."""
+    if until_ns is not None:
+        samples = [m for m in samples if m["time_ns"] <= until_ns]
+    samples = _while_training(_workers_lifetime(samples) if of == WORKERS else samples)
     if len(samples) < MIN_SAMPLES:
         return None
+
+    def size(m: Record) -> int:
+        return int(m.get(of) or 0)
+
     first, last = samples[0], samples[-1]
-    grown = last["rss_bytes"] - first["rss_bytes"]
-    if grown < max(MIN_GROWTH_BYTES, MIN_GROWTH_FRACTION * first["rss_bytes"]):
+    grown = size(last) - size(first)
+    if grown < max(MIN_GROWTH_BYTES, MIN_GROWTH_FRACTION * size(first)):
         return None
     n = len(samples)
     quarters = [samples[(i * (n - 1)) // 4] for i in range(5)]
-    grew = [b["rss_bytes"] > a["rss_bytes"] for a, b in zip(quarters, quarters[1:], strict=False)]
+    grew = [size(b) > size(a) for a, b in zip(quarters, quarters[1:], strict=False)]
     if sum(grew) < 3 or not grew[-1]:  # one pause allowed (an evaluation, a checkpoint), but not the last
         return None
     middle = quarters[2]
-    early, late = middle["rss_bytes"] - first["rss_bytes"], last["rss_bytes"] - middle["rss_bytes"]
+    early, late = size(middle) - size(first), size(last) - size(middle)
     # The pace per step when the steps moved in both halves: a leak of so much a step keeps its pace per step
     # however the steps' speed changes (a busier host, a slower phase); else per second.
     x_of = (
@@ -100,10 +116,21 @@ def growth(samples: Sequence[Record]) -> Growth | None:
     if early_x <= 0 or late_x <= 0 or late / late_x < MIN_LATE_SHARE * early / early_x:
         return None
     recent = samples[n // 2 :]
-    per_step = _slope(recent, lambda m: float(m.get("step", 0)))
-    return Growth(
-        int(first["rank"]), first, last, _slope(recent, lambda m: m["time_ns"] / 1e9) or 0.0, per_step
-    )
+    per_step = _slope(recent, lambda m: float(m.get("step", 0)), size)
+    per_s = _slope(recent, lambda m: m["time_ns"] / 1e9, size) or 0.0
+    return Growth(int(first["rank"]), first, last, per_s, per_step, of)
+
+
+def _workers_lifetime(samples: Sequence[Record]) -> Sequence[Record]:
+    """The samples of the rank's latest DataLoader workers while they lived: workers end with their epoch
+    (unless ``persistent_workers``) or the rank's loop, and what they held goes with them."""
+    end = len(samples)
+    while end and not samples[end - 1].get("workers"):
+        end -= 1
+    start = end
+    while start and samples[start - 1].get("workers"):
+        start -= 1
+    return samples[start:end]
 
 
 def _moved(a: Record, b: Record, key: str) -> bool:
@@ -118,10 +145,12 @@ def _while_training(samples: Sequence[Record]) -> Sequence[Record]:
     return samples[:end]
 
 
-def _slope(samples: Sequence[Record], x_of: Callable[[Record], float]) -> float | None:
-    """Least-squares resident bytes per unit of ``x_of`` (seconds, steps); None when x never moved."""
+def _slope(
+    samples: Sequence[Record], x_of: Callable[[Record], float], y_of: Callable[[Record], int]
+) -> float | None:
+    """Least-squares bytes (``y_of``) per unit of ``x_of`` (seconds, steps); None when x never moved."""
     xs = [x_of(m) for m in samples]
-    ys = [float(m["rss_bytes"]) for m in samples]
+    ys = [float(y_of(m)) for m in samples]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else None
@@ -143,11 +172,41 @@ def _hosts(snapshot: JobSnapshot) -> dict[int, str]:
     return {r: str(s.get("host", "?")) for r, s in snapshot.ranks.items()}
 
 
+KEPT_CAUSES = (
+    "Memory that grows every step is something kept every step: a loss or an output stored with its "
+    "autograd graph (losses.append(loss) instead of loss.item()), a list or dict that grows each step "
+    "(metrics, a cache keyed by batch), tensors kept for logging. tracemalloc snapshots (or memray) two "
+    "steps apart on one rank name the line."
+)
+WORKER_CAUSES = (
+    "Each DataLoader worker is a process with its own copy of the Dataset, so what __getitem__ keeps (a cache, "
+    "a list it appends to, decoded samples) grows in every worker; and Python objects the workers only read "
+    "(a list of dicts or strings of file names, labels) are copied into each worker page by page as their "
+    "reference counts change (copy-on-read), which grows with every sample read until each worker holds the "
+    "whole dataset. Keep such data in numpy arrays or tensors (one object, no per-item reference counts), cap "
+    "or drop the cache, or use fewer workers; the OOM killer picks the process that holds the most, often a "
+    "worker ('DataLoader worker (pid N) is killed by signal: Killed')."
+)
+
+
+def rank_growth(samples: Sequence[Record], exited_ns: int | None = None) -> Growth | None:
+    """The rank's own steady growth, else its DataLoader workers' (``WORKERS``), before it exited."""
+    return growth(samples, until_ns=exited_ns) or growth(samples, WORKERS, exited_ns)
+
+
+def exit_times(rank_exits: Iterable[Record]) -> dict[int, int]:
+    """Each rank's first ``rank_exit`` time (ns): what it sends after says nothing of its training."""
+    out: dict[int, int] = {}
+    for e in rank_exits:
+        out[e["rank"]] = min(out.get(e["rank"], e["time_ns"]), e["time_ns"])
+    return out
+
+
 def memory_incidents(snapshot: JobSnapshot, live_ranks: Iterable[int]) -> list[Incident]:
-    """One ``memory_growth`` incident for the ranks whose memory grows steadily (see the module doc);
-    inactive once none of them is live any more."""
-    samples = by_rank(snapshot.memory)
-    grown = {r: g for r, s in samples.items() if (g := growth(s)) is not None}
+    """One ``memory_growth`` incident for the ranks whose memory, or whose DataLoader workers' memory,
+    grows steadily (see the module doc); inactive once none of them is live any more."""
+    samples, exited = by_rank(snapshot.memory), exit_times(snapshot.rank_exits)
+    grown = {r: g for r, s in samples.items() if (g := rank_growth(s, exited.get(r))) is not None}
     if not grown:
         return []
     hosts = _hosts(snapshot)
@@ -158,8 +217,13 @@ def memory_incidents(snapshot: JobSnapshot, live_ranks: Iterable[int]) -> list[I
     step_text = f", {_size(per_step)} a step" if per_step is not None and per_step > 0 else ""
     others = sorted(set(grown) - {r})
     alike = f"; {ranks_phrase(others)} grew too" if others else ""
+    whose = (
+        f"Rank {r}'s DataLoader workers' own memory (not shared with the rank; {last.get('workers')} of them)"
+        if fastest.in_workers
+        else f"Rank {r}'s memory"
+    )
     msg = (
-        f"Rank {r}'s memory grew steadily from {_size(first['rss_bytes'])} to {_size(last['rss_bytes'])} in "
+        f"{whose} grew steadily from {_size(first.get(fastest.of) or 0)} to {_size(last[fastest.of])} in "
         f"{_duration(span_s)} (+{_size(fastest.bytes_per_s * 60)}/min{step_text}), at a pace that is not "
         f"flattening as a warm-up would{alike}. "
     )
@@ -174,12 +238,7 @@ def memory_incidents(snapshot: JobSnapshot, live_ranks: Iterable[int]) -> list[I
             f" in ~{_duration(left / pace)} at this pace; then the kernel's OOM killer ends a rank with "
             "SIGKILL, and nothing in its log says why. "
         )
-    msg += (
-        "Memory that grows every step is something kept every step: a loss or an output stored with its "
-        "autograd graph (losses.append(loss) instead of loss.item()), a list or dict that grows each step "
-        "(metrics, a cache keyed by batch), tensors kept for logging. tracemalloc snapshots (or memray) two "
-        "steps apart on one rank name the line."
-    )
+    msg += WORKER_CAUSES if fastest.in_workers else KEPT_CAUSES
     live = set(live_ranks)
     return [
         Incident(
@@ -204,27 +263,35 @@ class RankMemory:
     """What is left where it runs: the host's MemAvailable, or its cgroup's limit less its usage if less."""
     total_bytes: int
     """The host's memory, or its cgroup's limit when that is lower."""
+    workers_bytes: int | None
+    """Its DataLoader workers' own memory (``WORKERS``) in its latest sample; None when it has none."""
     growing: bool
-    """Its memory grows steadily (the ``memory_growth`` incident's test)."""
+    """Its memory, or its workers', grows steadily (the ``memory_growth`` incident's test)."""
+    growing_in: str | None
+    """``"rank"`` or ``"workers"`` (its DataLoader workers) when ``growing``."""
     bytes_per_min: float | None
     """Its growth when ``growing``."""
-    samples: list[tuple[float, int, int, int]]
-    """(aligned-clock seconds, step, rss bytes, available bytes), oldest first, over the snapshot's window."""
+    samples: list[tuple[float, int, int, int, int]]
+    """(aligned-clock seconds, step, rss bytes, available bytes, workers' bytes or 0), oldest first, over the
+    snapshot's window."""
 
 
-def memory_report(samples: Iterable[Record], rank_starts: Sequence[Record]) -> list[RankMemory]:
-    """Each rank's ``RankMemory``, by rank, from ``memory`` records and the job's ``rank_start`` records.
-    All of a rank's samples are charted (a restart shows as its drop), but its growth is judged over its
-    latest attempt's alone, as the ``memory_growth`` incident judges it: the climb of an attempt that ended
-    is not the current process's."""
+def memory_report(
+    samples: Iterable[Record], rank_starts: Sequence[Record], rank_exits: Iterable[Record] = ()
+) -> list[RankMemory]:
+    """Each rank's ``RankMemory``, by rank, from ``memory`` records and the job's ``rank_start`` and
+    ``rank_exit`` records. All of a rank's samples are charted (a restart shows as its drop), but its growth
+    is judged over its latest attempt's alone, before its exit, as the ``memory_growth`` incident judges it:
+    the climb of an attempt that ended is not the current process's."""
     host = {s["rank"]: s.get("host") for s in sorted(rank_starts, key=lambda s: s["time_ns"])}
     samples = list(samples)
     current = by_rank(latest_attempt(samples, rank_starts))
+    exited = exit_times(latest_attempt(list(rank_exits), rank_starts))
     out = []
     for rank, mine in sorted(by_rank(samples).items()):
         last = mine[-1]
         left, total, _ = headroom(last)
-        g = growth(current.get(rank, []))
+        g = rank_growth(current.get(rank, []), exited.get(rank))
         out.append(
             RankMemory(
                 rank=rank,
@@ -232,10 +299,18 @@ def memory_report(samples: Iterable[Record], rank_starts: Sequence[Record]) -> l
                 rss_bytes=int(last["rss_bytes"]),
                 available_bytes=left,
                 total_bytes=total,
+                workers_bytes=int(last[WORKERS]) if isinstance(last.get(WORKERS), int) else None,
                 growing=g is not None,
+                growing_in=None if g is None else "workers" if g.in_workers else "rank",
                 bytes_per_min=g.bytes_per_s * 60 if g is not None else None,
                 samples=[
-                    (m["time_ns"] / 1e9, int(m.get("step", 0)), int(m["rss_bytes"]), headroom(m)[0])
+                    (
+                        m["time_ns"] / 1e9,
+                        int(m.get("step", 0)),
+                        int(m["rss_bytes"]),
+                        headroom(m)[0],
+                        int(m.get(WORKERS) or 0),
+                    )
                     for m in mine
                 ],
             )
@@ -309,7 +384,7 @@ def _last_state(
     at_s = last["time_ns"] / 1e9
     gap_s = max(0.0, (event_s or at_s) - at_s)
     state = (
-        f"rank {rank} held {_size(last['rss_bytes'])} and {what} had {_size(left)} of {_size(total)} left "
+        f"rank {rank} held {_holding(last)} and {what} had {_size(left)} of {_size(total)} left "
         f"({gap_s:.0f} s before {event})"
     )
     hosts = _hosts(snapshot)
@@ -323,7 +398,23 @@ def _recent_pace(samples: Sequence[Record]) -> float:
     recent = samples[-RECENT_SAMPLES:]
     if len(recent) < 2:
         return 0.0
-    return max(0.0, _slope(recent, lambda m: m["time_ns"] / 1e9) or 0.0)
+    return max(0.0, _slope(recent, lambda m: m["time_ns"] / 1e9, held) or 0.0)
+
+
+def held(sample: Record) -> int:
+    """What a rank holds of its host's memory: its resident memory and its DataLoader workers' own."""
+    return int(sample["rss_bytes"]) + int(sample.get(WORKERS) or 0)
+
+
+def _holding(sample: Record) -> str:
+    """The resident size of a sample, with its workers' own memory when it has workers."""
+    workers = int(sample.get("workers") or 0)
+    if not workers:
+        return _size(sample["rss_bytes"])
+    return (
+        f"{_size(sample['rss_bytes'])} (and its {workers} DataLoader worker{'s' if workers > 1 else ''} "
+        f"{_size(sample.get(WORKERS) or 0)} of their own)"
+    )
 
 
 MEMORY_ERRORS = (

@@ -60,7 +60,7 @@ KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = (
         re.compile(r"DataLoader worker \(pid\(?s?\)? ?[\d, ]+\)? is killed by signal: Killed"),
         "a DataLoader worker of this rank got SIGKILL, almost always from the kernel's OOM killer (its log on "
         "this host says 'Out of memory: Killed process' with the worker's pid). Workers are processes of their "
-        "own, so the rank's memory hides theirs, and each one turns the pages of the Dataset's Python lists "
+        "own (the rank's memory below counts theirs apart), and each one turns the pages of the Dataset's Python lists "
         "and dicts it reads into private copies (reference counts write to them): use fewer workers "
         "(num_workers), a smaller prefetch_factor, or keep the data in numpy arrays or tensors rather than "
         "Python objects",

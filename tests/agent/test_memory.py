@@ -3,6 +3,11 @@ beside the watchdog's heartbeats."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +19,7 @@ from ddpscope.ddp import watchdog as wd
 from ddpscope.ddp.collectives import CollectiveRecorder
 from ddpscope.ddp.progress import Progress
 from tests.ddp.watchdog_support import ManualClock, Records, in_memory_records
+from tests.support.memory_holder import hold
 
 
 @pytest.fixture
@@ -96,3 +102,31 @@ def test_the_watchdog_sends_memory_with_the_step_beside_its_heartbeats(records: 
         clock.now += 1.0
     sent = records("memory")
     assert [m["step"] for m in sent] == [7, 7, 7] and len(records("heartbeat")) == 12
+
+
+def test_the_private_memory_of_the_ranks_worker_processes_and_theirs_is_sent_but_not_a_program_it_ran() -> (
+    None
+):
+    # The test's own process may have workers already (another test's): counted apart.
+    before_bytes, before_count = memory.workers_memory() or (0, 0)
+    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: its command line says multiprocessing
+    ready = spawn.Semaphore(0)
+    worker = spawn.Process(target=hold, args=(48, ready, 32))
+    program = subprocess.Popen(  # a program the rank runs is no worker of its
+        [sys.executable, "-c", "b = bytearray(64 * 2**20); b[::4096] = b'1' * len(b[::4096]); import time; time.sleep(60)"],
+        start_new_session=True,
+    )  # fmt: skip
+    worker.start()
+    try:
+        assert ready.acquire(timeout=60) and ready.acquire(timeout=60), "the workers did not start"
+        record = MemoryReader(interval_s=30.0).due(0.0)
+        assert record is not None and record["workers"] == before_count + 2, record
+        # Each holds its bytearray privately, plus an interpreter's own pages (a few MiB each).
+        assert 80 * 2**20 <= record["workers_bytes"] - before_bytes <= 130 * 2**20, record
+    finally:
+        for pid in [*memory._children(worker.pid or 0), worker.pid or 0]:  # its worker, then it
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+        worker.join(timeout=10)
+        program.kill()
+        program.wait(timeout=10)

@@ -103,25 +103,32 @@ def test_job_page_names_a_rank_that_stalls_now_and_then_beside_the_stragglers(
     assert "in its backward" in said or "in its forward" in said, said
 
 
-def test_job_page_charts_each_ranks_memory_and_names_the_one_that_grows(collector: Collector, page) -> None:
+def test_job_page_charts_each_ranks_memory_and_its_workers_and_names_what_grows(
+    collector: Collector, page
+) -> None:
     job = unique("memory")
     synth = SynthJob(job, world_size=2, buckets=2)
     records = synth.start() + synth.steps(4)
-    records += synth.memory(0, 12, start_bytes=2**30, per_sample=0)
+    records += synth.memory(0, 12, start_bytes=2**30, per_sample=0, workers_per_sample=50 * 2**20)
     records += synth.memory(1, 12, start_bytes=2**30, per_sample=100 * 2**20)
     post(collector.url, records)
     open_job(page, collector.url, job)
     page.wait_for_function("document.getElementById('memory').data", timeout=WAIT_MS)
     fig = figure(page, "memory")
     assert fig is not None
-    resident = [t for t in fig["data"] if not t["name"].endswith("available")]
+    resident = [t for t in fig["data"] if not t["name"].endswith(("available", "workers"))]
     assert [t["name"] for t in resident] == ["rank 0", "rank 1"]
+    (workers,) = [t for t in fig["data"] if t["name"].endswith("workers")]  # rank 1 has none
+    assert workers["name"] == "rank 0 workers" and workers["line"]["dash"] == "dash"
+    assert abs(workers["y"][-1] - workers["y"][0] - 550 / 1024) < 1e-9
     assert (
         abs(resident[1]["y"][-1] - resident[1]["y"][0] - 1100 / 1024) < 1e-9
         and len(set(resident[0]["y"])) == 1
     )
     said = text(page, "#memory-msg")
-    assert said.startswith("Growing: rank 1 (+200.0 MiB/min); see the memory_growth incident."), said
+    assert said.startswith(
+        "Growing: rank 0's DataLoader workers (+100.0 MiB/min), rank 1 (+200.0 MiB/min); see the memory_growth"
+    ), said
     assert "Largest: rank 1, 2.1 GiB, with 18.9 GiB of 24.0 GiB left where it runs." in said, said
     screenshot(page, "job-memory")
 

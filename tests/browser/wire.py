@@ -54,9 +54,17 @@ class SynthJob:
         validate_record(rec)
         return rec
 
-    def memory(self, rank: int, samples: int, *, start_bytes: int, per_sample: int) -> list[dict[str, Any]]:
-        """``samples`` memory records of ``rank`` every 30 s up to now, growing ``per_sample`` bytes each."""
+    def memory(
+        self, rank: int, samples: int, *, start_bytes: int, per_sample: int, workers_per_sample: int = 0
+    ) -> list[dict[str, Any]]:
+        """``samples`` memory records of ``rank`` every 30 s up to now, growing ``per_sample`` bytes each, and
+        with ``workers_per_sample``, two DataLoader workers whose own memory grows that much each."""
         gib, end_ns = 2**30, self.clock_ns
+        workers = (
+            (lambda i: {"workers_bytes": 2**28 + i * workers_per_sample, "workers": 2})
+            if workers_per_sample
+            else (lambda i: {})
+        )
         return [
             self._record(
                 "memory",
@@ -66,6 +74,7 @@ class SynthJob:
                 rss_bytes=start_bytes + i * per_sample,
                 available_bytes=20 * gib - i * per_sample,
                 total_bytes=24 * gib,
+                **workers(i),
             )  # fmt: skip
             for i in range(samples)
         ]

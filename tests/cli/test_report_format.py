@@ -150,10 +150,16 @@ def test_the_memory_section_lists_growing_ranks_first_and_says_how_many_more_the
         }
         for r in range(20)
     ]
-    ranks[17].update(growing=True, bytes_per_min=100 * (1 << 20))
+    ranks[17].update(growing=True, growing_in="rank", bytes_per_min=100 * (1 << 20))
+    ranks[3].update(growing=True, growing_in="workers", bytes_per_min=1 << 20, workers_bytes=3 * gib)
     lines = _memory_section(ranks)
     assert lines[1] == "== Memory (20 ranks)"
     assert any(line.split()[:2] == ["17", "1.0"] and line.endswith("+100.0 MiB/min") for line in lines), lines
+    assert any(
+        line.split()[:4] == ["3", "1.0", "GiB", "3.0"]
+        and line.endswith("+1.0 MiB/min (its DataLoader workers)")
+        for line in lines
+    ), lines
     assert len(lines) == 3 + MEMORY_ROWS + 1 and lines[-1].startswith(
         "... 4 more ranks, none of them growing"
     )

@@ -4,9 +4,10 @@ that vanished, from ``memory`` records."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from ddpscope.server.analysis.incidents import diagnose
-from ddpscope.server.analysis.memory import death_note, growth, memory_report
+from ddpscope.server.analysis.memory import WORKERS, death_note, growth, memory_report
 from tests.server.test_incidents import JobRecords, only, started
 
 GiB, MiB = 2**30, 2**20
@@ -249,3 +250,81 @@ def test_the_memory_view_judges_growth_over_the_current_attempt_as_the_incident_
     samples(job, 0, flat + 1, lambda i: 2 * GiB + i * 50 * MiB)
     memory = [r for r in job.records if r["kind"] == "memory"]
     assert [m.growing for m in memory_report(memory, starts)] == [True, False]
+
+
+def test_memory_the_dataloader_workers_keep_is_a_leak_of_the_rank_named_as_its_workers() -> None:
+    job = started(2)
+    end = job.train(3)
+    for i in range(20):  # rank 1 flat at 2 GiB; its 4 workers' own memory +40 MiB every 30 s
+        t = end + 30 * i
+        job.add("memory", 1, t, step=100 * i, rss_bytes=2 * GiB, available_bytes=20 * GiB - i * 40 * MiB,
+                total_bytes=TOTAL, workers_bytes=400 * MiB + i * 40 * MiB, workers=4)  # fmt: skip
+        sample(job, 0, t, 2 * GiB, step=100 * i)
+    m = only(diagnose(job.snapshot(), t + 1), "memory_growth")
+    assert m.culprit_ranks == [1], m.message
+    assert m.message.startswith(
+        "Rank 1's DataLoader workers' own memory (not shared with the rank; 4 of them) grew steadily from "
+        "400.0 MiB to 1.1 GiB in 10 min (+80.0 MiB/min, 409.6 KiB a step)"
+    ), m.message
+    assert "copy-on-read" in m.message and "loss.item()" not in m.message
+    memory = [r for r in job.records if r["kind"] == "memory"]
+    starts = [r for r in job.records if r["kind"] == "rank_start"]
+    rank0, rank1 = memory_report(memory, starts)
+    assert (rank0.growing_in, rank0.workers_bytes) == (None, None)
+    assert (rank1.growing_in, rank1.workers_bytes) == ("workers", 400 * MiB + 19 * 40 * MiB)
+    assert rank1.samples[-1][4] == rank1.workers_bytes and rank0.samples[-1][4] == 0
+
+
+def test_a_rank_killed_while_its_workers_filled_the_cgroup_is_put_down_to_the_oom_killer_with_them() -> None:
+    """The rank itself flat at 3 GiB; its 2 workers' own memory a gigabyte more every 5 s in a 16 GiB cgroup."""
+    job = started(2)
+    end = job.train(5)
+    for i in range(5):
+        job.add("memory", 1, end - 45 + 5 * i, step=5, rss_bytes=3 * GiB, available_bytes=20 * GiB,
+                total_bytes=TOTAL, limit_bytes=16 * GiB, cgroup_bytes=(11 + i) * GiB, workers_bytes=(8 + i) * GiB,
+                workers=2)  # fmt: skip
+    job.error(0, end + 0.03, "[../gloo/transport/tcp/pair.cc:598] Connection reset by peer", step=5)
+    crash = only(diagnose(job.snapshot(), end + 0.5), "rank_crashed")
+    assert (
+        "rank 1 held 3.0 GiB (and its 2 DataLoader workers 12.0 GiB of their own) and the memory cgroup's limit "
+        "had 1.0 GiB of 16.0 GiB left (25 s before it went silent)" in crash.message
+    ), crash.message
+    assert "grew +204.8 MiB/s, enough to fill it by then" in crash.message, crash.message
+
+
+def test_workers_are_judged_over_their_latest_lifetime_so_their_end_neither_hides_nor_fakes_a_leak() -> None:
+    def run(workers_mib: Callable[[int], int]) -> list[dict[str, Any]]:
+        return [{"rank": 1, "time_ns": i * 10**9, "step": 10 * i, "rss_bytes": GiB,
+                 "workers_bytes": workers_mib(i) * MiB, "workers": 1 if workers_mib(i) else 0}
+                for i in range(30)]  # fmt: skip
+
+    # A worker that kept 30 MiB a step until the rank's loop ended it (the last two samples: no worker).
+    assert growth(run(lambda i: 0 if i >= 28 else 10 + 30 * i), WORKERS) is not None
+    # Workers of an epoch each that climb and end with it: only the latest epoch's are judged (5 samples).
+    assert growth(run(lambda i: 0 if i % 6 == 5 else 10 + 30 * (i % 6)), WORKERS) is None
+
+
+def test_a_leak_is_named_though_the_ranks_teardown_freed_it_before_the_last_sample() -> None:
+    job = started(2)
+    end = job.train(3)
+    last = samples(job, 1, end, lambda i: 2 * GiB + i * 50 * MiB, n=12)
+    job.exit(1, last + 1, step=1150)
+    sample(job, 1, last + 1.5, GiB, step=1150)  # after its last steps and its loop: what it kept is freed
+    (m,) = [i for i in diagnose(job.snapshot(), last + 2) if i.kind == "memory_growth"]
+    assert m.culprit_ranks == [1] and "grew steadily from 2.0 GiB to 2.5 GiB" in m.message, m.message
+    records = [r for r in job.records if r["kind"] in ("memory", "rank_start", "rank_exit")]
+    (rank1,) = memory_report(
+        *[[r for r in records if r["kind"] == k] for k in ("memory", "rank_start", "rank_exit")]
+    )
+    assert rank1.growing and rank1.rss_bytes == GiB  # judged before the exit; its latest sample shown
+
+
+def test_a_dataloader_worker_killed_by_the_oom_killer_says_how_much_the_ranks_workers_held() -> None:
+    job = started(2)
+    end = job.train(5)
+    job.add("memory", 1, end - 2, step=5, rss_bytes=3 * GiB, available_bytes=300 * MiB, total_bytes=TOTAL,
+            workers_bytes=18 * GiB, workers=4)  # fmt: skip
+    job.error(1, end, "DataLoader worker (pid 29820) is killed by signal: Killed. ", step=5)
+    err = only([i for i in diagnose(job.snapshot(), end + 0.5) if i.rank == 1], "rank_error")
+    assert "rank 1 held 3.0 GiB (and its 4 DataLoader workers 18.0 GiB of their own) and the host's memory had " \
+        "300.0 MiB of 24.0 GiB left" in err.message, err.message  # fmt: skip
