@@ -6,7 +6,7 @@ questions are answered from them:
 - **Is a rank leaking?** ``memory_incidents``: a rank whose resident memory grew steadily over its recent
   samples (the snapshot's last hour): by at least ``MIN_GROWTH_BYTES`` and ``MIN_GROWTH_FRACTION`` of where
   it began; in three of the four quarters of that time, the last among them (one pause, an evaluation or a
-  checkpoint, is allowed); the second half still growing at ``MIN_LATE_SHARE`` of the first half's pace.
+  checkpoint, is allowed); the second half still growing at ``MIN_LATE_SHARE`` of the second quarter's pace.
   Warm-up (allocator pools, a DataLoader's prefetch, optimizer state made at the first step) grows fast and
   then flattens, which the last test tells from a leak, whose pace holds. The incident says the rate per
   minute and per step (over the second half) and, from the host's available memory and the growth of its
@@ -35,7 +35,7 @@ MIN_SAMPLES = 8
 MIN_GROWTH_BYTES = 64 * 2**20
 MIN_GROWTH_FRACTION = 0.05
 MIN_LATE_SHARE = 0.4
-"""The growth of the window's second half, as a share of its first half's, below which growth is flattening."""
+"""The pace of the window's second half, as a share of its second quarter's, below which growth is flattening."""
 NEARLY_FULL = 0.05
 """Available memory, as a share of the host's (or the cgroup's usage left to its limit), that counts as full."""
 DEATH_SLACK_S = 5.0
@@ -103,16 +103,19 @@ def growth(samples: Sequence[Record], of: str = "rss_bytes", until_ns: int | Non
     grew = [size(b) > size(a) for a, b in zip(quarters, quarters[1:], strict=False)]
     if sum(grew) < 3 or not grew[-1]:  # one pause allowed (an evaluation, a checkpoint), but not the last
         return None
-    middle = quarters[2]
-    early, late = size(middle) - size(first), size(last) - size(middle)
-    # The pace per step when the steps moved in both halves: a leak of so much a step keeps its pace per step
-    # however the steps' speed changes (a busier host, a slower phase); else per second.
+    # The second quarter's pace against the second half's: a warm-up slows from one to the other, a leak does
+    # not. Not the first quarter's: it holds the warm-up's own jump (a DataLoader worker's start, optimizer
+    # state), which beside a leak's steady pace made a leak read as flattening.
+    start, middle = quarters[1], quarters[2]
+    early, late = size(middle) - size(start), size(last) - size(middle)
+    # The pace per step when the steps moved in both: a leak of so much a step keeps its pace per step however
+    # the steps' speed changes (a busier host, a slower phase); else per second.
     x_of = (
         (lambda m: float(m.get("step", 0)))
-        if _moved(first, middle, "step") and _moved(middle, last, "step")
+        if _moved(start, middle, "step") and _moved(middle, last, "step")
         else (lambda m: m["time_ns"] / 1e9)
     )
-    early_x, late_x = x_of(middle) - x_of(first), x_of(last) - x_of(middle)
+    early_x, late_x = x_of(middle) - x_of(start), x_of(last) - x_of(middle)
     if early_x <= 0 or late_x <= 0 or late / late_x < MIN_LATE_SHARE * early / early_x:
         return None
     recent = samples[n // 2 :]

@@ -328,3 +328,16 @@ def test_a_dataloader_worker_killed_by_the_oom_killer_says_how_much_the_ranks_wo
     err = only([i for i in diagnose(job.snapshot(), end + 0.5) if i.rank == 1], "rank_error")
     assert "rank 1 held 3.0 GiB (and its 4 DataLoader workers 18.0 GiB of their own) and the host's memory had " \
         "300.0 MiB of 24.0 GiB left" in err.message, err.message  # fmt: skip
+
+
+def test_a_steady_climb_after_a_warm_up_jump_is_a_leak() -> None:
+    """A real job's DataLoader workers reading a Python list of 3 M dicts (copy-on-read), as it sent them
+    (step, MiB of the workers' own): their start's jump to 168 MiB, then ~8 MiB every 60 steps to the end."""
+    real = [(50, 28.4), (106, 168.3), (166, 176.2), (236, 185.6), (297, 193.1), (357, 200.9), (428, 210.5),
+            (486, 218.0), (547, 225.6), (619, 235.0), (679, 242.8), (738, 250.7), (809, 259.6), (869, 267.4),
+            (929, 275.3), (999, 284.2), (1059, 292.0), (1119, 299.9), (1189, 308.8), (1251, 316.8), (1312, 325.0),
+            (1381, 333.7)]  # fmt: skip
+    samples = [{"rank": 0, "time_ns": i * 2 * 10**9, "step": step, "rss_bytes": GiB, "workers_bytes": int(mib * MiB),
+                "workers": 2} for i, (step, mib) in enumerate(real)]  # fmt: skip
+    found = growth(samples, WORKERS)
+    assert found is not None and 0.12 * MiB < found.per_step < 0.15 * MiB, found  # type: ignore[operator]
