@@ -146,15 +146,22 @@ def workers_memory(pid: int | None = None) -> tuple[int, int] | None:
     DataLoader workers, a forkserver's children. None when it has none."""
     pid = os.getpid() if pid is None else pid
     own = _cmdline(pid)
-    todo, seen = [c for c in _children(pid) if _is_worker(_cmdline(c), own)], 0
-    total = 0
+    children = [(c, _cmdline(c)) for c in _children(pid)]
+    todo = [
+        (c, b"multiprocessing.forkserver" in (cmdline or b""))
+        for c, cmdline in children
+        if _is_worker(cmdline, own)
+    ]
+    total = seen = 0
     while todo and seen < MAX_WORKERS:
-        child = todo.pop()
+        child, forkserver = todo.pop()
+        todo += [(c, False) for c in _children(child)]  # a forkserver's workers carry its command line
+        if forkserver:
+            continue  # it starts the workers; its own memory is what it imported, once
         private = _private_bytes(child)
         if private is None:  # exited meanwhile
             continue
         total, seen = total + private, seen + 1
-        todo += _children(child)
     return (total, seen) if seen else None
 
 

@@ -130,3 +130,19 @@ def test_the_private_memory_of_the_ranks_worker_processes_and_theirs_is_sent_but
         worker.join(timeout=10)
         program.kill()
         program.wait(timeout=10)
+
+
+def test_a_forkservers_workers_are_counted_and_the_forkserver_is_not() -> None:
+    before_bytes, before_count = memory.workers_memory() or (0, 0)
+    forkserver = multiprocessing.get_context("forkserver")
+    ready = forkserver.Semaphore(0)
+    worker = forkserver.Process(target=hold, args=(48, ready))
+    worker.start()
+    try:
+        assert ready.acquire(timeout=60), "the worker did not start"
+        found = memory.workers_memory()
+        assert found is not None and found[1] == before_count + 1, found
+        assert 48 * 2**20 <= found[0] - before_bytes <= 80 * 2**20, found
+    finally:
+        worker.kill()
+        worker.join(timeout=10)
