@@ -109,6 +109,12 @@ def _gauges() -> dict[str, GaugeMetricFamily]:
             "The rank's resident memory in its latest memory record (sent every 30 s)",
             labels=JR,
         ),
+        "workers_rss": GaugeMetricFamily(
+            "ddpscope_rank_workers_memory_bytes",
+            "The private memory of the rank's worker processes (DataLoader workers) in its latest memory record; "
+            "absent for a rank without workers",
+            labels=JR,
+        ),
         "headroom": GaugeMetricFamily(
             "ddpscope_memory_available_bytes",
             "Memory left where the rank runs, in its latest memory record: the host's MemAvailable, or what its "
@@ -224,6 +230,8 @@ class StorageCollector(Collector):
         for rank, samples in memory_by_rank(snap.memory).items():
             latest = samples[-1]
             g["rss"].add_metric([job, str(rank)], float(latest["rss_bytes"]))
+            if latest.get("workers"):
+                g["workers_rss"].add_metric([job, str(rank)], float(latest.get("workers_bytes") or 0))
             g["headroom"].add_metric([job, str(rank)], float(headroom(latest)[0]))
         g["unused"].add_metric([job], float(len(snap.unused)))
         # Active only: after a restart the old processes' mismatch is history and must stop paging.

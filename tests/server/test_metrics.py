@@ -357,7 +357,9 @@ def test_the_app_applies_the_retention_setting_to_its_own_metrics(db_url):
         assert 'job="old"' not in client.get("/metrics").text
 
 
-def test_memory_gauges_follow_each_ranks_latest_sample_and_growth_is_1_while_a_rank_leaks(client):
+def test_memory_gauges_follow_each_ranks_latest_sample_and_its_workers_and_growth_is_1_while_a_rank_leaks(
+    client,
+):
     records = synth_job(2, 6, 2, job="leaky", finished=False)
     t_ns = max(r["time_ns"] for r in records)
     gib = 2**30
@@ -365,12 +367,14 @@ def test_memory_gauges_follow_each_ranks_latest_sample_and_growth_is_1_while_a_r
         for r in (0, 1):
             records.append(extra("leaky", r, "memory", t_ns + i * 30 * 10**9, i, step=10 * i,
                                  rss_bytes=gib + r * i * 100 * 2**20, available_bytes=20 * gib - i * 100 * 2**20,
-                                 total_bytes=24 * gib))  # fmt: skip
+                                 total_bytes=24 * gib, **({"workers_bytes": 300 * 2**20, "workers": 2} if r else {})))  # fmt: skip
     feed(client, records)
     samples = scrape(client, last_s(records) + 1)
     assert value(samples, "ddpscope_rank_memory_bytes", "leaky", 0) == gib
     assert value(samples, "ddpscope_rank_memory_bytes", "leaky", 1) == gib + 900 * 2**20
     assert value(samples, "ddpscope_memory_available_bytes", "leaky", 1) == 20 * gib - 900 * 2**20
+    assert value(samples, "ddpscope_rank_workers_memory_bytes", "leaky", 1) == 300 * 2**20
+    assert ("ddpscope_rank_workers_memory_bytes", (("job", "leaky"), ("rank", "0"))) not in samples
     assert value(samples, "ddpscope_memory_growth", "leaky") == 1.0
     steady = synth_job(2, 6, 2, job="steady", finished=False)
     feed(client, steady)
