@@ -137,6 +137,12 @@ class _Blocked:
         return out
 
 
+def in_set_up(wait: TorchWait | None) -> bool:
+    """Blocked in init_process_group's rendezvous or a process group's construction: waiting for every rank
+    of the job (or group) to arrive, which a rank blocked in the other of the two has done or will do."""
+    return wait is not None and wait.place.startswith((RENDEZVOUS_PLACE, GROUP_CONSTRUCTION_PLACE))
+
+
 class _HangReading:
     """One hang report and what the rest of the job says about it."""
 
@@ -234,6 +240,10 @@ class _HangReading:
             if r == self.rank or r in why:
                 continue
             there = native_wait(peer)
+            if in_set_up(self.native) and in_set_up(there):
+                # Through the rendezvous into its group's construction, or still in the rendezvous: either
+                # way waiting for the same ranks this one waits for, never what holds it.
+                continue
             if there is not None:
                 why[r] = f"blocked in {there.place} at {main_site(peer)} meanwhile"
             elif peer.get("inflight"):

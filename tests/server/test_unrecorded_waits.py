@@ -252,14 +252,32 @@ def test_a_rank_waiting_in_the_rendezvous_blames_the_ranks_never_heard_of_as_nev
     assert "a collective ddpscope does not record" not in hang.message
 
 
+IN_GROUP_CONSTRUCTION = (
+    '  File "/proj/train.py", line 6, in <module>\n'
+    f'  File "{TORCH}/distributed/distributed_c10d.py", line 1922, in init_process_group\n'
+    f'  File "{TORCH}/distributed/distributed_c10d.py", line 2141, in _new_process_group_helper\n'
+)
+"""Rank 1 through the rendezvous (connected to rank 0's store), its gloo group connecting to every rank."""
+
+
+def test_ranks_waiting_in_the_rendezvous_and_the_groups_construction_blame_only_the_rank_that_never_came() -> (
+    None
+):
+    # WORLD_SIZE=3 with two ranks launched (a real run's shapes): rank 0 hosts the store and waits there for
+    # all three; rank 1 got through to it and waits in its group's construction for the others.
+    job = JobRecords(3)
+    for r, stack in ((0, IN_RENDEZVOUS), (1, IN_GROUP_CONSTRUCTION)):
+        job.add("heartbeat", r, T0 + 5, phase="idle", step=0, last_coll_seq=0, pid=1000 + r, world_size=3)
+        blocked_in(job, r, T0 + 5, stack, step=0)
+    hangs = hangs_by_rank(job, T0 + 6)
+    for r in (0, 1):
+        assert hangs[r].culprit_ranks == [2], hangs[r].message  # type: ignore[attr-defined]
+        assert "culprit: rank 2 (never joined the rendezvous)." in hangs[r].message  # type: ignore[attr-defined]
+
+
 def test_a_rank_blocked_while_a_process_group_connects_is_told_as_that_construction() -> None:
-    stack = (
-        '  File "/proj/train.py", line 12, in <module>\n'
-        f'  File "{TORCH}/distributed/distributed_c10d.py", line 1922, in init_process_group\n'
-        f'  File "{TORCH}/distributed/distributed_c10d.py", line 2141, in _new_process_group_helper\n'
-    )
     job = JobRecords(2)
-    blocked_in(job, 0, T0 + 5, stack, step=0)
+    blocked_in(job, 0, T0 + 5, IN_GROUP_CONSTRUCTION, step=0)
     wait = native_wait(job.snapshot().hangs[0])
     assert (
         wait is not None
