@@ -255,6 +255,21 @@ class _HangReading:
                 why[r] = f"in its own backward at step {peer.get('step')}, still waiting for its gradients"
         return dict(sorted(why.items()))
 
+    def _came_late(self) -> dict[int, str]:
+        """For a wait in the rendezvous or a group's construction: the ranks that got there only after this
+        one had waited a hang timeout, known from their first ``rank_start`` (once the wait ended)."""
+        began_s = hang_start_s(self.h)
+        reported_s = record_s(self.h)
+        first: dict[int, float] = {}
+        for start in self.snapshot.starts:
+            first[start["rank"]] = min(first.get(start["rank"], record_s(start)), record_s(start))
+        return {
+            r: f"reached init_process_group late, ready only {t - began_s:.0f} s after this rank began waiting: "
+            "code of its own before it (a dataset downloaded or prepared on that rank alone) ran that much longer"
+            for r, t in sorted(first.items())
+            if r != self.rank and t > reported_s
+        }
+
     def _meanwhile(self, rank: int) -> str:
         stuck = self.stuck.get(rank)
         if stuck:
@@ -311,6 +326,8 @@ class _HangReading:
         for r, reason in blame.items():
             if r != rank:
                 why.setdefault(r, reason)
+        if not why and in_set_up(native):
+            why = self._came_late()
         why = _through_waits(why, blame, graph)
         why = through_past_waits(why, self.snapshot, self.live, self.colls, record_s(h), keep={rank, *blame})
         own = why.pop(rank, None)

@@ -378,7 +378,8 @@ def _never_joined_incident(snapshot: JobSnapshot, r: int, waiting: Sequence[int]
         kind="rank_silent",
         message=f"Rank {r} has never reported while {ranks_phrase(waiting)} "
         f"{'waits' if len(waiting) == 1 else 'wait'} in init_process_group's rendezvous for the ranks that have "
-        "not joined it: it never started (a launch that failed on its node), died before init_process_group, or "
+        "not joined it: it never started (a launch that failed on its node), is still running code of its own "
+        "before init_process_group (a dataset downloaded or prepared on that rank alone), died before it, or "
         "cannot reach MASTER_ADDR:MASTER_PORT (a wrong address or port, a firewall); its launcher's log says "
         "which. Start every rank of the job with the same MASTER_ADDR and MASTER_PORT (or init_method), an "
         "address every host can reach. (A rank running without ddpscope, or importing it after "
@@ -897,9 +898,10 @@ def _rendezvous_short(failed: Sequence[Record], live: Liveness) -> tuple[list[in
             missing = [r for r in range(expected) if r not in live.last_alive_s]
             return missing, (
                 f"init_process_group's rendezvous timed out with {joined} of {expected} ranks joined; "
-                f"{'those named' if missing else 'the others'} never started, died before it, or cannot reach "
-                "MASTER_ADDR:MASTER_PORT (a launch that failed on another node, a wrong address or port, a "
-                "firewall)"
+                f"{'those named' if missing else 'the others'} never started, were still running code of their "
+                "own before init_process_group for longer than its timeout (a dataset downloaded or prepared on "
+                "one rank alone), died before it, or cannot reach MASTER_ADDR:MASTER_PORT (a launch that failed "
+                "on another node, a wrong address or port, a firewall)"
             )
         if unreached := _STORE_UNREACHED.search(message):
             host, port = unreached.group(1), unreached.group(2)

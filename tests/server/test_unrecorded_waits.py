@@ -284,3 +284,18 @@ def test_a_rank_blocked_while_a_process_group_connects_is_told_as_that_construct
         and wait.place == "a process group's construction (torch.distributed _new_process_group_helper)"
     )
     assert "WORLD_SIZE" in (wait.advice or "")
+
+
+def test_a_rendezvous_wait_that_ended_names_the_rank_that_came_late_and_why() -> None:
+    # Rank 0 prepared its dataset alone before init_process_group: rank 1 waited 18 s in the rendezvous.
+    job = JobRecords(2)
+    blocked_in(job, 1, T0 + 5, IN_RENDEZVOUS, step=0)
+    job.add("hang_resolved", 1, T0 + 18.1, step=0, hang_s=18.1)
+    job.start(0, T0 + 18.5)
+    job.start(1, T0 + 18.6)
+    (hang,) = [i for i in diagnose(job.snapshot(), T0 + 20) if i.kind == "hang"]
+    assert hang.culprit_ranks == [0] and not hang.active, hang
+    assert (
+        "culprit: rank 0 (reached init_process_group late, ready only 18 s after this rank began waiting: code of "
+        "its own before it (a dataset downloaded or prepared on that rank alone) ran that much longer)"
+    ) in hang.message, hang.message
