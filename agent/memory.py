@@ -9,11 +9,12 @@ host's memory since the last one (a blow-up can go from healthy to killed in sec
 
 - ``rss_bytes``: the process's resident memory;
 - ``workers_bytes`` / ``workers``: the memory of its worker processes that is their own: the children it
-  forked or started through ``multiprocessing`` (DataLoader workers; a forkserver and its children), not
-  a program it ran (``subprocess``) nor ddpscope's shipper, by their command lines. ``Private_Clean + Private_Dirty`` of ``/proc/<pid>/smaps_rollup`` (~3 ms a worker, read with
-  each record, not each heartbeat). A forked worker's resident size counts every page it shares with the
-  rank, so summing those would count the rank's memory once per worker; what a worker keeps, or copies
-  from the rank by touching it (Python objects' reference counts: copy-on-read), is private;
+  forked or started through ``multiprocessing`` (DataLoader workers; a forkserver's children, not the
+  forkserver), not a program it ran (``subprocess``) nor ddpscope's shipper, by their command lines;
+  ``Private_Clean + Private_Dirty`` of ``/proc/<pid>/smaps_rollup`` (~3 ms a worker, read with each
+  record, not each heartbeat). A forked worker's resident size counts every page it shares with the rank,
+  so summing those would count the rank's memory once per worker; what a worker keeps, or copies from the
+  rank by touching it (Python objects' reference counts: copy-on-read), is private;
 - ``available_bytes`` / ``total_bytes``: the host's ``MemAvailable`` and ``MemTotal`` (``/proc/meminfo``),
   since the killer acts on the host's memory, which other ranks and processes share;
 - ``limit_bytes`` / ``cgroup_bytes``: the memory cgroup's limit and usage, when it has a limit below the
