@@ -39,7 +39,7 @@ ranks: ``retired_ranks``), else 1 + the highest rank seen.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -197,16 +197,10 @@ def split_restart(snapshot: JobSnapshot) -> tuple[JobSnapshot, JobSnapshot | Non
     def earlier(rec: Mapping[str, Any]) -> bool:
         return _before_start(rec, starts.get(rec["rank"]))
 
-    def side(old: bool) -> dict[str, Any]:
-        """The per-process fields of one side of the restart, as JobSnapshot keyword arguments."""
-        out: dict[str, Any] = {f: [r for r in getattr(snapshot, f) if earlier(r) == old] for f in PER_PROCESS}
-        out["heartbeats"] = {r: h for r, h in snapshot.heartbeats.items() if earlier(h) == old}
-        return out
-
-    older = side(True)
+    older = _select(snapshot, earlier)
     if not any(older.values()):
         return snapshot, None
-    current = replace(snapshot, **side(False))
+    current = replace(snapshot, **_select(snapshot, lambda rec: not earlier(rec)))
     unstarted = [r for r, (stream, _) in starts.items() if stream is not None and r in snapshot.ranks
                  and snapshot.ranks[r]["stream"] != stream]  # fmt: skip
     if unstarted:
@@ -220,12 +214,39 @@ def split_restart(snapshot: JobSnapshot) -> tuple[JobSnapshot, JobSnapshot | Non
     return current, _history(snapshot, older)
 
 
+def _process_records(snapshot: JobSnapshot) -> list[Record]:
+    """Every record of ``snapshot`` that belongs to one process of a rank: ``PER_PROCESS``'s and heartbeats."""
+    return [*snapshot.heartbeats.values(), *(r for f in PER_PROCESS for r in getattr(snapshot, f))]
+
+
+def _select(snapshot: JobSnapshot, keep: Callable[[Record], bool]) -> dict[str, Any]:
+    """The per-process fields of ``snapshot`` (``PER_PROCESS`` and heartbeats) with only the records ``keep``
+    takes, as JobSnapshot keyword arguments."""
+    out: dict[str, Any] = {f: [r for r in getattr(snapshot, f) if keep(r)] for f in PER_PROCESS}
+    out["heartbeats"] = {rank: h for rank, h in snapshot.heartbeats.items() if keep(h)}
+    return out
+
+
+def _first_heard(snapshot: JobSnapshot, ranks: Container[int] | None = None) -> dict[int, dict[str, int]]:
+    """``{rank: {process: time_ns}}``: when each process of each rank (of ``ranks``, default all) sent its
+    first per-process record. A process's derived streams (``<stream>.crash``, ``<stream>.shipper-<pid>``)
+    are that process."""
+    out: dict[int, dict[str, int]] = {}
+    for rec in _process_records(snapshot):
+        rank, stream = rec["rank"], rec.get("stream")
+        if stream is not None and (ranks is None or rank in ranks):
+            mine = out.setdefault(rank, {})
+            process = process_stream(str(stream))
+            mine[process] = min(mine.get(process, rec["time_ns"]), rec["time_ns"])
+    return out
+
+
 def _history(snapshot: JobSnapshot, fields: Mapping[str, Any]) -> JobSnapshot:
     """A snapshot of processes that ran before a restart, from their ``PER_PROCESS`` records and heartbeats:
     no ``ranks`` (every record counts), ``rank_last_seen_s`` from the records."""
     history = JobSnapshot(job=snapshot.job, world_size=snapshot.world_size, **fields)
     seen = history.rank_last_seen_s
-    for rec in [*history.heartbeats.values(), *(r for f in PER_PROCESS for r in getattr(history, f))]:
+    for rec in _process_records(history):
         seen[rec["rank"]] = max(seen.get(rec["rank"], 0.0), rec["time_ns"] / 1e9)
     return history
 
@@ -236,13 +257,7 @@ def split_attempts(previous: JobSnapshot) -> list[JobSnapshot]:
     each attempt ended in its own way (a hang, then a restart that failed to connect). Each rank's
     processes are taken in the order they began (a process's derived streams are that process), and its
     k-th process belongs to attempt k: torchrun restarts every rank together."""
-    began: dict[int, dict[str, int]] = {}
-    """rank -> process -> its first record's time."""
-    records = [*previous.heartbeats.values(), *(r for f in PER_PROCESS for r in getattr(previous, f))]
-    for rec in records:
-        process = process_stream(str(rec.get("stream")))
-        mine = began.setdefault(rec["rank"], {})
-        mine[process] = min(mine.get(process, rec["time_ns"]), rec["time_ns"])
+    began = _first_heard(previous)
     attempt = {
         (rank, process): k
         for rank, mine in began.items()
@@ -252,19 +267,11 @@ def split_attempts(previous: JobSnapshot) -> list[JobSnapshot]:
     if count == 1:
         return [previous]
 
-    def of(rec: Mapping[str, Any]) -> int:
-        return attempt[(rec["rank"], process_stream(str(rec.get("stream"))))]
+    def of(k: int) -> Callable[[Record], bool]:
+        """Whether a record is attempt ``k``'s."""
+        return lambda rec: attempt[(rec["rank"], process_stream(str(rec.get("stream"))))] == k
 
-    return [
-        _history(
-            previous,
-            {
-                **{f: [r for r in getattr(previous, f) if of(r) == k] for f in PER_PROCESS},
-                "heartbeats": {r: h for r, h in previous.heartbeats.items() if of(h) == k},
-            },
-        )
-        for k in range(count)
-    ]
+    return [_history(previous, _select(previous, of(k))) for k in range(count)]
 
 
 def process_starts(snapshot: JobSnapshot) -> dict[int, tuple[str | None, int]]:
@@ -297,14 +304,7 @@ def _relaunched_unstarted(
         own = exits.setdefault(e["rank"], {})
         process = process_stream(str(e["stream"]))
         own[process] = max(own.get(process, 0), e["time_ns"])
-    firsts: dict[int, dict[str, int]] = {}
-    """rank -> process -> its first record's time, for the ranks with an exit."""
-    for rec in [*snapshot.heartbeats.values(), *(r for f in PER_PROCESS for r in getattr(snapshot, f))]:
-        rank, stream = rec["rank"], rec.get("stream")
-        if rank in exits and stream is not None:
-            seen = firsts.setdefault(rank, {})
-            process = process_stream(str(stream))
-            seen[process] = min(seen.get(process, rec["time_ns"]), rec["time_ns"])
+    firsts = _first_heard(snapshot, exits)
     out: dict[int, tuple[str, int]] = {}
     for rank, seen in firsts.items():
         start = starts.get(rank)
