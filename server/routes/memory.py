@@ -14,7 +14,9 @@ router = APIRouter(prefix="/api/v1/jobs/{job}", tags=["memory"])
 
 
 def _memory(storage: Storage, job: str, job_id: int) -> Response:
-    starts, exits = storage.fetch_records(job, ["rank_start"]), storage.fetch_records(job, ["rank_exit"])
+    lifecycle = storage.fetch_records(job, ["rank_start", "rank_exit"])  # one query, both kinds
+    starts = [r for r in lifecycle if r["kind"] == "rank_start"]
+    exits = [r for r in lifecycle if r["kind"] == "rank_exit"]
     return items(memory_report(storage.memory_window(job_id), starts, exits))
 
 
