@@ -76,11 +76,11 @@ def note_repeated_stop(incidents: Sequence[Incident], earlier: Sequence[Sequence
     when no mismatch or missing collective was: the hangs there are that cause's waiting ranks."""
     noted = False
     for kind in REPEATING:  # causes first
+        if kind == "hang" and noted:
+            break
         for incident in incidents:
             if incident.kind != kind or not incident.active or incident.call_site is None:
                 continue
-            if kind == "hang" and noted:
-                return
             attempts = sum(
                 1 for attempt in earlier
                 if any(i.kind == kind and i.call_site == incident.call_site for i in attempt)

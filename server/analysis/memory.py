@@ -79,12 +79,12 @@ def by_rank(samples: Iterable[Record]) -> dict[int, list[Record]]:
 
 
 def growth(samples: Sequence[Record], of: str = "rss_bytes", until_ns: int | None = None) -> Growth | None:
-    """The steady growth of ``of`` (the rank's resident memory, or ``WORKERS``: its DataLoader workers'
-    own memory, 0 in a sample without workers) over ``samples`` (one rank, oldest first), or None (too few samples, too
-    little growth, a quarter that did not grow, or growth that is flattening). Samples taken after the
-    rank's steps stopped (its script's end: a final flush, waiting for its peers; a hang) are left out but
-    the first: they say nothing of growth per step, and a leak that ran to the end of a job stays named.
-    So are the samples after ``until_ns`` (the rank's exit: its teardown frees what it kept)."""
+    """The steady growth of ``of`` (the rank's resident memory, or ``WORKERS``: its DataLoader workers' own memory,
+    0 in a sample without workers) over ``samples`` (one rank, oldest first), or None (too few samples, too
+    little growth, a quarter that did not grow, or growth that is flattening). Samples taken after the rank's
+    steps stopped (its script's end: a final flush, waiting for its peers; a hang) are left out but the first:
+    they say nothing of growth per step, and a leak that ran to the end of a job stays named. So are the samples
+    after ``until_ns`` (the rank's exit: its teardown frees what it kept)."""
     if until_ns is not None:
         samples = [m for m in samples if m["time_ns"] <= until_ns]
     samples = _while_training(_workers_lifetime(samples) if of == WORKERS else samples)
@@ -436,7 +436,8 @@ def note_memory(
 ) -> None:
     """Append what the ranks' memory says to the incidents it explains: ``death_note`` to a vanished rank's
     (``rank_crashed``, ``rank_silent``; ``job_silent``'s rank that fell quiet first, else the first rank whose
-    memory points at the OOM killer), ``allocation_note`` to a rank's error of a failed allocation or a worker the OOM killer took."""
+    memory points at the OOM killer), ``allocation_note`` to a rank's error of a failed allocation or a
+    worker the OOM killer took."""
     for inc in incidents:
         if inc.kind in ("rank_crashed", "rank_silent", "job_silent") and inc.rank is not None:
             inc.message += death_note(snapshot, inc.rank, last_alive_s.get(inc.rank))

@@ -26,5 +26,6 @@ async def get_memory(job: str, job_id: JobIdDep, storage: StorageDep) -> Respons
     host's, or its memory cgroup's when that limit is lower), ``workers_bytes`` (its DataLoader workers' own
     memory, null without workers), ``growing``, ``growing_in`` (``rank`` or ``workers``) and ``bytes_per_min``
     (the ``memory_growth`` test, over its latest attempt), and ``samples``
-    ``[time_s, step, rss_bytes, available_bytes, workers_bytes]`` over the last hour of records (one every 30 s). Empty for agents that send no ``memory`` records (older ones, not Linux)."""
+    ``[time_s, step, rss_bytes, available_bytes, workers_bytes]`` over the last hour of records (one every
+    30 s). Empty for agents that send no ``memory`` records (older ones, not Linux)."""
     return await run_in_threadpool(_memory, storage, job, job_id)
