@@ -46,6 +46,7 @@ from ddpscope.server.analysis.snapshot import (
     JobSnapshot,
     RankSteps,
     attempt_starts,
+    current_process_reports,
     merge_collectives,
     settle_world,
     stream_seen,
@@ -351,18 +352,12 @@ class Storage:
 
     def stop_reports(self, job: str) -> list[dict[str, Any]]:
         """The ``hang``, ``hang_resolved``, ``rank_error`` and ``rank_exit`` records of each rank's current
-        incarnation (the stream of its latest ``rank_start``), oldest first: what ``analysis/stops.py``
-        reads. A restarted rank's reports from before the restart describe a step that was run again."""
-        recs = self.fetch_records(job, ["rank_start", "hang", "hang_resolved", "rank_error", "rank_exit"])
-        current = {
-            rank: r["stream"]
-            for rank, r in latest_by_rank([r for r in recs if r["kind"] == "rank_start"]).items()
-        }
-        return [
-            r
-            for r in recs
-            if r["kind"] != "rank_start" and current.get(r["rank"], r["stream"]) == r["stream"]
-        ]
+        process (``snapshot.current_process_reports``), oldest first: what ``analysis/stops.py`` reads. A
+        restarted rank's reports from before the restart describe a step that was run again, or one the
+        relaunch never reached."""
+        return current_process_reports(
+            job, self.fetch_records(job, ["rank_start", "hang", "hang_resolved", "rank_error", "rank_exit"])
+        )
 
     def load_snapshot(self, job: str) -> JobSnapshot | None:
         """See ``analysis/snapshot.py``."""

@@ -287,6 +287,16 @@ def process_starts(snapshot: JobSnapshot) -> dict[int, tuple[str | None, int]]:
     return starts
 
 
+def current_process_reports(job: str, reports: Iterable[Record]) -> list[Record]:
+    """Of ``reports`` (a job's ``rank_start`` records and per-process records, oldest first), the
+    per-process records of each rank's current process (``process_starts``), in their order: a relaunch
+    that failed in its set-up, before any ``rank_start`` of its own, is current, and the process before it
+    is not; a crash report the shipper sent for the current process (a derived stream) is current."""
+    reports = list(reports)
+    starts = process_starts(snapshot_from_records(job, reports))
+    return [r for r in reports if r["kind"] != "rank_start" and not _before_start(r, starts.get(r["rank"]))]
+
+
 def _relaunched_unstarted(
     snapshot: JobSnapshot, starts: Mapping[int, tuple[str | None, int]]
 ) -> dict[int, tuple[str, int]]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ddpscope.server.analysis.snapshot import current_process_reports
+from ddpscope.server.analysis.stops import stops
 from tests.server.conftest import post
 from tests.support.synth import by_rank, synth_job
 
@@ -165,3 +167,30 @@ def test_a_rank_killed_outright_is_named_silent_in_the_step_it_never_reached_and
     )
     _feed(client, [beat])
     assert client.get("/api/v1/jobs/synth/timeline?step=3").json()["elsewhere"] == []
+
+
+def test_a_restart_that_failed_in_its_set_up_is_where_the_ranks_stopped_not_the_step_the_old_processes_hung_in(
+    client: Any,
+) -> None:
+    records, t0 = _hung_job()
+    base = records[0]
+    # torchrun stopped the hung attempt, then started every rank again: new processes (new streams) that
+    # failed connecting in init_process_group, so before any rank_start of theirs.
+    for rank in (0, 1):
+        records.append(_report(base, "rank_exit", rank, 10_001, t0 + 6_000 * MS, step=3, reason="sigterm"))
+        again = {"stream": f"synth-r{rank}-again", "seq": 0, "time_ns": t0 + 8_000 * MS}
+        records.append({**_report(base, "rank_error", rank, 0, 0, step=0, phase="idle", error_type="DistStoreError",
+                        message="timed out waiting for the store", stack="...", fatal=True), **again})  # fmt: skip
+        records.append({**_report(base, "rank_exit", rank, 0, 0, step=0, reason="error"), **again,
+                        "seq": 1, "time_ns": t0 + 8_001 * MS})  # fmt: skip
+    _feed(client, records)
+    tl = client.get("/api/v1/jobs/synth/timeline").json()
+    # The old processes' hang in step 3 is history: every rank finished step 2, and step 3 is no stop of theirs.
+    assert tl["step"] == 2 and [r["state"] for r in tl["ranks"]] == ["completed", "completed"]
+    assert client.get("/api/v1/jobs/synth/timeline?step=3").status_code == 404
+    # Where each rank stopped is its new process's failure.
+    found = stops(current_process_reports("synth", sorted(records, key=lambda r: r["time_ns"])))
+    assert {r: (s.state, s.message) for r, s in found.items()} == {
+        rank: ("failed", "DistStoreError: timed out waiting for the store (then it exited on an error)")
+        for rank in (0, 1)
+    }
