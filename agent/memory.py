@@ -3,9 +3,12 @@
 A rank the kernel's out-of-memory killer ends gets SIGKILL: no traceback, no exit hook, nothing in the
 job's logs. Its peers then fail on a lost connection, and "killed, crashed in native code, or os._exit()"
 is all anyone can say, unless the rank's memory was watched on the way there. So the watchdog's thread
-samples it at each heartbeat (``/proc/self/statm``, ~5 us) and sends a ``memory`` record every
-``DDPSCOPE_MEMORY_INTERVAL_S`` (30 s), and at once when the resident size moved by more than 2 % of the
-host's memory since the last one (a blow-up can go from healthy to killed in seconds):
+samples it at each heartbeat (``/proc/self/statm``, ``/proc/meminfo``, the cgroup: ~30 us) and sends a
+``memory`` record every ``DDPSCOPE_MEMORY_INTERVAL_S`` (30 s), and at once when its resident size, or the memory in use where
+the OOM killer judges (the memory cgroup when it has a limit, else the host), rose by more than 2 % of
+that memory since the last one (a blow-up can go from healthy to killed in seconds; a DataLoader
+worker's shows only in the memory in use). Rises only: a step's activations freed and allocated again
+would otherwise send a record at every heartbeat:
 
 - ``rss_bytes``: the process's resident memory;
 - ``workers_bytes`` / ``workers``: the memory of its worker processes that is their own: the children it
@@ -29,7 +32,8 @@ import os
 from typing import Any
 
 MEMORY_JUMP = 0.02
-"""A change of the resident size, as a fraction of the host's memory, that is sent without waiting."""
+"""A rise of the resident size or of the memory in use, as a fraction of the memory the OOM killer judges
+(the cgroup's limit, else the host's), that is sent without waiting."""
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -182,45 +186,58 @@ class MemoryReader:
         self.interval_s = interval_s
         self._sent_at: float | None = None
         self._sent_rss = 0
-        self._total = (_meminfo() or (0, 0))[1]
+        self._sent_in_use = 0
 
     def due(self, now: float) -> dict[str, Any] | None:
-        """The ``memory`` record to send now (without ``kind``'s envelope fields), or None."""
+        """The ``memory`` record to send now (without ``kind``'s envelope fields), or None.
+
+        Each heartbeat reads the cheap part (~30 us: the rank's resident size, the host's memory, the
+        cgroup's); the workers' private memory (~3 ms each) only when a record goes out."""
         try:
-            rss = resident_bytes()
-            if rss is None:
+            record = _reading()
+            if record is None:
                 return None
-            moved = abs(rss - self._sent_rss) > MEMORY_JUMP * self._total if self._total else False
-            if self._sent_at is not None and now - self._sent_at < self.interval_s and not moved:
+            in_use, room = _in_use(record)
+            rose = max(record["rss_bytes"] - self._sent_rss, in_use - self._sent_in_use) > MEMORY_JUMP * room
+            if self._sent_at is not None and now - self._sent_at < self.interval_s and not rose:
                 return None
-            record = self.read(rss)
-            if record is not None:
-                self._sent_at, self._sent_rss = now, rss
+            workers = workers_memory()
+            if workers is not None:
+                record["workers_bytes"], record["workers"] = workers
+            self._sent_at, self._sent_rss, self._sent_in_use = now, record["rss_bytes"], in_use
             return record
         except Exception:  # a /proc oddity must never stop the watchdog's heartbeat
             return None
 
-    def read(self, rss: int) -> dict[str, Any] | None:
-        info = _meminfo()
-        if info is None:
-            return None
-        available, total = info
-        self._total = total
-        record: dict[str, Any] = {
-            "kind": "memory",
-            "rss_bytes": rss,
-            "available_bytes": available,
-            "total_bytes": total,
-        }
-        workers = workers_memory()
-        if workers is not None:
-            record["workers_bytes"], record["workers"] = workers
-        cgroup = _cgroup_files()  # looked up at each record (~10 us): a process may be moved into another
-        if cgroup is not None:
-            limit = _read_int(cgroup[0])
-            if limit is not None and 0 < limit < total:
-                usage = _read_int(cgroup[1])
-                record["limit_bytes"] = limit
-                if usage is not None:
-                    record["cgroup_bytes"] = usage
-        return record
+
+def _reading() -> dict[str, Any] | None:
+    """A ``memory`` record without the workers' memory: this process's, the host's and the cgroup's."""
+    rss = resident_bytes()
+    info = _meminfo()
+    if rss is None or info is None:
+        return None
+    available, total = info
+    record: dict[str, Any] = {
+        "kind": "memory",
+        "rss_bytes": rss,
+        "available_bytes": available,
+        "total_bytes": total,
+    }
+    cgroup = _cgroup_files()  # looked up at each reading (~10 us): a process may be moved into another
+    if cgroup is not None:
+        limit = _read_int(cgroup[0])
+        if limit is not None and 0 < limit < total:
+            usage = _read_int(cgroup[1])
+            record["limit_bytes"] = limit
+            if usage is not None:
+                record["cgroup_bytes"] = usage
+    return record
+
+
+def _in_use(record: dict[str, Any]) -> tuple[int, int]:
+    """(the memory in use, the memory it may grow into) where the OOM killer judges: the memory cgroup's
+    usage and limit when it has one, else the host's. A rank's DataLoader workers, and every other
+    process there, add to it, so their growth is sent without waiting too."""
+    if "limit_bytes" in record:
+        return int(record.get("cgroup_bytes", 0)), int(record["limit_bytes"])
+    return int(record["total_bytes"] - record["available_bytes"]), int(record["total_bytes"])

@@ -52,6 +52,49 @@ def test_a_jump_of_the_resident_size_is_sent_before_the_interval_is_up(
     assert jumped is not None and jumped["rss_bytes"] == rss[0]
 
 
+def test_memory_that_falls_and_rises_again_each_step_is_sent_on_the_interval_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rss = [2**30]
+    monkeypatch.setattr(memory, "resident_bytes", lambda: rss[0])
+    reader = MemoryReader(interval_s=30.0)
+    total = reader.due(0.0)["total_bytes"]  # type: ignore[index]
+    swing = int(0.05 * total)  # a step's activations, freed and allocated again
+    for t in range(1, 29, 2):
+        rss[0] += -swing if t % 4 == 1 else swing
+        assert reader.due(float(t)) is None, t
+
+
+def test_a_rise_of_the_hosts_memory_in_use_is_sent_at_once_as_a_workers_leak_shows_only_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    host = [(16 * 2**30, 24 * 2**30)]  # (available, total)
+    monkeypatch.setattr(memory, "_meminfo", lambda: host[0])
+    monkeypatch.setattr(memory, "_cgroup_files", lambda: None)
+    reader = MemoryReader(interval_s=30.0)
+    assert reader.due(0.0) is not None
+    host[0] = (host[0][0] - int(0.01 * host[0][1]), host[0][1])
+    assert reader.due(2.0) is None
+    host[0] = (host[0][0] - int(0.015 * host[0][1]), host[0][1])
+    sent = reader.due(4.0)
+    assert sent is not None and sent["available_bytes"] == host[0][0]
+
+
+def test_under_a_cgroup_limit_a_rise_is_judged_against_the_limit_not_the_host(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    limit.write_text(str(2**30))  # a 1 GiB container on a host many times larger
+    usage.write_text(str(2**29))
+    monkeypatch.setattr(memory, "_cgroup_files", lambda: (str(limit), str(usage)))
+    reader = MemoryReader(interval_s=30.0)
+    first = reader.due(0.0)
+    assert first is not None and first["limit_bytes"] == 2**30 and first["total_bytes"] > 2**30
+    usage.write_text(str(2**29 + 2**26))  # +64 MiB: 6 % of the limit, far under 2 % of the host
+    sent = reader.due(2.0)
+    assert sent is not None and sent["cgroup_bytes"] == 2**29 + 2**26
+
+
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_the_memory_cgroups_limit_is_found_in_its_own_directory_or_at_the_mounts_root(
     tmp_path: Path, version: str
