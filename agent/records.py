@@ -430,6 +430,22 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("step", INT),
         Field("hang_s", FLOAT),
     ),
+    # The main thread's stack in a stall of the rank's own (no progress, nothing in flight, after its first
+    # step) at 0.5 s and each doubling of it, at most one stall in 5 s (ddp/watchdog.py): where a rank that
+    # holds the others up now and then spends that time (the collector's /stalls).
+    "stall_sample": (
+        Field("step", INT, doc="the step the rank was in, or had last finished when idle"),
+        Field("phase", STR),
+        Field("stalled_s", FLOAT, doc="how long the stall had lasted when sampled"),
+        Field("site", STR, nullable=True, doc="file:line of the innermost frame of user code"),
+        Field("stack", STR, doc="the main thread's formatted Python stack, innermost frame last"),
+        Field(
+            "main_cpu_s",
+            FLOAT,
+            nullable=True,
+            doc="CPU seconds the main thread used in the stall so far (near 0: blocked); null where unknown",
+        ),
+    ),
     # An exception (or fatal signal) in training, shipped before the process exits.
     "rank_error": (
         Field("step", INT, nullable=True),

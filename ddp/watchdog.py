@@ -57,6 +57,7 @@ import sys
 import sysconfig
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
@@ -77,12 +78,20 @@ from ddpscope.ddp import errors, setup_wait
 from ddpscope.ddp.collectives import FOLD_WAIT_NS, RECORDER, CollectiveRecorder, disabled
 from ddpscope.ddp.hang_text import hang_message
 from ddpscope.ddp.progress import PROGRESS, Progress
-from ddpscope.ddp.stacks import current_frames, thread_stacks
+from ddpscope.ddp.stacks import MAX_FRAMES, current_frames, thread_stacks
 
 logger = get_logger(__name__)
 
 MAX_TICK_S = 0.25
 """Longest sleep between samples: bounds the lateness of a report and of an async collective's end."""
+STALL_SAMPLE_S = 0.5
+"""A rank's own stall (no progress, nothing of its in flight, after the first step) this long gets its main
+thread's stack sampled, and again at each doubling of it (1, 2, 4 s ...) until a hang report takes over:
+the collector's ``/stalls`` then says on which line a rank that holds the others up now and then spends
+that time (a checkpoint write, a slow batch). Stalls shorter than this (or than a tick) go unsampled."""
+STALL_SAMPLE_EVERY_S = 5.0
+"""At most one stall sampled in this long: a rank slow between every step (a straggler) sends a sample
+every few seconds, not one a step."""
 RESOLVE_GRACE_S = 1.0
 """A reported wait in torch's machinery counts as over this long after the main thread left it, unless
 the process reported a fatal error meanwhile: a wait that ends in an exception (a peer died) is not
@@ -249,6 +258,10 @@ class Watchdog:
         """The group's size when last seen: a heartbeat sent after ``destroy_process_group`` still says it."""
         self._torch_waits = setup_wait.Tracker(timeout_s, min(RESOLVE_GRACE_S, timeout_s))
         """Before the first step: where the main thread waits in torch's machinery, if it does."""
+        self._next_sample_s = STALL_SAMPLE_S
+        """How long the current stall must last for its next stack sample (``_sample_stall``)."""
+        self._stall_sampled_at = float("-inf")
+        """When the last stall's first sample was taken (``_clock``)."""
 
     @property
     def running(self) -> bool:
@@ -358,6 +371,7 @@ class Watchdog:
             self._last_failures = failures
             self._last_change = now
             self._cpu_at_change = self._main_cpu_s()
+            self._next_sample_s = STALL_SAMPLE_S
             return
         # Idle counts too once a step has begun: a rank stuck between steps (a data loader, a queue)
         # waits in no collective, and its report is the only place its stack shows up. Before the
@@ -368,6 +382,50 @@ class Watchdog:
             self._hung = True
             self.hangs_reported += 1
             self._report(stalled_s)
+        elif self._stalled_on_its_own(stalled_s):
+            self._sample_stall(now, stalled_s)
+
+    def _stalled_on_its_own(self, stalled_s: float) -> bool:
+        """Whether the rank's current stall is due a stack sample: after its first step, nothing of it in
+        flight (a rank waiting for its peers is not the one holding them up), and not on its way out (the
+        script has ended: no step is held up)."""
+        progress = self._progress
+        return (
+            not self._hung
+            and stalled_s >= self._next_sample_s
+            and progress.began
+            and not progress.inflight
+            and not shutting_down()
+        )
+
+    def _sample_stall(self, now: float, stalled_s: float) -> None:
+        """Send the main thread's stack in a stall of the rank's own (no progress, nothing in flight): one
+        of ``/stalls``' samples. The first of a stall only ``STALL_SAMPLE_EVERY_S`` after the last stall's."""
+        if self._next_sample_s == STALL_SAMPLE_S:
+            if now - self._stall_sampled_at < STALL_SAMPLE_EVERY_S:
+                self._next_sample_s = float("inf")  # this stall goes unsampled
+                return
+            self._stall_sampled_at = now
+        self._next_sample_s = 2 * max(stalled_s, self._next_sample_s)
+        frame = self._main_frame()
+        if frame is None:
+            return
+        progress = self._progress
+        cpu_now, cpu_then = self._main_cpu_s(), self._cpu_at_change
+        stack = "".join(traceback.format_stack(frame)[-MAX_FRAMES:])
+        emit(
+            {
+                "kind": "stall_sample",
+                "step": progress.step,
+                "phase": progress.phase,
+                "stalled_s": round(stalled_s, 3),
+                "site": _user_site(frame) or self._recorder.frame_site(frame),
+                "stack": stack,
+                "main_cpu_s": None
+                if cpu_now is None or cpu_then is None
+                else round(max(0.0, cpu_now - cpu_then), 3),
+            }
+        )
 
     def _heartbeat(self) -> None:
         progress = self._progress

@@ -1,0 +1,99 @@
+"""A rank's own stalls, sampled: where its main thread is when it holds the others up now and then.
+
+The watchdog sends the main thread's stack 0.5 s into a stall of the rank's own (no progress, nothing
+of it in flight, after its first step) and at each doubling, at most one stall in 5 s. Sampled by hand
+on a manual clock; the main thread is this test's, so the site is this file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from ddpscope.ddp import watchdog as wd
+from ddpscope.ddp.collectives import CollectiveRecorder
+from ddpscope.ddp.progress import Progress
+from tests.ddp.watchdog_support import ManualClock, Records, in_memory_records
+
+
+@pytest.fixture
+def records() -> Iterator[Records]:
+    yield from in_memory_records(rank=1)
+
+
+def make(progress: Progress, recorder: CollectiveRecorder, clock: ManualClock) -> wd.Watchdog:
+    return wd.Watchdog(
+        timeout_s=30.0,
+        heartbeat_s=1.0,
+        progress=progress,
+        recorder=recorder,
+        clock=clock,
+        main_cpu_s=lambda: 0.0,
+    )
+
+
+def one_step(progress: Progress, recorder: CollectiveRecorder, step: int) -> None:
+    progress.enter("forward", step)
+    progress.enter("backward")
+    recorder.end("default", recorder.begin("default", "all_reduce", [torch.ones(8)], source="engine"))
+    progress.enter("allreduce")
+    progress.enter("idle")
+
+
+def wait(dog: wd.Watchdog, clock: ManualClock, seconds: float) -> None:
+    for _ in range(round(seconds / 0.25)):
+        clock.now += 0.25
+        dog.check()
+
+
+def test_a_stall_between_steps_is_sampled_half_a_second_in_and_at_each_doubling_with_the_users_line(
+    records: Records, progress: Progress, recorder: CollectiveRecorder, clock: ManualClock
+) -> None:
+    dog = make(progress, recorder, clock)
+    for step in range(3):
+        one_step(progress, recorder, step)
+        dog.check()
+    wait(dog, clock, 0.25)
+    assert records("stall_sample") == []
+    wait(dog, clock, 4.0)
+    samples = records("stall_sample")
+    assert [s["stalled_s"] for s in samples] == [0.5, 1.0, 2.0, 4.0]
+    first = samples[0]
+    assert (first["step"], first["phase"], first["main_cpu_s"]) == (2, "idle", 0.0)
+    assert first["site"].startswith("tests/ddp/test_watchdog_stall_samples.py:")
+    assert "in wait" in first["stack"] and "dog.check()" in first["stack"]
+    assert records("hang") == []  # a stall, not a hang: the timeout is 30 s
+
+
+def test_a_rank_waiting_in_a_collective_or_before_its_first_step_sends_no_sample(
+    records: Records, progress: Progress, recorder: CollectiveRecorder, clock: ManualClock
+) -> None:
+    dog = make(progress, recorder, clock)
+    wait(dog, clock, 2.0)  # set-up: no step yet
+    one_step(progress, recorder, 0)
+    dog.check()
+    progress.enter("forward", 1)
+    progress.enter("backward")
+    recorder.begin("default", "all_reduce", [torch.ones(8)], source="engine")  # waits for a stalled peer
+    progress.enter("allreduce")
+    wait(dog, clock, 3.0)
+    assert records("stall_sample") == []
+
+
+def test_a_second_stall_within_five_seconds_of_the_last_sampled_one_is_not_sampled(
+    records: Records, progress: Progress, recorder: CollectiveRecorder, clock: ManualClock
+) -> None:
+    dog = make(progress, recorder, clock)
+    one_step(progress, recorder, 0)
+    dog.check()
+    wait(dog, clock, 0.75)  # a stall, sampled once
+    for step in range(1, 7):  # steps of 0.75 s each: a straggler's, every one a stall
+        one_step(progress, recorder, step)
+        dog.check()
+        wait(dog, clock, 0.75)
+    one_step(progress, recorder, 7)  # its stall's half second ends 5.25 s after the first sample
+    dog.check()
+    wait(dog, clock, 1.0)
+    assert [(s["step"], s["stalled_s"]) for s in records("stall_sample")] == [(0, 0.5), (7, 0.5), (7, 1.0)]
