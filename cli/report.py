@@ -318,6 +318,10 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
         out.append("none: no rank is consistently slower than the others")
     for st in stalls:
         out.append(f"- now and then: {safe(st['message'])}")
+        sampled = st.get("sampled") or {}
+        if sampled.get("stack"):
+            stack = _stack_tail(safe(sampled["stack"], multiline=True), call_site=sampled.get("site"))
+            out.extend("  | " + line for line in stack)
 
     out += ["", "== Overlap of communication with backward"]
     sizes = [int(b["bytes"]) for b in buckets if isinstance(b.get("bytes"), int)]

@@ -365,7 +365,12 @@ class Storage:
         if row is None:
             return None
         recs = self.fetch_records(
-            job, [k for k in ALL_KINDS if k not in ("step", "collective", "collective_end", "memory")]
+            job,
+            [
+                k
+                for k in ALL_KINDS
+                if k not in ("step", "collective", "collective_end", "memory", "stall_sample")
+            ],
         )
         by_kind: dict[str, list[dict[str, Any]]] = {}
         for r in recs:
@@ -402,6 +407,18 @@ class Storage:
         )
         # Not the jobs row's world size, the largest ever declared: a relaunch may have fewer ranks.
         return settle_world(snap)
+
+    def stall_samples(self, job_id: int, since_ns: int) -> list[dict[str, Any]]:
+        """The job's ``stall_sample`` records from ``since_ns`` on (the steps ``/stalls`` looks at), oldest
+        first: one query on the events' (job, kind, time) index."""
+        t = schema.events
+        q = (
+            select(t.c.body)
+            .where(t.c.job_id == job_id, t.c.kind == "stall_sample", t.c.time_ns >= since_ns)
+            .order_by(t.c.time_ns)
+        )
+        with self.engines.reader.connect() as conn:
+            return [decode_json(r.body) for r in conn.execute(q)]
 
     def memory_window(self, job_id: int) -> list[dict[str, Any]]:
         """The job's ``memory`` records of the ``MEMORY_WINDOW_NS`` up to its newest, oldest first: two

@@ -10,15 +10,21 @@ half its steps (more is a straggler), whose stalls add up to ``MIN_SHARE`` of th
 reported with how often (``every N steps`` when the stalls come at one interval), how long, and in which
 phase the time went.
 
+Where the time went, line by line: the rank's watchdog samples its main thread's stack in a stall of its
+own (``stall_sample`` records, 0.5 s in and at each doubling, ``ddp/watchdog.py``). The samples taken in
+the stalled steps name the line the rank spent them on (``StallSite``: the most sampled one, with its
+stack, and whether the thread was blocked or busy there).
+
 Pure function of step timings; no database, no HTTP.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
-from collections.abc import Sequence
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ddpscope.server.analysis.steps import StepTiming
 from ddpscope.server.analysis.stragglers import PHASES, median_without, phases_by_step
@@ -34,6 +40,45 @@ rank loses the CPU now and then, and that is nobody's stall."""
 MIN_STALLS = 3
 MIN_SHARE = 0.05
 """The stalls' excess over the window's wall time (sum of the steps' slowest busy times), at least."""
+
+
+BLOCKED_CPU_SHARE = 0.1
+"""A stall in which the main thread used under this share of the time on the CPU was blocked (I/O, a lock,
+a sleep, a queue), not busy."""
+
+
+@dataclass(slots=True)
+class StallSite:
+    """Where a rank's main thread was when its stalls were sampled."""
+
+    site: str | None
+    """file:line of user code the most samples name (None: none of them was in user code)."""
+    samples: int
+    """Samples at that line."""
+    of: int
+    """Samples taken in the rank's stalled steps in all."""
+    stalls: int
+    """Stalled steps with at least one sample."""
+    blocked: bool | None
+    """True when the thread used under ``BLOCKED_CPU_SHARE`` of those samples' time on the CPU; None unknown."""
+    stack: str
+    """The main thread's stack in the latest sample at that line."""
+
+    def phrase(self) -> str:
+        where = f"at {self.site}" if self.site else "outside user code"
+        how = {True: ", blocked (I/O, a lock, a sleep or a queue)", False: ", busy on the CPU", None: ""}[
+            self.blocked
+        ]
+        stalls = "that stall" if self.stalls == 1 else f"{self.stalls} of those stalls"
+        return (
+            f"sampled {STALL_SAMPLE_FROM_S} s and more into {stalls}, its main thread was {where} in "
+            f"{self.samples} of {self.of} samples{how}"
+        )
+
+
+STALL_SAMPLE_FROM_S = 0.5
+"""When a rank's watchdog first samples a stall (``ddp.watchdog.STALL_SAMPLE_S``; the server does not import
+``ddp``)."""
 
 
 @dataclass(slots=True)
@@ -53,6 +98,8 @@ class Stall:
     """'forward', 'backward' or 'between_steps': where the stalled steps' extra time went."""
     steps: list[int]
     """The latest stalled steps (at most 10)."""
+    sampled: StallSite | None = None
+    """Where the rank's main thread was in those stalls, when its watchdog sampled them."""
 
     def sentence(self) -> str:
         how_often = (
@@ -65,17 +112,31 @@ class Stall:
             "forward": "in its forward",
             "backward": "in its backward",
         }[self.phase]
-        return (
+        head = (
             f"rank {self.rank} stalls {how_often} ({self.stalls} times, {self.median_excess_s * 1000:.0f} ms longer "
             f"than the others each time, typically), {where}; every other rank waits it out in the next "
             f"all-reduce: {self.share:.0%} of the job's time over the {self.steps_considered} steps looked at. "
-            "Look at what that rank does "
-            "then (a remote or slow data read, a log or checkpoint write, garbage collection)"
+        )
+        if self.sampled is not None and self.sampled.site:
+            return (
+                f"{head}{self.sampled.phrase()[0].upper()}{self.sampled.phrase()[1:]}: look at that line (a remote "
+                "or slow data read, a log or checkpoint write, work only that rank does)"
+            )
+        sampled = f"{self.sampled.phrase()[0].upper()}{self.sampled.phrase()[1:]}. " if self.sampled else ""
+        return (
+            f"{head}{sampled}Look at what that rank does then (a remote or slow data read, a log or checkpoint "
+            "write, garbage collection)"
         )
 
 
-def intermittent_stalls(rows: Sequence[StepRow | StepTiming], *, window: int = WINDOW_STEPS) -> list[Stall]:
-    """The ranks that stall now and then (see the module doc), most costly first."""
+def intermittent_stalls(
+    rows: Sequence[StepRow | StepTiming],
+    *,
+    window: int = WINDOW_STEPS,
+    samples: Iterable[Mapping[str, Any]] = (),
+) -> list[Stall]:
+    """The ranks that stall now and then (see the module doc), most costly first. ``samples``: the ranks'
+    ``stall_sample`` records of those steps, which say where the time went."""
     by_step, recent = phases_by_step(rows, window)
     own: dict[int, list[float]] = defaultdict(list)
     for step in recent:
@@ -121,7 +182,36 @@ def intermittent_stalls(rows: Sequence[StepRow | StepTiming], *, window: int = W
                 every=gaps.pop() if len(gaps) == 1 else None,
                 phase=PHASES[max(set(phases), key=phases.count)],
                 steps=steps[-10:],
+                sampled=stall_site([x for x in samples if x["rank"] == rank], set(steps)),
             )
         )
     out.sort(key=lambda s: (-s.total_excess_s, s.rank))
     return out
+
+
+def stall_site(samples: Sequence[Mapping[str, Any]], stalled_steps: set[int]) -> StallSite | None:
+    """Where one rank's ``samples`` taken in its ``stalled_steps`` place its main thread, or None when none
+    was. An idle rank's sample carries the step it had finished: its stall is the next step's."""
+    taken = [
+        x
+        for x in samples
+        if (int(x["step"]) + 1 if x["phase"] == "idle" else int(x["step"])) in stalled_steps
+    ]
+    if not taken:
+        return None
+    counts = Counter(x.get("site") for x in taken)
+    site, n = max(counts.items(), key=lambda kv: (kv[1], kv[0] is not None))
+    there = [x for x in taken if x.get("site") == site]
+    cpu = [x.get("main_cpu_s") for x in there]
+    spent = sum(float(x["stalled_s"]) for x in there)
+    blocked = (
+        None if None in cpu or spent <= 0 else sum(float(c or 0) for c in cpu) < BLOCKED_CPU_SHARE * spent
+    )
+    return StallSite(
+        site=site,
+        samples=n,
+        of=len(taken),
+        stalls=len({(int(x["step"]), x["phase"]) for x in taken}),
+        blocked=blocked,
+        stack=str(there[-1]["stack"]),
+    )

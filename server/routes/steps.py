@@ -157,7 +157,10 @@ async def get_stragglers(
 
 def _stalls(storage: Storage, job_id: int, window: int) -> Response:
     page = storage.recent_step_page(job_id, window + 1)  # each step's predecessor: between-steps time
-    found = intermittent_stalls(page_timings(page), window=window)
+    since = int(page.forward_start_ns.min()) if len(page.step) else 0
+    found = intermittent_stalls(
+        page_timings(page), window=window, samples=storage.stall_samples(job_id, since)
+    )
     return items([{**asdict(s), "message": s.sentence()} for s in found], window=window)
 
 
@@ -168,7 +171,9 @@ async def get_stalls(
     steps: Annotated[int, Query(ge=10, le=2000)] = STALL_WINDOW_STEPS,
 ) -> Response:
     """Ranks that hold every other rank up now and then rather than in most steps (``analysis/stalls.py``):
-    ``rank``, ``stalls``, ``every``, ``median_excess_s``, ``share``, ``phase``, ``steps``, ``message``; over the
+    ``rank``, ``stalls``, ``every``, ``median_excess_s``, ``share``, ``phase``, ``steps``, ``sampled`` (where the
+    rank's main thread was in them: ``site``, ``samples``, ``of``, ``stalls``, ``blocked``, ``stack``; null when
+    its watchdog sampled none), ``message``; over the
     last ``steps`` steps. Apart from ``/stragglers``, which stays a short read: this one reads ten times the steps."""
     return await run_in_threadpool(_stalls, storage, job_id, steps)
 

@@ -66,3 +66,45 @@ def test_short_or_rare_stalls_and_a_steady_straggler_are_not_stalls() -> None:
     assert intermittent_stalls(_steps(extra_ms=lambda r, s: 300 if r == 1 and s in (10, 40) else 0)) == []
     steady = _steps(extra_ms=lambda r, s: 50 if r == 3 else 0)
     assert [s.rank for s in stragglers(steady) if s.flagged] == [3] and intermittent_stalls(steady) == []
+
+
+def _sample(rank: int, step: int, phase: str, stalled_s: float, site: str | None, cpu: float | None) -> dict:
+    stack = (
+        f'  File "/proj/train.py", line 40, in <module>\n    save(model)\n  File "/proj/{site}", in save\n'
+    )
+    return {"kind": "stall_sample", "rank": rank, "step": step, "phase": phase, "stalled_s": stalled_s,
+            "site": site, "stack": stack, "main_cpu_s": cpu}  # fmt: skip
+
+
+def test_the_stalls_samples_name_the_line_the_rank_spent_them_on_and_whether_it_was_blocked() -> None:
+    rows = _steps(extra_ms=lambda rank, step: 300 if rank == 1 and step % 10 == 5 else 0)
+    samples = [
+        # Idle after step 14: the stall of step 15, between steps. Two samples at the checkpoint's line,
+        # one a moment later in the data read.
+        _sample(1, 14, "idle", 0.5, "ckpt.py:7", 0.01),
+        _sample(1, 14, "idle", 1.0, "ckpt.py:7", 0.02),
+        _sample(1, 24, "idle", 0.5, "ckpt.py:7", 0.01),
+        _sample(1, 44, "idle", 0.5, "data.py:3", 0.01),
+        _sample(1, 30, "idle", 0.5, "train.py:9", 0.5),  # step 31 was no stall: not counted
+        _sample(2, 14, "idle", 0.5, "other.py:1", 0.5),  # another rank's
+    ]
+    (stall,) = intermittent_stalls(rows, samples=samples)
+    site = stall.sampled
+    assert site is not None
+    assert (site.site, site.samples, site.of, site.stalls, site.blocked) == ("ckpt.py:7", 3, 4, 3, True)
+    assert "ckpt.py" in site.stack
+    assert (
+        "Sampled 0.5 s and more into 3 of those stalls, its main thread was at ckpt.py:7 in 3 of 4 samples, "
+        "blocked (I/O, a lock, a sleep or a queue): look at that line" in stall.sentence()
+    )
+
+
+def test_a_stall_sampled_busy_in_its_forward_says_so_and_one_never_sampled_says_what_to_look_at() -> None:
+    rows = _steps(extra_ms=lambda rank, step: 300 if rank == 1 and step % 10 == 5 else 0)
+    busy = [_sample(1, 15, "forward", 0.5, "model.py:20", 0.45)]
+    (stall,) = intermittent_stalls(rows, samples=busy)
+    assert stall.sampled is not None and stall.sampled.blocked is False
+    assert "its main thread was at model.py:20 in 1 of 1 samples, busy on the CPU" in stall.sentence()
+    assert "that stall" in stall.sentence()
+    (unsampled,) = intermittent_stalls(rows)
+    assert unsampled.sampled is None and "Look at what that rank does then" in unsampled.sentence()
