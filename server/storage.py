@@ -43,6 +43,7 @@ from ddpscope.server import schema
 from ddpscope.server.analysis.snapshot import (
     COLLECTIVE_WINDOW,
     MEMORY_WINDOW_NS,
+    STALL_SAMPLES,
     JobSnapshot,
     RankSteps,
     attempt_starts,
@@ -396,6 +397,7 @@ class Storage:
             warnings=by_kind.get("warning", []),
             digests=by_kind.get("replica_digest", []),
             memory=self.memory_window(row.id),
+            stall_samples=self.newest_stall_samples(row.id),
             collectives=merge_collectives(colls, ends),
             steps=steps,
             unused=aggregate_unused(self.unused_rows(row.id)),
@@ -419,6 +421,18 @@ class Storage:
         )
         with self.engines.reader.connect() as conn:
             return [decode_json(r.body) for r in conn.execute(q)]
+
+    def newest_stall_samples(self, job_id: int) -> list[dict[str, Any]]:
+        """The job's newest ``STALL_SAMPLES`` ``stall_sample`` records, oldest first."""
+        t = schema.events
+        q = (
+            select(t.c.body)
+            .where(t.c.job_id == job_id, t.c.kind == "stall_sample")
+            .order_by(t.c.time_ns.desc())
+            .limit(STALL_SAMPLES)
+        )
+        with self.engines.reader.connect() as conn:
+            return [decode_json(r.body) for r in conn.execute(q)][::-1]
 
     def memory_window(self, job_id: int) -> list[dict[str, Any]]:
         """The job's ``memory`` records of the ``MEMORY_WINDOW_NS`` up to its newest, oldest first: two

@@ -111,6 +111,7 @@ from ddpscope.server.analysis.snapshot import (
     split_attempts,
     split_restart,
 )
+from ddpscope.server.analysis.stalled_culprits import note_stalled_culprits
 from ddpscope.server.analysis.status import (
     DEFAULT_SILENT_AFTER_S,
     LOST_PEER_ERROR,
@@ -248,6 +249,7 @@ def diagnose(
         snapshot, [r for r in live.ranks if r not in live.exits and r not in live.crashed]
     )
     note_memory(out, snapshot, live.last_alive_s)
+    note_stalled_culprits(out, snapshot)
     out += settings
     note_crash_loop(out, snapshot, previous)
     history = _before_restart_incidents(previous, restart_s, silent_after_s)

@@ -109,6 +109,9 @@ class JobSnapshot:
     stream_seen_ns: dict[tuple[int, str], int] = field(default_factory=dict)
     """``{(rank, stream): time_ns}`` of each agent stream's latest ``agent_stats`` (a live agent sends one
     every few seconds): how long each process of a rank kept reporting."""
+    stall_samples: list[Record] = field(default_factory=list)
+    """The newest ``STALL_SAMPLES`` ``stall_sample`` records, oldest first: where a rank was in a stall of its
+    own when a peer gave up on it (``stalled_culprits.py``)."""
     retired: dict[int, int] = field(default_factory=dict)
     """Ranks the newest launch left out (``retired_ranks``), with that launch's start (ns): not in
     ``ranks``, ``steps``, ``agent_stats`` or ``rank_last_seen_s``; ``split_restart`` puts what they
@@ -387,6 +390,10 @@ def settle_world(snap: JobSnapshot) -> JobSnapshot:
     return snap
 
 
+STALL_SAMPLES = 2000
+"""How many of the newest ``stall_sample`` records a snapshot reads: a few per rank and stall, at most one
+stall in 5 s per rank."""
+
 MEMORY_WINDOW_NS = 3600 * 10**9
 """How far back from the newest ``memory`` record a snapshot reads them: an hour, 120 samples a rank."""
 
@@ -444,6 +451,7 @@ def snapshot_from_records(job: str, records: Iterable[Mapping[str, Any]]) -> Job
         warnings=by_kind.get("warning", []),
         digests=by_kind.get("replica_digest", []),
         memory=memory_window(by_kind.get("memory", [])),
+        stall_samples=by_kind.get("stall_sample", [])[-STALL_SAMPLES:],
         collectives=window_collectives(merged),
         steps=steps,
         unused=aggregate_unused(

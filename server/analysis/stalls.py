@@ -66,14 +66,21 @@ class StallSite:
 
     def phrase(self) -> str:
         where = f"at {self.site}" if self.site else "outside user code"
-        how = {True: ", blocked (I/O, a lock, a sleep or a queue)", False: ", busy on the CPU", None: ""}[
-            self.blocked
-        ]
+        how = HOW[self.blocked]
         stalls = "that stall" if self.stalls == 1 else f"{self.stalls} of those stalls"
         return (
             f"sampled {STALL_SAMPLE_FROM_S} s and more into {stalls}, its main thread was {where} in "
             f"{self.samples} of {self.of} samples{how}"
         )
+
+
+HOW = {True: ", blocked (I/O, a lock, a sleep or a queue)", False: ", busy on the CPU", None: ""}
+"""What ``blocked`` says of a sampled thread, as a clause."""
+
+
+def was_blocked(cpu_s: float | None, spent_s: float) -> bool | None:
+    """Whether a thread that used ``cpu_s`` of ``spent_s`` on the CPU was blocked; None when unknown."""
+    return None if cpu_s is None or spent_s <= 0 else cpu_s < BLOCKED_CPU_SHARE * spent_s
 
 
 STALL_SAMPLE_FROM_S = 0.5
@@ -204,14 +211,11 @@ def stall_site(samples: Sequence[Mapping[str, Any]], stalled_steps: set[int]) ->
     there = [x for x in taken if x.get("site") == site]
     cpu = [x.get("main_cpu_s") for x in there]
     spent = sum(float(x["stalled_s"]) for x in there)
-    blocked = (
-        None if None in cpu or spent <= 0 else sum(float(c or 0) for c in cpu) < BLOCKED_CPU_SHARE * spent
-    )
     return StallSite(
         site=site,
         samples=n,
         of=len(taken),
         stalls=len({(int(x["step"]), x["phase"]) for x in taken}),
-        blocked=blocked,
+        blocked=None if None in cpu else was_blocked(sum(float(c or 0) for c in cpu), spent),
         stack=str(there[-1]["stack"]),
     )
