@@ -206,6 +206,8 @@ def stopped_step(client: Client, job: str) -> Stopped | None:
         return None
 
     def where(x: dict[str, Any]) -> str:
+        if x.get("phase") == "idle":
+            return f"{safe(x['state'])} between steps"
         return f"{safe(x['state'])} in {safe(x['phase'])}" if x.get("phase") else safe(x["state"])
 
     ranks = []
@@ -219,7 +221,11 @@ def stopped_step(client: Client, job: str) -> Stopped | None:
             )
         )
     for e in tl.get("elsewhere", []):
-        at = "" if e.get("step") is None else f" at step {e['step']}"
+        at = (
+            ""
+            if e.get("step") is None
+            else f" {'after' if e.get('phase') == 'idle' else 'at'} step {e['step']}"
+        )
         ranks.append((f"rank {e['rank']} {where(e)}{at}", []))
     return Stopped(int(tl["step"]), ranks)
 

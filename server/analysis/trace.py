@@ -100,14 +100,16 @@ def trace_events(
                 name = f"all-reduce b{i}" + ("" if end else " (unfinished)")
                 span(stop.rank, 1, name, start, end or until, {**about, "bucket": i})
     for stop in stops.values():
-        phase = f" in {stop.phase}" if stop.phase else ""
+        idle = stop.phase == "idle"
+        phase = " between steps" if idle else f" in {stop.phase}" if stop.phase else ""
+        step = "" if stop.step is None else f" ({'after ' if idle else ''}step {stop.step})"
         events.append(
             {
                 "ph": "i",
                 "s": "p",
                 "pid": stop.rank,
                 "tid": 0,
-                "name": f"{stop.state}{phase}" + ("" if stop.step is None else f" (step {stop.step})"),
+                "name": f"{stop.state}{phase}{step}",
                 "ts": us(stop.time_ns),
                 "args": {"state": stop.state, "step": stop.step, "message": stop.message},
             }

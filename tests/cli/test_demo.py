@@ -65,7 +65,7 @@ def test_the_demo_stops_a_hung_job_with_sigterm_so_only_the_stuck_rank_is_blamed
     # (rank 0 waits in backward or, once every bucket is launched, in the all-reduce phase).
     stopped = re.search(
         r"step (\d+), where it stopped: rank 0 hung in (backward|allreduce), all-reduce of buckets? [\d, ]+ "
-        r"in flight; rank 1 hung in idle at step (\d+): http\S+/steps/(\d+)",
+        r"in flight; rank 1 hung between steps after step (\d+): http\S+/steps/(\d+)",
         out,
     )
     assert stopped and stopped[1] == stopped[4] and int(stopped[3]) == int(stopped[1]) - 1, out

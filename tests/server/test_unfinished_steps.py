@@ -88,7 +88,7 @@ def test_the_trace_draws_the_unfinished_step_and_marks_where_each_rank_stopped(c
     whole = client.get("/api/v1/jobs/synth/trace").json()["traceEvents"]
     assert {(m["pid"], m["name"]) for m in whole if m["ph"] == "i" and m.get("s") == "p"} == {
         (0, "hung in allreduce (step 3)"),
-        (1, "hung in idle (step 2)"),
+        (1, "hung between steps (after step 2)"),
     }
     # Steps before the stops: no marks.
     early = client.get("/api/v1/jobs/synth/trace?start=0&end=1").json()["traceEvents"]
