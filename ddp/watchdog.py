@@ -79,19 +79,12 @@ from ddpscope.ddp.collectives import FOLD_WAIT_NS, RECORDER, CollectiveRecorder,
 from ddpscope.ddp.hang_text import hang_message
 from ddpscope.ddp.progress import PROGRESS, Progress
 from ddpscope.ddp.stacks import MAX_FRAMES, current_frames, thread_stacks
+from ddpscope.ddp.stall_sampler import StallSampler
 
 logger = get_logger(__name__)
 
 MAX_TICK_S = 0.25
 """Longest sleep between samples: bounds the lateness of a report and of an async collective's end."""
-STALL_SAMPLE_S = 0.5
-"""A rank's own stall (no progress, nothing of its in flight, after the first step) this long gets its main
-thread's stack sampled, and again at each doubling of it (1, 2, 4 s ...) until a hang report takes over:
-the collector's ``/stalls`` then says on which line a rank that holds the others up now and then spends
-that time (a checkpoint write, a slow batch). Stalls shorter than this (or than a tick) go unsampled."""
-STALL_SAMPLE_EVERY_S = 5.0
-"""At most one stall sampled in this long: a rank slow between every step (a straggler) sends a sample
-every few seconds, not one a step."""
 RESOLVE_GRACE_S = 1.0
 """A reported wait in torch's machinery counts as over this long after the main thread left it, unless
 the process reported a fatal error meanwhile: a wait that ends in an exception (a peer died) is not
@@ -258,10 +251,8 @@ class Watchdog:
         """The group's size when last seen: a heartbeat sent after ``destroy_process_group`` still says it."""
         self._torch_waits = setup_wait.Tracker(timeout_s, min(RESOLVE_GRACE_S, timeout_s))
         """Before the first step: where the main thread waits in torch's machinery, if it does."""
-        self._next_sample_s = STALL_SAMPLE_S
-        """How long the current stall must last for its next stack sample (``_sample_stall``)."""
-        self._stall_sampled_at = float("-inf")
-        """When the last stall's first sample was taken (``_clock``)."""
+        self._stalls = StallSampler()
+        """When to sample a stall of the rank's own (``_sample_stall``)."""
 
     @property
     def running(self) -> bool:
@@ -367,11 +358,11 @@ class Watchdog:
                 else:
                     emit_durable({"kind": "hang_resolved", "step": progress.step, "hang_s": round(hang_s, 3)})
                     logger.warning("ddpscope: rank %s made progress again after %.1f s", _rank(), hang_s)
+            self._stalls.progressed(progress.step, now - self._last_change)
             self._last_counter = counter
             self._last_failures = failures
             self._last_change = now
             self._cpu_at_change = self._main_cpu_s()
-            self._next_sample_s = STALL_SAMPLE_S
             return
         # Idle counts too once a step has begun: a rank stuck between steps (a data loader, a queue)
         # waits in no collective, and its report is the only place its stack shows up. Before the
@@ -383,30 +374,23 @@ class Watchdog:
             self.hangs_reported += 1
             self._report(stalled_s)
         elif self._stalled_on_its_own(stalled_s):
-            self._sample_stall(now, stalled_s)
+            self._sample_stall(stalled_s)
 
     def _stalled_on_its_own(self, stalled_s: float) -> bool:
         """Whether the rank's current stall is due a stack sample: after its first step, nothing of it in
-        flight (a rank waiting for its peers is not the one holding them up), and not on its way out (the
-        script has ended: no step is held up)."""
+        flight (a rank waiting for its peers is not the one holding them up), not on its way out (the
+        script has ended: no step is held up), and long enough (``StallSampler.due``)."""
         progress = self._progress
         return (
             not self._hung
-            and stalled_s >= self._next_sample_s
             and progress.began
             and not progress.inflight
             and not shutting_down()
+            and self._stalls.due(self._clock(), stalled_s)
         )
 
-    def _sample_stall(self, now: float, stalled_s: float) -> None:
-        """Send the main thread's stack in a stall of the rank's own (no progress, nothing in flight): one
-        of ``/stalls``' samples. The first of a stall only ``STALL_SAMPLE_EVERY_S`` after the last stall's."""
-        if self._next_sample_s == STALL_SAMPLE_S:
-            if now - self._stall_sampled_at < STALL_SAMPLE_EVERY_S:
-                self._next_sample_s = float("inf")  # this stall goes unsampled
-                return
-            self._stall_sampled_at = now
-        self._next_sample_s = 2 * max(stalled_s, self._next_sample_s)
+    def _sample_stall(self, stalled_s: float) -> None:
+        """Send the main thread's stack in a stall of the rank's own (``stall_sampler.py``)."""
         frame = self._main_frame()
         if frame is None:
             return

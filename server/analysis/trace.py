@@ -102,14 +102,14 @@ def trace_events(
     for stop in stops.values():
         idle = stop.phase == "idle"
         phase = " between steps" if idle else f" in {stop.phase}" if stop.phase else ""
-        step = "" if stop.step is None else f" ({'after ' if idle else ''}step {stop.step})"
+        at_step = "" if stop.step is None else f" ({'after ' if idle else ''}step {stop.step})"
         events.append(
             {
                 "ph": "i",
                 "s": "p",
                 "pid": stop.rank,
                 "tid": 0,
-                "name": f"{stop.state}{phase}{step}",
+                "name": f"{stop.state}{phase}{at_step}",
                 "ts": us(stop.time_ns),
                 "args": {"state": stop.state, "step": stop.step, "message": stop.message},
             }

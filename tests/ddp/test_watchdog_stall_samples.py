@@ -88,12 +88,32 @@ def test_a_second_stall_within_five_seconds_of_the_last_sampled_one_is_not_sampl
     dog = make(progress, recorder, clock)
     one_step(progress, recorder, 0)
     dog.check()
-    wait(dog, clock, 0.75)  # a stall, sampled once
-    for step in range(1, 7):  # steps of 0.75 s each: a straggler's, every one a stall
+    wait(dog, clock, 0.75)  # a stall, sampled 0.5 s in
+    one_step(progress, recorder, 1)
+    dog.check()
+    wait(dog, clock, 4.5)  # another, due 0.75 s after that sample: not sampled, however long it lasts
+    one_step(progress, recorder, 2)
+    dog.check()
+    wait(dog, clock, 2.25)  # due 5.25 s after the first sample: sampled at 0.5, 1 and 2 s
+    assert [(s["step"], s["stalled_s"]) for s in records("stall_sample")] == [
+        (0, 0.5),
+        (2, 0.5),
+        (2, 1.0),
+        (2, 2.0),
+    ]
+
+
+def test_a_rank_whose_every_step_goes_quiet_for_a_second_is_sampled_only_when_a_step_takes_twice_that(
+    records: Records, progress: Progress, recorder: CollectiveRecorder, clock: ManualClock
+) -> None:
+    dog = make(progress, recorder, clock)
+    for step in range(12):  # a second without progress in every step (a long forward): its usual
         one_step(progress, recorder, step)
         dog.check()
-        wait(dog, clock, 0.75)
-    one_step(progress, recorder, 7)  # its stall's half second ends 5.25 s after the first sample
+        wait(dog, clock, 1.0)
+    # Sampled before it knew the rank's usual (0.5 s, then 1 s in), then no more.
+    assert [(s["step"], s["stalled_s"]) for s in records("stall_sample")] == [(0, 0.5), (0, 1.0)]
+    one_step(progress, recorder, 12)
     dog.check()
-    wait(dog, clock, 1.0)
-    assert [(s["step"], s["stalled_s"]) for s in records("stall_sample")] == [(0, 0.5), (7, 0.5), (7, 1.0)]
+    wait(dog, clock, 3.0)  # three times its usual: sampled at twice it (the next is due at 4 s)
+    assert [(s["step"], s["stalled_s"]) for s in records("stall_sample")[2:]] == [(12, 2.0)]

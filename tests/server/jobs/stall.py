@@ -1,5 +1,5 @@
 """A rank of a 2-rank job (DDPSCOPE_URL, DDPSCOPE_JOB from the env) whose rank 1 writes a log every sixth
-step, to a file system that takes 1.2 s (a sleep): every other rank waits it out in the next all-reduce.
+step, to a file system that takes 2 s (a sleep): every other rank waits it out in the next all-reduce.
 
     python stall.py stall ddpscope|torch
 """
@@ -22,7 +22,7 @@ STEPS = 40
 
 
 def write_log(step: int) -> None:
-    time.sleep(1.2)  # the slow write: the line the collector should name
+    time.sleep(2.0)  # the slow write: the line the collector should name
 
 
 def main() -> None:
