@@ -10,7 +10,8 @@ that memory since the last one (a blow-up can go from healthy to killed in secon
 worker's shows only in the memory in use). Rises only: a step's activations freed and allocated again
 would otherwise send a record at every heartbeat:
 
-- ``rss_bytes``: the process's resident memory;
+- ``rss_bytes``: the process's resident memory; ``anon_bytes``: the part not backed by files or shared memory
+  (its heap and tensors, where a leak grows; the code of its libraries pages in and out on its own);
 - ``workers_bytes`` / ``workers``: the memory of its worker processes that is their own: the children it
   forked or started through ``multiprocessing`` (DataLoader workers; a forkserver's children, not the
   forkserver), not a program it ran (``subprocess``) nor ddpscope's shipper, by their command lines;
@@ -172,9 +173,24 @@ def workers_memory(pid: int | None = None) -> tuple[int, int] | None:
 
 def resident_bytes() -> int | None:
     """This process's resident memory, from ``/proc/self/statm``."""
+    statm = _statm()
+    return None if statm is None else statm[0]
+
+
+def anonymous_bytes() -> int | None:
+    """This process's resident memory less the pages backed by files and shared memory (``statm``'s
+    resident less shared): its heap and tensors, where a leak grows. The rest (the code of torch's libraries,
+    paged in as new code paths run and again after the kernel dropped them) grows and shrinks on its own."""
+    statm = _statm()
+    return None if statm is None else max(0, statm[0] - statm[1])
+
+
+def _statm() -> tuple[int, int] | None:
+    """(resident, resident shared) bytes, from ``/proc/self/statm``."""
     try:
         with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
+            fields = f.read().split()
+        return int(fields[1]) * _PAGE, int(fields[2]) * _PAGE
     except (OSError, ValueError, IndexError):
         return None
 
@@ -223,6 +239,9 @@ def _reading() -> dict[str, Any] | None:
         "available_bytes": available,
         "total_bytes": total,
     }
+    anonymous = anonymous_bytes()
+    if anonymous is not None:
+        record["anon_bytes"] = anonymous
     cgroup = _cgroup_files()  # looked up at each reading (~10 us): a process may be moved into another
     if cgroup is not None:
         limit = _read_int(cgroup[0])

@@ -571,6 +571,13 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
     "memory": (
         Field("step", INT, doc="the rank's step when sampled"),
         Field("rss_bytes", INT, doc="the process's resident memory"),
+        Field(
+            "anon_bytes",
+            INT,
+            required=False,
+            doc="rss_bytes less the pages backed by files and shared memory (its heap and tensors): what a leak "
+            "grows, while the code of its libraries pages in and out on its own",
+        ),
         Field("available_bytes", INT, doc="the host's MemAvailable"),
         Field("total_bytes", INT, doc="the host's MemTotal"),
         Field(

@@ -43,6 +43,8 @@ DEATH_SLACK_S = 5.0
 named (its silence is noticed up to a heartbeat late)."""
 WORKERS = "workers_bytes"
 """A ``memory`` record's field of its rank's DataLoader workers' own memory (``agent/memory.py``)."""
+ANON = "anon_bytes"
+"""A ``memory`` record's field of the rank's anonymous memory: its resident size less file-backed pages."""
 OOM_NAMED = "OOM killer: "
 """In a vanished rank's note (``death_note``) and so its incident, once it is put down to the OOM killer."""
 
@@ -193,8 +195,12 @@ WORKER_CAUSES = (
 
 
 def rank_growth(samples: Sequence[Record], exited_ns: int | None = None) -> Growth | None:
-    """The rank's own steady growth, else its DataLoader workers' (``WORKERS``), before it exited."""
-    return growth(samples, until_ns=exited_ns) or growth(samples, WORKERS, exited_ns)
+    """The rank's own steady growth, else its DataLoader workers' (``WORKERS``), before it exited. The rank's
+    own is its anonymous memory (``ANON``) when its samples carry it: its resident size also holds the code
+    of the libraries it maps, which a busy host pages out and the rank pages in again, a climb of tens of MiB
+    that is no leak."""
+    own = ANON if samples and all(ANON in m for m in samples) else "rss_bytes"
+    return growth(samples, own, exited_ns) or growth(samples, WORKERS, exited_ns)
 
 
 def exit_times(rank_exits: Iterable[Record]) -> dict[int, int]:
@@ -223,6 +229,8 @@ def memory_incidents(snapshot: JobSnapshot, live_ranks: Iterable[int]) -> list[I
     whose = (
         f"Rank {r}'s DataLoader workers' own memory (not shared with the rank; {last.get('workers')} of them)"
         if fastest.in_workers
+        else f"Rank {r}'s memory (its heap and tensors: not the libraries and files it maps)"
+        if fastest.of == ANON
         else f"Rank {r}'s memory"
     )
     msg = (

@@ -49,6 +49,32 @@ def test_memory_that_grows_at_a_steady_pace_is_a_leak_with_its_rate_per_minute_a
     assert "loss.item()" in m.message
 
 
+def test_a_resident_size_that_climbs_in_library_pages_is_no_leak_and_a_heap_that_climbs_is_named_as_one() -> (
+    None
+):
+    # Under a busy host the rank's libraries were paged out and come back as it runs: its resident size
+    # climbs 80 MiB while its anonymous memory (heap, tensors) stays flat.
+    paged_in = [{"rank": 1, "time_ns": i * 10**9, "step": 20 * i, "rss_bytes": 180 * MiB + i * 4 * MiB,
+                 "anon_bytes": 120 * MiB} for i in range(20)]  # fmt: skip
+    assert growth(paged_in) is not None and growth(paged_in, "anon_bytes") is None
+    job = started(2)
+    end = job.train(3)
+    for rec in paged_in:
+        job.add("memory", 1, end + rec["time_ns"] / 1e9, step=rec["step"], rss_bytes=rec["rss_bytes"],
+                anon_bytes=rec["anon_bytes"], available_bytes=20 * GiB, total_bytes=TOTAL)  # fmt: skip
+    assert [i.kind for i in diagnose(job.snapshot(), end + 21) if i.kind == "memory_growth"] == []
+    leaking = started(2)
+    end = leaking.train(3)
+    for i in range(20):
+        leaking.add("memory", 1, end + i, step=20 * i, rss_bytes=300 * MiB + i * 12 * MiB,
+                    anon_bytes=150 * MiB + i * 10 * MiB, available_bytes=20 * GiB, total_bytes=TOTAL)  # fmt: skip
+    m = only(diagnose(leaking.snapshot(), end + 21), "memory_growth")
+    assert m.message.startswith(
+        "Rank 1's memory (its heap and tensors: not the libraries and files it maps) grew steadily from "
+        "150.0 MiB to 340.0 MiB in 19 s"
+    ), m.message
+
+
 def test_warm_up_that_flattens_noise_and_small_growth_are_not_leaks() -> None:
     warm_up = [{"rank": 0, "time_ns": i * 30 * 10**9, "step": i, "rss_bytes": int(4 * GiB * (1 - 0.5 ** (i / 2)))}
                for i in range(20)]  # fmt: skip

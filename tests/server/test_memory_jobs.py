@@ -56,7 +56,9 @@ def test_a_rank_that_keeps_memory_every_step_is_named_with_its_pace_per_step(
     assert j.settled_status() == "finished"
     (inc,) = growth_found(j, "rank 1's memory growth")
     assert inc["rank"] == 1 and inc["culprit_ranks"] == [1], inc
-    assert inc["message"].startswith("Rank 1's memory grew steadily from "), inc
+    assert inc["message"].startswith(
+        "Rank 1's memory (its heap and tensors: not the libraries and files it maps) grew steadily from "
+    ), inc
     ranks = get_json(f"{j.url}/api/v1/jobs/{j.job}/memory")["items"]
     assert [r["growing"] for r in ranks] == [False, True], ranks
     per_step = inc["message"].split("/min, ")[1].split(" a step")[0]
