@@ -379,13 +379,15 @@ class Watchdog:
     def _stalled_on_its_own(self, stalled_s: float) -> bool:
         """Whether the rank's current stall is due a stack sample: after its first step, nothing of it in
         flight (a rank waiting for its peers is not the one holding them up), not on its way out (the
-        script has ended: no step is held up), and long enough (``StallSampler.due``)."""
+        script has ended: no step is held up), in a process group (not in a rendezvous that makes one again,
+        nor after the group's end), and long enough (``StallSampler.due``)."""
         progress = self._progress
         return (
             not self._hung
             and progress.began
             and not progress.inflight
             and not shutting_down()
+            and self._world_size() is not None
             and self._stalls.due(self._clock(), stalled_s)
         )
 

@@ -31,6 +31,7 @@ def make(progress: Progress, recorder: CollectiveRecorder, clock: ManualClock) -
         recorder=recorder,
         clock=clock,
         main_cpu_s=lambda: 0.0,
+        world_size=lambda: 2,  # in a process group
     )
 
 
@@ -67,7 +68,7 @@ def test_a_stall_between_steps_is_sampled_half_a_second_in_and_at_each_doubling_
     assert records("hang") == []  # a stall, not a hang: the timeout is 30 s
 
 
-def test_a_rank_waiting_in_a_collective_or_before_its_first_step_sends_no_sample(
+def test_a_rank_waiting_in_a_collective_before_its_first_step_or_outside_a_process_group_sends_no_sample(
     records: Records, progress: Progress, recorder: CollectiveRecorder, clock: ManualClock
 ) -> None:
     dog = make(progress, recorder, clock)
@@ -79,6 +80,12 @@ def test_a_rank_waiting_in_a_collective_or_before_its_first_step_sends_no_sample
     recorder.begin("default", "all_reduce", [torch.ones(8)], source="engine")  # waits for a stalled peer
     progress.enter("allreduce")
     wait(dog, clock, 3.0)
+    outside = wd.Watchdog(timeout_s=30.0, heartbeat_s=1.0, progress=progress, recorder=recorder, clock=clock,
+                          world_size=lambda: None)  # fmt: skip
+    progress.inflight.clear()
+    progress.enter("idle")
+    outside.check()
+    wait(outside, clock, 2.0)  # after destroy_process_group, or in a rendezvous making the group again
     assert records("stall_sample") == []
 
 
