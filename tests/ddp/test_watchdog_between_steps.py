@@ -17,7 +17,7 @@ import torch
 from ddpscope.ddp import watchdog as wd
 from ddpscope.ddp.collectives import CollectiveRecorder
 from ddpscope.ddp.progress import Progress
-from tests.ddp.watchdog_support import ManualClock, Records, in_memory_records
+from tests.ddp.watchdog_support import ManualClock, Records, in_memory_records, one_step, wait
 
 
 @pytest.fixture
@@ -39,21 +39,6 @@ def make(
         clock=clock,
         main_cpu_s=main_cpu_s,
     )
-
-
-def one_step(progress: Progress, recorder: CollectiveRecorder, step: int) -> None:
-    """What the engine does in a step: phases, a bucket all-reduce, back to idle."""
-    progress.enter("forward", step)
-    progress.enter("backward")
-    recorder.end("default", recorder.begin("default", "all_reduce", [torch.ones(8)], source="engine"))
-    progress.enter("allreduce")
-    progress.enter("idle")
-
-
-def wait(dog: wd.Watchdog, clock: ManualClock, seconds: float) -> None:
-    for _ in range(int(seconds / 0.25)):
-        clock.now += 0.25
-        dog.check()
 
 
 def test_a_rank_stuck_between_steps_gets_one_hang_report_saying_where_its_main_thread_waits(
@@ -78,7 +63,7 @@ def test_a_rank_stuck_between_steps_gets_one_hang_report_saying_where_its_main_t
         "(the optimizer step, data loading or its own code)"
     )
     assert "its last collective was default#8 all_reduce" in message
-    assert "the main thread waits at tests/ddp/test_watchdog_between_steps.py:" in message
+    assert "the main thread waits at tests/ddp/watchdog_support.py:" in message
     assert "No collective is in flight: this rank itself is stuck" in message
     assert dog.hung and dog.hangs_reported == 1
 

@@ -15,7 +15,7 @@ import torch
 from ddpscope.ddp import watchdog as wd
 from ddpscope.ddp.collectives import CollectiveRecorder
 from ddpscope.ddp.progress import Progress
-from tests.ddp.watchdog_support import ManualClock, Records, in_memory_records
+from tests.ddp.watchdog_support import ManualClock, Records, in_memory_records, one_step, wait
 
 
 @pytest.fixture
@@ -33,20 +33,6 @@ def make(progress: Progress, recorder: CollectiveRecorder, clock: ManualClock) -
         main_cpu_s=lambda: 0.0,
         world_size=lambda: 2,  # in a process group
     )
-
-
-def one_step(progress: Progress, recorder: CollectiveRecorder, step: int) -> None:
-    progress.enter("forward", step)
-    progress.enter("backward")
-    recorder.end("default", recorder.begin("default", "all_reduce", [torch.ones(8)], source="engine"))
-    progress.enter("allreduce")
-    progress.enter("idle")
-
-
-def wait(dog: wd.Watchdog, clock: ManualClock, seconds: float) -> None:
-    for _ in range(round(seconds / 0.25)):
-        clock.now += 0.25
-        dog.check()
 
 
 def test_a_stall_between_steps_is_sampled_half_a_second_in_and_at_each_doubling_with_the_users_line(

@@ -6,10 +6,31 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+
 from ddpscope import agent
 from ddpscope.agent.records import validate_record
+from ddpscope.ddp.collectives import CollectiveRecorder
+from ddpscope.ddp.progress import Progress
+from ddpscope.ddp.watchdog import Watchdog
 
 Records = Callable[..., list[dict[str, Any]]]
+
+
+def one_step(progress: Progress, recorder: CollectiveRecorder, step: int) -> None:
+    """What the engine does in a step: phases, a bucket all-reduce, back to idle."""
+    progress.enter("forward", step)
+    progress.enter("backward")
+    recorder.end("default", recorder.begin("default", "all_reduce", [torch.ones(8)], source="engine"))
+    progress.enter("allreduce")
+    progress.enter("idle")
+
+
+def wait(dog: Watchdog, clock: ManualClock, seconds: float) -> None:
+    """Move ``clock`` on by ``seconds`` in the watchdog's 0.25 s ticks, sampling at each."""
+    for _ in range(round(seconds / 0.25)):
+        clock.now += 0.25
+        dog.check()
 
 
 class ManualClock:
