@@ -469,11 +469,16 @@ def test_a_process_group_timeout_before_any_hang_report_is_blamed_on_the_rank_th
     assert "killed by the OS" not in err.message
 
 
-def test_a_process_group_timeout_on_a_peer_that_entered_late_is_blamed_on_the_late_rank() -> None:
-    # init_process_group(timeout=5 s) under a 30 s hang timeout: rank 0 saves a checkpoint for 8 s between
-    # steps; rank 1 gives up in #7 after 5 s, and rank 0 enters #7 after that, only to lose its connection.
-    # Both ranks issued #7, so none "never issued" it; it once said "no rank reported a cause".
+def late_peer_job(group_timeout_s: float | None = None) -> tuple[JobRecords, float]:
+    """init_process_group(timeout=5 s) under a 30 s hang timeout: rank 0 saves a checkpoint for 9 s after
+    step 2; rank 1 gives up in #7 after 5 s, and rank 0 enters #7 after that, only to lose its connection.
+    With ``group_timeout_s`` the ranks declare their group's timeout and a 30 s hang timeout in
+    ``rank_start``. Returns the job and the end of its last step."""
     job = started(2)
+    if group_timeout_s is not None:
+        for rec in job.records:
+            if rec["kind"] == "rank_start":
+                rec.update(group_timeout_s=group_timeout_s, hang_timeout_s=30.0)
     end = job.train(3)
     job.coll(1, end + 1, 7, site="train.py:57", done=False, step=3)
     job.error(
@@ -485,6 +490,12 @@ def test_a_process_group_timeout_on_a_peer_that_entered_late_is_blamed_on_the_la
         0, end + 9.1, "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234", step=3
     )
     job.exit(0, end + 9.2, reason="error", step=3)
+    return job, end
+
+
+def test_a_process_group_timeout_on_a_peer_that_entered_late_is_blamed_on_the_late_rank() -> None:
+    # Both ranks issued #7, so none "never issued" it; it once said "no rank reported a cause".
+    job, end = late_peer_job()
     err = only(diagnose(job.snapshot(), end + 10), "rank_error")
     assert err.culprit_ranks == [0], err.message
     assert (
@@ -495,19 +506,8 @@ def test_a_process_group_timeout_on_a_peer_that_entered_late_is_blamed_on_the_la
 
 
 def late_peer_timeout(group_timeout_s: float) -> str:
-    """The late-checkpoint timeout above with ranks that declare their process group's timeout and a
-    30 s hang timeout in ``rank_start``: the rank_error's message."""
-    job = started(2)
-    for rec in job.records:
-        if rec["kind"] == "rank_start":
-            rec.update(group_timeout_s=group_timeout_s, hang_timeout_s=30.0)
-    end = job.train(3)
-    job.coll(1, end + 1, 7, site="train.py:57", done=False, step=3)
-    job.error(
-        1, end + 6, "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv", step=3
-    )
-    job.coll(0, end + 9, 7, site="train.py:57", done=False, step=3)
-    job.error(0, end + 9.1, "[gloo/transport/tcp/pair.cc:553] Connection closed by peer", step=3)
+    """``late_peer_job``'s rank_error message, the ranks declaring ``group_timeout_s``."""
+    job, end = late_peer_job(group_timeout_s)
     return only(diagnose(job.snapshot(), end + 10), "rank_error").message
 
 

@@ -5,7 +5,8 @@ hang timeout, so the late rank never sent a hang report of its own."""
 from __future__ import annotations
 
 from ddpscope.server.analysis.incidents import diagnose
-from tests.server.test_incidents import JobRecords, only, started
+from tests.server.test_hang_diagnosis import late_peer_job
+from tests.server.test_incidents import JobRecords, only
 
 
 def sample(
@@ -17,22 +18,11 @@ def sample(
 
 
 def late_checkpoint(samples_s: list[float], *, cpu: float = 0.0) -> tuple[JobRecords, float]:
-    """Rank 0 saves a checkpoint for 9 s after step 2, sampled at ``samples_s`` into it; rank 1 gives up in
-    #7 after 5 s (its process group's timeout), rank 0 enters #7 after that and loses its connection."""
-    job = started(2)
-    end = job.train(3)
+    """``late_peer_job`` (rank 0 saves a checkpoint for 9 s after step 2, rank 1 gives up in #7 after 5 s),
+    rank 0's stall sampled at ``samples_s`` into it."""
+    job, end = late_peer_job()
     for s in samples_s:
         sample(job, 0, end + s, s, cpu=cpu * s)
-    job.coll(1, end + 1, 7, site="train.py:57", done=False, step=3)
-    job.error(
-        1, end + 6, "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv", step=3
-    )
-    job.exit(1, end + 6.1, reason="error", step=3)
-    job.coll(0, end + 9, 7, site="train.py:57", done=False, step=3)
-    job.error(
-        0, end + 9.1, "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234", step=3
-    )
-    job.exit(0, end + 9.2, reason="error", step=3)
     return job, end
 
 
