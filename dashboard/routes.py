@@ -98,7 +98,7 @@ async def job_page(request: Request, job: str) -> HTMLResponse:
 <section><h2>Overlap ratio and exposed communication</h2><div id="overlap" class="plot" hidden></div></section>
 <section class="cols">
   <div><h2>Stragglers</h2><div id="stragglers" class="plot small" hidden></div>
-       <p class="msg" id="stragglers-msg"></p></div>
+       <p class="msg" id="stragglers-msg"></p><div id="stall-stacks"></div></div>
   <div><h2>Latest incidents</h2><ul id="incidents" class="incidents"></ul>
        <p class="msg" id="incidents-msg"></p></div>
 </section>

@@ -94,13 +94,34 @@ def test_job_page_names_a_rank_that_stalls_now_and_then_beside_the_stragglers(
 ) -> None:
     job = unique("stall")
     synth = SynthJob(job, world_size=3, buckets=3, stall=(1, 4))
-    post(collector.url, synth.start() + synth.steps(16))
+    records = synth.start() + synth.steps(16)
+    stack = '  File "/proj/train.py", line 40, in <module>\n    loss = model(batch)\n  File "/proj/model.py", line 20\n'
+    records += [
+        synth._record(
+            "stall_sample",
+            1,
+            synth.clock_ns,
+            step=step,
+            phase="forward",
+            stalled_s=0.5,
+            site="model.py:20",
+            stack=stack,
+            main_cpu_s=0.45,
+        )  # fmt: skip
+        for step in (7, 11)
+    ]
+    post(collector.url, records)
     open_job(page, collector.url, job)
     said = text(page, "#stragglers-msg")
     assert said.startswith("No rank is flagged as a straggler. Now and then: rank 1 stalls every 4 steps"), (
         said
     )
     assert "in its backward" in said or "in its forward" in said, said
+    assert "its main thread was at model.py:20 in 2 of 2 samples, busy on the CPU" in said, said
+    summary = page.locator("#stall-stacks details summary")
+    assert summary.inner_text() == "rank 1's main thread in its stalls (model.py:20)"
+    summary.click()
+    assert "loss = model(batch)" in page.locator("#stall-stacks pre.stack").inner_text()
 
 
 def test_job_page_charts_each_ranks_memory_and_its_workers_and_names_what_grows(
