@@ -195,12 +195,15 @@ WORKER_CAUSES = (
 
 
 def rank_growth(samples: Sequence[Record], exited_ns: int | None = None) -> Growth | None:
-    """The rank's own steady growth, else its DataLoader workers' (``WORKERS``), before it exited. The rank's
-    own is its anonymous memory (``ANON``) when its samples carry it: its resident size also holds the code
-    of the libraries it maps, which a busy host pages out and the rank pages in again, a climb of tens of MiB
-    that is no leak."""
+    """The faster of the rank's own steady growth and its DataLoader workers' (``WORKERS``), before it
+    exited: a rank whose own memory creeps up must not hide the workers' leak that will get one of them
+    killed. The rank's own is its anonymous memory (``ANON``) when its samples carry it: its resident size
+    also holds the code of the libraries it maps, which a busy host pages out and the rank pages in again."""
     own = ANON if samples and all(ANON in m for m in samples) else "rss_bytes"
-    return growth(samples, own, exited_ns) or growth(samples, WORKERS, exited_ns)
+    found = [
+        g for g in (growth(samples, own, exited_ns), growth(samples, WORKERS, exited_ns)) if g is not None
+    ]
+    return max(found, key=lambda g: g.bytes_per_s, default=None)
 
 
 def exit_times(rank_exits: Iterable[Record]) -> dict[int, int]:

@@ -2,7 +2,7 @@
 
 The watchdog sends the main thread's stack 0.5 s into a stall of the rank's own (no progress, nothing
 of it in flight, after its first step) and at each doubling, at most one stall in 5 s. Sampled by hand
-on a manual clock; the main thread is this test's, so the site is this file.
+on a manual clock; the main thread is this test's, so the site is its clock helper (``wait``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_a_stall_between_steps_is_sampled_half_a_second_in_and_at_each_doubling_
     assert [s["stalled_s"] for s in samples] == [0.5, 1.0, 2.0, 4.0]
     first = samples[0]
     assert (first["step"], first["phase"], first["main_cpu_s"]) == (2, "idle", 0.0)
-    assert first["site"].startswith("tests/ddp/test_watchdog_stall_samples.py:")
+    assert first["site"].startswith("tests/ddp/watchdog_support.py:")  # the innermost user frame: wait()
     assert "in wait" in first["stack"] and "dog.check()" in first["stack"]
     assert records("hang") == []  # a stall, not a hang: the timeout is 30 s
 
