@@ -11,7 +11,7 @@ reported with how often (``every N steps`` when the stalls come at one interval)
 phase the time went.
 
 Where the time went, line by line: the rank's watchdog samples its main thread's stack in a stall of its
-own (``stall_sample`` records, 0.5 s in and at each doubling, ``ddp/watchdog.py``). The samples taken in
+own (``stall_sample`` records, 0.5 s in and at each doubling, ``ddp/stall_sampler.py``). The samples taken in
 the stalled steps name the line the rank spent them on (``StallSite``: the most sampled one, with its
 stack, and whether the thread was blocked or busy there).
 
@@ -63,14 +63,15 @@ class StallSite:
     """True when the thread used under ``BLOCKED_CPU_SHARE`` of those samples' time on the CPU; None unknown."""
     stack: str
     """The main thread's stack in the latest sample at that line."""
+    from_s: float
+    """How far into a stall the earliest of those samples was taken."""
 
-    def phrase(self) -> str:
+    def sentence(self) -> str:
         where = f"at {self.site}" if self.site else "outside user code"
-        how = HOW[self.blocked]
         stalls = "that stall" if self.stalls == 1 else f"{self.stalls} of those stalls"
         return (
-            f"sampled {STALL_SAMPLE_FROM_S} s and more into {stalls}, its main thread was {where} in "
-            f"{self.samples} of {self.of} samples{how}"
+            f"Sampled {self.from_s:.1f} s and more into {stalls}, its main thread was {where} in "
+            f"{self.samples} of {self.of} samples{HOW[self.blocked]}"
         )
 
 
@@ -81,11 +82,6 @@ HOW = {True: ", blocked (I/O, a lock, a sleep or a queue)", False: ", busy on th
 def was_blocked(cpu_s: float | None, spent_s: float) -> bool | None:
     """Whether a thread that used ``cpu_s`` of ``spent_s`` on the CPU was blocked; None when unknown."""
     return None if cpu_s is None or spent_s <= 0 else cpu_s < BLOCKED_CPU_SHARE * spent_s
-
-
-STALL_SAMPLE_FROM_S = 0.5
-"""When a rank's watchdog first samples a stall (``ddp.watchdog.STALL_SAMPLE_S``; the server does not import
-``ddp``)."""
 
 
 @dataclass(slots=True)
@@ -126,10 +122,10 @@ class Stall:
         )
         if self.sampled is not None and self.sampled.site:
             return (
-                f"{head}{self.sampled.phrase()[0].upper()}{self.sampled.phrase()[1:]}: look at that line (a remote "
-                "or slow data read, a log or checkpoint write, work only that rank does)"
+                f"{head}{self.sampled.sentence()}: look at that line (a remote or slow data read, a log or "
+                "checkpoint write, work only that rank does)"
             )
-        sampled = f"{self.sampled.phrase()[0].upper()}{self.sampled.phrase()[1:]}. " if self.sampled else ""
+        sampled = f"{self.sampled.sentence()}. " if self.sampled else ""
         return (
             f"{head}{sampled}Look at what that rank does then (a remote or slow data read, a log or checkpoint "
             "write, garbage collection)"
@@ -144,6 +140,7 @@ def intermittent_stalls(
 ) -> list[Stall]:
     """The ranks that stall now and then (see the module doc), most costly first. ``samples``: the ranks'
     ``stall_sample`` records of those steps, which say where the time went."""
+    samples = list(samples)
     by_step, recent = phases_by_step(rows, window)
     own: dict[int, list[float]] = defaultdict(list)
     for step in recent:
@@ -218,4 +215,5 @@ def stall_site(samples: Sequence[Mapping[str, Any]], stalled_steps: set[int]) ->
         stalls=len({(int(x["step"]), x["phase"]) for x in taken}),
         blocked=None if None in cpu else was_blocked(sum(float(c or 0) for c in cpu), spent),
         stack=str(there[-1]["stack"]),
+        from_s=min(float(x["stalled_s"]) for x in taken),
     )
