@@ -18,6 +18,7 @@ from typing import Any
 from ddpscope.server.analysis.incident_model import Incident
 from ddpscope.server.analysis.snapshot import JobSnapshot
 from ddpscope.server.analysis.stalls import HOW, was_blocked
+from ddpscope.server.analysis.stuck import stack_waits_for_loader
 
 Record = Mapping[str, Any]
 
@@ -85,6 +86,8 @@ def stall_sentence(rank: int, sample: Record, t_s: float) -> str:
     )
     site = sample.get("site")
     where = f", at {site}" if site else ", outside user code"
+    if stack_waits_for_loader(str(sample.get("stack") or "")):
+        where += ", waiting for its DataLoader's workers to deliver the next batch"
     cpu = sample.get("main_cpu_s")
     how = HOW[was_blocked(None if cpu is None else float(cpu), float(sample["stalled_s"]))]
     return (

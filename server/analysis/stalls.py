@@ -28,6 +28,7 @@ from typing import Any
 
 from ddpscope.server.analysis.steps import StepTiming
 from ddpscope.server.analysis.stragglers import PHASES, median_without, phases_by_step
+from ddpscope.server.analysis.stuck import stack_waits_for_loader
 from ddpscope.server.rows import StepRow
 
 WINDOW_STEPS = 200
@@ -65,14 +66,27 @@ class StallSite:
     """The main thread's stack in the latest sample at that line."""
     from_s: float
     """How far into a stall the earliest of those samples was taken."""
+    loader: bool = False
+    """That stack waits for a DataLoader's workers to deliver a batch: the time goes in the workers."""
 
     def sentence(self) -> str:
         where = f"at {self.site}" if self.site else "outside user code"
+        if self.loader:
+            where += ", waiting for its DataLoader's workers to deliver the next batch,"
         stalls = "that stall" if self.stalls == 1 else f"{self.stalls} of those stalls"
         return (
             f"Sampled {self.from_s:.1f} s and more into {stalls}, its main thread was {where} in "
             f"{self.samples} of {self.of} samples{HOW[self.blocked]}"
         )
+
+    def advice(self) -> str:
+        if self.loader:
+            return (
+                "the time goes in the workers, in the Dataset's __getitem__ or collate_fn on some batches (a slow "
+                "or remote read, a large item); more workers or a higher prefetch_factor hide it, a faster read "
+                "removes it"
+            )
+        return "look at that line (a remote or slow data read, a log or checkpoint write, work only that rank does)"
 
 
 HOW = {True: ", blocked (I/O, a lock, a sleep or a queue)", False: ", busy on the CPU", None: ""}
@@ -121,10 +135,7 @@ class Stall:
             f"all-reduce: {self.share:.0%} of the job's time over the {self.steps_considered} steps looked at. "
         )
         if self.sampled is not None and self.sampled.site:
-            return (
-                f"{head}{self.sampled.sentence()}: look at that line (a remote or slow data read, a log or "
-                "checkpoint write, work only that rank does)"
-            )
+            return f"{head}{self.sampled.sentence()}: {self.sampled.advice()}"
         sampled = f"{self.sampled.sentence()}. " if self.sampled else ""
         return (
             f"{head}{sampled}Look at what that rank does then (a remote or slow data read, a log or checkpoint "
@@ -216,4 +227,5 @@ def stall_site(samples: Sequence[Mapping[str, Any]], stalled_steps: set[int]) ->
         blocked=None if None in cpu else was_blocked(sum(float(c or 0) for c in cpu), spent),
         stack=str(there[-1]["stack"]),
         from_s=min(float(x["stalled_s"]) for x in taken),
+        loader=stack_waits_for_loader(str(there[-1]["stack"])),
     )

@@ -97,10 +97,15 @@ def dead_thread_note(snapshot: JobSnapshot, rank: int, before_s: float) -> str:
 
 
 def waits_for_loader(hang: Record) -> bool:
-    """The main thread's innermost frames are a DataLoader waiting on its workers' queue: a frame of
-    torch's dataloader.py with only queue, lock and pipe frames inside it (a dataset read in the main
-    process, num_workers=0, puts the user's own frames innermost instead)."""
-    frames = [path for path, _, _ in FRAME.findall(main_stack(hang) or "")]
+    """The hang report's main thread waits for a DataLoader's workers (``stack_waits_for_loader``)."""
+    return stack_waits_for_loader(main_stack(hang) or "")
+
+
+def stack_waits_for_loader(stack: str) -> bool:
+    """The stack's innermost frames are a DataLoader waiting on its workers' queue: a frame of torch's
+    dataloader.py with only queue, lock and pipe frames inside it (a dataset read in the main process,
+    num_workers=0, puts the user's own frames innermost instead)."""
+    frames = [path for path, _, _ in FRAME.findall(stack)]
     for i in range(len(frames) - 1, -1, -1):
         if _LOADER_FRAME.search(frames[i]):
             return all(_WAIT_FRAME.search(f) or _LOADER_FRAME.search(f) for f in frames[i + 1 :])

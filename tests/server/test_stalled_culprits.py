@@ -60,3 +60,21 @@ def test_a_rank_that_went_on_to_a_collective_after_its_last_sample_is_not_said_t
     job.coll(0, end + 4.5, 6, site="train.py:50", step=3)  # its stall was over: it went on
     err = only(diagnose(job.snapshot(), end + 10), "rank_error")
     assert "stall of its own" not in err.message, err.message
+
+
+def test_a_late_rank_waiting_for_its_dataloaders_workers_is_said_to_wait_for_them() -> None:
+    job, end = late_peer_job()
+    loader = "/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py"
+    stack = (
+        '  File "/proj/train.py", line 16, in <module>\n    for x in loader:\n'
+        f'  File "{loader}", line 733, in __next__\n    data = self._next_data()\n'
+        '  File "/usr/lib/python3.11/multiprocessing/queues.py", line 113, in get\n    if not self._poll(timeout):\n'
+    )
+    for s in (0.5, 1.0, 2.0, 4.0, 8.0):
+        job.add("stall_sample", 0, end + s, step=2, phase="idle", stalled_s=s, site="train.py:16", stack=stack,
+                main_cpu_s=0.0)  # fmt: skip
+    err = only(diagnose(job.snapshot(), end + 10), "rank_error")
+    assert (
+        "Rank 0 was then 6.0 s into a stall of its own after step 2 (between steps), at train.py:16, waiting for "
+        "its DataLoader's workers to deliver the next batch, blocked" in err.message
+    ), err.message

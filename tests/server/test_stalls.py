@@ -108,3 +108,23 @@ def test_a_stall_sampled_busy_in_its_forward_says_so_and_one_never_sampled_says_
     assert "that stall" in stall.sentence()
     (unsampled,) = intermittent_stalls(rows)
     assert unsampled.sampled is None and "Look at what that rank does then" in unsampled.sentence()
+
+
+def test_a_stall_spent_waiting_for_the_dataloaders_workers_says_the_time_goes_in_the_workers() -> None:
+    rows = _steps(extra_ms=lambda rank, step: 300 if rank == 1 and step % 10 == 5 else 0)
+    torch = "/venv/lib/python3.11/site-packages/torch/utils/data"
+    stack = (
+        '  File "/proj/train.py", line 16, in <module>\n    for step, x in enumerate(loader):\n'
+        f'  File "{torch}/dataloader.py", line 733, in __next__\n    data = self._next_data()\n'
+        f'  File "{torch}/dataloader.py", line 1479, in _next_data\n    idx, data = self._get_data()\n'
+        '  File "/usr/lib/python3.11/multiprocessing/queues.py", line 113, in get\n    if not self._poll(timeout):\n'
+        '  File "/usr/lib/python3.11/selectors.py", line 415, in select\n    fd_event_list = self._selector.poll(t)\n'
+    )
+    samples = [{**_sample(1, s, "idle", 0.5, "train.py:16", 0.0), "stack": stack} for s in (14, 24)]
+    (stall,) = intermittent_stalls(rows, samples=samples)
+    assert stall.sampled is not None and stall.sampled.loader
+    assert (
+        "its main thread was at train.py:16, waiting for its DataLoader's workers to deliver the next batch, in 2 "
+        "of 2 samples, blocked (I/O, a lock, a sleep or a queue): the time goes in the workers, in the Dataset's "
+        "__getitem__ or collate_fn" in stall.sentence()
+    ), stall.sentence()
