@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ddpscope.agent.torch_waits import blocked
 from ddpscope.server.analysis.incident_model import Incident
 from ddpscope.server.analysis.snapshot import JobSnapshot
-from ddpscope.server.analysis.stalls import HOW, was_blocked
+from ddpscope.server.analysis.stalls import HOW
 from ddpscope.server.analysis.stuck import stack_waits_for_loader
 
 Record = Mapping[str, Any]
@@ -89,7 +90,7 @@ def stall_sentence(rank: int, sample: Record, t_s: float) -> str:
     if stack_waits_for_loader(str(sample.get("stack") or "")):
         where += ", waiting for its DataLoader's workers to deliver the next batch"
     cpu = sample.get("main_cpu_s")
-    how = HOW[was_blocked(None if cpu is None else float(cpu), float(sample["stalled_s"]))]
+    how = HOW[blocked(None if cpu is None else float(cpu), float(sample["stalled_s"]))]
     return (
         f" Rank {rank} was then {max(0.0, t_s - began_s):.1f} s into a stall of its own {when}{where}{how} "
         f"(its watchdog's sample {float(sample['stalled_s']):.1f} s in)."

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ddpscope.agent.torch_waits import blocked
 from ddpscope.server.analysis.steps import StepTiming
 from ddpscope.server.analysis.stragglers import PHASES, median_without, phases_by_step
 from ddpscope.server.analysis.stuck import stack_waits_for_loader
@@ -43,11 +44,6 @@ MIN_SHARE = 0.05
 """The stalls' excess over the window's wall time (sum of the steps' slowest busy times), at least."""
 
 
-BLOCKED_CPU_SHARE = 0.1
-"""A stall in which the main thread used under this share of the time on the CPU was blocked (I/O, a lock,
-a sleep, a queue), not busy."""
-
-
 @dataclass(slots=True)
 class StallSite:
     """Where a rank's main thread was when its stalls were sampled."""
@@ -61,7 +57,8 @@ class StallSite:
     stalls: int
     """Stalled steps with at least one sample."""
     blocked: bool | None
-    """True when the thread used under ``BLOCKED_CPU_SHARE`` of those samples' time on the CPU; None unknown."""
+    """True when the thread used under ``torch_waits.BLOCKED_CPU_SHARE`` of those samples' time on the CPU (the
+    hang reports' rule, ``torch_waits.blocked``); None unknown."""
     stack: str
     """The main thread's stack in the latest sample at that line."""
     from_s: float
@@ -91,11 +88,6 @@ class StallSite:
 
 HOW = {True: ", blocked (I/O, a lock, a sleep or a queue)", False: ", busy on the CPU", None: ""}
 """What ``blocked`` says of a sampled thread, as a clause."""
-
-
-def was_blocked(cpu_s: float | None, spent_s: float) -> bool | None:
-    """Whether a thread that used ``cpu_s`` of ``spent_s`` on the CPU was blocked; None when unknown."""
-    return None if cpu_s is None or spent_s <= 0 else cpu_s < BLOCKED_CPU_SHARE * spent_s
 
 
 @dataclass(slots=True)
@@ -224,7 +216,7 @@ def stall_site(samples: Sequence[Mapping[str, Any]], stalled_steps: set[int]) ->
         samples=n,
         of=len(taken),
         stalls=len({(int(x["step"]), x["phase"]) for x in taken}),
-        blocked=None if None in cpu else was_blocked(sum(float(c or 0) for c in cpu), spent),
+        blocked=None if None in cpu else blocked(sum(float(c or 0) for c in cpu), spent),
         stack=str(there[-1]["stack"]),
         from_s=min(float(x["stalled_s"]) for x in taken),
         loader=stack_waits_for_loader(str(there[-1]["stack"])),
