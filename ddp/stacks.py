@@ -34,6 +34,14 @@ def current_frames() -> dict[int, FrameType]:
             gc.enable()
 
 
+def format_stack(frame: FrameType) -> str:
+    """``frame``'s stack as traceback prints it, innermost frame last, at most ``MAX_FRAMES`` of them."""
+    lines = traceback.format_stack(frame, limit=None)
+    if len(lines) > MAX_FRAMES:
+        lines = [f"  ... {len(lines) - MAX_FRAMES} outer frames omitted\n", *lines[-MAX_FRAMES:]]
+    return "".join(lines)
+
+
 def thread_stacks(skip_current: bool = False) -> list[dict[str, Any]]:
     """One ``{"thread", "stack"}`` per live thread, the main thread first, innermost frame last."""
     threads = {t.ident: t for t in threading.enumerate()}
@@ -43,12 +51,9 @@ def thread_stacks(skip_current: bool = False) -> list[dict[str, Any]]:
     for ident, frame in current_frames().items():
         if skip_current and ident == me:
             continue
-        lines = traceback.format_stack(frame, limit=None)
-        if len(lines) > MAX_FRAMES:
-            lines = [f"  ... {len(lines) - MAX_FRAMES} outer frames omitted\n", *lines[-MAX_FRAMES:]]
         thread = threads.get(ident)
         name = thread.name if thread is not None else f"thread-{ident}"
-        entry: dict[str, Any] = {"thread": name, "stack": "".join(lines), "_main": ident == main}
+        entry: dict[str, Any] = {"thread": name, "stack": format_stack(frame), "_main": ident == main}
         if thread is not None and ident != main:
             entry["daemon"] = thread.daemon  # a thread that is not one keeps the process from exiting
         out.append(entry)

@@ -57,7 +57,6 @@ import sys
 import sysconfig
 import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
@@ -78,7 +77,7 @@ from ddpscope.ddp import errors, setup_wait
 from ddpscope.ddp.collectives import FOLD_WAIT_NS, RECORDER, CollectiveRecorder, disabled
 from ddpscope.ddp.hang_text import hang_message
 from ddpscope.ddp.progress import PROGRESS, Progress
-from ddpscope.ddp.stacks import MAX_FRAMES, current_frames, thread_stacks
+from ddpscope.ddp.stacks import current_frames, format_stack, thread_stacks
 from ddpscope.ddp.stall_sampler import StallSampler
 
 logger = get_logger(__name__)
@@ -397,8 +396,7 @@ class Watchdog:
         if frame is None:
             return
         progress = self._progress
-        cpu_now, cpu_then = self._main_cpu_s(), self._cpu_at_change
-        stack = "".join(traceback.format_stack(frame)[-MAX_FRAMES:])
+        main_cpu_s = self._main_cpu_since_change()
         emit(
             {
                 "kind": "stall_sample",
@@ -406,12 +404,15 @@ class Watchdog:
                 "phase": progress.phase,
                 "stalled_s": round(stalled_s, 3),
                 "site": _user_site(frame) or self._recorder.frame_site(frame),
-                "stack": stack,
-                "main_cpu_s": None
-                if cpu_now is None or cpu_then is None
-                else round(max(0.0, cpu_now - cpu_then), 3),
+                "stack": format_stack(frame),
+                "main_cpu_s": None if main_cpu_s is None else round(main_cpu_s, 3),
             }
         )
+
+    def _main_cpu_since_change(self) -> float | None:
+        """CPU seconds the main thread used since the last progress (near 0: blocked); None when unknown."""
+        cpu_now, cpu_then = self._main_cpu_s(), self._cpu_at_change
+        return None if cpu_now is None or cpu_then is None else max(0.0, cpu_now - cpu_then)
 
     def _heartbeat(self) -> None:
         progress = self._progress
@@ -504,8 +505,7 @@ class Watchdog:
         if main_frame is not None:
             main_site = _user_site(main_frame) or self._recorder.frame_site(main_frame)
             blocked_in = torch_wait(main_frame.f_code.co_filename, main_frame.f_code.co_name)
-        cpu_now, cpu_then = self._main_cpu_s(), self._cpu_at_change
-        main_cpu_s = None if cpu_now is None or cpu_then is None else max(0.0, cpu_now - cpu_then)
+        main_cpu_s = self._main_cpu_since_change()
         if shutting_down():
             message = _exit_wait(stalled_s, main_frame, main_site)
             self._emit_hang(
