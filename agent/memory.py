@@ -171,22 +171,10 @@ def workers_memory(pid: int | None = None) -> tuple[int, int] | None:
     return (total, seen) if seen else None
 
 
-def resident_bytes() -> int | None:
-    """This process's resident memory, from ``/proc/self/statm``."""
-    statm = _statm()
-    return None if statm is None else statm[0]
-
-
-def anonymous_bytes() -> int | None:
-    """This process's resident memory less the pages backed by files and shared memory (``statm``'s
-    resident less shared): its heap and tensors, where a leak grows. The rest (the code of torch's libraries,
-    paged in as new code paths run and again after the kernel dropped them) grows and shrinks on its own."""
-    statm = _statm()
-    return None if statm is None else max(0, statm[0] - statm[1])
-
-
 def _statm() -> tuple[int, int] | None:
-    """(resident, resident shared) bytes, from ``/proc/self/statm``."""
+    """(resident, resident shared) bytes of this process, from ``/proc/self/statm``. Resident less shared is
+    its anonymous memory: its heap and tensors, where a leak grows; the rest (the code of torch's libraries,
+    paged in as new code paths run and again after the kernel dropped them) grows and shrinks on its own."""
     try:
         with open("/proc/self/statm", "rb") as f:
             fields = f.read().split()
@@ -228,20 +216,18 @@ class MemoryReader:
 
 def _reading() -> dict[str, Any] | None:
     """A ``memory`` record without the workers' memory: this process's, the host's and the cgroup's."""
-    rss = resident_bytes()
+    statm = _statm()
     info = _meminfo()
-    if rss is None or info is None:
+    if statm is None or info is None:
         return None
-    available, total = info
+    (rss, shared), (available, total) = statm, info
     record: dict[str, Any] = {
         "kind": "memory",
         "rss_bytes": rss,
+        "anon_bytes": max(0, rss - shared),
         "available_bytes": available,
         "total_bytes": total,
     }
-    anonymous = anonymous_bytes()
-    if anonymous is not None:
-        record["anon_bytes"] = anonymous
     cgroup = _cgroup_files()  # looked up at each reading (~10 us): a process may be moved into another
     if cgroup is not None:
         limit = _read_int(cgroup[0])

@@ -42,7 +42,7 @@ def test_a_jump_of_the_resident_size_is_sent_before_the_interval_is_up(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rss = [2**30]
-    monkeypatch.setattr(memory, "resident_bytes", lambda: rss[0])
+    monkeypatch.setattr(memory, "_statm", lambda: (rss[0], 0))
     reader = MemoryReader(interval_s=30.0)
     total = reader.due(0.0)["total_bytes"]  # type: ignore[index]
     rss[0] += int(0.01 * total)
@@ -56,7 +56,7 @@ def test_memory_that_falls_and_rises_again_each_step_is_sent_on_the_interval_onl
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rss = [2**30]
-    monkeypatch.setattr(memory, "resident_bytes", lambda: rss[0])
+    monkeypatch.setattr(memory, "_statm", lambda: (rss[0], 0))
     reader = MemoryReader(interval_s=30.0)
     total = reader.due(0.0)["total_bytes"]  # type: ignore[index]
     swing = int(0.05 * total)  # a step's activations, freed and allocated again
