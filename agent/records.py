@@ -431,8 +431,8 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("hang_s", FLOAT),
     ),
     # The main thread's stack in a stall of the rank's own (no progress, nothing in flight, after its first
-    # step) at 0.5 s and each doubling of it, at most one stall in 5 s (ddp/watchdog.py): where a rank that
-    # holds the others up now and then spends that time (the collector's /stalls).
+    # step) from 0.5 s (or twice the rank's usual) and at each doubling, at most one stall in 5 s
+    # (ddp/stall_sampler.py): where a rank that holds the others up now and then spends that time (/stalls).
     "stall_sample": (
         Field("step", INT, doc="the step the rank was in, or had last finished when idle"),
         Field("phase", STR),

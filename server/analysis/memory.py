@@ -65,7 +65,8 @@ class Growth:
     per_step: float | None
     """Bytes per training step, when the steps moved over that half."""
     of: str = "rss_bytes"
-    """What grew: the rank's own resident memory, or its DataLoader workers' (``workers_bytes``)."""
+    """What grew: the rank's own resident memory (``rss_bytes``) or anonymous memory (``ANON``), or its
+    DataLoader workers' (``WORKERS``)."""
 
     @property
     def in_workers(self) -> bool:
@@ -81,8 +82,8 @@ def by_rank(samples: Iterable[Record]) -> dict[int, list[Record]]:
 
 
 def growth(samples: Sequence[Record], of: str = "rss_bytes", until_ns: int | None = None) -> Growth | None:
-    """The steady growth of ``of`` (the rank's resident memory, or ``WORKERS``: its DataLoader workers' own memory,
-    0 in a sample without workers) over ``samples`` (one rank, oldest first), or None (too few samples, too
+    """The steady growth of ``of`` (the rank's resident memory, ``ANON``: its anonymous memory, or ``WORKERS``: its
+    DataLoader workers' own memory, 0 in a sample without workers) over ``samples`` (one rank, oldest first), or None (too few samples, too
     little growth, a quarter that did not grow, or growth that is flattening). Samples taken after the rank's
     steps stopped (its script's end: a final flush, waiting for its peers; a hang) are left out but the first:
     they say nothing of growth per step, and a leak that ran to the end of a job stays named. So are the samples
