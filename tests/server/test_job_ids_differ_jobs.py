@@ -27,9 +27,8 @@ def rank_main(engine: str) -> None:  # pragma: no cover - runs in the ranks
     import torch.distributed as dist
     from torch import nn
 
-    from ddpscope import agent
     from ddpscope.ddp import DistributedDataParallel, instrument, job_check
-    from tests.support.job_end import destroy_together
+    from tests.support.job_model import finish
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -50,9 +49,7 @@ def rank_main(engine: str) -> None:  # pragma: no cover - runs in the ranks
     done = check is not None and check.wait(CHECK_WAIT_S)
     said = {"done": done, "message": check.message if check is not None else None}
     print("JOB_CHECK " + json.dumps(said), file=sys.stderr, flush=True)
-    agent.emit({"kind": "rank_exit", "step": STEPS - 1, "reason": "finished"})
-    agent.get_agent().force_flush(10.0)
-    destroy_together()
+    finish(STEPS - 1)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -17,9 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpscope import agent
-from ddpscope.ddp import DistributedDataParallel, instrument
-from tests.support.job_end import destroy_together
+from tests.support.job_model import finish, wrap
 
 STEPS = 240
 
@@ -48,11 +46,7 @@ def main() -> None:
             f.write(str(os.getpid()))  # from here on its new memory counts against the cgroup's limit
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    model = (
-        instrument(nn.parallel.DistributedDataParallel(net))
-        if engine == "torch"
-        else DistributedDataParallel(net)
-    )
+    model = wrap(net, engine)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     kept = []
     batches = (
@@ -70,9 +64,7 @@ def main() -> None:
         elif mode == "oom" and rank == 1:
             kept.append(torch.ones(1024, 1024))  # 4 MiB a step, until the OOM killer
         time.sleep(0.03)
-    agent.emit({"kind": "rank_exit", "step": STEPS - 1, "reason": "finished"})
-    agent.get_agent().force_flush(10.0)
-    destroy_together()
+    finish(STEPS - 1)
 
 
 if __name__ == "__main__":

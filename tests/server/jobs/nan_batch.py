@@ -27,8 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpscope import agent
-from ddpscope.ddp import DistributedDataParallel, instrument
-from tests.support.job_end import destroy_together
+from tests.support.job_model import finish, wrap
 
 STEPS = 8
 NAN_STEP = 3
@@ -57,10 +56,7 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     net = Normed() if mode == "backward" else nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    if engine == "torch":
-        model: nn.Module = instrument(nn.parallel.DistributedDataParallel(net))
-    else:
-        model = DistributedDataParallel(net)
+    model = wrap(net, engine)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     torch.manual_seed(1 + rank)
     for step in range(STEPS):
@@ -81,9 +77,7 @@ def main() -> None:
         finite = all(bool(p.grad.isfinite().all()) for p in model.parameters() if p.grad is not None)
         if finite or mode != "skipped":
             opt.step()
-    agent.emit({"kind": "rank_exit", "step": STEPS - 1, "reason": "finished"})
-    agent.get_agent().force_flush(10.0)
-    destroy_together()
+    finish(STEPS - 1)
 
 
 if __name__ == "__main__":

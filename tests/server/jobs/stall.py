@@ -14,9 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpscope import agent
-from ddpscope.ddp import DistributedDataParallel, instrument
-from tests.support.job_end import destroy_together
+from tests.support.job_model import finish, wrap
 
 STEPS = 40
 
@@ -32,11 +30,7 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    model = (
-        instrument(nn.parallel.DistributedDataParallel(net))
-        if engine == "torch"
-        else DistributedDataParallel(net)
-    )
+    model = wrap(net, engine)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(STEPS):
         opt.zero_grad()
@@ -45,9 +39,7 @@ def main() -> None:
         if rank == 1 and step % 6 == 3:
             write_log(step)
         time.sleep(0.02)
-    agent.emit({"kind": "rank_exit", "step": STEPS - 1, "reason": "finished"})
-    agent.get_agent().force_flush(10.0)
-    destroy_together()
+    finish(STEPS - 1)
 
 
 if __name__ == "__main__":

@@ -27,9 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpscope import agent
-from ddpscope.ddp import DistributedDataParallel, instrument
-from tests.support.job_end import destroy_together
+from tests.support.job_model import finish, wrap
 
 BASE_SLEEP_S = 0.02
 EXTRA_SLEEP_S = 0.012  # about +50 % of a step on this machine
@@ -57,12 +55,9 @@ def main() -> None:
     pause = BASE_SLEEP_S + (0.0 if slow_loader else extra)
     loader_pause = extra if slow_loader else 0.0
     net[0].register_forward_pre_hook(lambda *_: time.sleep(pause))
-    if os.environ.get("TRAIN_ENGINE") == "torch":
-        model: nn.Module = instrument(
-            nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.05, process_group=replica_group)
-        )
-    else:
-        model = DistributedDataParallel(net, bucket_cap_mb=0.05, process_group=replica_group)
+    model = wrap(
+        net, os.environ.get("TRAIN_ENGINE", "ddpscope"), bucket_cap_mb=0.05, process_group=replica_group
+    )
     if replica_group is not None:
         torch.manual_seed(1 + rank)  # batches of its own: the two replica groups' models grow apart
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -79,9 +74,7 @@ def main() -> None:
             dist.all_reduce(loss.detach())
         if pair is not None and rank in (0, 1):
             dist.all_reduce(loss.detach(), group=pair)
-    agent.emit({"kind": "rank_exit", "step": steps - 1, "reason": "finished"})
-    agent.get_agent().force_flush(10.0)
-    destroy_together()
+    finish(steps - 1)
 
 
 if __name__ == "__main__":
