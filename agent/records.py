@@ -148,6 +148,14 @@ STOPPED_IN = Field(
 )
 """The field of the ``hang`` and ``rank_error`` reports that carries ``PARTIAL_STEP``."""
 
+TRAINING_THREAD = Field(
+    "thread",
+    STR,
+    required=False,
+    doc="the name of the thread that trains, when it is not the main thread (a loop run on a thread of its own): "
+    "the thread whose stack and CPU the record is about; absent for the main thread",
+)
+
 THREAD_STACK = (
     Field("thread", STR, doc="thread name"),
     Field("stack", STR, doc="formatted Python stack, innermost frame last"),
@@ -422,15 +430,16 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             FLOAT,
             required=False,
             nullable=True,
-            doc="CPU seconds the main thread used during the stall (near 0: blocked, waiting); null where the "
-            "platform cannot tell",
+            doc="CPU seconds the training thread (the main thread unless ``thread`` names another) used during "
+            "the stall (near 0: blocked, waiting); null where the platform cannot tell",
         ),
+        TRAINING_THREAD,
     ),
     "hang_resolved": (
         Field("step", INT),
         Field("hang_s", FLOAT),
     ),
-    # The main thread's stack in a stall of the rank's own (no progress, nothing in flight, after its first
+    # The training thread's stack in a stall of the rank's own (no progress, nothing in flight, after its first
     # step) from 0.5 s (or twice the rank's usual) and at each doubling, at most one stall in 5 s
     # (ddp/stall_sampler.py): where a rank that holds the others up now and then spends that time (/stalls).
     "stall_sample": (
@@ -438,13 +447,14 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("phase", STR),
         Field("stalled_s", FLOAT, doc="how long the stall had lasted when sampled"),
         Field("site", STR, nullable=True, doc="file:line of the innermost frame of user code"),
-        Field("stack", STR, doc="the main thread's formatted Python stack, innermost frame last"),
+        Field("stack", STR, doc="the training thread's formatted Python stack, innermost frame last"),
         Field(
             "main_cpu_s",
             FLOAT,
             nullable=True,
-            doc="CPU seconds the main thread used in the stall so far (near 0: blocked); null where unknown",
+            doc="CPU seconds the training thread used in the stall so far (near 0: blocked); null where unknown",
         ),
+        TRAINING_THREAD,
     ),
     # An exception (or fatal signal) in training, shipped before the process exits.
     "rank_error": (

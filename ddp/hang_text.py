@@ -39,9 +39,15 @@ def _where(phase: str, step: int, began: bool, pending: list[dict[str, Any]], st
     )
 
 
-def _cpu_words(cpu_s: float, stalled_s: float) -> str:
+def thread_words(thread: str | None) -> str:
+    """ "the main thread", or the training thread by name when training runs on another one
+    (``training_thread.py``)."""
+    return "the main thread" if thread is None else f"the training thread '{thread}'"
+
+
+def _cpu_words(cpu_s: float, stalled_s: float, thread: str | None) -> str:
     """Blocked or busy: the first question about a rank stuck in its own code."""
-    used = f"the main thread used {cpu_s:.1f} s of CPU meanwhile"
+    used = f"{thread_words(thread)} used {cpu_s:.1f} s of CPU meanwhile"
     if blocked(cpu_s, stalled_s):
         return f"{used}: it is blocked, waiting (on a data loader, a queue, a lock, a file or a socket)"
     return (
@@ -63,14 +69,17 @@ def hang_message(
     began: bool = True,
     main_cpu_s: float | None = None,
     blocked_in: TorchWait | None = None,
+    thread: str | None = None,
 ) -> str:
     """The sentence of a hang report: where this rank is stuck and what to look at next.
 
     ``began``: a step has begun (else an idle rank is still in set-up); ``main_cpu_s``: CPU seconds the
     main thread used during the stall, said when no collective is in flight (blocked or busy);
     ``blocked_in``: the torch machinery the main thread's innermost frame is in, if any
-    (``agent/torch_waits.py``): blocked there, the rank waits for a peer in a collective not recorded.
+    (``agent/torch_waits.py``): blocked there, the rank waits for a peer in a collective not recorded;
+    ``thread``: the training thread's name when it is not the main thread (the one sampled).
     """
+    who = thread_words(thread)
     missing = [name for b in pending for name in b.get("missing", ())]
     waits_unseen = (
         blocked_in is not None
@@ -97,9 +106,9 @@ def hang_message(
         at = f" at {last['call_site']}" if last.get("call_site") else ""
         parts.append(f"its last collective was {last['pg']}#{last['coll_seq']} {last['op']}{at}")
     if main_site:
-        parts.append(f"the main thread waits at {main_site}")
+        parts.append(f"{who} waits at {main_site}")
     if main_cpu_s is not None and not inflight and not waits_unseen:
-        parts.append(_cpu_words(main_cpu_s, stalled_s))
+        parts.append(_cpu_words(main_cpu_s, stalled_s, thread))
     text = "; ".join(parts) + "."
     if inflight:
         first = inflight[0]
@@ -109,18 +118,18 @@ def hang_message(
         )
     elif waits_unseen and blocked_in is not None:
         text += (
-            f" No collective ddpscope records is in flight, but the main thread is blocked in {blocked_in.place}:"
+            f" No collective ddpscope records is in flight, but {who} is blocked in {blocked_in.place}:"
             f" {blocked_in.what}. A peer that has not reached that collective holds this rank up (the collector"
             " names it from the peers' reports)."
         )
     elif missing:
         text += (
-            " Either the backward pass is still computing or blocked before them (see the main thread's "
+            f" Either the backward pass is still computing or blocked before them (see {who}'s "
             "stack) or those parameters took no part in this step's forward on this rank."
         )
     else:
         text += (
-            " No collective is in flight: this rank itself is stuck; see the main thread's stack."
+            f" No collective is in flight: this rank itself is stuck; see {who}'s stack."
             " Peers waiting in a collective are waiting for it."
         )
     return text

@@ -8,6 +8,7 @@ lock; readers tolerate a value that is one event stale.
 from __future__ import annotations
 
 from collections.abc import Callable
+from threading import get_ident
 from typing import Any
 
 PHASES = ("idle", "forward", "after_forward", "backward", "allreduce", "optimizer")
@@ -35,6 +36,7 @@ class Progress:
         "pending_buckets",
         "settled",
         "partial_step",
+        "trainer",
     )
 
     def __init__(self) -> None:
@@ -59,6 +61,9 @@ class Progress:
         that it has not looked at yet (it ends them at its next hook or in its finalizer). A rank
         stuck in its own backward code is not inside those, whatever the recorder still holds."""
         self.partial_step: Callable[[], dict[str, Any] | None] = no_step
+        self.trainer: int | None = None
+        """Ident of the thread that began the latest step (``training_thread.py``): the thread whose
+        stack a report shows, which is not always the main thread."""
         """Set by the engine: the step in progress so far (``StepTimer.partial``), or None."""
 
     def step_so_far(self) -> dict[str, Any] | None:
@@ -74,8 +79,9 @@ class Progress:
 
     def enter(self, phase: str, step: int | None = None) -> None:
         self.phase = phase
-        if step is not None:
+        if step is not None:  # a step's forward begins: note the thread that trains
             self.step = step
+            self.trainer = get_ident()
         if phase != "idle":
             self.began = True
         self.tick()

@@ -73,7 +73,7 @@ from ddpscope.agent.exit_wait import ADVICE, HANDLER_ADVICE, at_exit, holders_ph
 from ddpscope.agent.log import get_logger
 from ddpscope.agent.memory import MemoryReader
 from ddpscope.agent.torch_waits import torch_wait
-from ddpscope.ddp import errors, setup_wait
+from ddpscope.ddp import errors, setup_wait, training_thread
 from ddpscope.ddp.collectives import FOLD_WAIT_NS, RECORDER, CollectiveRecorder, disabled
 from ddpscope.ddp.hang_text import hang_message
 from ddpscope.ddp.progress import PROGRESS, Progress
@@ -140,18 +140,8 @@ def _world_size() -> int | None:
 
 
 def _main_frame() -> FrameType | None:
+    """The main thread's innermost frame: where a script that has ended waits on its way out."""
     return current_frames().get(threading.main_thread().ident or -1)
-
-
-def _main_thread_cpu_s() -> float | None:
-    """CPU seconds the main thread has used so far; None where the platform cannot tell."""
-    try:
-        ident = threading.main_thread().ident
-        if ident is None:
-            return None
-        return time.clock_gettime(time.pthread_getcpuclockid(ident))
-    except (AttributeError, OSError, OverflowError):  # no such clock here, or the thread is gone
-        return None
 
 
 _library_dirs: tuple[str, ...] | None = None
@@ -215,8 +205,8 @@ class Watchdog:
         progress: Progress = PROGRESS,
         recorder: CollectiveRecorder = RECORDER,
         clock: Callable[[], float] = time.monotonic,
-        main_cpu_s: Callable[[], float | None] = _main_thread_cpu_s,
-        main_frame: Callable[[], FrameType | None] = _main_frame,
+        main_cpu_s: Callable[[], float | None] | None = None,
+        main_frame: Callable[[], FrameType | None] | None = None,
         world_size: Callable[[], int | None] = _world_size,
         memory: MemoryReader | None = None,
     ) -> None:
@@ -229,8 +219,9 @@ class Watchdog:
         self._progress = progress
         self._recorder = recorder
         self._clock = clock
-        self._main_cpu_s = main_cpu_s
-        self._main_frame = main_frame
+        # The training thread's (``training_thread.py``): the main thread unless the loop runs on another.
+        self._main_cpu_s = main_cpu_s or (lambda: training_thread.cpu_s(progress))
+        self._main_frame = main_frame or (lambda: training_thread.frame(progress))
         self._world_size = world_size
         self._memory = memory
         """Sends the rank's ``memory`` records beside its heartbeats (``start_watchdog`` gives one)."""
@@ -239,8 +230,8 @@ class Watchdog:
         self._last_counter = progress.counter
         self._last_failures = progress.failures
         self._last_change = clock()
-        self._cpu_at_change = main_cpu_s()
-        """The main thread's CPU time at ``_last_change``: blocked or busy, when a report says where."""
+        self._cpu_at_change = self._main_cpu_s()
+        """The training thread's CPU time at ``_last_change``: blocked or busy, when a report says where."""
         self._hung = False
         self._next_heartbeat = 0.0
         self._last_beat = 0.0
@@ -406,6 +397,7 @@ class Watchdog:
                 "site": _user_site(frame) or self._recorder.frame_site(frame),
                 "stack": format_stack(frame),
                 "main_cpu_s": None if main_cpu_s is None else round(main_cpu_s, 3),
+                **({"thread": thread} if (thread := training_thread.name(progress)) else {}),
             }
         )
 
@@ -507,7 +499,14 @@ class Watchdog:
             blocked_in = torch_wait(main_frame.f_code.co_filename, main_frame.f_code.co_name)
         main_cpu_s = self._main_cpu_since_change()
         if shutting_down():
-            message = _exit_wait(stalled_s, main_frame, main_site)
+            # The script has ended: the main thread runs Python's exit, whichever thread trained.
+            exit_frame = _main_frame()
+            exit_site = (
+                None
+                if exit_frame is None
+                else _user_site(exit_frame) or self._recorder.frame_site(exit_frame)
+            )
+            message = _exit_wait(stalled_s, exit_frame, exit_site)
             self._emit_hang(
                 phase, step, stalled_s, pending, inflight, message, partial, main_cpu_s, exiting=True
             )
@@ -525,6 +524,7 @@ class Watchdog:
             began=progress.began,
             main_cpu_s=main_cpu_s,
             blocked_in=blocked_in,
+            thread=training_thread.name(progress),
         )
         self._emit_hang(phase, step, stalled_s, pending, inflight, message, partial, main_cpu_s)
 
@@ -541,7 +541,10 @@ class Watchdog:
         *,
         exiting: bool = False,
     ) -> None:
-        extra = {"exiting": True} if exiting else {}
+        extra: dict[str, Any] = {"exiting": True} if exiting else {}
+        thread = None if exiting else training_thread.name(self._progress)
+        if thread is not None:
+            extra["thread"] = thread  # the stack (and CPU) the report is about is not the main thread's
         emit(
             {
                 **extra,

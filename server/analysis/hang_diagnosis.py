@@ -44,7 +44,14 @@ from ddpscope.server.analysis.incident_model import (
     record_s,
     user_frame,
 )
-from ddpscope.server.analysis.native_wait import exiting, joining_threads, main_blocked, native_wait
+from ddpscope.server.analysis.native_wait import (
+    exiting,
+    joining_threads,
+    main_blocked,
+    native_wait,
+    thread_words,
+    training_thread,
+)
 from ddpscope.server.analysis.restart_race import ADVICE as RESTART_ADVICE
 from ddpscope.server.analysis.restart_race import HANG_CAUSE as RESTART_HANG_CAUSE
 from ddpscope.server.analysis.restart_race import relaunched_before_start
@@ -309,7 +316,7 @@ class _HangReading:
         if phase == "after_forward" and native is None:
             msg += f" ({AFTER_FORWARD}: the loss, or other code of its own)"
         if not wait and site:
-            msg += f", main thread at {site}"
+            msg += f", {thread_words(h)} at {site}"
         if native is not None and native.place.startswith(RENDEZVOUS_PLACE):
             msg += f", blocked, waiting for the job's ranks: {native.what}"
         elif native is not None:
@@ -422,7 +429,7 @@ class _HangReading:
             parameters=params,
             culprit_ranks=culprits,
             call_site=(wait.get("call_site") if wait else None) or site,
-            stack=_stacks(h.get("stacks") or []),
+            stack=_stacks(h.get("stacks") or [], training_thread(h)),
             time_s=hang_start_s(h),
             active=state not in ("resolved", "exited"),
         )
@@ -585,10 +592,11 @@ def _through_waits(why: Mapping[int, str], blame: Mapping[int, str], graph: Wait
     return out
 
 
-def _stacks(stacks: Sequence[Record]) -> str | None:
-    """The user's threads' stacks, main thread first; ddpscope's own threads are left out."""
+def _stacks(stacks: Sequence[Record], trainer: str = "MainThread") -> str | None:
+    """The user's threads' stacks, the training thread (``trainer``) first; ddpscope's own threads are
+    left out."""
     mine = [s for s in stacks if not str(s.get("thread", "")).startswith(_OWN_THREADS)]
     if not mine:
         return None
-    ordered = sorted(mine, key=lambda s: s.get("thread") != "MainThread")
+    ordered = sorted(mine, key=lambda s: s.get("thread") != trainer)
     return "\n\n".join(f"Thread {s.get('thread')}:\n{s.get('stack', '').rstrip()}" for s in ordered)

@@ -47,14 +47,28 @@ def main_blocked(hang: Record) -> bool | None:
     return blocked(hang.get("main_cpu_s"), float(hang.get("stalled_s") or 0.0))
 
 
+def training_thread(record: Record) -> str:
+    """The name of the thread a hang report or stall sample is about: the one that trains (its
+    ``thread`` field, sent when a loop runs on a thread of its own), else the main thread."""
+    return str(record.get("thread") or "MainThread")
+
+
+def thread_words(record: Record) -> str:
+    """ "main thread", or "training thread 'trainer'" when the rank trains on another thread."""
+    thread = record.get("thread")
+    return "main thread" if not thread else f"training thread '{thread}'"
+
+
 def main_stack(hang: Record) -> str | None:
-    """The main thread's stack (else the first thread's). A plain loop: every own-code report is asked
-    this about every other one (``stuck.waiters``), and a generator costs three times as much."""
+    """The training thread's stack (the main thread's unless ``thread`` names another; else the first
+    thread's). A plain loop: every own-code report is asked this about every other one
+    (``stuck.waiters``), and a generator costs three times as much."""
     stacks = hang.get("stacks")
     if not stacks:
         return None
+    trainer = training_thread(hang)
     for s in stacks:
-        if s.get("thread") == "MainThread":
+        if s.get("thread") == trainer:
             return s.get("stack")
     return stacks[0].get("stack")
 

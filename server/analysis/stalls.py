@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpscope.agent.torch_waits import blocked
+from ddpscope.server.analysis.native_wait import thread_words
 from ddpscope.server.analysis.steps import StepTiming
 from ddpscope.server.analysis.stragglers import PHASES, median_without, phases_by_step
 from ddpscope.server.analysis.stuck import stack_waits_for_loader
@@ -46,7 +47,8 @@ MIN_SHARE = 0.05
 
 @dataclass(slots=True)
 class StallSite:
-    """Where a rank's main thread was when its stalls were sampled."""
+    """Where a rank's training thread (its main thread, unless it trains on another) was when its stalls
+    were sampled."""
 
     site: str | None
     """file:line of user code the most samples name (None: none of them was in user code)."""
@@ -60,11 +62,13 @@ class StallSite:
     """True when the thread used under ``torch_waits.BLOCKED_CPU_SHARE`` of those samples' time on the CPU (the
     hang reports' rule, ``torch_waits.blocked``); None unknown."""
     stack: str
-    """The main thread's stack in the latest sample at that line."""
+    """The sampled thread's stack in the latest sample at that line."""
     from_s: float
     """How far into a stall the earliest of those samples was taken."""
     loader: bool = False
     """That stack waits for a DataLoader's workers to deliver a batch: the time goes in the workers."""
+    thread: str = "main thread"
+    """Which thread was sampled: the main one, or the one the rank trains on (``native_wait.thread_words``)."""
 
     def sentence(self) -> str:
         where = f"at {self.site}" if self.site else "outside user code"
@@ -72,7 +76,7 @@ class StallSite:
             where += ", waiting for its DataLoader's workers to deliver the next batch,"
         stalls = "that stall" if self.stalls == 1 else f"{self.stalls} of those stalls"
         return (
-            f"Sampled {self.from_s:.1f} s and more into {stalls}, its main thread was {where} in "
+            f"Sampled {self.from_s:.1f} s and more into {stalls}, its {self.thread} was {where} in "
             f"{self.samples} of {self.of} samples{HOW[self.blocked]}"
         )
 
@@ -220,4 +224,5 @@ def stall_site(samples: Sequence[Mapping[str, Any]], stalled_steps: set[int]) ->
         stack=str(there[-1]["stack"]),
         from_s=min(float(x["stalled_s"]) for x in taken),
         loader=stack_waits_for_loader(str(there[-1]["stack"])),
+        thread=thread_words(there[-1]),
     )

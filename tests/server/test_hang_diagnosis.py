@@ -965,3 +965,24 @@ def test_a_stall_at_a_line_where_the_rank_stalled_and_went_on_before_is_named_a_
         in (second.message)
     )
     assert "Set DDPSCOPE_HANG_TIMEOUT above its length" in second.message and second.culprit_ranks == [0]
+
+
+def test_a_rank_training_on_a_thread_of_its_own_is_placed_at_that_threads_line_not_the_main_threads_join() -> (
+    None
+):
+    job = started(2)
+    end = job.train(3)
+    waiting_in(job, 0, end + 5, 7, step=3)
+    join = (
+        '  File "/proj/launch.py", line 30, in <module>\n'
+        '  File "/usr/lib/python3.11/threading.py", line 1119, in join\n'
+    )
+    trainer = '  File "/usr/lib/python3.11/threading.py", line 982, in run\n  File "/proj/data.py", line 12, in next_batch\n'
+    job.add("hang", 1, end + 5, phase="idle", step=2, stalled_s=5.0, pending_buckets=[], inflight=[],
+            stacks=[{"thread": "MainThread", "stack": join}, {"thread": "trainer", "stack": trainer}],
+            message="no progress", main_cpu_s=0.0, thread="trainer")  # fmt: skip
+    hangs = {i.rank: i for i in diagnose(job.snapshot(), end + 6) if i.kind == "hang"}
+    assert hangs[1].call_site == "/proj/data.py:12" and hangs[0].culprit_ranks == [1]
+    assert "training thread 'trainer' at /proj/data.py:12" in hangs[1].message
+    assert (hangs[1].stack or "").startswith("Thread trainer:")
+    assert "stuck between steps after step 2 at /proj/data.py:12" in hangs[0].message

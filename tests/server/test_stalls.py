@@ -128,3 +128,10 @@ def test_a_stall_spent_waiting_for_the_dataloaders_workers_says_the_time_goes_in
         "of 2 samples, blocked (I/O, a lock, a sleep or a queue): the time goes in the workers, in the Dataset's "
         "__getitem__ or collate_fn" in stall.sentence()
     ), stall.sentence()
+
+
+def test_a_stall_sampled_on_the_thread_a_rank_trains_on_names_that_thread() -> None:
+    rows = _steps(extra_ms=lambda rank, step: 300 if rank == 1 and step % 10 == 5 else 0)
+    on_trainer = [{**_sample(1, 14, "idle", 0.5, "ckpt.py:7", 0.01), "thread": "trainer"}]
+    (stall,) = intermittent_stalls(rows, samples=on_trainer)
+    assert "its training thread 'trainer' was at ckpt.py:7 in 1 of 1 samples" in stall.sentence()
