@@ -179,10 +179,10 @@
       ? "Flagged: " + flagged.map((i) => `rank ${i.rank} (${(i.slowdown ?? 0).toFixed(2)}× slower${i.phase ? " in " + i.phase.replace("_", " ") : ""}, ${i.steps_flagged ?? "?"} steps)`).join(", ")
         + notes.map((n) => `. But ${n}.`).join("")
       : "No rank is flagged as a straggler.") + now);
-    // Where a stalling rank's main thread was, as its watchdog sampled it: the stack behind the line named.
+    // Where a stalling rank's training thread (its main thread unless named) was, as its watchdog sampled it: the stack behind the line named.
     document.getElementById("stall-stacks").replaceChildren(...(stalls || []).filter((s) => s.sampled && s.sampled.stack)
       .map((s) => ddp.el("details", {},
-        ddp.el("summary", {}, `rank ${s.rank}'s main thread in its stalls (${s.sampled.site || "outside user code"})`),
+        ddp.el("summary", {}, `rank ${s.rank}'s ${s.sampled.thread ? `training thread '${s.sampled.thread}'` : "main thread"} in its stalls (${s.sampled.site || "outside user code"})`),
         ddp.el("pre", { class: "stack" }, s.sampled.stack))));
     return drawn;
   }

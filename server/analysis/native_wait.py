@@ -54,8 +54,13 @@ def training_thread(record: Record) -> str:
 
 
 def thread_words(record: Record) -> str:
-    """ "main thread", or "training thread 'trainer'" when the rank trains on another thread."""
-    thread = record.get("thread")
+    """The words for the thread a record is about: "main thread", or "training thread 'trainer'" when the
+    rank trains on another thread."""
+    return named_thread_words(record.get("thread"))
+
+
+def named_thread_words(thread: str | None) -> str:
+    """``thread_words`` of a record whose ``thread`` field is ``thread``."""
     return "main thread" if not thread else f"training thread '{thread}'"
 
 

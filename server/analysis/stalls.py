@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpscope.agent.torch_waits import blocked
-from ddpscope.server.analysis.native_wait import thread_words
+from ddpscope.server.analysis.native_wait import named_thread_words
 from ddpscope.server.analysis.steps import StepTiming
 from ddpscope.server.analysis.stragglers import PHASES, median_without, phases_by_step
 from ddpscope.server.analysis.stuck import stack_waits_for_loader
@@ -67,8 +67,9 @@ class StallSite:
     """How far into a stall the earliest of those samples was taken."""
     loader: bool = False
     """That stack waits for a DataLoader's workers to deliver a batch: the time goes in the workers."""
-    thread: str = "main thread"
-    """Which thread was sampled: the main one, or the one the rank trains on (``native_wait.thread_words``)."""
+    thread: str | None = None
+    """The name of the thread sampled when the rank trains on one other than its main thread; None for the
+    main thread."""
 
     def sentence(self) -> str:
         where = f"at {self.site}" if self.site else "outside user code"
@@ -76,7 +77,7 @@ class StallSite:
             where += ", waiting for its DataLoader's workers to deliver the next batch,"
         stalls = "that stall" if self.stalls == 1 else f"{self.stalls} of those stalls"
         return (
-            f"Sampled {self.from_s:.1f} s and more into {stalls}, its {self.thread} was {where} in "
+            f"Sampled {self.from_s:.1f} s and more into {stalls}, its {named_thread_words(self.thread)} was {where} in "
             f"{self.samples} of {self.of} samples{HOW[self.blocked]}"
         )
 
@@ -224,5 +225,5 @@ def stall_site(samples: Sequence[Mapping[str, Any]], stalled_steps: set[int]) ->
         stack=str(there[-1]["stack"]),
         from_s=min(float(x["stalled_s"]) for x in taken),
         loader=stack_waits_for_loader(str(there[-1]["stack"])),
-        thread=thread_words(there[-1]),
+        thread=there[-1].get("thread"),
     )

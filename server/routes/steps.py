@@ -172,8 +172,8 @@ async def get_stalls(
 ) -> Response:
     """Ranks that hold every other rank up now and then rather than in most steps (``analysis/stalls.py``):
     ``rank``, ``stalls``, ``every``, ``median_excess_s``, ``share``, ``phase``, ``steps``, ``sampled`` (where the
-    rank's main thread was in them: ``site``, ``samples``, ``of``, ``stalls``, ``blocked``, ``stack``, ``from_s``,
-    ``loader``; null when its watchdog sampled none), ``message``; over the last ``steps`` steps. Apart from ``/stragglers``, which stays a short read: this one reads ten times the steps."""
+    rank's training thread was in them: ``site``, ``samples``, ``of``, ``stalls``, ``blocked``, ``stack``, ``from_s``,
+    ``loader``, ``thread``; null when its watchdog sampled none), ``message``; over the last ``steps`` steps. Apart from ``/stragglers``, which stays a short read: this one reads ten times the steps."""
     return await run_in_threadpool(_stalls, storage, job_id, steps)
 
 

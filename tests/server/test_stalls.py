@@ -134,4 +134,5 @@ def test_a_stall_sampled_on_the_thread_a_rank_trains_on_names_that_thread() -> N
     rows = _steps(extra_ms=lambda rank, step: 300 if rank == 1 and step % 10 == 5 else 0)
     on_trainer = [{**_sample(1, 14, "idle", 0.5, "ckpt.py:7", 0.01), "thread": "trainer"}]
     (stall,) = intermittent_stalls(rows, samples=on_trainer)
+    assert stall.sampled is not None and stall.sampled.thread == "trainer"
     assert "its training thread 'trainer' was at ckpt.py:7 in 1 of 1 samples" in stall.sentence()
