@@ -283,8 +283,15 @@ def mismatch_incidents(
                 found = (seq, reason, groups, recs)
             elif reason:
                 later += 1
-        if found is not None:
-            incident = _mismatch(
+        if found is None:
+            continue
+        racing = _racing_ranks(snapshot, pg)
+        if racing:
+            seq, reason, _, recs = found
+            out.append(_threads_race(pg, seq, reason, recs, racing, later, blame))
+            continue
+        out.append(
+            _mismatch(
                 pg,
                 *found,
                 later=later,
@@ -294,33 +301,56 @@ def mismatch_incidents(
                 steps=snapshot.steps,
                 starts=snapshot.ranks,
             )
-            out.append(_threads_race(incident, snapshot, blame))
+        )
     return out
 
 
-def _threads_race(incident: Incident, snapshot: JobSnapshot, blame: dict[int, str]) -> Incident:
-    """A mismatch on a group whose collectives come from two threads at once on some ranks (their
-    ``collectives_from_threads`` warning): that race orders the calls, not one rank's code, so those
-    ranks are the culprits whichever one the comparison named."""
-    racing = sorted(
-        {
-            w["rank"]
-            for w in snapshot.warnings
-            if w["code"] == COLLECTIVES_FROM_THREADS and w.get("pg") == incident.pg
-        }
+def _racing_ranks(snapshot: JobSnapshot, pg: str) -> list[int]:
+    """Ranks that said they issue collectives on ``pg`` from two threads at once (their
+    ``collectives_from_threads`` warning)."""
+    return sorted(
+        {w["rank"] for w in snapshot.warnings if w["code"] == COLLECTIVES_FROM_THREADS and w.get("pg") == pg}
     )
-    if not racing:
-        return incident
-    incident.message += (
-        f" The cause is a race, not one rank's code: {ranks_phrase(racing)} "
-        f"{'issues' if len(racing) == 1 else 'issue'} collectives on this group from two threads at once (see "
-        "the collectives_from_threads incident), so each rank's order depends on its threads' timing."
+
+
+def _threads_race(
+    pg: str,
+    seq: int,
+    reason: str,
+    recs: Mapping[int, Record],
+    racing: list[int],
+    later: int,
+    blame: dict[int, str],
+) -> Incident:
+    """A mismatch on a group whose collectives come from two threads at once on some ranks: that race
+    orders the calls, not one rank's code, so those ranks are the culprits, and the comparison's reading
+    of one rank as the odd one ("left its training loop early", "skipped a call") would send the reader
+    to the wrong code. Said as what it is: which calls met, what that does, and the fix."""
+    issued = "; ".join(f"rank {r} issued {describe(c)}" for r, c in sorted(recs.items()))
+    first, *others = sorted(recs)
+    a = recs[first]
+    b = recs[next((r for r in others if full_key(recs[r]) != full_key(a)), first)]
+    if _sizes_differ(reason):
+        consequence = size_consequence(a, b)
+    elif "ops" in reason.split(" and "):
+        consequence = (
+            "different exchange patterns wait until the process group's timeout (or fail a size check)"
+        )
+    else:
+        consequence = "gloo pairs them silently and the results are wrong"
+    verb = "issues" if len(racing) == 1 else "issue"
+    msg = (
+        f"Two threads' collectives met at collective #{seq} of group {pg}: {issued}. The {reason} differ: "
+        f"{consequence}{_later_too(later)}. The cause is a race, not one rank's code: {ranks_phrase(racing)} "
+        f"{verb} collectives on this group from two threads at once (see the collectives_from_threads "
+        "incident), so each rank's order depends on its threads' timing. Issue every collective of a group "
+        "from one thread, or give the other thread a process group of its own (dist.new_group, created on "
+        "every rank in the same order)"
     )
-    incident.culprit_ranks = racing
-    incident.rank = racing[0]
     for r in racing:
         blame[r] = "issued collectives on this group from two threads at once"
-    return incident
+    site = next((c["call_site"] for _, c in sorted(recs.items()) if c.get("call_site")), None)
+    return _mismatch_incident(pg, seq, recs, msg, racing, site)
 
 
 def sync_schedule_incidents(

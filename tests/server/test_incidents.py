@@ -1282,9 +1282,14 @@ def test_a_mismatch_on_a_group_two_threads_use_at_once_blames_the_race_on_the_ra
     incidents = diagnose(job.snapshot(), end + 1)
     by_pg = {i.pg: i for i in incidents if i.kind == "mismatch"}
     assert by_pg["default"].culprit_ranks == [0, 1]
-    assert "The cause is a race, not one rank's code: ranks 0, 1 issue collectives on this group" in (
-        by_pg["default"].message
+    raced = by_pg["default"].message
+    assert raced.startswith(
+        "Two threads' collectives met at collective #5 of group default: rank 0 issued all_reduce(SUM) [10] "
+        "float32 at log.py:11; rank 1 issued broadcast"
     )
+    assert "The cause is a race, not one rank's code: ranks 0, 1 issue collectives on this group" in raced
+    # Neither rank left its loop or skipped a call: the one-rank-is-odd readings would mislead.
+    assert "training loop" not in raced and "Join" not in raced and "skipped" not in raced
     assert "race" not in by_pg["pg:1"].message  # the threads' warning names the default group only
     assert only(incidents, "collectives_from_threads").culprit_ranks == [0, 1]
 
