@@ -44,8 +44,18 @@ def note_stalled_culprits(incidents: Sequence[Incident], snapshot: JobSnapshot) 
             if culprit == inc.rank or culprit not in by_rank:
                 continue
             sample = stall_at(by_rank[culprit], snapshot, culprit, inc.time_s)
-            if sample is not None:
+            if sample is not None and not _hang_reported(snapshot, culprit, sample):
                 inc.message += stall_sentence(culprit, sample, inc.time_s)
+
+
+def _hang_reported(snapshot: JobSnapshot, rank: int, sample: Record) -> bool:
+    """Whether ``rank`` sent a hang report of the stall ``sample`` is of: that report (every thread's stack)
+    already says where the rank was, and the incident cites it; the sample would say it twice."""
+    began_s = sample["time_ns"] / 1e9 - float(sample["stalled_s"])
+    return any(
+        h["rank"] == rank and abs(h["time_ns"] / 1e9 - float(h["stalled_s"]) - began_s) <= 2 * TICK_S
+        for h in snapshot.hangs
+    )
 
 
 def stall_at(samples: Sequence[Record], snapshot: JobSnapshot, rank: int, t_s: float) -> Record | None:

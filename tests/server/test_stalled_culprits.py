@@ -5,7 +5,7 @@ hang timeout, so the late rank never sent a hang report of its own."""
 from __future__ import annotations
 
 from ddpscope.server.analysis.incidents import diagnose
-from tests.server.test_hang_diagnosis import late_peer_job
+from tests.server.test_hang_diagnosis import late_peer_job, stuck_hang
 from tests.server.test_incidents import JobRecords, only
 
 
@@ -78,3 +78,11 @@ def test_a_late_rank_waiting_for_its_dataloaders_workers_is_said_to_wait_for_the
         "Rank 0 was then 6.0 s into a stall of its own after step 2 (between steps), at train.py:16, waiting for "
         "its DataLoader's workers to deliver the next batch, blocked" in err.message
     ), err.message
+
+
+def test_a_stall_its_rank_reported_as_a_hang_is_not_said_again_from_its_samples() -> None:
+    # Rank 0's hang timeout came first this time: its hang report (begun with the stall) says where it was.
+    job, end = late_checkpoint([0.5, 1.0, 2.0, 4.0, 8.0])
+    stuck_hang(job, 0, end + 5, step=2, phase="idle")  # stalled 5 s: the same stall
+    err = only(diagnose(job.snapshot(), end + 10), "rank_error")
+    assert err.culprit_ranks == [0] and "stall of its own" not in err.message, err.message
