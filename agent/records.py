@@ -148,6 +148,17 @@ STOPPED_IN = Field(
 )
 """The field of the ``hang`` and ``rank_error`` reports that carries ``PARTIAL_STEP``."""
 
+STORE_FILE = (
+    Field("path", STR, max_length=1000),
+    Field("mtime_ns", INT, doc="when the file was last written (the host's wall clock, ns)"),
+    Field(
+        "process_started_ns",
+        INT,
+        nullable=True,
+        doc="when the reporting process started (the same clock); null where the platform cannot tell",
+    ),
+)
+
 TRAINING_THREAD = Field(
     "thread",
     STR,
@@ -472,6 +483,15 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             max_length=200,
             doc="the name of the thread the exception ended, when not the main thread (the rank kept running); "
             "absent otherwise",
+        ),
+        Field(
+            "store_file",
+            OBJECT,
+            item=STORE_FILE,
+            required=False,
+            doc="an error of init_process_group with a file:// init_method whose file existed before the call: "
+            "its path, when it was last written and when the process started (a file written before: maybe an "
+            "earlier run's rendezvous); absent otherwise",
         ),
     ),
     # Something that does not stop training but makes its result wrong: said once per cause and model.

@@ -45,6 +45,8 @@ MAX_STACK_CHARS = 20_000
 _MARK = "__ddpscope_reported__"
 _AGENT_MARK = "_ddpscope_reported"
 _WHERE_MARK = "__ddpscope_where__"
+_STORE_FILE_MARK = "__ddpscope_store_file__"
+"""The ``store_file`` an exception was first reported with: said again when it ends the process."""
 _fatal = [0]
 """Fatal errors reported and failing ``sys.exit`` calls noted so far in this process (``fatal_count``)."""
 
@@ -74,11 +76,13 @@ def report_error(
     flush: bool | None = None,
     where: tuple[int | None, str, str] | None = None,
     thread: str | None = None,
+    store_file: dict[str, Any] | None = None,
 ) -> bool:
     """Emit a ``rank_error`` for ``exc`` (step and phase from PROGRESS). Never raises.
 
     ``where``: (step, phase, stack) noted earlier, for an exception reported after the fact. ``thread``:
-    the name of the thread the exception ended, when it is not the main thread.
+    the name of the thread the exception ended, when it is not the main thread. ``store_file``: a
+    ``file://`` rendezvous's file that existed before ``init_process_group`` (``store_file.py``).
 
     Returns False when this exception was already reported with the same ``fatal`` flag. ``flush``
     (default: ``fatal``) waits up to 2 s for the record to leave the process.
@@ -121,6 +125,11 @@ def report_error(
         }
         if thread is not None:
             record["thread"] = thread[:200]
+        store_file = store_file or getattr(exc, _STORE_FILE_MARK, None)
+        if store_file is not None:
+            record["store_file"] = store_file
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(exc, _STORE_FILE_MARK, store_file)
         emit(record)
         if fatal if flush is None else flush:
             get_agent().force_flush(FLUSH_TIMEOUT_S)

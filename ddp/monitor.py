@@ -26,7 +26,7 @@ from typing import Any
 
 from ddpscope.agent import adopt_rank
 from ddpscope.agent.log import get_logger
-from ddpscope.ddp import collectives, errors, job_check, peer_presence, watchdog
+from ddpscope.ddp import collectives, errors, job_check, peer_presence, store_file, watchdog
 from ddpscope.ddp.progress import PROGRESS
 
 logger = get_logger(__name__)
@@ -101,18 +101,29 @@ def _enable_after_init() -> None:
         logger.warning("ddpscope could not start monitoring after init_process_group", exc_info=True)
 
 
+def _argument(
+    signature: inspect.Signature | None, args: tuple[Any, ...], kwargs: dict[str, Any], name: str
+) -> Any:
+    """The argument ``name`` of an ``init_process_group`` call, None when not given or not bound."""
+    try:
+        value = kwargs.get(name)
+        if value is None and signature is not None:
+            value = signature.bind_partial(*args, **kwargs).arguments.get(name)
+        return value
+    except TypeError:
+        return None
+
+
 def _world_size_asked(
     signature: inspect.Signature | None, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> int | None:
     """The world size ``init_process_group`` was asked for (its argument, else ``WORLD_SIZE``), if known."""
     try:
-        asked = kwargs.get("world_size")
-        if asked is None and signature is not None:
-            asked = signature.bind_partial(*args, **kwargs).arguments.get("world_size")
+        asked = _argument(signature, args, kwargs, "world_size")
         if isinstance(asked, int) and asked > 0:
             return asked
         return int(os.environ.get("WORLD_SIZE", "")) or None
-    except (TypeError, ValueError):
+    except ValueError:
         return None
 
 
@@ -155,6 +166,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         _watch_rendezvous(_world_size_asked(signature, args, kwargs))
+        found_file = store_file.existing(_argument(signature, args, kwargs, "init_method"))
         try:
             result = original(*args, **kwargs)  # the user's errors pass through as torch raised them
         except Exception as e:
@@ -162,7 +174,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             # backend failed: nothing of this rank ever reached the collector, so say it now. A wait the
             # watchdog reported there ended in this failure, not in progress: no hang_resolved for it.
             PROGRESS.fail()
-            errors.report_error(e, fatal=False, flush=True)
+            errors.report_error(e, fatal=False, flush=True, store_file=found_file)
             raise
         _enable_after_init()
         return result

@@ -121,6 +121,7 @@ from ddpscope.server.analysis.status import (
     is_secondary,
     liveness,
 )
+from ddpscope.server.analysis.store_file import leftover_store_file
 from ddpscope.server.analysis.stuck import stuck_outside
 from ddpscope.server.analysis.torch_errors import torch_error_advice
 from ddpscope.server.analysis.wait_graph import WaitGraph, deadlock_incidents
@@ -845,6 +846,8 @@ def _error_incidents(
             cause = f"the cause is on {ranks_phrase(culprits)}: {cause}" if culprits else cause
             for r in culprits:
                 blame.setdefault(r, "never joined the rendezvous")
+        elif leftover := leftover_store_file(left, snapshot):
+            cause = leftover
         elif awaited := _awaited_before(left, snapshot, live, colls):
             # What the failed ranks were waiting in when they gave up: a timeout's cause.
             culprits = sorted({r for _, _, held in awaited for r in held})

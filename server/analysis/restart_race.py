@@ -35,6 +35,12 @@ ADVICE = (
 )
 
 
+def refused_address(error: Record) -> str | None:
+    """``host:port`` of the peer a rank's gloo could not connect to, from its error; None for other errors."""
+    m = _CONNECT_FAILED.search(str(error.get("message", "")))
+    return None if m is None else f"{m.group(1)}:{m.group(2)}"
+
+
 def stale_peer_address(failed: Sequence[Record], earlier: Iterable[Record]) -> str | None:
     """Why ``failed`` (errors of the processes after a restart) could not connect, when one of them tried a
     peer address that an error of the earlier attempt (``earlier``) names, so it belonged to a process that

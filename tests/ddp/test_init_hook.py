@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 import ddpscope.agent
 import ddpscope.ddp  # noqa: F401  (the import is what wraps init_process_group)
-from ddpscope.ddp import monitor
+from ddpscope.ddp import errors, monitor
 from ddpscope.ddp import watchdog as wd
 from ddpscope.ddp.progress import PROGRESS
 from tests.ddp.watchdog_support import Records, in_memory_records
@@ -95,6 +96,34 @@ def test_a_rendezvous_that_timed_out_is_reported_before_it_reaches_the_script(
     (reported,) = records("rank_error")
     assert reported["error_type"] == "DistStoreError" and "1/2 clients joined" in reported["message"]
     assert reported["fatal"] is False  # the script may catch it and retry; uncaught, it is said again
+
+
+def test_a_failed_rendezvous_on_a_file_that_was_there_before_says_when_it_was_written_also_when_fatal(
+    records: Records, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # torch's FileStore wants a file that does not exist: one there before may be an earlier run's.
+    store = tmp_path / "rdv store"
+    store.write_bytes(b"an earlier run's keys")
+    error = RuntimeError("Gloo connectFullMesh failed with ... Connection refused, remote=[127.0.0.1]:4499$1")
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        raise error
+
+    monkeypatch.setattr(monitor, "enable", lambda **kw: None)
+    with pytest.raises(RuntimeError):
+        monitor._wrap(init_process_group)("gloo", init_method=f"file://{store}".replace(" ", "%20"), rank=1)
+    errors.report_error(error, fatal=True)  # uncaught, it ends the process: said again with the file
+    said = [r["store_file"] for r in records("rank_error")]
+    assert len(said) == 2 and said[0] == said[1]
+    assert said[0]["path"] == str(store) and said[0]["mtime_ns"] == store.stat().st_mtime_ns
+    started = said[0]["process_started_ns"]
+    assert started is not None and started <= time.time_ns() - int(
+        time.perf_counter() * 0
+    )  # not ahead of now
+    error = RuntimeError("Timed out waiting for clients")
+    with pytest.raises(RuntimeError):  # env:// (and tcp://) keep nothing on disk: nothing to say
+        monitor._wrap(init_process_group)("gloo", init_method="env://")
+    assert "store_file" not in records("rank_error")[-1]
 
 
 def test_a_failure_of_ddpscope_after_the_group_exists_is_logged_not_raised(
