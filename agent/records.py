@@ -192,8 +192,18 @@ was finite (``ddp/nonfinite.py``), with the bucket and the parameters; said as `
 COLLECTIVES_FROM_THREADS = "collectives_from_threads"
 """Two threads of a rank issue collectives on one process group at once (``ddp/issuing_threads.py``): their
 order differs between the ranks, so collectives pair with the wrong ones."""
+COLLECTORS_DIFFER = "collectors_differ"
+"""Ranks of one torch job under one job id send to different collectors (``ddp/job_check.py``): each
+collector sees part of the job."""
 WARNING_CODES = frozenset(
-    {UNSYNCED_GRADIENTS, JOB_IDS_DIFFER, NONFINITE_LOSS, NONFINITE_GRADIENT, COLLECTIVES_FROM_THREADS}
+    {
+        UNSYNCED_GRADIENTS,
+        JOB_IDS_DIFFER,
+        COLLECTORS_DIFFER,
+        NONFINITE_LOSS,
+        NONFINITE_GRADIENT,
+        COLLECTIVES_FROM_THREADS,
+    }
 )
 """The ``warning`` record's codes ddpscope's training side sends (each an incident kind at the collector)."""
 

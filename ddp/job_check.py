@@ -37,9 +37,9 @@ from typing import Any
 
 from ddpscope.agent import emit_durable, get_agent
 from ddpscope.agent.log import get_logger
-from ddpscope.agent.records import JOB_IDS_DIFFER
+from ddpscope.agent.records import COLLECTORS_DIFFER, JOB_IDS_DIFFER
 from ddpscope.ddp.collectives import disabled
-from ddpscope.ddp.job_ids_text import Claim, id_source, job_ids_message
+from ddpscope.ddp.job_ids_text import Claim, collectors_message, id_source, job_ids_message
 
 logger = get_logger(__name__)
 
@@ -54,8 +54,9 @@ after ``init_process_group`` may reach that line seconds later on a loaded rank 
 
 
 def own_claim() -> Claim:
-    job = str(get_agent().config.job)
-    return Claim(job, id_source(job, os.environ), socket.gethostname())
+    config = get_agent().config
+    job = str(config.job)
+    return Claim(job, id_source(job, os.environ), socket.gethostname(), str(config.url).rstrip("/"))
 
 
 class JobCheck:
@@ -92,6 +93,8 @@ class JobCheck:
         self.settle_s = SETTLE_S if settle_s is None else settle_s
         self.message: str | None = None
         """The warning this rank sent, if any."""
+        self.code = JOB_IDS_DIFFER
+        """Its code: the ids differ, or (``collectors_differ``) one id goes to several collectors."""
         self._store, self._claim, self._alive, self._clock = store, claim, alive, clock
         self._prefix = f"ddpscope/job_check/{restart}/"
         self._published: Claim | None = None
@@ -101,8 +104,10 @@ class JobCheck:
     def _key(self, rank: int) -> str:
         return f"{self._prefix}rank/{rank}"
 
-    def _count_key(self, job: str) -> str:
-        return f"{self._prefix}job/{hashlib.sha1(job.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
+    def _count_key(self, claim: Claim) -> str:
+        """How many ranks send where ``claim`` does (its job at its collector)."""
+        where = claim.destination.encode("utf-8", "surrogatepass")
+        return f"{self._prefix}job/{hashlib.sha1(where).hexdigest()[:16]}"
 
     def _publish(self) -> Claim:
         """Write this rank's claim, or write it again if the agent's job changed since; return it."""
@@ -111,12 +116,12 @@ class JobCheck:
             return claim
         store = self._store
         store.set(self._key(self.rank), claim.encode())
-        if old is None or claim.job != old.job:
-            store.add(self._count_key(claim.job), 1)
+        if old is None or claim.destination != old.destination:
+            store.add(self._count_key(claim), 1)
             if old is None:
                 store.add(self._prefix + "n", 1)  # after the claim: a counted rank's key is always there
             else:
-                store.add(self._count_key(old.job), -1)
+                store.add(self._count_key(old), -1)
         self._published = claim
         return claim
 
@@ -136,19 +141,22 @@ class JobCheck:
                 return None
             pause = min(POLL_MAX_S, pause * 2)
             claim = self._publish()
-        if self._store.add(self._count_key(claim.job), 0) >= published:
-            return None  # every rank heard from claims this rank's id: the common case ends here
+        if self._store.add(self._count_key(claim), 0) >= published:
+            return None  # every rank heard from sends where this rank does: the common case ends here
         differ_since = self._clock()
         while self._clock() - differ_since < self.settle_s:
             if self._stop.wait(min(POLL_MAX_S, self.settle_s)) or not self._alive():
                 return None
             claim = self._publish()
             published = self._store.add(self._prefix + "n", 0)
-            if self._store.add(self._count_key(claim.job), 0) >= published:
+            if self._store.add(self._count_key(claim), 0) >= published:
                 return None  # a peer (or this rank) set its job late: they agree now
         claims = self._read_claims()
         claims[self.rank] = claim
-        return job_ids_message(claims, self.world_size, self._clock() - started)
+        message = job_ids_message(claims, self.world_size, self._clock() - started)
+        if message is None and (message := collectors_message(claims, self.world_size)) is not None:
+            self.code = COLLECTORS_DIFFER
+        return message
 
     def _read_claims(self) -> dict[int, Claim]:
         store = self._store
@@ -197,7 +205,7 @@ class JobCheck:
             return
         if message is not None:
             self.message = message
-            warn(self.rank, message)
+            warn(self.rank, message, self.code)
 
 
 def _store_errors() -> tuple[type[BaseException], ...]:
@@ -205,11 +213,11 @@ def _store_errors() -> tuple[type[BaseException], ...]:
     return (error,) if isinstance(error, type) else ()
 
 
-def warn(rank: int, message: str) -> None:
+def warn(rank: int, message: str, code: str = CODE) -> None:
     """Log ``message`` (written without the rank) and ship it as a ``warning`` record. Never raises."""
     try:
         logger.warning("ddpscope: rank %d: %s", rank, message)
-        emit_durable({"kind": "warning", "step": None, "code": CODE, "message": message})
+        emit_durable({"kind": "warning", "step": None, "code": code, "message": message})
     except Exception:
         logger.debug("ddpscope: the warning about differing job ids failed", exc_info=True)
 

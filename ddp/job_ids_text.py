@@ -30,14 +30,29 @@ class Claim:
     job: str
     source: str = "unknown"
     host: str = ""
+    collector: str = ""
+    """The collector the rank sends its records to (its ``DDPSCOPE_URL``): a rank sending elsewhere is as
+    lost to its job's collector as one reporting under another id."""
 
     def encode(self) -> bytes:
-        return json.dumps({"job": self.job, "source": self.source, "host": self.host}).encode()
+        return json.dumps(
+            {"job": self.job, "source": self.source, "host": self.host, "collector": self.collector}
+        ).encode()
 
     @staticmethod
     def decode(raw: bytes) -> Claim:
         value = json.loads(raw)
-        return Claim(str(value["job"]), str(value.get("source", "unknown")), str(value.get("host", "")))
+        return Claim(
+            str(value["job"]),
+            str(value.get("source", "unknown")),
+            str(value.get("host", "")),
+            str(value.get("collector", "")),
+        )
+
+    @property
+    def destination(self) -> str:
+        """Where the rank's records end up: its job at its collector (what the ranks must share)."""
+        return f"{self.job}\n{self.collector}"
 
 
 def id_source(job: str, environ: Mapping[str, str]) -> str:
@@ -98,3 +113,30 @@ def job_ids_message(claims: Mapping[int, Claim], world_size: int, waited_s: floa
 
 def capital(text: str) -> str:
     return text[:1].upper() + text[1:]
+
+
+def collectors_message(claims: Mapping[int, Claim], world_size: int) -> str | None:
+    """The warning when ``claims`` share one job id but send to more than one collector; None otherwise
+    (differing ids are ``job_ids_message``'s). Same claims, same words on every rank."""
+    by_url: dict[str, list[int]] = {}
+    for rank, claim in sorted(claims.items()):
+        by_url.setdefault(claim.collector, []).append(rank)
+    if len(by_url) < 2 or len({c.job for c in claims.values()}) > 1:
+        return None
+    order = sorted(by_url, key=lambda url: (-len(by_url[url]), by_url[url][0]))
+    odd = sorted(r for url in order[1:] for r in by_url[url])
+    tie = len(by_url[order[0]]) == len(by_url[order[1]])
+    urls = [f"{url!r} ({ranks_text(by_url[url])})" for url in order[:MAX_IDS_NAMED]]
+    if len(order) > MAX_IDS_NAMED:
+        urls.append(f"{len(order) - MAX_IDS_NAMED} more")
+    hosts = sorted({claims[r].host for r in odd if claims[r].host})
+    on = f" on {', '.join(hosts)}" if 0 < len(hosts) <= 3 else ""
+    first = by_url[order[0]][0]
+    why = f"as many ranks use each; rank {first}'s is taken as the job's" if tie else "the fewer ranks"
+    job = next(iter(claims.values())).job
+    return (
+        f"the ranks of job {job!r} send their records to {len(order)} collectors: {', '.join(urls[:-1])} and "
+        f"{urls[-1]}. Probably misconfigured: {ranks_text(odd)}{on} ({why}). Each collector sees only its "
+        "ranks of the job, and its diagnosis calls the others silent or never seen. Give every rank the same "
+        "DDPSCOPE_URL."
+    )

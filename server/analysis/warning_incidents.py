@@ -3,7 +3,7 @@ result wrong, such as gradients a rank's DDP never all-reduced (its parameters d
 
 The training side says each once per cause and model, in words without the rank; the same warning from
 several ranks is one incident naming them all. The incident's kind is the warning's ``code``. Its culprits
-are the ranks that said it, but for ``job_ids_differ`` (``ddp/job_check.py``): every rank whose job ids
+are the ranks that said it, but for ``job_ids_differ`` and ``collectors_differ`` (``ddp/job_check.py``): every rank whose job ids
 differ from a peer's says it, under its own job id, and the ranks at fault are those the message calls
 "Probably misconfigured: ranks 1, 4-6" (the others said it too, in the job of the majority).
 ``nonfinite_loss`` and ``nonfinite_gradient`` warnings are not grouped here: ``nonfinite.py`` compares the
@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from ddpscope.agent.rank_spans import parse_ranks
-from ddpscope.agent.records import JOB_IDS_DIFFER, NONFINITE_GRADIENT, NONFINITE_LOSS
+from ddpscope.agent.records import COLLECTORS_DIFFER, JOB_IDS_DIFFER, NONFINITE_GRADIENT, NONFINITE_LOSS
 from ddpscope.server.analysis.incident_model import Incident, capitalized, ranks_phrase, record_s
 from ddpscope.server.analysis.snapshot import JobSnapshot
 
@@ -48,7 +48,9 @@ def warning_incidents(snapshot: JobSnapshot) -> list[Incident]:
                 rank=first["rank"],
                 step=min(steps) if steps else None,
                 parameters=parameters,
-                culprit_ranks=_misconfigured(message) if code == JOB_IDS_DIFFER else ranks,
+                culprit_ranks=_misconfigured(message)
+                if code in (JOB_IDS_DIFFER, COLLECTORS_DIFFER)
+                else ranks,
                 call_site=first.get("call_site"),
                 time_s=record_s(first),
             )

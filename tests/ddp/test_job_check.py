@@ -48,15 +48,20 @@ def run_ranks(
     server: dist.TCPStore,
     jobs: Mapping[int, str],
     world_size: int | None = None,
+    collectors: Mapping[int, str] | None = None,
+    codes: dict[int, str] | None = None,
     **kw: Any,
 ) -> dict[int, str | None]:
-    """Run every rank of ``jobs`` (rank -> job id) at once on threads; return each one's message."""
+    """Run every rank of ``jobs`` (rank -> job id; ``collectors``: rank -> its DDPSCOPE_URL) at once on
+    threads; return each one's message (and fill ``codes`` with each one's warning code)."""
     world = world_size or len(jobs)
     kw.setdefault("settle_s", SETTLE_S)
+    url = collectors or {}
     checks = [
-        JobCheck(client(server), r, world, claim=lambda r=r: Claim(jobs[r], "DDPSCOPE_JOB", f"node{r}"), **kw)
+        JobCheck(client(server), r, world,
+                 claim=lambda r=r: Claim(jobs[r], "DDPSCOPE_JOB", f"node{r}", url.get(r, "http://c:8321")), **kw)
         for r in jobs
-    ]
+    ]  # fmt: skip
     out: dict[int, str | None] = {}
     errors: list[BaseException] = []
 
@@ -74,6 +79,8 @@ def run_ranks(
     assert not any(t.is_alive() for t in threads), "a check outlived the deadline"
     if errors:
         raise errors[0]
+    if codes is not None:
+        codes.update((c.rank, c.code) for c in checks)
     return out
 
 
@@ -99,6 +106,25 @@ def test_every_rank_gets_the_same_words_naming_each_id_its_ranks_and_the_odd_one
     )
     assert "Probably misconfigured: rank 1 on node1 (the fewer ranks)" in message
     assert "Give every rank the same DDPSCOPE_JOB, or unset it on every rank" in message
+
+
+def test_ranks_under_one_id_that_send_to_different_collectors_are_told_which_and_the_odd_one_out(
+    server: dist.TCPStore,
+) -> None:
+    # One node's DDPSCOPE_URL differs: its ranks' records never reach the job's collector, which then calls
+    # them "never reported".
+    codes: dict[int, str] = {}
+    said = run_ranks(
+        server, dict.fromkeys(range(3), "train"), collectors={2: "http://typo:8321"}, codes=codes
+    )
+    (message,) = set(said.values())
+    assert message is not None
+    assert (
+        "the ranks of job 'train' send their records to 2 collectors: 'http://c:8321' (ranks 0, 1) and "
+        "'http://typo:8321' (rank 2). Probably misconfigured: rank 2 on node2 (the fewer ranks)" in message
+    )
+    assert "Give every rank the same DDPSCOPE_URL." in message
+    assert set(codes.values()) == {"collectors_differ"}
 
 
 def test_on_a_tie_the_ranks_whose_id_differs_from_rank_0s_are_named(server: dist.TCPStore) -> None:

@@ -69,7 +69,7 @@ from typing import Any  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.support.collector_proc import CollectorProc  # noqa: E402
-from tests.support.procs import started_ranks  # noqa: E402
+from tests.support.procs import free_port, started_ranks  # noqa: E402
 from tests.support.real_job import RealJob  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -89,26 +89,36 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RealJob
         )
         url = collector.start()
         tag = uuid.uuid4().hex[:6]
-        ids = {"split": f"ids-split-{tag}", "stray": f"ids-stray-{tag}", "healthy": f"ids-healthy-{tag}"}
+        ids = {
+            "split": f"ids-split-{tag}",
+            "stray": f"ids-stray-{tag}",
+            "healthy": f"ids-healthy-{tag}",
+            "elsewhere": f"ids-elsewhere-{tag}",
+        }
 
-        def start(job: str, engine: str, rank1_job: str) -> list[Any]:
+        def start(job: str, engine: str, rank1_job: str, rank1_url: str = url) -> list[Any]:
             env = {
                 "DDPSCOPE_URL": url,
                 "DDPSCOPE_JOB": job,
                 "DDPSCOPE_HEARTBEAT_S": "0.5",
                 "DDPSCOPE_SPOOL_DIR": str(tmp / job),
             }
-            rank1 = {"DDPSCOPE_JOB": rank1_job, "DDPSCOPE_SPOOL_DIR": str(tmp / rank1_job)}
+            rank1 = {"DDPSCOPE_JOB": rank1_job, "DDPSCOPE_SPOOL_DIR": str(tmp / f"{rank1_job}-1"),
+                     "DDPSCOPE_URL": rank1_url}  # fmt: skip
             return stack.enter_context(
                 started_ranks(SCRIPT, 2, args=[engine], env=env, per_rank_env={1: rank1})
             )
 
         split = start(ids["split"], "ddpscope", ids["stray"])
         healthy = start(ids["healthy"], "torch", ids["healthy"])
+        # Rank 1's DDPSCOPE_URL names a port nobody listens on (a typo on one node): same job id.
+        nowhere = f"http://127.0.0.1:{free_port()}"
+        elsewhere = start(ids["elsewhere"], "torch", ids["elsewhere"], rank1_url=nowhere)
         yield {
             "split": RealJob(url, ids["split"], split, wait_s=WAIT_S),
             "stray": RealJob(url, ids["stray"], split, wait_s=WAIT_S),
             "healthy": RealJob(url, ids["healthy"], healthy, wait_s=WAIT_S, engine="torch"),
+            "elsewhere": RealJob(url, ids["elsewhere"], elsewhere, wait_s=WAIT_S, engine="torch"),
         }
 
 
@@ -154,3 +164,23 @@ def test_a_job_whose_ranks_share_one_id_gets_no_job_ids_incident(jobs: dict[str,
         time.sleep(0.5)
     assert healthy.status() == "finished", healthy.logs()
     assert healthy.incidents() == [], healthy.incidents()
+
+
+def test_a_rank_sending_to_another_collector_under_the_same_id_is_named_at_the_jobs_collector(
+    jobs: dict[str, RealJob],
+) -> None:
+    # Without the check the job's collector could only say rank 1 "never reported ... ran without ddpscope".
+    job = jobs["elsewhere"]
+    assert job.exited_cleanly(), job.logs()
+    said = checks(job)
+    assert said[0]["message"] == said[1]["message"] and said[0]["message"] is not None, said
+    (inc,) = job.wait_for(
+        "the ranks' different collectors", lambda seen: [i for i in seen if i["kind"] == "collectors_differ"]
+    )
+    assert inc["rank"] == 0 and inc["culprit_ranks"] == [1], inc
+    assert (
+        f"send their records to 2 collectors: '{job.url}' (rank 0) and 'http://127.0.0.1:" in inc["message"]
+    )
+    assert (
+        "Probably misconfigured: rank 1 on " in inc["message"] and "the same DDPSCOPE_URL" in inc["message"]
+    )
