@@ -125,7 +125,7 @@ from ddpscope.server.analysis.store_file import leftover_store_file
 from ddpscope.server.analysis.stuck import stuck_outside
 from ddpscope.server.analysis.torch_errors import torch_error_advice
 from ddpscope.server.analysis.wait_graph import WaitGraph, deadlock_incidents
-from ddpscope.server.analysis.warning_incidents import warning_incidents
+from ddpscope.server.analysis.warning_incidents import reported_elsewhere, warning_incidents
 
 __all__ = ["Incident", "diagnose"]
 
@@ -301,7 +301,16 @@ def _silent_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int, st
     if live.lost:
         quiet_s = live.now_s - max(live.last_alive_s.values(), default=live.now_s)
         never = [r for r in live.ranks if r not in live.last_alive_s]
-        if never and all(r in live.exits for r in live.last_alive_s):
+        elsewhere = sorted(set(never) & reported_elsewhere(snapshot))
+        if elsewhere and all(r in live.exits for r in live.last_alive_s):
+            msg = (
+                f"Every rank heard of has exited, and {ranks_phrase(elsewhere)} of the job's {len(live.ranks)} "
+                "sent its records elsewhere, under another job id or to another collector (see the "
+                "job_ids_differ or collectors_differ incident)"
+            )
+            if rest := [r for r in never if r not in elsewhere]:
+                msg += f"; {ranks_phrase(rest)} never reported"
+        elif never and all(r in live.exits for r in live.last_alive_s):
             # Every rank heard of has exited: the job is over, and the ranks left are ones never heard of.
             msg = (
                 f"Every rank heard of has exited, and {ranks_phrase(never)} of the job's {len(live.ranks)} never "

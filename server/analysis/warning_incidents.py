@@ -48,7 +48,7 @@ def warning_incidents(snapshot: JobSnapshot) -> list[Incident]:
                 rank=first["rank"],
                 step=min(steps) if steps else None,
                 parameters=parameters,
-                culprit_ranks=_misconfigured(message)
+                culprit_ranks=misconfigured_ranks(message)
                 if code in (JOB_IDS_DIFFER, COLLECTORS_DIFFER)
                 else ranks,
                 call_site=first.get("call_site"),
@@ -58,7 +58,18 @@ def warning_incidents(snapshot: JobSnapshot) -> list[Incident]:
     return out
 
 
-def _misconfigured(message: str) -> list[int]:
+def reported_elsewhere(snapshot: JobSnapshot) -> set[int]:
+    """Ranks the job id check calls probably misconfigured (another job id, another collector): what they
+    send goes elsewhere, so this job's collector never hears of them."""
+    return {
+        r
+        for w in snapshot.warnings
+        if w["code"] in (JOB_IDS_DIFFER, COLLECTORS_DIFFER)
+        for r in misconfigured_ranks(str(w["message"]))
+    }
+
+
+def misconfigured_ranks(message: str) -> list[int]:
     """The ranks ``ranks 1, 4-6`` in the job id warning's "Probably misconfigured: ..." (none if absent)."""
     m = _MISCONFIGURED.search(message)
     return parse_ranks(m.group(1)) if m else []

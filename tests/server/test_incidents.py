@@ -1377,3 +1377,23 @@ def test_a_job_whose_heard_ranks_all_exited_names_the_ranks_never_heard_of_not_a
         "Every rank heard of has exited, and rank 2 of the job's 3 never reported"
     )
     assert "WORLD_SIZE larger than the ranks started" in silent.message
+
+
+def test_a_rank_never_heard_of_that_the_job_id_check_says_sends_elsewhere_is_said_to_send_elsewhere() -> None:
+    # Rank 1's DDPSCOPE_URL named another collector: rank 0's check said so; rank 1 never reached this one.
+    job = JobRecords(2)
+    job.start(0)
+    elsewhere = (
+        "the ranks of job 'job-a' send their records to 2 collectors: 'http://c:8321' (rank 0) and "
+        "'http://typo:8321' (rank 1). Probably misconfigured: rank 1 on node1 (as many ranks use each; rank 0's "
+        "is taken as the job's). Each collector sees only its ranks of the job."
+    )
+    job.add("warning", 0, T0 + 5, step=None, code="collectors_differ", message=elsewhere)
+    job.exit(0, T0 + 20, step=5)
+    found = diagnose(job.snapshot(), T0 + 20.5)
+    assert only(found, "collectors_differ").culprit_ranks == [1]
+    silent = only(found, "job_silent")
+    assert silent.message.startswith(
+        "Every rank heard of has exited, and rank 1 of the job's 2 sent its records elsewhere, under another job "
+        "id or to another collector (see the job_ids_differ or collectors_differ incident)"
+    ), silent.message
