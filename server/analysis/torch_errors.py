@@ -66,6 +66,13 @@ KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = (
         "Python objects",
     ),
     (
+        re.compile(r"Unable to find address for: \S+"),
+        "gloo binds to the network interface GLOO_SOCKET_IFNAME names (the message says which), and this host "
+        "has none of that name: a setting copied from another cluster, or hosts whose interfaces are named "
+        "differently (eth0, ens5, ib0). Set it on each host to an interface `ip -br addr` lists there, one that "
+        "reaches the other hosts, or unset it and let gloo use the address the host name resolves to",
+    ),
+    (
         re.compile(r'Missing key\(s\) in state_dict: "module\.'),
         "a checkpoint of the bare model (keys without 'module.') is loaded into the DistributedDataParallel "
         "wrapper, whose keys carry that prefix: load it into model.module instead (or before wrapping)",

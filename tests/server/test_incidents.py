@@ -1352,6 +1352,11 @@ def test_torch_s_marked_ready_twice_error_names_reentrant_checkpointing_and_its_
             "another job on the same node with the same port (torchrun's default is 29500)",
         ),
         (
+            "[enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/device.cc:84] ifa != "
+            "nullptr. Unable to find address for: eth9",
+            "GLOO_SOCKET_IFNAME names (the message says which), and this host has none of that name",
+        ),
+        (
             "DataLoader worker (pid 29820) is killed by signal: Killed. ",
             "DataLoader worker of this rank got SIGKILL, almost always from the kernel's OOM killer",
         ),
