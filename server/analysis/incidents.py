@@ -390,7 +390,9 @@ def _never_joined_incident(snapshot: JobSnapshot, r: int, waiting: Sequence[int]
         kind="rank_silent",
         message=f"Rank {r} has never reported while {ranks_phrase(waiting)} "
         f"{'waits' if len(waiting) == 1 else 'wait'} in init_process_group's rendezvous for the ranks that have "
-        "not joined it: it never started (a launch that failed on its node), is still running code of its own "
+        "not joined it: it never started (a launch that failed on its node, or one that gave no process this "
+        "RANK and two processes another: the second of those fails at once with EADDRINUSE on MASTER_PORT if "
+        "its RANK is 0), is still running code of its own "
         "before init_process_group (a dataset downloaded or prepared on that rank alone), died before it, or "
         "cannot reach MASTER_ADDR:MASTER_PORT (a wrong address or port, a firewall); its launcher's log says "
         "which. Start every rank of the job with the same MASTER_ADDR and MASTER_PORT (or init_method), an "

@@ -51,10 +51,12 @@ KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = (
     (
         re.compile(r"failed to listen on any local network address.*EADDRINUSE"),
         "something on rank 0's host already listens on the rendezvous port this message names "
-        "(MASTER_PORT): another job on the same node with the same port (torchrun's default is 29500), or "
-        "a previous run's processes still alive (ss -ltnp shows which). Give each job a port of its own "
-        "(torchrun --master-port, or --standalone on one node, which picks a free one), or stop the old "
-        "processes; the other ranks may otherwise reach the other job's store",
+        "(MASTER_PORT): another job on the same node with the same port (torchrun's default is 29500), "
+        "a previous run's processes still alive (ss -ltnp shows which), or another process of this job "
+        "given the same RANK (a launch script's bug: the rank no process was given then never joins, and "
+        "its peers wait for it in the rendezvous). Give each job a port of its own (torchrun "
+        "--master-port, or --standalone on one node, which picks a free one), stop the old processes, or "
+        "give each process of the job its own RANK; the other ranks may otherwise reach the other job's store",
     ),
     (
         re.compile(r"DataLoader worker \(pid\(?s?\)? ?[\d, ]+\)? is killed by signal: Killed"),

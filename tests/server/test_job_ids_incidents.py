@@ -7,7 +7,7 @@ from __future__ import annotations
 from ddpscope.agent.rank_spans import MAX_PARSED_RANKS
 from ddpscope.server.analysis.incidents import diagnose
 from ddpscope.server.analysis.status import job_status
-from ddpscope.server.analysis.warning_incidents import _misconfigured
+from ddpscope.server.analysis.warning_incidents import misconfigured_ranks
 from tests.server.test_incidents import JobRecords
 
 T0 = 1_700_000_000.0
@@ -36,10 +36,10 @@ def test_the_ranks_that_said_it_are_one_incident_blaming_the_rank_in_the_other_j
 
 
 def test_the_misconfigured_ranks_are_read_as_written_and_a_forged_range_costs_little() -> None:
-    assert _misconfigured("x. Probably misconfigured: ranks 0-3, 7, 9, 10 on a, b (the fewer ranks).") == [
+    assert misconfigured_ranks("x. Probably misconfigured: ranks 0-3, 7, 9, 10 on a, b (the fewer ranks).") == [
         0, 1, 2, 3, 7, 9, 10,
     ]  # fmt: skip
-    assert _misconfigured("Probably misconfigured: rank 12 (as many ranks use each id; ...)") == [12]
-    assert _misconfigured("no such phrase") == []
-    assert len(_misconfigured("Probably misconfigured: ranks 0-999999999, 5")) == MAX_PARSED_RANKS
-    assert _misconfigured("Probably misconfigured: ranks " + "9" * 5000 + ", 3") == [3]
+    assert misconfigured_ranks("Probably misconfigured: rank 12 (as many ranks use each id; ...)") == [12]
+    assert misconfigured_ranks("no such phrase") == []
+    assert len(misconfigured_ranks("Probably misconfigured: ranks 0-999999999, 5")) == MAX_PARSED_RANKS
+    assert misconfigured_ranks("Probably misconfigured: ranks " + "9" * 5000 + ", 3") == [3]
