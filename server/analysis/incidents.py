@@ -145,6 +145,11 @@ every rank raises it, and only all the messages together tell the odd rank (``_o
 _LAYOUT_DIFFERS = re.compile(r"Ranks \[([\d, ]+)\] differ from rank \d+")
 """The engine's construction-time check: every rank raises it, naming the ranks whose model differs."""
 _WITHOUT_DDPSCOPE = re.compile(r"DistributedDataParallel: ranks \[([\d, ]+)\] run without ddpscope")
+_CHECKPOINT_FAILED = re.compile(r"CheckpointException ranks:dict_keys\(\[([\d, ]+)\]\)")
+"""torch.distributed.checkpoint's error, raised on every rank, naming the ranks whose part of a save or
+load failed (torch 2.13: ``CheckpointException ranks:dict_keys([1])``)."""
+_LAST_ERROR = re.compile(r"^(\w+(?:Error|Exception|Exit)\b.*)$", re.M)
+"""A formatted traceback's error lines (``FileNotFoundError: [Errno 2] ...``)."""
 """The engine's refusal of peers that run without ddpscope (``ddp/peer_presence.py``): they are the cause."""
 FROZEN_AFTER_WRAP = "frozen (requires_grad=False) after"
 """What the engines' missing-gradient errors (and ddpscope's note on torch's) say of parameters frozen after
@@ -184,6 +189,15 @@ def _odd_models(errors: Sequence[Record]) -> tuple[int, ...] | None:
     return tuple(sorted(r for r, n in counts.items() if n != usual[0]))
 
 
+def _first_failure(error: Record) -> str | None:
+    """The first error line of a traceback that wraps another (torch.distributed.checkpoint carries each
+    failed rank's traceback in its exception), when it is not the error itself."""
+    lines = [m.group(1) for m in _LAST_ERROR.finditer(str(error.get("stack") or ""))]
+    own = f"{error.get('error_type')}:"
+    inner = [line for line in lines if not line.startswith(own)]
+    return first_line(inner[-1])[:300] if inner else None
+
+
 def _named(error: Record) -> _Named | None:
     """Parse the errors that name the ranks at fault: the engines' unused-parameter errors (torch's and
     ddpscope's), the engine's different-model check and torch's monitored_barrier timeout; None for
@@ -197,7 +211,11 @@ def _named(error: Record) -> _Named | None:
     m = MONITORED_BARRIER.search(message)
     if m:
         return _Named(tuple(int(r) for r in re.findall(r"\d+", m.group(1))), ())
-    m = _LAYOUT_DIFFERS.search(message) or _WITHOUT_DDPSCOPE.search(message)
+    m = (
+        _LAYOUT_DIFFERS.search(message)
+        or _WITHOUT_DDPSCOPE.search(message)
+        or _CHECKPOINT_FAILED.search(message)
+    )
     if m:
         return _Named(tuple(int(r) for r in re.findall(r"\d+", m.group(1))), ())
     m = _TORCH_UNUSED.search(message)
@@ -764,6 +782,8 @@ def _error_incidents(
             msg += f". The cause is on {ranks_phrase(culprits)}"
         elif known := torch_error_advice(str(p.get("message", ""))):
             msg += f". {capitalized(known)}"
+            if _CHECKPOINT_FAILED.search(str(p.get("message", ""))) and (inner := _first_failure(p)):
+                msg += f". Rank {p['rank']}'s own failure: {inner}"
         elif others and not named:
             msg += ". Every rank listed raised it itself: the cause is in code they all run; start from the stack"
         else:

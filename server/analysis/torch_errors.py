@@ -68,6 +68,14 @@ KNOWN_ERRORS: tuple[tuple[re.Pattern[str], str], ...] = (
         "Python objects",
     ),
     (
+        re.compile(r"CheckpointException ranks:"),
+        "torch's distributed checkpoint (torch.distributed.checkpoint) raises this on every rank when the ranks "
+        "it names failed their part of "
+        "the save or load (each rank writes or reads its own shard, then the ranks gather how it went): the "
+        "cause is on those ranks, usually a path missing or not writable on their hosts (a checkpoint "
+        "directory on a disk only some hosts mount), a full disk, or a shard missing on load",
+    ),
+    (
         re.compile(r"Unable to find address for: \S+"),
         "gloo binds to the network interface GLOO_SOCKET_IFNAME names (the message says which), and this host "
         "has none of that name: a setting copied from another cluster, or hosts whose interfaces are named "

@@ -1402,3 +1402,27 @@ def test_a_rank_never_heard_of_that_the_job_id_check_says_sends_elsewhere_is_sai
         "Every rank heard of has exited, and rank 1 of the job's 2 sent its records elsewhere, under another job "
         "id or to another collector (see the job_ids_differ or collectors_differ incident)"
     ), silent.message
+
+
+def test_a_distributed_checkpoint_failure_raised_on_every_rank_is_blamed_on_the_ranks_it_names() -> None:
+    # torch 2.13: dcp.save where rank 1's checkpoint path cannot be made; every rank raises the same
+    # exception, carrying rank 1's traceback.
+    job = started(2)
+    end = job.train(3)
+    inner = (
+        'Traceback (most recent call last):\n  File "/venv/torch/distributed/checkpoint/utils.py", line 212\n'
+        '  File "/usr/lib/python3.11/pathlib.py", line 1116, in mkdir\n    os.mkdir(self, mode)\n'
+        "FileNotFoundError: [Errno 2] No such file or directory: '/mnt/ckpt'\n"
+    )
+    for r in (0, 1):
+        job.add("rank_error", r, end + 1 + r * 0.01, step=3, phase="idle", error_type="CheckpointException",
+                message="CheckpointException ranks:dict_keys([1])\nTraceback: (RANK 1)\n" + inner,
+                stack=f'  File "/proj/train.py", line 12, in <module>\n{inner}CheckpointException: '
+                "CheckpointException ranks:dict_keys([1])\n", fatal=True)  # fmt: skip
+    err = only(diagnose(job.snapshot(), end + 2), "rank_error")
+    assert err.culprit_ranks == [1], err.message
+    assert "rank 0 reported the same error" in err.message
+    assert "the cause is on those ranks, usually a path missing or not writable on their hosts" in err.message
+    assert err.message.endswith("Rank 1's own failure: FileNotFoundError: [Errno 2] No such file or directory: "
+                                "'/mnt/ckpt'."), err.message  # fmt: skip
+    assert "Every rank listed raised it itself" not in err.message
