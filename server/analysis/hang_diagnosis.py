@@ -48,6 +48,7 @@ from ddpscope.server.analysis.native_wait import (
     exiting,
     joining_threads,
     main_blocked,
+    main_stack,
     native_wait,
     thread_words,
     training_thread,
@@ -62,6 +63,7 @@ from ddpscope.server.analysis.stuck import (
     LOADER_WAIT,
     Stuck,
     dead_thread_note,
+    debugger_wait,
     hang_start_s,
     in_own_code,
     is_hang,
@@ -351,7 +353,9 @@ class _HangReading:
             culprits = [rank]
             cpu = main_blocked(h)
             how = "" if cpu is None else "blocked (no CPU), " if cpu else "computing all along, "
-            if waits_for_loader(h):
+            if debugger := debugger_wait(main_stack(h) or ""):
+                how = f"{debugger}, "
+            elif waits_for_loader(h):
                 how = f"{LOADER_WAIT}, "
             elif cpu is not False and (dead := dead_thread_note(self.snapshot, rank, hang_start_s(h))):
                 how += f"{dead.removeprefix(', ')}, "

@@ -46,11 +46,15 @@ class Stuck:
     """Its main thread waited inside a DataLoader for a batch its worker processes did not deliver."""
     dead_thread: str = ""
     """``dead_thread_note``: a thread of the rank that died before it got stuck, when its main thread waits."""
+    debugger: str | None = None
+    """``debugger_wait``: the thread sits in a debugger waiting for a person (pdb's prompt, an attach)."""
 
     def phrase(self) -> str:
         at = f" at {self.site}" if self.site else ""
         how = (
-            f", {LOADER_WAIT}"
+            f", {self.debugger}"
+            if self.debugger
+            else f", {LOADER_WAIT}"
             if self.loader
             else ""
             if self.blocked is None
@@ -94,6 +98,35 @@ def dead_thread_note(snapshot: JobSnapshot, rank: int, before_s: float) -> str:
         f"{at}): what the main thread waits for would have come from that thread (a queue it filled, an event "
         "it set), so it never comes"
     )
+
+
+_DEBUGGERS: tuple[tuple[re.Pattern[str], re.Pattern[str], str], ...] = (
+    (
+        re.compile(r"/(?:pdb|IPython/core/debugger|ipdb/__main__|pudb/debugger)\.py$"),
+        re.compile(r"^(?:interaction|_cmdloop|cmdloop)$"),
+        "stopped at a debugger's prompt ({name}), waiting for someone to type at its standard input: a "
+        "breakpoint() or set_trace() left in the code, or reached on this rank only; continue it, or remove it "
+        "(PYTHONBREAKPOINT=0 turns breakpoint() off)",
+    ),
+    (
+        re.compile(r"/debugpy/"),
+        re.compile(r"^wait_for_client$"),
+        "waiting for a debugger to attach (debugpy.wait_for_client()), which none has: attach one, or run "
+        "without that call",
+    ),
+)
+"""(file, function, words) of the frames where a thread waits for a person, not for its peers' work."""
+
+
+def debugger_wait(stack: str) -> str | None:
+    """What a thread whose stack is ``stack`` waits for when it sits in a debugger (pdb's prompt, ipdb's,
+    pudb's, a debugpy attach), in words; None otherwise."""
+    for path, _, function in FRAME.findall(stack):
+        for file, func, words in _DEBUGGERS:
+            if file.search(path) and func.search(function):
+                name = path.rsplit("/", 1)[-1].removesuffix(".py")
+                return words.format(name="ipdb" if "IPython" in path else name)
+    return None
 
 
 def waits_for_loader(hang: Record) -> bool:
@@ -191,6 +224,14 @@ def stuck_outside(
         blocked = main_blocked(h)
         dead = dead_thread_note(snapshot, r, start) if blocked is not False else ""
         out[r] = Stuck(
-            r, str(h.get("phase")), h.get("step"), main_site(h), start, blocked, waits_for_loader(h), dead
+            r,
+            str(h.get("phase")),
+            h.get("step"),
+            main_site(h),
+            start,
+            blocked,
+            waits_for_loader(h),
+            dead,
+            debugger_wait(main_stack(h) or ""),
         )
     return out

@@ -986,3 +986,42 @@ def test_a_rank_training_on_a_thread_of_its_own_is_placed_at_that_threads_line_n
     assert "training thread 'trainer' at /proj/data.py:12" in hangs[1].message
     assert (hangs[1].stack or "").startswith("Thread trainer:")
     assert "stuck between steps after step 2 at /proj/data.py:12" in hangs[0].message
+
+
+PDB_STACK = (
+    '  File "/proj/train.py", line 11, in <module>\n    time.sleep(0.02)\n'
+    '  File "/usr/lib/python3.11/bdb.py", line 90, in trace_dispatch\n'
+    '  File "/usr/lib/python3.11/bdb.py", line 115, in dispatch_line\n'
+    '  File "/usr/lib/python3.11/pdb.py", line 433, in interaction\n    self._cmdloop()\n'
+    '  File "/usr/lib/python3.11/pdb.py", line 397, in _cmdloop\n    self.cmdloop()\n'
+    '  File "/usr/lib/python3.11/cmd.py", line 126, in cmdloop\n    line = input(self.prompt)\n'
+)
+"""torch 2.13 / Python 3.11: a breakpoint() on rank 0 only, its standard input a pipe nobody writes to."""
+DEBUGPY_STACK = (
+    '  File "/proj/train.py", line 5, in <module>\n    debugpy.wait_for_client()\n'
+    '  File "/venv/lib/python3.11/site-packages/debugpy/public_api.py", line 31, in wait_for_client\n'
+    '  File "/venv/lib/python3.11/site-packages/debugpy/server/api.py", line 300, in wait_for_client\n'
+    '  File "/usr/lib/python3.11/threading.py", line 629, in wait\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("stack", "said"),
+    [
+        (
+            PDB_STACK,
+            "stopped at a debugger's prompt (pdb), waiting for someone to type at its standard input",
+        ),
+        (DEBUGPY_STACK, "waiting for a debugger to attach (debugpy.wait_for_client()), which none has"),
+    ],
+)
+def test_a_rank_sitting_in_a_debugger_is_said_to_wait_for_a_person_not_just_blocked(
+    stack: str, said: str
+) -> None:
+    job = started(2)
+    end = job.train(3)
+    waiting_in(job, 1, end + 5, 7, step=3)
+    stuck_hang(job, 0, end + 5, step=2, phase="idle", cpu_s=0.0, stack=stack)
+    hangs = {i.rank: i for i in diagnose(job.snapshot(), end + 6) if i.kind == "hang"}
+    assert hangs[1].culprit_ranks == [0] and said in hangs[1].message, hangs[1].message
+    assert said in hangs[0].message and "blocked (no CPU)" not in hangs[0].message, hangs[0].message
