@@ -76,6 +76,7 @@ from ddpscope.server.analysis.stuck import (
     waits_for_loader,
 )
 from ddpscope.server.analysis.wait_graph import WaitGraph
+from ddpscope.server.analysis.wrappers import wrappers_differ
 
 LATE_AFTER_S = 1.0
 """A peer whose record of the awaited collective starts this much after the wait began (and at least
@@ -254,11 +255,14 @@ class _HangReading:
                 # way waiting for the same ranks this one waits for, never what holds it.
                 continue
             if there is not None:
-                why[r] = f"blocked in {there.place} at {main_site(peer)} meanwhile"
+                why[r] = (
+                    f"blocked in {there.place} at {main_site(peer)} meanwhile{wrappers_differ(self.h, peer)}"
+                )
             elif peer.get("inflight"):
                 c = min(peer["inflight"], key=lambda x: x["start_ns"])
                 why[r] = (
                     f"blocked in {describe(c)}, collective #{c['coll_seq']} of group {c['pg']}, meanwhile"
+                    + wrappers_differ(self.h, peer)
                 )
             else:  # its buckets wait for gradients: its backward has not got that far
                 why[r] = f"in its own backward at step {peer.get('step')}, still waiting for its gradients"
@@ -279,10 +283,21 @@ class _HangReading:
             if r != self.rank and t > reported_s
         }
 
+    def _latest_report(self, rank: int) -> Record | None:
+        """``rank``'s latest hang report of a stall that had begun by this one's report, if any."""
+        t = record_s(self.h)
+        return max(
+            (x for x in self.snapshot.hangs if x["rank"] == rank and hang_start_s(x) <= t),
+            key=record_s,
+            default=None,
+        )
+
     def _meanwhile(self, rank: int) -> str:
         stuck = self.stuck.get(rank)
         if stuck:
             return f"; {stuck.phrase()}"
+        if differ := wrappers_differ(self.h, self._latest_report(rank)):
+            return differ
         report = self.live.active_hangs.get(rank)  # not every report: each waiting rank asks this
         there = native_wait(report) if report is not None else None
         if report is not None and there is not None:

@@ -1025,3 +1025,35 @@ def test_a_rank_sitting_in_a_debugger_is_said_to_wait_for_a_person_not_just_bloc
     hangs = {i.rank: i for i in diagnose(job.snapshot(), end + 6) if i.kind == "hang"}
     assert hangs[1].culprit_ranks == [0] and said in hangs[1].message, hangs[1].message
     assert said in hangs[0].message and "blocked (no CPU)" not in hangs[0].message, hangs[0].message
+
+
+def test_ranks_wrapping_the_model_in_different_ddp_classes_are_told_so_not_only_who_never_issued_what() -> (
+    None
+):
+    # torch 2.13: rank 0 builds ddpscope's DistributedDataParallel (its start-up clock sync waits for rank 1),
+    # rank 1 torch's (blocked in its parameter-shape check); neither constructor finishes.
+    job = started(2)
+    engine = (
+        '  File "/proj/train.py", line 9, in <module>\n    model = DistributedDataParallel(net)\n'
+        '  File "/venv/lib/python3.11/site-packages/ddpscope/ddp/engine.py", line 250, in __init__\n'
+        '  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 2799, in recv\n'
+    )
+    torch_ddp = (
+        '  File "/proj/train.py", line 10, in <module>\n    model = instrument(TorchDDP(net))\n'
+        '  File "/venv/lib/python3.11/site-packages/torch/nn/parallel/distributed.py", line 1064, in __init__\n'
+        '  File "/venv/lib/python3.11/site-packages/torch/distributed/utils.py", line 286, in '
+        "_verify_param_shape_across_processes\n"
+    )
+    job.coll(0, T0 + 1, 1, op="recv", reduce_op=None, shapes=[[2]], dtypes=["int64"], site=None,
+             pg="default:p2p:0-1", done=False, source="engine")  # fmt: skip
+    job.add("hang", 0, T0 + 6, phase="idle", step=0, stalled_s=5.0, pending_buckets=[],
+            inflight=[inflight(1, T0 + 1, site="", pg="default:p2p:0-1")],
+            stacks=[{"thread": "MainThread", "stack": engine}], message="no progress", main_cpu_s=0.0)  # fmt: skip
+    stuck_hang(job, 1, T0 + 6.5, step=0, phase="idle", cpu_s=0.0, stack=torch_ddp)
+    hangs = {i.rank: i for i in diagnose(job.snapshot(), T0 + 7) if i.kind == "hang"}
+    assert hangs[0].culprit_ranks == [1]
+    assert (
+        "it is inside the constructor of torch's DistributedDataParallel while rank 0 is inside that of "
+        "ddpscope's DistributedDataParallel: the ranks wrap the model with different classes"
+        in hangs[0].message
+    ), hangs[0].message
