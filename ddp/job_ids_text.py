@@ -78,23 +78,16 @@ def job_ids_message(claims: Mapping[int, Claim], world_size: int, waited_s: floa
         by_job.setdefault(claim.job, []).append(rank)
     if len(by_job) < 2:
         return None
-    # Most ranks first; on a tie the id of the lowest rank (rank 0's, when it said) is the job's.
-    order = sorted(by_job, key=lambda job: (-len(by_job[job]), by_job[job][0]))
-    odd = sorted(r for job in order[1:] for r in by_job[job])
-    tie = len(by_job[order[0]]) == len(by_job[order[1]])
+    order, misconfigured = _majority(by_job, claims, "id")
     ids = []
     for job in order[:MAX_IDS_NAMED]:
         sources = sorted({SOURCES.get(claims[r].source, "?") for r in by_job[job]})
         ids.append(f"{job!r} ({ranks_text(by_job[job])}; {' or '.join(sources)})")
     if len(order) > MAX_IDS_NAMED:
         ids.append(f"{len(order) - MAX_IDS_NAMED} more")
-    hosts = sorted({claims[r].host for r in odd if claims[r].host})
-    on = f" on {', '.join(hosts)}" if 0 < len(hosts) <= 3 else ""
-    first = by_job[order[0]][0]
-    why = f"as many ranks use each id; rank {first}'s is taken as the job's" if tie else "the fewer ranks"
     text = (
         f"the ranks of this torch job report to ddpscope under {len(order)} job ids: "
-        f"{', '.join(ids[:-1])} and {ids[-1]}. Probably misconfigured: {ranks_text(odd)}{on} ({why}). "
+        f"{', '.join(ids[:-1])} and {ids[-1]}. {misconfigured} "
     )
     missing = sorted(set(range(world_size)) - set(claims))
     if missing:
@@ -123,20 +116,28 @@ def collectors_message(claims: Mapping[int, Claim], world_size: int) -> str | No
         by_url.setdefault(claim.collector, []).append(rank)
     if len(by_url) < 2 or len({c.job for c in claims.values()}) > 1:
         return None
-    order = sorted(by_url, key=lambda url: (-len(by_url[url]), by_url[url][0]))
-    odd = sorted(r for url in order[1:] for r in by_url[url])
-    tie = len(by_url[order[0]]) == len(by_url[order[1]])
+    order, misconfigured = _majority(by_url, claims, "collector")
     urls = [f"{url!r} ({ranks_text(by_url[url])})" for url in order[:MAX_IDS_NAMED]]
     if len(order) > MAX_IDS_NAMED:
         urls.append(f"{len(order) - MAX_IDS_NAMED} more")
-    hosts = sorted({claims[r].host for r in odd if claims[r].host})
-    on = f" on {', '.join(hosts)}" if 0 < len(hosts) <= 3 else ""
-    first = by_url[order[0]][0]
-    why = f"as many ranks use each; rank {first}'s is taken as the job's" if tie else "the fewer ranks"
     job = next(iter(claims.values())).job
     return (
         f"the ranks of job {job!r} send their records to {len(order)} collectors: {', '.join(urls[:-1])} and "
-        f"{urls[-1]}. Probably misconfigured: {ranks_text(odd)}{on} ({why}). Each collector sees only its "
-        "ranks of the job, and its diagnosis calls the others silent or never seen. Give every rank the same "
-        "DDPSCOPE_URL."
+        f"{urls[-1]}. {misconfigured} Each collector sees only its ranks of the job, and its diagnosis calls the "
+        "others silent or never seen. Give every rank the same DDPSCOPE_URL."
     )
+
+
+def _majority(
+    groups: Mapping[str, list[int]], claims: Mapping[int, Claim], what: str
+) -> tuple[list[str], str]:
+    """The values of ``groups`` (value -> ranks), most ranks first (on a tie the lowest rank's, rank 0's when
+    it said, is the job's), and "Probably misconfigured: ranks ... on hosts (why)." for the others."""
+    order = sorted(groups, key=lambda value: (-len(groups[value]), groups[value][0]))
+    odd = sorted(r for value in order[1:] for r in groups[value])
+    tie = len(groups[order[0]]) == len(groups[order[1]])
+    hosts = sorted({claims[r].host for r in odd if claims[r].host})
+    on = f" on {', '.join(hosts)}" if 0 < len(hosts) <= 3 else ""
+    first = groups[order[0]][0]
+    why = f"as many ranks use each {what}; rank {first}'s is taken as the job's" if tie else "the fewer ranks"
+    return order, f"Probably misconfigured: {ranks_text(odd)}{on} ({why})."

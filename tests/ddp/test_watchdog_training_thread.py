@@ -32,16 +32,23 @@ def _train_then_block(progress: Progress, recorder: CollectiveRecorder, stepped:
     release.wait(30)  # the line the reports must name: stuck in the training thread's own code
 
 
+def _trainer(progress: Progress, recorder: CollectiveRecorder, stepped: threading.Event,
+             release: threading.Event) -> threading.Thread:  # fmt: skip
+    """The thread 'trainer' running ``_train_then_block``, started."""
+    thread = threading.Thread(
+        target=_train_then_block, args=(progress, recorder, stepped, release), name="trainer", daemon=True
+    )
+    thread.start()
+    return thread
+
+
 def test_a_loop_training_on_its_own_thread_is_sampled_and_reported_there_not_in_the_main_threads_join(
     records: Records, progress: Progress, recorder: CollectiveRecorder, clock: ManualClock
 ) -> None:
     dog = wd.Watchdog(timeout_s=5.0, heartbeat_s=1.0, progress=progress, recorder=recorder, clock=clock,
                       world_size=lambda: 2)  # fmt: skip
     stepped, release = threading.Event(), threading.Event()
-    trainer = threading.Thread(
-        target=_train_then_block, args=(progress, recorder, stepped, release), name="trainer", daemon=True
-    )
-    trainer.start()
+    trainer = _trainer(progress, recorder, stepped, release)
     try:
         assert stepped.wait(10)
         dog.check()
@@ -71,11 +78,7 @@ def test_once_the_training_thread_has_ended_the_main_thread_is_read_again(
                       world_size=lambda: 2)  # fmt: skip
     stepped, release = threading.Event(), threading.Event()
     release.set()  # the trainer runs its steps and ends
-    trainer = threading.Thread(
-        target=_train_then_block, args=(progress, recorder, stepped, release), name="trainer", daemon=True
-    )
-    trainer.start()
-    trainer.join(10)
+    _trainer(progress, recorder, stepped, release).join(10)
     dog.check()
     wait(dog, clock, 0.75)
     (sample,) = records("stall_sample")

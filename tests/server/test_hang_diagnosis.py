@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpscope.server.analysis.incidents import diagnose
+from ddpscope.server.analysis.incidents import Incident, diagnose
 from ddpscope.server.analysis.status import job_status, liveness
 from tests.server.test_incidents import T0, JobRecords, inflight, kinds, only, started
 
@@ -91,6 +91,16 @@ def test_a_rank_stuck_in_its_data_loader_is_the_culprit_of_its_peers_hang_and_of
     assert "alive, doing something else" not in missing.message
 
 
+def hangs_of_a_rank_stuck_at(stack: str, *, stuck: int) -> dict[int, Incident]:
+    """The hang incidents, by rank, of a 2-rank job whose rank ``stuck`` is blocked at ``stack`` between
+    steps while the other waits for it in the next collective."""
+    job = started(2)
+    end = job.train(3)
+    waiting_in(job, 1 - stuck, end + 5, 7, step=3)
+    stuck_hang(job, stuck, end + 5, step=2, phase="idle", cpu_s=0.0, stack=stack)
+    return {i.rank: i for i in diagnose(job.snapshot(), end + 6) if i.kind == "hang"}
+
+
 LOADER_STACK = (
     '  File "/proj/train.py", line 14, in <module>\n'
     '  File "/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py", line 725, in __next__\n'
@@ -114,11 +124,7 @@ LOADER_STACK = (
 def test_a_rank_whose_data_loader_workers_deliver_no_batch_is_said_to_wait_for_them(
     stack: str, loader: bool
 ) -> None:
-    job = started(2)
-    end = job.train(3)
-    waiting_in(job, 0, end + 5, 7, step=3)
-    stuck_hang(job, 1, end + 5, step=2, phase="idle", cpu_s=0.0, stack=stack)
-    hangs = {i.rank: i for i in diagnose(job.snapshot(), end + 6) if i.kind == "hang"}
+    hangs = hangs_of_a_rank_stuck_at(stack, stuck=1)
     said = "waiting inside its DataLoader for the next batch, which its worker processes did not deliver"
     assert (said in hangs[0].message) is loader and (said in hangs[1].message) is loader
     assert hangs[0].culprit_ranks == hangs[1].culprit_ranks == [1]
@@ -1018,11 +1024,7 @@ DEBUGPY_STACK = (
 def test_a_rank_sitting_in_a_debugger_is_said_to_wait_for_a_person_not_just_blocked(
     stack: str, said: str
 ) -> None:
-    job = started(2)
-    end = job.train(3)
-    waiting_in(job, 1, end + 5, 7, step=3)
-    stuck_hang(job, 0, end + 5, step=2, phase="idle", cpu_s=0.0, stack=stack)
-    hangs = {i.rank: i for i in diagnose(job.snapshot(), end + 6) if i.kind == "hang"}
+    hangs = hangs_of_a_rank_stuck_at(stack, stuck=0)
     assert hangs[1].culprit_ranks == [0] and said in hangs[1].message, hangs[1].message
     assert said in hangs[0].message and "blocked (no CPU)" not in hangs[0].message, hangs[0].message
 
