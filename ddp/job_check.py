@@ -1,8 +1,9 @@
-"""Ranks of one torch job that report to ddpscope under different job ids.
+"""Ranks of one torch job that report to ddpscope under different job ids, or to different collectors.
 
 A rank started with another ``DDPSCOPE_JOB`` than its peers (or ranks on several hosts that each derive
 their id from their own launcher) sends its records under a job of its own: the collector sees two jobs,
-each missing ranks. The ranks of a torch job share one thing ddpscope can use without a collective: the
+each missing ranks. A rank whose ``DDPSCOPE_URL`` differs sends them to another collector (code
+``collectors_differ``; the collector leaves out URLs that turn out to reach it too). The ranks of a torch job share one thing ddpscope can use without a collective: the
 default process group's c10d store. Each rank writes there the job id it reports under, and a daemon
 thread reads its peers'. When they differ, every rank says so in a ``warning`` record (code
 ``job_ids_differ``) under its own job id, so each of the jobs gets the incident, naming every id with its
@@ -15,8 +16,9 @@ Usage (``monitor.enable`` calls it; once per default process group, a no-op for 
 
 The keys live under ``ddpscope/job_check/<torchrun restart count>/`` of the store torch keeps for the
 default group (itself prefixed by torch; torchrun keeps one store across restarts, so the count keeps an
-earlier attempt's keys apart): ``rank/<r>`` rank r's claim (JSON: job, where the id came from, host),
-``n`` how many ranks have written theirs, ``job/<hash>`` how many ranks claim that id. A rank whose id
+earlier attempt's keys apart): ``rank/<r>`` rank r's claim (JSON: job, where the id came from, host,
+collector URL), ``n`` how many ranks have written theirs, ``job/<hash>`` how many ranks claim that id at that
+collector. A rank whose id
 every rank shares is done after a handful of store operations (no O(world) read at start-up); only when
 the ids differ does it read every claim. The training thread does none of this: ``start`` returns at
 once, and nothing here raises into training. The claims and the warning's words are in ``job_ids_text``.
@@ -154,7 +156,7 @@ class JobCheck:
         claims = self._read_claims()
         claims[self.rank] = claim
         message = job_ids_message(claims, self.world_size, self._clock() - started)
-        if message is None and (message := collectors_message(claims, self.world_size)) is not None:
+        if message is None and (message := collectors_message(claims)) is not None:
             self.code = COLLECTORS_DIFFER
         return message
 

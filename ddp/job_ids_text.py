@@ -108,7 +108,7 @@ def capital(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-def collectors_message(claims: Mapping[int, Claim], world_size: int) -> str | None:
+def collectors_message(claims: Mapping[int, Claim]) -> str | None:
     """The warning when ``claims`` share one job id but send to more than one collector; None otherwise
     (differing ids are ``job_ids_message``'s). Same claims, same words on every rank."""
     by_url: dict[str, list[int]] = {}

@@ -34,6 +34,9 @@ def warning_incidents(snapshot: JobSnapshot) -> list[Incident]:
         groups.setdefault((str(w["code"]), str(w["message"])), []).append(dict(w))
     out = []
     for (code, message), same in groups.items():
+        culprits = _culprits(snapshot, code, message, sorted({w["rank"] for w in same}))
+        if code == COLLECTORS_DIFFER and not culprits:
+            continue  # every rank reached this collector: the URLs that differ name the same one
         first = min(same, key=lambda w: (w["time_ns"], w["rank"]))
         ranks = sorted({w["rank"] for w in same})
         steps = [w["step"] for w in same if w.get("step") is not None]
@@ -48,9 +51,7 @@ def warning_incidents(snapshot: JobSnapshot) -> list[Incident]:
                 rank=first["rank"],
                 step=min(steps) if steps else None,
                 parameters=parameters,
-                culprit_ranks=misconfigured_ranks(message)
-                if code in (JOB_IDS_DIFFER, COLLECTORS_DIFFER)
-                else ranks,
+                culprit_ranks=culprits,
                 call_site=first.get("call_site"),
                 time_s=record_s(first),
             )
@@ -58,15 +59,27 @@ def warning_incidents(snapshot: JobSnapshot) -> list[Incident]:
     return out
 
 
+def _culprits(snapshot: JobSnapshot, code: str, message: str, said: list[int]) -> list[int]:
+    """The ranks at fault: those that said it, but for the job id check's warnings. For ``job_ids_differ``
+    the ranks its message calls probably misconfigured; for ``collectors_differ`` the ranks this collector
+    has not heard from, whichever side the message calls misconfigured: from here they are the ones
+    sending elsewhere, and URLs that differ but reach this same collector (a host name on some nodes, an
+    address on others) leave none."""
+    if code == JOB_IDS_DIFFER:
+        return misconfigured_ranks(message)
+    if code == COLLECTORS_DIFFER:
+        return [r for r in range(snapshot.world_size) if r not in snapshot.rank_last_seen_s]
+    return said
+
+
 def reported_elsewhere(snapshot: JobSnapshot) -> set[int]:
-    """Ranks the job id check calls probably misconfigured (another job id, another collector): what they
-    send goes elsewhere, so this job's collector never hears of them."""
-    return {
-        r
-        for w in snapshot.warnings
-        if w["code"] in (JOB_IDS_DIFFER, COLLECTORS_DIFFER)
-        for r in misconfigured_ranks(str(w["message"]))
-    }
+    """Ranks whose records go elsewhere by the job id check (another job id, another collector), so this
+    job's collector never hears of them."""
+    out: set[int] = set()
+    for w in snapshot.warnings:
+        if w["code"] in (JOB_IDS_DIFFER, COLLECTORS_DIFFER):
+            out.update(_culprits(snapshot, str(w["code"]), str(w["message"]), []))
+    return out
 
 
 def misconfigured_ranks(message: str) -> list[int]:

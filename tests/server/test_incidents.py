@@ -1426,3 +1426,17 @@ def test_a_distributed_checkpoint_failure_raised_on_every_rank_is_blamed_on_the_
     assert err.message.endswith("Rank 1's own failure: FileNotFoundError: [Errno 2] No such file or directory: "
                                 "'/mnt/ckpt'."), err.message  # fmt: skip
     assert "Every rank listed raised it itself" not in err.message
+
+
+def test_urls_that_differ_but_reach_this_same_collector_are_no_incident() -> None:
+    # Rank 1's node names the collector by address, rank 0's by host name: both reach this one.
+    job = started(2)
+    aliases = (
+        "the ranks of job 'job-a' send their records to 2 collectors: 'http://collector:8321' (rank 0) and "
+        "'http://10.0.0.5:8321' (rank 1). Probably misconfigured: rank 1 on node1 (as many ranks use each "
+        "collector; rank 0's is taken as the job's)."
+    )
+    for r in (0, 1):
+        job.add("warning", r, T0 + 5, step=None, code="collectors_differ", message=aliases)
+    end = job.train(3, t=T0 + 6)
+    assert "collectors_differ" not in kinds(diagnose(job.snapshot(), end))
