@@ -122,9 +122,10 @@ def collectors_message(claims: Mapping[int, Claim]) -> str | None:
         urls.append(f"{len(order) - MAX_IDS_NAMED} more")
     job = next(iter(claims.values())).job
     return (
-        f"the ranks of job {job!r} send their records to {len(order)} collectors: {', '.join(urls[:-1])} and "
-        f"{urls[-1]}. {misconfigured} Each collector sees only its ranks of the job, and its diagnosis calls the "
-        "others silent or never seen. Give every rank the same DDPSCOPE_URL."
+        f"the ranks of job {job!r} send their records to {len(order)} collector URLs: {', '.join(urls[:-1])} "
+        f"and {urls[-1]}. {misconfigured} Unless these name one collector, each sees only its ranks of the job "
+        "and its diagnosis calls the others silent or never seen (a collector that hears from every rank says "
+        "nothing). Give every rank the same DDPSCOPE_URL."
     )
 
 

@@ -120,7 +120,7 @@ def test_ranks_under_one_id_that_send_to_different_collectors_are_told_which_and
     (message,) = set(said.values())
     assert message is not None
     assert (
-        "the ranks of job 'train' send their records to 2 collectors: 'http://c:8321' (ranks 0, 1) and "
+        "the ranks of job 'train' send their records to 2 collector URLs: 'http://c:8321' (ranks 0, 1) and "
         "'http://typo:8321' (rank 2). Probably misconfigured: rank 2 on node2 (the fewer ranks)" in message
     )
     assert "Give every rank the same DDPSCOPE_URL." in message

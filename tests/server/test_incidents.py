@@ -1389,9 +1389,9 @@ def test_a_rank_never_heard_of_that_the_job_id_check_says_sends_elsewhere_is_sai
     job = JobRecords(2)
     job.start(0)
     elsewhere = (
-        "the ranks of job 'job-a' send their records to 2 collectors: 'http://c:8321' (rank 0) and "
+        "the ranks of job 'job-a' send their records to 2 collector URLs: 'http://c:8321' (rank 0) and "
         "'http://typo:8321' (rank 1). Probably misconfigured: rank 1 on node1 (as many ranks use each; rank 0's "
-        "is taken as the job's). Each collector sees only its ranks of the job."
+        "is taken as the job's). Unless these name one collector, each sees only its ranks of the job."
     )
     job.add("warning", 0, T0 + 5, step=None, code="collectors_differ", message=elsewhere)
     job.exit(0, T0 + 20, step=5)
@@ -1432,7 +1432,7 @@ def test_urls_that_differ_but_reach_this_same_collector_are_no_incident() -> Non
     # Rank 1's node names the collector by address, rank 0's by host name: both reach this one.
     job = started(2)
     aliases = (
-        "the ranks of job 'job-a' send their records to 2 collectors: 'http://collector:8321' (rank 0) and "
+        "the ranks of job 'job-a' send their records to 2 collector URLs: 'http://collector:8321' (rank 0) and "
         "'http://10.0.0.5:8321' (rank 1). Probably misconfigured: rank 1 on node1 (as many ranks use each "
         "collector; rank 0's is taken as the job's)."
     )
