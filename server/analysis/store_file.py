@@ -13,7 +13,7 @@ the connection to it is not refused; a peer that died after writing is named by 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 
 from ddpscope.server.analysis.incident_model import Record
 from ddpscope.server.analysis.restart_race import refused_address
@@ -45,7 +45,9 @@ def leftover_store_file(failed: Sequence[Record], snapshot: JobSnapshot) -> str 
         before_s = (int(found["process_started_ns"]) - int(found["mtime_ns"])) / 1e9
         if before_s <= SLACK_S:
             continue
-        written = datetime.fromtimestamp(int(found["mtime_ns"]) / 1e9, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        written = datetime.fromtimestamp(int(found["mtime_ns"]) / 1e9, timezone.utc).strftime(
+            "%Y-%m-%d %H:%M:%S UTC"
+        )
         return (
             f"the cause is the rendezvous file: rank {v['rank']} called init_process_group with init_method "
             f"file://{found['path']}, a file last written at {written}, {_span(before_s)} before its process "
