@@ -32,6 +32,10 @@ from ddpscope.server.analysis.snapshot import JobSnapshot, latest_attempt
 
 MIN_SAMPLES = 8
 """Samples a rank needs before its growth is judged (4 minutes at the agent's 30 s)."""
+MIN_SPAN_STEPS, MIN_SPAN_S = 10, 60.0
+"""Steps, or else seconds, those samples must span. A rank also sends a sample whenever the memory in use
+where it runs rises (another process's too), so on a busy host eight samples can come within a job's first
+seconds, whose warm-up (the model, the optimizer's state, gloo's buffers) is no leak."""
 MIN_GROWTH_BYTES = 64 * 2**20
 MIN_GROWTH_FRACTION = 0.05
 MIN_LATE_SHARE = 0.4
@@ -83,8 +87,8 @@ def by_rank(samples: Iterable[Record]) -> dict[int, list[Record]]:
 
 def growth(samples: Sequence[Record], of: str = "rss_bytes", until_ns: int | None = None) -> Growth | None:
     """The steady growth of ``of`` (the rank's resident memory, ``ANON``: its anonymous memory, or ``WORKERS``: its
-    DataLoader workers' own memory, 0 in a sample without workers) over ``samples`` (one rank, oldest first), or None (too few samples, too
-    little growth, a quarter that did not grow, or growth that is flattening). Samples taken after the rank's
+    DataLoader workers' own memory, 0 in a sample without workers) over ``samples`` (one rank, oldest first), or None (too few samples,
+    too short a span, too little growth, a quarter that did not grow, or growth that is flattening). Samples taken after the rank's
     steps stopped (its script's end: a final flush, waiting for its peers; a hang) are left out but the first:
     they say nothing of growth per step, and a leak that ran to the end of a job stays named. So are the samples
     after ``until_ns`` (the rank's exit: its teardown frees what it kept)."""
@@ -98,6 +102,9 @@ def growth(samples: Sequence[Record], of: str = "rss_bytes", until_ns: int | Non
         return int(m.get(of) or 0)
 
     first, last = samples[0], samples[-1]
+    steps = int(last.get("step") or 0) - int(first.get("step") or 0)
+    if steps < MIN_SPAN_STEPS and (last["time_ns"] - first["time_ns"]) / 1e9 < MIN_SPAN_S:
+        return None  # too short to tell a leak from the warm-up
     grown = size(last) - size(first)
     if grown < max(MIN_GROWTH_BYTES, MIN_GROWTH_FRACTION * size(first)):
         return None

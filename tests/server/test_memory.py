@@ -383,3 +383,16 @@ def test_a_steady_climb_after_a_warm_up_jump_is_a_leak() -> None:
                 "workers": 2} for i, (step, mib) in enumerate(real)]  # fmt: skip
     found = growth(samples, WORKERS)
     assert found is not None and 0.12 * MiB < found.per_step < 0.15 * MiB, found  # type: ignore[operator]
+
+
+def test_samples_a_busy_host_sent_within_a_jobs_first_steps_are_too_short_to_call_a_leak() -> None:
+    # Other processes' memory rising sends a sample at every heartbeat: twelve in 6 s over three steps of a
+    # rank's warm-up (its model, optimizer state, gloo's buffers) growing 10 MiB each. Over twelve steps, or
+    # a minute, the same climb is judged.
+    def samples(step_of: Callable[[int], int], dt_s: float) -> list[dict[str, Any]]:
+        return [{"rank": 0, "time_ns": int(i * dt_s * 1e9), "step": step_of(i), "rss_bytes": GiB + i * 10 * MiB}
+                for i in range(12)]  # fmt: skip
+
+    assert growth(samples(lambda i: i // 4, 0.5)) is None
+    assert growth(samples(lambda i: i, 0.5)) is not None  # a step a sample: a leak of 10 MiB a step
+    assert growth(samples(lambda i: i // 4, 8.0)) is not None  # a minute and more
