@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,9 @@ def enable(
     it says this rank's id.
     """
     adopt_rank()  # the default group's, for an agent made without RANK (torch.multiprocessing.spawn)
+    # The thread that builds the DDP model is the one whose waits in its construction a report shows, until
+    # a step's forward says which thread trains (``training_thread.py``).
+    PROGRESS.trainer = threading.get_ident()
     collectives.install()
     errors.install_error_hooks()
     dog = watchdog.start_watchdog(
@@ -165,6 +169,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        PROGRESS.trainer = threading.get_ident()  # its rendezvous waits are read on this thread
         _watch_rendezvous(_world_size_asked(signature, args, kwargs))
         found_file = store_file.existing(_argument(signature, args, kwargs, "init_method"))
         try:

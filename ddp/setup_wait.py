@@ -24,6 +24,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 from ddpscope.agent.torch_waits import RENDEZVOUS_PLACE, TorchWait, blocked, torch_wait
+from ddpscope.ddp.hang_text import thread_words
 
 DDP_FILE = "torch/nn/parallel/distributed.py"
 MAX_OUTER_FRAMES = 8
@@ -72,8 +73,10 @@ def message(
     main_site: str | None,
     main_cpu_s: float | None,
     last: dict[str, Any] | None,
+    thread: str | None = None,
 ) -> str:
-    """The sentence of a hang report for a rank that waits for its peers inside torch before any step."""
+    """The sentence of a hang report for a rank that waits for its peers inside torch before any step;
+    ``thread``: the name of the thread waiting when it is not the main thread (``training_thread.py``)."""
     if wait.place.startswith("torch's DistributedDataParallel construction"):
         when = "before its first step"
     elif wait.place.startswith(RENDEZVOUS_PLACE):
@@ -82,7 +85,7 @@ def message(
         when = "with no step of a model ddpscope measures yet"
     parts = [f"rank {rank} has waited {waited_s:.1f} s for its peers inside {wait.place}, {when}"]
     if main_site:
-        parts.append(f"the main thread waits at {main_site}")
+        parts.append(f"{thread_words(thread)} waits at {main_site}")
     if main_cpu_s is not None:
         parts.append(f"it used {main_cpu_s:.1f} s of CPU meanwhile: blocked, waiting")
     if last:

@@ -2,9 +2,9 @@
 
 Usually the main thread. Some launchers and frameworks run the training loop on a thread of their own
 while the main thread only joins it; reading the main thread there sends its ``join()`` as the place a
-rank is stuck. Each step's forward notes its thread (``Progress.trainer``, one plain write), and the
-watchdog reads that thread while it lives; before the first step, or once that thread has ended, the
-main thread (set-up and exit run there).
+rank is stuck. ``init_process_group`` and the DDP model's construction note their thread, and then each
+step's forward (``Progress.trainer``, one plain write); the watchdog reads that thread while it lives, and
+the main thread before any of them or once that thread has ended (exit runs there).
 """
 
 from __future__ import annotations

@@ -462,6 +462,7 @@ class Watchdog:
             main_site=_user_site(frame) or self._recorder.frame_site(frame),
             main_cpu_s=cpu_s,
             last=recent[-1] if recent else None,
+            thread=training_thread.name(progress),
         )
         self._emit_hang(progress.phase, progress.step, waited_s, [], [], message, None, cpu_s)
 

@@ -218,3 +218,21 @@ def test_a_rank_whose_peer_never_starts_is_reported_in_the_rendezvous_at_the_han
     # Ended in the store's timeout, not in progress: the rank_error says so, no hang_resolved.
     assert "hang_resolved" not in kinds and kinds.index("hang") < kinds.index("rank_error")
     assert {r["world_size"] for r in exporter.records if r["kind"] == "heartbeat"} == {2}
+
+
+def test_the_thread_that_makes_the_process_group_is_the_one_whose_waits_are_read_until_a_step_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A launcher that runs the whole script on a worker thread: its rendezvous and DDP construction waits
+    # happen there, before any step notes the training thread.
+    monkeypatch.setattr(monitor, "enable", lambda **kw: None)
+    monkeypatch.setattr(PROGRESS, "trainer", None)
+    seen: list[int | None] = []
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        seen.append(PROGRESS.trainer)
+
+    worker = threading.Thread(target=monitor._wrap(init_process_group), args=("gloo",), name="launcher")
+    worker.start()
+    worker.join(10)
+    assert seen == [worker.ident]

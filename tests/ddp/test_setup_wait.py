@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from ddpscope.agent.records import RecordError, validate_record
+from ddpscope.agent.torch_waits import TorchWait
 from ddpscope.ddp import errors, setup_wait
 from ddpscope.ddp import watchdog as wd
 from ddpscope.ddp.collectives import CollectiveRecorder
@@ -262,3 +263,13 @@ def test_stopping_the_watchdog_resolves_a_reported_wait_only_once_the_main_threa
     dog.stop()
     assert len(records("hang")) == 1
     assert [r["hang_s"] for r in records("hang_resolved")] == ([pytest.approx(6.5)] if left else [])
+
+
+def test_a_wait_on_the_thread_that_builds_the_model_names_that_thread_when_it_is_not_the_main_one() -> None:
+    place = TorchWait("torch's DistributedDataParallel construction (x)", "it waits")
+    said = setup_wait.message(
+        "0", 5.0, place, main_site="train.py:9", main_cpu_s=0.0, last=None, thread="trainer"
+    )
+    assert "the training thread 'trainer' waits at train.py:9" in said
+    main = setup_wait.message("0", 5.0, place, main_site="train.py:9", main_cpu_s=0.0, last=None)
+    assert "the main thread waits at train.py:9" in main
