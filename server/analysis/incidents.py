@@ -323,8 +323,8 @@ def _silent_incidents(snapshot: JobSnapshot, live: Liveness, blame: dict[int, st
         if elsewhere and all(r in live.exits for r in live.last_alive_s):
             msg = (
                 f"Every rank heard of has exited, and {ranks_phrase(elsewhere)} of the job's {len(live.ranks)} "
-                "sent its records elsewhere, under another job id or to another collector (see the "
-                "job_ids_differ or collectors_differ incident)"
+                f"sent {'its' if len(elsewhere) == 1 else 'their'} records elsewhere, under another job id or to "
+                "another collector (see the job_ids_differ or collectors_differ incident)"
             )
             if rest := [r for r in never if r not in elsewhere]:
                 msg += f"; {ranks_phrase(rest)} never reported"
