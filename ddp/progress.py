@@ -61,10 +61,11 @@ class Progress:
         that it has not looked at yet (it ends them at its next hook or in its finalizer). A rank
         stuck in its own backward code is not inside those, whatever the recorder still holds."""
         self.partial_step: Callable[[], dict[str, Any] | None] = no_step
-        self.trainer: int | None = None
-        """Ident of the thread that began the latest step (``training_thread.py``): the thread whose
-        stack a report shows, which is not always the main thread."""
         """Set by the engine: the step in progress so far (``StepTimer.partial``), or None."""
+        self.trainer: int | None = None
+        """Ident of the thread that trains (``training_thread.py``): the one that made the process group or
+        built the DDP model, then the one that began the latest step; the thread whose stack a report shows,
+        which is not always the main thread."""
 
     def step_so_far(self) -> dict[str, Any] | None:
         """The unfinished step of a hang or error report: only inside a step (its record is not sent

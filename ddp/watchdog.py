@@ -394,12 +394,16 @@ class Watchdog:
                 "step": progress.step,
                 "phase": progress.phase,
                 "stalled_s": round(stalled_s, 3),
-                "site": _user_site(frame) or self._recorder.frame_site(frame),
+                "site": self._site(frame),
                 "stack": format_stack(frame),
                 "main_cpu_s": None if main_cpu_s is None else round(main_cpu_s, 3),
                 **({"thread": thread} if (thread := training_thread.name(progress)) else {}),
             }
         )
+
+    def _site(self, frame: FrameType | None) -> str | None:
+        """file:line of ``frame``'s innermost user code, else of the call the recorder knows it by."""
+        return None if frame is None else _user_site(frame) or self._recorder.frame_site(frame)
 
     def _main_cpu_since_change(self) -> float | None:
         """CPU seconds the main thread used since the last progress (near 0: blocked); None when unknown."""
@@ -455,16 +459,17 @@ class Watchdog:
         seen.failures = (errors.fatal_count(), progress.failures)
         self.hangs_reported += 1
         recent = self._recorder.recent(1)
+        thread = training_thread.name(progress)
         message = setup_wait.message(
             _rank(),
             waited_s,
             seen.wait,
-            main_site=_user_site(frame) or self._recorder.frame_site(frame),
+            main_site=self._site(frame),
             main_cpu_s=cpu_s,
             last=recent[-1] if recent else None,
-            thread=training_thread.name(progress),
+            thread=thread,
         )
-        self._emit_hang(progress.phase, progress.step, waited_s, [], [], message, None, cpu_s)
+        self._emit_hang(progress.phase, progress.step, waited_s, [], [], message, None, cpu_s, thread=thread)
 
     def _end_torch_wait(self, seen: setup_wait.Seen, left_at: float) -> None:
         hang_s = max(0.0, left_at - seen.since)
@@ -494,25 +499,21 @@ class Watchdog:
         phase, step = progress.phase, progress.step
         partial = progress.step_so_far()
         main_frame = self._main_frame()
-        main_site = blocked_in = None
+        main_site = self._site(main_frame)
+        blocked_in = None
         if main_frame is not None:
-            main_site = _user_site(main_frame) or self._recorder.frame_site(main_frame)
             blocked_in = torch_wait(main_frame.f_code.co_filename, main_frame.f_code.co_name)
         main_cpu_s = self._main_cpu_since_change()
         if shutting_down():
             # The script has ended: the main thread runs Python's exit, whichever thread trained.
             exit_frame = _main_frame()
-            exit_site = (
-                None
-                if exit_frame is None
-                else _user_site(exit_frame) or self._recorder.frame_site(exit_frame)
-            )
-            message = _exit_wait(stalled_s, exit_frame, exit_site)
+            message = _exit_wait(stalled_s, exit_frame, self._site(exit_frame))
             self._emit_hang(
                 phase, step, stalled_s, pending, inflight, message, partial, main_cpu_s, exiting=True
             )
             return
         recent = self._recorder.recent(1)
+        thread = training_thread.name(progress)
         message = hang_message(
             _rank(),
             phase,
@@ -525,9 +526,11 @@ class Watchdog:
             began=progress.began,
             main_cpu_s=main_cpu_s,
             blocked_in=blocked_in,
-            thread=training_thread.name(progress),
+            thread=thread,
         )
-        self._emit_hang(phase, step, stalled_s, pending, inflight, message, partial, main_cpu_s)
+        self._emit_hang(
+            phase, step, stalled_s, pending, inflight, message, partial, main_cpu_s, thread=thread
+        )
 
     def _emit_hang(
         self,
@@ -541,9 +544,10 @@ class Watchdog:
         main_cpu_s: float | None,
         *,
         exiting: bool = False,
+        thread: str | None = None,
     ) -> None:
+        """``thread``: the training thread's name when the report is about it and it is not the main one."""
         extra: dict[str, Any] = {"exiting": True} if exiting else {}
-        thread = None if exiting else training_thread.name(self._progress)
         if thread is not None:
             extra["thread"] = thread  # the stack (and CPU) the report is about is not the main thread's
         emit(
