@@ -138,8 +138,16 @@ def test_a_failure_of_ddpscope_after_the_group_exists_is_logged_not_raised(
     assert "could not start monitoring after init_process_group" in caplog.text
 
 
+@pytest.fixture
+def fresh_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process-wide progress as a new process has it, no step yet: earlier tests in this process
+    (an engine's forward) leave theirs."""
+    for name, fresh in (("began", False), ("step", 0), ("phase", "idle")):
+        monkeypatch.setattr(PROGRESS, name, fresh)
+
+
 def test_creating_the_default_group_starts_the_error_hooks_the_recorder_and_the_watchdog(
-    records: Records,
+    records: Records, fresh_progress: None
 ) -> None:
     if dist.is_initialized():
         pytest.skip("a process group already exists in this test process")
@@ -188,14 +196,12 @@ def test_an_ordinary_rendezvous_sends_nothing_and_heartbeats_start_one_interval_
 
 
 def test_a_rank_whose_peer_never_starts_is_reported_in_the_rendezvous_at_the_hang_timeout_not_torchs(
-    monkeypatch: pytest.MonkeyPatch,
+    fresh_progress: None,
 ) -> None:
     # Rank 0 of two, alone: torch's store waits for rank 1 until the group's timeout (30 min by default).
     if dist.is_initialized():
         pytest.skip("a process group already exists in this test process")
     monitor.disable()
-    for name, fresh in (("began", False), ("step", 0), ("phase", "idle")):  # a new process: no step yet
-        monkeypatch.setattr(PROGRESS, name, fresh)
     exporter = ddpscope.agent.InMemoryExporter()
     ddpscope.agent.configure(exporter=exporter, rank=0, hang_timeout_s=1.0, heartbeat_s=0.5)
     started = time.monotonic()
