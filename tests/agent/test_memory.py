@@ -38,13 +38,20 @@ def test_a_reading_has_this_process_and_its_host_and_is_sent_once_per_interval()
     assert reader.due(31.0) is not None
 
 
-def test_a_jump_of_the_resident_size_is_sent_before_the_interval_is_up(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def reader_of_a_resident_size(monkeypatch: pytest.MonkeyPatch) -> tuple[MemoryReader, list[int], int]:
+    """A 30 s reader whose process's resident size is ``rss[0]`` (1 GiB, to be moved by the test), its first
+    record sent at 0 s; and the host's memory."""
     rss = [2**30]
     monkeypatch.setattr(memory, "_statm", lambda: (rss[0], 0))
     reader = MemoryReader(interval_s=30.0)
     total = reader.due(0.0)["total_bytes"]  # type: ignore[index]
+    return reader, rss, total
+
+
+def test_a_jump_of_the_resident_size_is_sent_before_the_interval_is_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reader, rss, total = reader_of_a_resident_size(monkeypatch)
     rss[0] += int(0.01 * total)
     assert reader.due(1.0) is None
     rss[0] += int(0.02 * total)
@@ -55,10 +62,7 @@ def test_a_jump_of_the_resident_size_is_sent_before_the_interval_is_up(
 def test_memory_that_falls_and_rises_again_each_step_is_sent_on_the_interval_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    rss = [2**30]
-    monkeypatch.setattr(memory, "_statm", lambda: (rss[0], 0))
-    reader = MemoryReader(interval_s=30.0)
-    total = reader.due(0.0)["total_bytes"]  # type: ignore[index]
+    reader, rss, total = reader_of_a_resident_size(monkeypatch)
     swing = int(0.05 * total)  # a step's activations, freed and allocated again
     for t in range(1, 29, 2):
         rss[0] += -swing if t % 4 == 1 else swing
