@@ -12,16 +12,13 @@ monbar.py:11, blocked".
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from ddpscope.agent.torch_waits import blocked
-from ddpscope.server.analysis.incident_model import Incident
+from ddpscope.server.analysis.incident_model import Incident, Record
 from ddpscope.server.analysis.snapshot import JobSnapshot
 from ddpscope.server.analysis.stalls import HOW
 from ddpscope.server.analysis.stuck import stack_waits_for_loader
-
-Record = Mapping[str, Any]
 
 NOTED_KINDS = frozenset({"rank_error", "hang", "missing_collective", "mismatch", "rank_exited_early"})
 """Incidents that blame a rank for what another one waited on."""

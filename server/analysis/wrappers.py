@@ -11,12 +11,9 @@ the frame of the constructor each rank is in.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
 
+from ddpscope.server.analysis.incident_model import Record
 from ddpscope.server.analysis.native_wait import main_stack
-
-Record = Mapping[str, Any]
 
 _CONSTRUCTORS = (
     (re.compile(r'/ddp/engine\.py", line \d+, in __init__'), "ddpscope's DistributedDataParallel"),
