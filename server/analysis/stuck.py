@@ -100,14 +100,16 @@ def dead_thread_note(snapshot: JobSnapshot, rank: int, before_s: float) -> str:
     )
 
 
+_PROMPT = (
+    "stopped at a debugger's prompt ({name}), waiting for someone to type at its standard input: a "
+    "breakpoint() or set_trace() left in the code, or reached on this rank only; continue it, or remove it "
+    "(PYTHONBREAKPOINT=0 turns breakpoint() off)"
+)
+_PROMPT_LOOP = re.compile(r"^(?:interaction|_cmdloop|cmdloop)$")
 _DEBUGGERS: tuple[tuple[re.Pattern[str], re.Pattern[str], str], ...] = (
-    (
-        re.compile(r"/(?:pdb|IPython/core/debugger|ipdb/__main__|pudb/debugger)\.py$"),
-        re.compile(r"^(?:interaction|_cmdloop|cmdloop)$"),
-        "stopped at a debugger's prompt ({name}), waiting for someone to type at its standard input: a "
-        "breakpoint() or set_trace() left in the code, or reached on this rank only; continue it, or remove it "
-        "(PYTHONBREAKPOINT=0 turns breakpoint() off)",
-    ),
+    (re.compile(r"/pdb\.py$"), _PROMPT_LOOP, _PROMPT.format(name="pdb")),
+    (re.compile(r"/(?:IPython/core/debugger|ipdb/__main__)\.py$"), _PROMPT_LOOP, _PROMPT.format(name="ipdb")),
+    (re.compile(r"/pudb/debugger\.py$"), _PROMPT_LOOP, _PROMPT.format(name="pudb")),
     (
         re.compile(r"/debugpy/"),
         re.compile(r"^wait_for_client$"),
@@ -124,8 +126,7 @@ def debugger_wait(stack: str) -> str | None:
     for path, _, function in FRAME.findall(stack):
         for file, func, words in _DEBUGGERS:
             if file.search(path) and func.search(function):
-                name = path.rsplit("/", 1)[-1].removesuffix(".py")
-                return words.format(name="ipdb" if "IPython" in path else name)
+                return words
     return None
 
 

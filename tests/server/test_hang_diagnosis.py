@@ -1018,6 +1018,12 @@ DEBUGPY_STACK = (
             PDB_STACK,
             "stopped at a debugger's prompt (pdb), waiting for someone to type at its standard input",
         ),
+        (
+            PDB_STACK.replace(
+                "/usr/lib/python3.11/pdb.py", "/venv/lib/python3.11/site-packages/pudb/debugger.py"
+            ),
+            "stopped at a debugger's prompt (pudb)",
+        ),
         (DEBUGPY_STACK, "waiting for a debugger to attach (debugpy.wait_for_client()), which none has"),
     ],
 )
