@@ -35,10 +35,10 @@ ADVICE = (
 )
 
 
-def refused_address(error: Record) -> str | None:
-    """``host:port`` of the peer a rank's gloo could not connect to, from its error; None for other errors."""
+def refused_address(error: Record) -> tuple[str, str] | None:
+    """(host, port) of the peer a rank's gloo could not connect to, from its error; None for other errors."""
     m = _CONNECT_FAILED.search(str(error.get("message", "")))
-    return None if m is None else f"{m.group(1)}:{m.group(2)}"
+    return None if m is None else (m.group(1), m.group(2))
 
 
 def stale_peer_address(failed: Sequence[Record], earlier: Iterable[Record]) -> str | None:
@@ -47,11 +47,12 @@ def stale_peer_address(failed: Sequence[Record], earlier: Iterable[Record]) -> s
     is gone; None otherwise."""
     said = " ".join(str(e.get("message", "")) for e in earlier)
     for v in failed:
-        m = _CONNECT_FAILED.search(str(v.get("message", "")))
-        if m is None:
+        tried = refused_address(v)
+        if tried is None:
             continue
-        address = f"{m.group(1)}:{m.group(2)}"
-        if f"[{m.group(1)}]:{m.group(2)}" not in said and address not in said:
+        host, port = tried
+        address = f"{host}:{port}"
+        if f"[{host}]:{port}" not in said and address not in said:
             continue
         return (
             f"after the restart, rank {v['rank']} tried to connect to {address}, an address of the earlier "

@@ -31,7 +31,7 @@ ADVICE = (
 def leftover_store_file(failed: Sequence[Record], snapshot: JobSnapshot) -> str | None:
     """Why ``failed`` (errors of ranks waiting for a peer) could not connect, when one of them was refused
     in ``init_process_group`` on a ``file://`` rendezvous written before its process started; else None."""
-    refused = {v["rank"]: address for v in failed if (address := refused_address(v)) is not None}
+    refused = {v["rank"]: ":".join(address) for v in failed if (address := refused_address(v)) is not None}
     # The error as init_process_group raised it carries the file; the same exception said again as it
     # ends the process (by the agent's last-resort hook, before ddpscope's own are installed) does not.
     for v in snapshot.rank_errors:
