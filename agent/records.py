@@ -167,6 +167,41 @@ TRAINING_THREAD = Field(
     "the thread whose stack and CPU the record is about; absent for the main thread",
 )
 
+BLOCKED_CALL = Field(
+    "blocked_call",
+    OBJECT,
+    required=False,
+    item=(
+        Field("syscall", STR, max_length=64, doc="the system call, by name (or 'syscall N')"),
+        Field(
+            "on",
+            OBJECTS,
+            required=False,
+            item=(
+                Field("fd", INT),
+                Field(
+                    "kind", STR, max_length=64, doc="tcp, tcp-listen, udp, unix, pipe, fifo, tty, file, ..."
+                ),
+                Field(
+                    "name",
+                    STR,
+                    max_length=1000,
+                    doc="the peer's host:port, the listening address, or the path",
+                ),
+                Field(
+                    "role", STR, required=False, doc="'store': a connection to the default group's TCPStore"
+                ),
+            ),
+            doc="the descriptors it waits on (a read's one, a poll's or select's first few)",
+        ),
+        Field("path", STR, required=False, max_length=1000, doc="the path it opens or stats"),
+        Field("pid", INT, required=False, doc="the child process it waits for"),
+        Field("command", STR, required=False, max_length=1000, doc="that child's command line"),
+    ),
+    doc="the system call the training thread was blocked in when the record was made, read from Linux's /proc "
+    "(agent/blocked_call.py); absent when it was running, computing, or the platform cannot tell",
+)
+
 THREAD_STACK = (
     Field("thread", STR, doc="thread name"),
     Field("stack", STR, doc="formatted Python stack, innermost frame last"),
@@ -455,6 +490,7 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             "the stall (near 0: blocked, waiting); null where the platform cannot tell",
         ),
         TRAINING_THREAD,
+        BLOCKED_CALL,
     ),
     "hang_resolved": (
         Field("step", INT),
@@ -476,6 +512,7 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             doc="CPU seconds the training thread used in the stall so far (near 0: blocked); null where unknown",
         ),
         TRAINING_THREAD,
+        BLOCKED_CALL,
     ),
     # An exception (or fatal signal) in training, shipped before the process exits.
     "rank_error": (

@@ -7,8 +7,10 @@ machinery it is blocked in, if any (``agent/torch_waits.py``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from ddpscope.agent.blocked_call import words as blocked_call_words
 from ddpscope.agent.torch_waits import TorchWait, blocked
 
 ENV_HANG_TIMEOUT = "DDPSCOPE_HANG_TIMEOUT"
@@ -45,11 +47,15 @@ def thread_words(thread: str | None) -> str:
     return "the main thread" if thread is None else f"the training thread '{thread}'"
 
 
-def _cpu_words(cpu_s: float, stalled_s: float, thread: str | None) -> str:
-    """Blocked or busy: the first question about a rank stuck in its own code."""
+def _cpu_words(
+    cpu_s: float, stalled_s: float, thread: str | None, call: Mapping[str, Any] | None = None
+) -> str:
+    """Blocked or busy: the first question about a rank stuck in its own code. ``call``: the system call
+    it is blocked in (a ``blocked_call`` field), which says on what."""
     used = f"{thread_words(thread)} used {cpu_s:.1f} s of CPU meanwhile"
     if blocked(cpu_s, stalled_s):
-        return f"{used}: it is blocked, waiting (on a data loader, a queue, a lock, a file or a socket)"
+        on = blocked_call_words(call) or "waiting (on a data loader, a queue, a lock, a file or a socket)"
+        return f"{used}: it is blocked, {on}"
     return (
         f"{used}: it is busy, not waiting (work longer than the timeout, or a loop that never ends; "
         f"if that work is expected, raise {ENV_HANG_TIMEOUT})"
@@ -70,6 +76,7 @@ def hang_message(
     main_cpu_s: float | None = None,
     blocked_in: TorchWait | None = None,
     thread: str | None = None,
+    blocked_call: Mapping[str, Any] | None = None,
 ) -> str:
     """The sentence of a hang report: where this rank is stuck and what to look at next.
 
@@ -77,7 +84,8 @@ def hang_message(
     main thread used during the stall, said when no collective is in flight (blocked or busy);
     ``blocked_in``: the torch machinery the main thread's innermost frame is in, if any
     (``agent/torch_waits.py``): blocked there, the rank waits for a peer in a collective not recorded;
-    ``thread``: the training thread's name when it is not the main thread (the one sampled).
+    ``thread``: the training thread's name when it is not the main thread (the one sampled);
+    ``blocked_call``: the system call that thread is blocked in (``agent/blocked_call.py``).
     """
     who = thread_words(thread)
     missing = [name for b in pending for name in b.get("missing", ())]
@@ -108,7 +116,7 @@ def hang_message(
     if main_site:
         parts.append(f"{who} waits at {main_site}")
     if main_cpu_s is not None and not inflight and not waits_unseen:
-        parts.append(_cpu_words(main_cpu_s, stalled_s, thread))
+        parts.append(_cpu_words(main_cpu_s, stalled_s, thread, blocked_call))
     text = "; ".join(parts) + "."
     if inflight:
         first = inflight[0]

@@ -35,6 +35,12 @@ def name(progress: Progress = PROGRESS) -> str | None:
     return thread.name if thread is not None else f"thread-{trainer}"
 
 
+def native_id(progress: Progress = PROGRESS) -> int | None:
+    """The training thread's id in the kernel (``/proc/self/task/<id>``), None when it is gone."""
+    thread = threading._active.get(ident(progress))  # type: ignore[attr-defined]
+    return None if thread is None else thread.native_id
+
+
 def frame(progress: Progress = PROGRESS) -> FrameType | None:
     """The training thread's innermost frame, None when it has none to read."""
     trainer = ident(progress)

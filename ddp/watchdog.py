@@ -62,6 +62,7 @@ from types import FrameType
 from typing import Any
 
 from ddpscope.agent import emit, emit_durable, get_agent
+from ddpscope.agent.blocked_call import read as read_blocked_call
 from ddpscope.agent.clock import now_ns
 from ddpscope.agent.config import (
     MIN_HANG_TIMEOUT_S,
@@ -72,7 +73,7 @@ from ddpscope.agent.config import (
 from ddpscope.agent.exit_wait import ADVICE, HANDLER_ADVICE, at_exit, holders_phrase, shutting_down
 from ddpscope.agent.log import get_logger
 from ddpscope.agent.memory import MemoryReader
-from ddpscope.agent.torch_waits import torch_wait
+from ddpscope.agent.torch_waits import blocked, torch_wait
 from ddpscope.ddp import errors, setup_wait, training_thread
 from ddpscope.ddp.collectives import FOLD_WAIT_NS, RECORDER, CollectiveRecorder, disabled
 from ddpscope.ddp.hang_text import hang_message
@@ -136,6 +137,25 @@ def _world_size() -> int | None:
             return int(dist.get_world_size())
     except Exception:  # the group is being destroyed on the main thread
         logger.debug("ddpscope: no world size for the heartbeat", exc_info=True)
+    return None
+
+
+def _store_address() -> tuple[str, int] | None:
+    """The default process group's TCPStore as (host, port): a blocked call on a connection to it is a
+    wait for the store. None without one (no group yet, a file store)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return None
+        store: Any = dist.distributed_c10d._get_default_store()
+        for _ in range(8):  # PrefixStores around the TCPStore
+            if store is None:
+                return None
+            if hasattr(store, "port") and hasattr(store, "host"):
+                return str(store.host), int(store.port)
+            store = getattr(store, "underlying_store", None)
+    except Exception:  # the group is being destroyed on the main thread
+        logger.debug("ddpscope: no store address", exc_info=True)
     return None
 
 
@@ -388,6 +408,7 @@ class Watchdog:
             return
         progress = self._progress
         main_cpu_s = self._main_cpu_since_change()
+        waits_on = self._blocked_call(main_cpu_s, stalled_s)
         emit(
             {
                 "kind": "stall_sample",
@@ -398,12 +419,24 @@ class Watchdog:
                 "stack": format_stack(frame),
                 "main_cpu_s": None if main_cpu_s is None else round(main_cpu_s, 3),
                 **({"thread": thread} if (thread := training_thread.name(progress)) else {}),
+                **({"blocked_call": waits_on} if waits_on else {}),
             }
         )
 
     def _site(self, frame: FrameType | None) -> str | None:
         """file:line of ``frame``'s innermost user code, else of the call the recorder knows it by."""
         return None if frame is None else _user_site(frame) or self._recorder.frame_site(frame)
+
+    def _blocked_call(self, main_cpu_s: float | None, stalled_s: float) -> dict[str, Any] | None:
+        """The system call the training thread is blocked in (``agent/blocked_call.py``), when it used next
+        to no CPU in the stall (a busy thread's is a moment's); None otherwise."""
+        if blocked(main_cpu_s, stalled_s) is False:
+            return None
+        try:
+            return read_blocked_call(training_thread.native_id(self._progress), _store_address())
+        except Exception:  # never cost the report its other fields
+            logger.debug("ddpscope: reading the blocked call failed", exc_info=True)
+            return None
 
     def _main_cpu_since_change(self) -> float | None:
         """CPU seconds the main thread used since the last progress (near 0: blocked); None when unknown."""
@@ -514,6 +547,8 @@ class Watchdog:
             return
         recent = self._recorder.recent(1)
         thread = training_thread.name(progress)
+        # Only outside a collective: inside one the thread waits for gloo (a futex), which says nothing new.
+        waits_on = None if inflight else self._blocked_call(main_cpu_s, stalled_s)
         message = hang_message(
             _rank(),
             phase,
@@ -527,9 +562,19 @@ class Watchdog:
             main_cpu_s=main_cpu_s,
             blocked_in=blocked_in,
             thread=thread,
+            blocked_call=waits_on,
         )
         self._emit_hang(
-            phase, step, stalled_s, pending, inflight, message, partial, main_cpu_s, thread=thread
+            phase,
+            step,
+            stalled_s,
+            pending,
+            inflight,
+            message,
+            partial,
+            main_cpu_s,
+            thread=thread,
+            blocked_call=waits_on,
         )
 
     def _emit_hang(
@@ -545,11 +590,15 @@ class Watchdog:
         *,
         exiting: bool = False,
         thread: str | None = None,
+        blocked_call: dict[str, Any] | None = None,
     ) -> None:
-        """``thread``: the training thread's name when the report is about it and it is not the main one."""
+        """``thread``: the training thread's name when the report is about it and it is not the main one;
+        ``blocked_call``: the system call it is blocked in."""
         extra: dict[str, Any] = {"exiting": True} if exiting else {}
         if thread is not None:
             extra["thread"] = thread  # the stack (and CPU) the report is about is not the main thread's
+        if blocked_call:
+            extra["blocked_call"] = blocked_call
         emit(
             {
                 **extra,

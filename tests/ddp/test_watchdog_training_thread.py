@@ -68,6 +68,8 @@ def test_a_loop_training_on_its_own_thread_is_sampled_and_reported_there_not_in_
         in hang["message"]
     )
     assert "see the training thread 'trainer''s stack" in hang["message"]
+    assert hang["blocked_call"] == {"syscall": "futex"}  # the trainer's thread, not the main one's join
+    assert "it is blocked, waiting on a lock or condition variable (futex)" in hang["message"]
     assert {s["thread"] for s in hang["stacks"]} >= {"trainer", "MainThread"}
 
 
