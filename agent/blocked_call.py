@@ -299,8 +299,8 @@ def words(call: Mapping[str, Any] | None) -> str | None:
         return _fd_words(on, syscall)
     if call.get("path"):
         return (
-            f"in {syscall} of {call['path']} (a named pipe whose other end never opens, or a file system that does "
-            "not answer, such as a network mount)"
+            f"in {syscall} of {call['path']} (a named pipe waits there for its other end to open, any other path "
+            "on a slow or unresponsive file system: a network mount)"
         )
     if call.get("pid") is not None:
         command = f" ({call['command']})" if call.get("command") else ""
@@ -327,34 +327,35 @@ def _fd_words(on: Sequence[Mapping[str, Any]], syscall: str) -> str:
     if store is not None:
         return (
             f"waiting on the process group's store at {store.get('name')} ({syscall}): a store.wait() or "
-            "store.get() of a key no rank has set (the rank meant to set it has not got there, or spells the key "
-            "differently), or a barrier through the store that another rank never reaches"
+            "store.get() of a key no rank has set yet (the rank meant to set it has not got there, or spells the "
+            "key differently), or a barrier through the store that another rank has not reached"
         )
     first = on[0]
     kind, name = str(first.get("kind", "")), str(first.get("name") or "")
     more = f" (and {len(on) - 1} more)" if len(on) > 1 else ""
     at = f"{more} ({syscall})"
     # A write blocks on a full buffer, a read on an empty one: the other end is not reading, or not writing.
-    silent = "does not read what this one writes" if syscall in _WRITES else "does not answer"
+    answer = "read what this one writes" if syscall in _WRITES else "answer"
     if kind == "tcp":
-        return f"waiting on a TCP connection to {name}{at}: the other side {silent}; give that call a timeout"
+        return (
+            f"waiting on a TCP connection to {name}{at} for the other side to {answer} (a call without a timeout "
+            "waits for good)"
+        )
     if kind == "tcp-listen":
         return f"waiting for a connection on {name}{at} that no one makes"
     if kind == "udp":
         return f"waiting on a UDP socket{' to ' + name if name else ''}{at}"
     if kind == "unix":
-        return (
-            f"waiting on a Unix socket{' ' + name if name else ''}{at}: the process at its other end {silent}"
-        )
+        return f"waiting on a Unix socket{' ' + name if name else ''}{at} for the process at its other end to {answer}"
     if kind in ("pipe", "fifo"):
         pipe = "a pipe" if kind == "pipe" else f"the named pipe {name}"
-        end = "nothing reads (it is full)" if syscall in _WRITES else "nothing writes to"
-        return f"waiting on {pipe}{at} that {end}: a subprocess, or a worker's queue"
+        end = "read (it is full)" if syscall in _WRITES else "write"
+        return f"waiting on {pipe}{at} for its other end to {end} (a subprocess, or a worker's queue)"
     if kind == "tty":
         return f"waiting on the terminal {name}{at}: input() or a prompt waits for someone to type"
     if kind == "file":
         return (
-            f"waiting on the file {name}{at}: a file system that does not answer, such as a network mount, or a "
-            "lock another process holds"
+            f"waiting on the file {name}{at}: a slow or unresponsive file system (a network mount), or a lock "
+            "another process holds"
         )
     return f"waiting on {kind or 'a descriptor'}{' ' + name if name else ''}{at}"

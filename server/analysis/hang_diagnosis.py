@@ -74,6 +74,7 @@ from ddpscope.server.analysis.stuck import (
     wait_spans,
     waiters,
     waits_for_loader,
+    waits_on,
 )
 from ddpscope.server.analysis.wait_graph import WaitGraph
 from ddpscope.server.analysis.wrappers import wrappers_differ
@@ -368,6 +369,8 @@ class _HangReading:
             culprits = [rank]
             cpu = main_blocked(h)
             how = "" if cpu is None else "blocked (no CPU), " if cpu else "computing all along, "
+            if cpu and (on := waits_on(h)):
+                how = f"blocked (no CPU), {on}, "
             if debugger := debugger_wait(main_stack(h) or ""):
                 how = f"{debugger}, "
             elif waits_for_loader(h):

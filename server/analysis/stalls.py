@@ -30,7 +30,7 @@ from ddpscope.agent.torch_waits import blocked
 from ddpscope.server.analysis.native_wait import named_thread_words
 from ddpscope.server.analysis.steps import StepTiming
 from ddpscope.server.analysis.stragglers import PHASES, median_without, phases_by_step
-from ddpscope.server.analysis.stuck import stack_waits_for_loader
+from ddpscope.server.analysis.stuck import stack_waits_for_loader, waits_on
 from ddpscope.server.rows import StepRow
 
 WINDOW_STEPS = 200
@@ -70,15 +70,19 @@ class StallSite:
     thread: str | None = None
     """The name of the thread sampled when the rank trains on one other than its main thread; None for the
     main thread."""
+    waits_on: str | None = None
+    """What the blocked thread waited on in the latest sample at that line (``stuck.waits_on``: the system
+    call, and a socket's peer, a file's path, a child), when it was blocked and the sample said."""
 
     def sentence(self) -> str:
         where = f"at {self.site}" if self.site else "outside user code"
         if self.loader:
             where += ", waiting for its DataLoader's workers to deliver the next batch,"
         stalls = "that stall" if self.stalls == 1 else f"{self.stalls} of those stalls"
+        how = f", blocked, {self.waits_on}" if self.blocked and self.waits_on else HOW[self.blocked]
         return (
             f"Sampled {self.from_s:.1f} s and more into {stalls}, its {named_thread_words(self.thread)} was {where} in "
-            f"{self.samples} of {self.of} samples{HOW[self.blocked]}"
+            f"{self.samples} of {self.of} samples{how}"
         )
 
     def advice(self) -> str:
@@ -216,14 +220,18 @@ def stall_site(samples: Sequence[Mapping[str, Any]], stalled_steps: set[int]) ->
     there = [x for x in taken if x.get("site") == site]
     cpu = [x.get("main_cpu_s") for x in there]
     spent = sum(float(x["stalled_s"]) for x in there)
+    was_blocked = None if None in cpu else blocked(sum(float(c or 0) for c in cpu), spent)
+    loader = stack_waits_for_loader(str(there[-1]["stack"]))
     return StallSite(
         site=site,
         samples=n,
         of=len(taken),
         stalls=len({(int(x["step"]), x["phase"]) for x in taken}),
-        blocked=None if None in cpu else blocked(sum(float(c or 0) for c in cpu), spent),
+        blocked=was_blocked,
         stack=str(there[-1]["stack"]),
         from_s=min(float(x["stalled_s"]) for x in taken),
-        loader=stack_waits_for_loader(str(there[-1]["stack"])),
+        loader=loader,
         thread=there[-1].get("thread"),
+        # A DataLoader's wait on its workers' pipe is said as such (``loader``), not as a pipe.
+        waits_on=waits_on(there[-1]) if was_blocked and not loader else None,
     )

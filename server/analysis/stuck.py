@@ -18,9 +18,10 @@ rank's own code: it is a hang, and it makes the peer it waits for one.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ddpscope.agent.blocked_call import words as blocked_call_words
 from ddpscope.server.analysis.incident_model import Record, first_line, phase_words, record_s, user_frame
 from ddpscope.server.analysis.native_wait import FRAME, exiting, main_blocked, main_stack, native_wait
 from ddpscope.server.analysis.snapshot import JobSnapshot
@@ -48,6 +49,9 @@ class Stuck:
     """``dead_thread_note``: a thread of the rank that died before it got stuck, when its main thread waits."""
     debugger: str | None = None
     """``debugger_wait``: the thread sits in a debugger waiting for a person (pdb's prompt, an attach)."""
+    waits_on: str | None = None
+    """``blocked_call.words`` of the report's ``blocked_call``: the system call a blocked thread sits in,
+    and on what (a socket's peer, the process group's store, a path, a child process)."""
 
     def phrase(self) -> str:
         at = f" at {self.site}" if self.site else ""
@@ -58,6 +62,8 @@ class Stuck:
             if self.loader
             else ""
             if self.blocked is None
+            else f", blocked, using no CPU, {self.waits_on}"
+            if self.blocked and self.waits_on
             else ", blocked, using no CPU (waiting on a lock, I/O, a queue or a sleep)"
             if self.blocked
             else ", computing all along (a loop that does not end, or work far slower than usual)"
@@ -128,6 +134,13 @@ def debugger_wait(stack: str) -> str | None:
             if file.search(path) and func.search(function):
                 return words
     return None
+
+
+def waits_on(record: Record) -> str | None:
+    """What a hang report's or stall sample's blocked training thread waits on, in words (its
+    ``blocked_call``: ``agent/blocked_call.py``); None when the record does not say."""
+    call = record.get("blocked_call")
+    return blocked_call_words(call) if isinstance(call, Mapping) else None
 
 
 def waits_for_loader(hang: Record) -> bool:
@@ -234,5 +247,6 @@ def stuck_outside(
             waits_for_loader(h),
             dead,
             debugger_wait(main_stack(h) or ""),
+            waits_on(h) if blocked else None,
         )
     return out

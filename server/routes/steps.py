@@ -173,7 +173,7 @@ async def get_stalls(
     """Ranks that hold every other rank up now and then rather than in most steps (``analysis/stalls.py``):
     ``rank``, ``stalls``, ``every``, ``median_excess_s``, ``share``, ``phase``, ``steps``, ``sampled`` (where the
     rank's training thread was in them: ``site``, ``samples``, ``of``, ``stalls``, ``blocked``, ``stack``, ``from_s``,
-    ``loader``, ``thread``; null when its watchdog sampled none), ``message``; over the last ``steps`` steps. Apart from ``/stragglers``, which stays a short read: this one reads ten times the steps."""
+    ``loader``, ``thread``, ``waits_on``; null when its watchdog sampled none), ``message``; over the last ``steps`` steps. Apart from ``/stragglers``, which stays a short read: this one reads ten times the steps."""
     return await run_in_threadpool(_stalls, storage, job_id, steps)
 
 

@@ -63,7 +63,10 @@ def test_a_read_from_a_tcp_peer_that_never_answers_names_the_peer_address(
         "on": [{"fd": client.fileno(), "kind": "tcp", "name": f"{host}:{port}"}],
     }
     said = blocked_call.words(call)
-    assert said is not None and said.startswith(f"waiting on a TCP connection to {host}:{port} (recvfrom)")
+    assert said == (
+        f"waiting on a TCP connection to {host}:{port} (recvfrom) for the other side to answer (a call without "
+        "a timeout waits for good)"
+    )
     assert validate_record({"kind": "stall_sample", "blocked_call": call, **_SAMPLE}) == "stall_sample"
 
 
@@ -81,7 +84,7 @@ def test_a_select_on_the_process_groups_store_connection_is_said_as_a_wait_for_t
     assert call["on"] == [{"fd": client.fileno(), "kind": "tcp", "name": f"{host}:{port}", "role": "store"}]
     said = blocked_call.words(call)
     assert said is not None and f"waiting on the process group's store at {host}:{port}" in said
-    assert "store.wait() or store.get() of a key no rank has set" in said
+    assert "store.wait() or store.get() of a key no rank has set yet" in said
 
 
 def test_a_store_given_by_host_name_is_matched_on_its_port(
@@ -113,11 +116,11 @@ def test_a_read_from_an_empty_pipe_and_a_write_to_a_full_one_say_which_end_is_si
     try:
         call = _read(lambda: os.read(r, 1))
         assert call == {"syscall": "read", "on": [{"fd": r, "kind": "pipe", "name": ""}]}
-        assert "a pipe (read) that nothing writes to" in (blocked_call.words(call) or "")
+        assert "a pipe (read) for its other end to write (a subprocess" in (blocked_call.words(call) or "")
         os.set_blocking(w, True)
         full = _read(lambda: os.write(w, b"x" * (1 << 20)))
         assert full is not None and full["syscall"] == "write"
-        assert "that nothing reads (it is full)" in (blocked_call.words(full) or "")
+        assert "for its other end to read (it is full)" in (blocked_call.words(full) or "")
     finally:
         os.close(r)
         os.close(w)
@@ -128,7 +131,9 @@ def test_opening_a_named_pipe_no_one_opens_names_the_path(tmp_path: Path) -> Non
     os.mkfifo(fifo)
     call = _read(fifo.read_text)
     assert call == {"syscall": "openat", "path": str(fifo)}
-    assert f"in openat of {fifo} (a named pipe" in (blocked_call.words(call) or "")
+    assert f"in openat of {fifo} (a named pipe waits there for its other end to open" in (
+        blocked_call.words(call) or ""
+    )
     with open(fifo, "w"):  # lets the thread go
         pass
 

@@ -58,4 +58,4 @@ def test_a_rank_waiting_on_the_process_groups_store_is_said_to_wait_there_with_t
         (on,) = record["blocked_call"]["on"]
         assert on["kind"] == "tcp" and on["role"] == "store" and on["name"].endswith(f":{port}"), record
     assert f"it is blocked, waiting on the process group's store at {on['name']}" in hang["message"]
-    assert "store.wait() or store.get() of a key no rank has set" in hang["message"]
+    assert "store.wait() or store.get() of a key no rank has set yet" in hang["message"]

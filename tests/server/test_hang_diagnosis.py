@@ -4,6 +4,8 @@ a hung job killed by its time limit, a stopped rank whose heartbeat lags its ste
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from ddpscope.server.analysis.incidents import Incident, diagnose
@@ -21,9 +23,10 @@ def stuck_hang(
     line: int = 12,
     cpu_s: float | None = None,
     stack: str | None = None,
+    blocked_call: dict[str, Any] | None = None,
 ) -> None:
     """A hang report with nothing in flight: the main thread sits in user code (traceback format), or at
-    ``stack``."""
+    ``stack``; ``blocked_call``: the system call it sits in, as the watchdog read it."""
     main = stack or (
         '  File "/proj/train.py", line 80, in <module>\n'
         f'  File "/proj/data.py", line {line}, in next_batch\n'
@@ -33,8 +36,9 @@ def stuck_hang(
         {"thread": "ddpscope-agent", "stack": '  File "/work/agent/worker.py", line 107, in _run\n'},
         {"thread": "MainThread", "stack": main},
     ]
+    extra = {"blocked_call": blocked_call} if blocked_call else {}
     job.add("hang", rank, t, phase=phase, step=step, stalled_s=5.0, pending_buckets=[], inflight=[],
-            stacks=stacks, message="no progress", main_cpu_s=cpu_s)  # fmt: skip
+            stacks=stacks, message="no progress", main_cpu_s=cpu_s, **extra)  # fmt: skip
 
 
 def waiting_in(job: JobRecords, rank: int, t: float, seq: int, *, step: int) -> None:
@@ -149,6 +153,37 @@ def test_the_peer_a_rank_waits_for_is_said_to_be_computing_or_blocked_from_its_c
     assert said in next(i for i in incidents if i.kind == "hang" and i.rank == 0).message
     own = next(i for i in incidents if i.kind == "hang" and i.rank == 1).message
     assert ("computing all along, outside" if cpu_s > 1 else "blocked (no CPU), outside") in own, own
+
+
+STORE_WAIT = {"syscall": "poll", "on": [{"fd": 13, "kind": "tcp", "name": "10.0.0.4:29500", "role": "store"}]}
+"""torch 2.13's ``store.wait([key])`` on the default group's TCPStore, as ``agent/blocked_call.py`` reads it."""
+
+
+def test_the_peer_a_rank_waits_for_is_said_to_wait_on_what_its_blocked_call_names() -> None:
+    job = started(2)
+    end = job.train(3)
+    waiting_in(job, 0, end + 5, 7, step=3)
+    stuck_hang(job, 1, end + 5, step=2, phase="idle", cpu_s=0.01, blocked_call=STORE_WAIT)
+    incidents = diagnose(job.snapshot(), end + 6)
+    said = (
+        "blocked, using no CPU, waiting on the process group's store at 10.0.0.4:29500 (poll): a store.wait()"
+    )
+    waiting = next(i for i in incidents if i.kind == "hang" and i.rank == 0).message
+    assert said in waiting and "(waiting on a lock, I/O" not in waiting, waiting
+    own = next(i for i in incidents if i.kind == "hang" and i.rank == 1).message
+    assert "blocked (no CPU), waiting on the process group's store at 10.0.0.4:29500 (poll)" in own, own
+
+
+def test_a_blocked_call_read_while_the_thread_was_busy_is_not_said() -> None:
+    """A thread that computed through the stall and sat in a system call for a moment as it was read."""
+    job = started(2)
+    end = job.train(3)
+    waiting_in(job, 0, end + 5, 7, step=3)
+    stuck_hang(job, 1, end + 5, step=2, phase="idle", cpu_s=4.9, blocked_call={"syscall": "futex"})
+    incidents = diagnose(job.snapshot(), end + 6)
+    for i in incidents:
+        assert "futex" not in i.message, i.message
+    assert "computing all along" in next(i for i in incidents if i.kind == "hang" and i.rank == 0).message
 
 
 def test_a_rank_stopped_while_stuck_in_its_own_code_is_said_where_it_was_stuck_then_how_it_ended() -> None:

@@ -130,6 +130,18 @@ def test_a_stall_spent_waiting_for_the_dataloaders_workers_says_the_time_goes_in
     ), stall.sentence()
 
 
+def test_a_stall_sampled_blocked_in_a_read_names_the_file_it_waited_on() -> None:
+    rows = _steps(extra_ms=lambda rank, step: 300 if rank == 1 and step % 10 == 5 else 0)
+    nfs = {"syscall": "read", "on": [{"fd": 7, "kind": "file", "name": "/mnt/nfs/shard-17.bin"}]}
+    samples = [{**_sample(1, s, "idle", 0.5, "data.py:3", 0.01), "blocked_call": nfs} for s in (14, 24)]
+    (stall,) = intermittent_stalls(rows, samples=samples)
+    assert stall.sampled is not None and stall.sampled.waits_on is not None
+    assert (
+        "its main thread was at data.py:3 in 2 of 2 samples, blocked, waiting on the file /mnt/nfs/shard-17.bin "
+        "(read): a slow or unresponsive file system (a network mount)" in stall.sentence()
+    ), stall.sentence()
+
+
 def test_a_stall_sampled_on_the_thread_a_rank_trains_on_names_that_thread() -> None:
     rows = _steps(extra_ms=lambda rank, step: 300 if rank == 1 and step % 10 == 5 else 0)
     on_trainer = [{**_sample(1, 14, "idle", 0.5, "ckpt.py:7", 0.01), "thread": "trainer"}]
