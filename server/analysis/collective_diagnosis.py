@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
@@ -273,7 +274,8 @@ def mismatch_incidents(
         keys = _Lazy(partial(_keys_by_rank, ranks))
         all_seqs = sorted({s for seqs in ranks.values() for s in seqs})
         found: tuple[int, str, dict[Any, list[int]], dict[int, Record]] | None = None
-        later = 0
+        first_calls: dict[int, tuple[Any, ...]] = {}
+        repeats = others = 0
         for seq in all_seqs:
             recs = {r: seqs[seq] for r, seqs in ranks.items() if seq in seqs}
             if len(recs) < 2:
@@ -281,10 +283,14 @@ def mismatch_incidents(
             reason, groups = _disagreement(recs, sites)
             if reason and found is None:
                 found = (seq, reason, groups, recs)
+                first_calls = {r: full_key(c) for r, c in recs.items()}
+            elif reason and {r: full_key(c) for r, c in recs.items()} == first_calls:
+                repeats += 1  # the same calls again (a loop runs them every step), not a shifted order
             elif reason:
-                later += 1
+                others += 1
         if found is None:
             continue
+        later = Later(repeats, others)
         racing = _racing_ranks(snapshot, pg)
         if racing:
             seq, reason, _, recs = found
@@ -319,7 +325,7 @@ def _threads_race(
     reason: str,
     recs: Mapping[int, Record],
     racing: list[int],
-    later: int,
+    later: Later,
     blame: dict[int, str],
 ) -> Incident:
     """A mismatch on a group whose collectives come from two threads at once on some ranks: that race
@@ -450,7 +456,7 @@ def _mismatch(
     groups: dict[Any, list[int]],
     recs: dict[int, Record],
     *,
-    later: int,
+    later: Later,
     ranks: Mapping[int, Mapping[int, Record]],
     keys: Mapping[int, set[tuple[Any, ...]]],
     blame: dict[int, str],
@@ -576,7 +582,7 @@ def _same_line(
     recs: Mapping[int, Record],
     site: str,
     blame: dict[int, str],
-    later: int,
+    later: Later,
 ) -> Incident:
     """Every rank issued collective #seq from one line, with different shapes or dtypes: the line is at
     fault, and the minority (on a tie, the side ``_reference`` does not take) only the odd size out, not a
@@ -622,7 +628,7 @@ def _from_signal_handler(
     recs: Mapping[int, Record],
     handled: Mapping[int, str],
     blame: dict[int, str],
-    later: int,
+    later: Later,
 ) -> Incident:
     """A mismatch whose odd side was called from a signal handler (the agent records the signal): a
     preemption handler that checkpoints with a collective. Whichever side the majority is on, the handler's
@@ -694,11 +700,28 @@ def _mismatch_incident(
     )
 
 
-def _later_too(later: int) -> str:
+@dataclass(frozen=True, slots=True)
+class Later:
+    """The disagreements that follow a mismatch at the same group."""
+
+    repeats: int = 0
+    """The same calls disagreeing again: the line runs again (every step), each time wrong."""
+    others: int = 0
+    """Other calls that disagree: the consequence of the first (a shifted order)."""
+
+
+def _later_too(later: Later) -> str:
     """The note on the disagreements that follow a mismatch at the same group ('' when none do)."""
-    if not later:
-        return ""
-    return f" ({later} later collective{'s of this group disagree' if later > 1 else ' of this group disagrees'} too, as a consequence)"
+    again = f"the same calls disagree {_times(later.repeats)} more later" if later.repeats else ""
+    n = later.others
+    if not n:
+        return f" ({again})" if again else ""
+    others = f"{n} {'other ' if again else 'later '}collective{'s of this group disagree' if n > 1 else ' of this group disagrees'} too, as a consequence"
+    return f" ({again}, and {others})" if again else f" ({others})"
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else "twice" if n == 2 else f"{n} times"
 
 
 def _sizes_differ(reason: str) -> bool:

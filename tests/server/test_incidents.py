@@ -589,6 +589,24 @@ def test_mismatched_shapes_say_gloo_aborts_and_count_the_later_disagreements() -
     )
 
 
+def test_the_same_mismatched_calls_run_again_each_step_are_counted_as_repeats_not_as_a_consequence() -> None:
+    # A metric all-reduced with MAX on rank 1 and SUM on rank 0 after every step: gloo pairs them each time.
+    job = started(2)
+    end = job.train(2)
+    for i in range(3):
+        for rank, op in ((0, "SUM"), (1, "MAX")):
+            job.coll(rank, end + i, 5 + 2 * i, shapes=[[1]], reduce_op=op, site="train.py:8")
+            job.coll(rank, end + i + 0.5, 6 + 2 * i, shapes=[[3]], reduce_op="SUM", site="train.py:9")
+    job.coll(0, end + 4, 11, shapes=[[4]], site="train.py:20")  # and one other call disagrees
+    job.coll(1, end + 4, 11, shapes=[[5]], site="train.py:20")
+    m = only(diagnose(job.snapshot(), end + 5), "mismatch")
+    assert m.seq == 5 and "The reduce ops differ" in m.message
+    assert (
+        "(the same calls disagree twice more later, and 1 other collective of this group disagrees too, as a "
+        "consequence)" in m.message
+    ), m.message
+
+
 def test_one_line_gathering_a_size_of_its_own_on_each_rank_is_blamed_on_the_line_with_the_fix() -> None:
     # Variable-length predictions gathered for evaluation: every rank calls the same line, in step.
     job = started(2)
