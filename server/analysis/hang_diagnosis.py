@@ -310,7 +310,11 @@ class _HangReading:
                 "; it has never reported: it is stuck or slow before its first measured collective, or not "
                 "running (or running without ddpscope: DDPSCOPE_DISABLED set on its node)"
             )
-        return ""
+        _, ended_s = self._end()
+        silence = self.live.silence(
+            rank, ended_s if ended_s is not None else self.live.seen_until_s(self.rank)
+        )
+        return f"; it {silence}" if silence else ""
 
     def incident(
         self, missing: Sequence[Incident], blame: Mapping[int, str], waiting: Sequence[int], graph: WaitGraph

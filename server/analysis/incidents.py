@@ -883,6 +883,7 @@ def _error_incidents(
             # What the failed ranks were waiting in when they gave up: a timeout's cause.
             culprits = sorted({r for _, _, held in awaited for r in held})
             cause = "; ".join(_awaited_phrase(v, c, held) for v, c, held in awaited)
+            cause += "".join(f"; rank {r} {quiet}" for r in culprits if (quiet := live.silence(r, first_s)))
             cause = f"the cause is on {ranks_phrase(culprits)}: {cause}"
             for *_, held in awaited:
                 for r, why in held.items():

@@ -173,6 +173,20 @@ class Liveness:
             return _s(exit_) if exit_.get("reason") in STOP_SIGNALS else None
         return min((_s(e) for e in self.exits.values() if e.get("reason") in STOP_SIGNALS), default=None)
 
+    def silence(self, rank: int, until_s: float) -> str:
+        """ "had sent nothing for 25 s by then, heartbeats included: ..." when ``rank``'s newest record (of any
+        kind) is ``silent_after_s`` or more older than ``until_s`` (a peer's wait ending, a peer's error): its
+        whole process fell quiet, the watchdog's heartbeats too, which no code path of the rank's does by
+        itself. '' otherwise, and for a rank never heard of or one that exited."""
+        last = self.last_alive_s.get(rank)
+        if last is None or rank in self.exits or until_s - last < self.silent_after_s:
+            return ""
+        return (
+            f"had sent nothing for {until_s - last:.0f} s by then, heartbeats included: its whole process was "
+            "stopped (SIGSTOP, Ctrl-Z, a debugger such as gdb attached), froze (its host swapping or hung), or "
+            "lost its network"
+        )
+
     def seen_until_s(self, rank: int) -> float:
         """How far the rank's story runs: now, or its last sign of life once the whole job went quiet
         (killed, stopped), or its exit: a wait or a hang ended then, it does not keep growing."""

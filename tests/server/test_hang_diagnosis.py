@@ -310,6 +310,41 @@ def test_a_timeout_on_every_rank_is_blamed_on_the_rank_whose_hang_report_shows_i
     assert "no rank reported a cause" not in err.message
 
 
+def test_a_peer_that_fell_silent_heartbeats_and_all_is_said_to_have_been_stopped_frozen_or_cut_off() -> None:
+    # Rank 1 is SIGSTOPped after step 2: no hang report, no error, not even a heartbeat. Rank 0 waits in
+    # step 3's all-reduce, reports its hang, and dies of the group's 20 s timeout.
+    job = started(2)
+    end = job.train(3)
+    waiting_in(job, 0, end + 5, 7, step=3)
+    for t in range(1, 20, 2):
+        job.heartbeat(0, end + t, step=3, phase="allreduce", last=7)
+    job.error(0, end + 20, "[gloo] Timed out waiting 20000ms for recv operation to complete", step=3)
+    incidents = diagnose(job.snapshot(), end + 21)
+    said = "had sent nothing for 20 s by then, heartbeats included: its whole process was stopped (SIGSTOP"
+    hang = next(i for i in incidents if i.kind == "hang" and i.rank == 0)
+    assert (
+        hang.culprit_ranks == [1]
+        and f"never issued collective #7 of group default; it {said}" in hang.message
+    )
+    err = only(incidents, "rank_error")
+    assert err.culprit_ranks == [1] and f"which rank 1 never issued; rank 1 {said}" in err.message, (
+        err.message
+    )
+
+
+def test_a_peer_that_kept_sending_heartbeats_while_it_never_issued_the_call_is_not_said_to_be_silent() -> (
+    None
+):
+    job = started(2)
+    end = job.train(3)
+    waiting_in(job, 0, end + 5, 7, step=3)
+    for t in range(1, 20, 2):
+        job.heartbeat(1, end + t, step=2, phase="idle", last=6)  # alive, in code of its own
+    job.error(0, end + 20, "[gloo] Timed out waiting 20000ms for recv operation to complete", step=3)
+    for i in diagnose(job.snapshot(), end + 21):
+        assert "had sent nothing" not in i.message, i.message
+
+
 def test_a_rank_stuck_between_forward_and_backward_is_said_to_be_in_its_own_code_there() -> None:
     job = started(2)
     end = job.train(3)
