@@ -30,6 +30,7 @@ INCIDENT_KINDS = (
             "settings_differ",
             "models_differ",
             "job_id_shared",
+            "duplicate_rank",
             "memory_growth",
         }
     )

@@ -58,3 +58,56 @@ def test_the_collector_names_a_shared_job_id_from_what_it_stored(storage) -> Non
     storage.write_batch(decoded(job.records))
     (inc,) = [i for i in diagnose(storage.load_snapshot(job.job), end) if i.kind == "job_id_shared"]
     assert inc.culprit_ranks == [1] and "rank 1 has a process (pid 1001" in inc.message
+
+
+def _in_process(job: JobRecords, rank: int, incarnation: int) -> None:
+    """Make ``rank``'s next records its ``incarnation``-th process's (agent stream)."""
+    job._incarnation[rank] = incarnation
+
+
+def test_a_second_process_given_a_ranks_number_that_stalls_in_its_set_up_is_a_duplicate_rank() -> None:
+    # Launched as RANK=0, 1, 1 with WORLD_SIZE=2: the second rank 1 never gets through its DDP model's
+    # construction (no rank_start) and reports a 6 s stall while the first rank 1 trains.
+    job = started(2)
+    job.train(5)
+    _in_process(job, 1, 2)
+    job.hang(1, T0 + 7.5, step=0, inflight=[], stalled_s=6.0)
+    _stats(job, 1, T0 + 8, incarnation=2)
+    _in_process(job, 1, 1)
+    end = job.train(5, first=5, t=T0 + 2)
+    for r in range(2):
+        _stats(job, r, T0 + 9, incarnation=1)
+    (inc,) = [i for i in diagnose(job.snapshot(), end) if i.kind in ("duplicate_rank", "job_id_shared")]
+    assert inc.kind == "duplicate_rank" and inc.culprit_ranks == [1]
+    assert inc.message.startswith(
+        "Rank 1 has two processes at once, while rank 0 has one: rank 1's process (pid 1001"
+    )
+    assert "and another (that never announced itself" in inc.message and "stalled 6 s" in inc.message
+    assert "One launch gave two processes the same RANK" in inc.message
+
+
+def test_a_second_rank_0_that_fails_at_once_on_the_stores_port_is_a_duplicate_rank_not_a_restart() -> None:
+    job = started(2)
+    job.train(3)
+    _in_process(job, 0, 2)
+    job.error(0, T0 + 3, "The server socket has failed to listen on any local network address. port: 29500, "
+              "useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use", fatal=True)  # fmt: skip
+    _in_process(job, 0, 1)
+    end = job.train(20, first=3, t=T0 + 4, dt=1.0)
+    for r in range(2):
+        _stats(job, r, end, incarnation=1)
+    (inc,) = [i for i in diagnose(job.snapshot(), end) if i.kind in ("duplicate_rank", "job_id_shared")]
+    assert inc.kind == "duplicate_rank" and inc.culprit_ranks == [0]
+    assert "then failed" not in inc.message and "and failed (RuntimeError: The server socket" in inc.message
+
+
+def test_a_rank_restarted_after_its_process_died_is_not_a_duplicate() -> None:
+    job = started(2)
+    job.train(3)
+    job.error(1, T0 + 2, "CUDA-free failure", fatal=True)
+    _stats(job, 1, T0 + 2.5, incarnation=1)
+    job.start(1, T0 + 6)  # a supervisor relaunched this rank's process once the old one had died
+    end = job.train(20, first=3, t=T0 + 7)
+    assert [
+        i.kind for i in diagnose(job.snapshot(), end) if i.kind in ("duplicate_rank", "job_id_shared")
+    ] == []
