@@ -100,7 +100,7 @@ from ddpscope.server.analysis.nonfinite import nonfinite_incidents
 from ddpscope.server.analysis.rank_settings import settings_incidents
 from ddpscope.server.analysis.replica_divergence import replica_incidents
 from ddpscope.server.analysis.restart_race import stale_peer_address
-from ddpscope.server.analysis.shared_job import shared_job_incidents
+from ddpscope.server.analysis.shared_job import shared_job_incidents, without_twins
 from ddpscope.server.analysis.snapshot import (
     PER_PROCESS,
     JobSnapshot,
@@ -242,6 +242,9 @@ def diagnose(
     """Every incident in the job at ``now_s`` (aligned-clock seconds), oldest first."""
     settings = settings_incidents(snapshot)  # the whole snapshot: it sets aside ranks not restarted yet
     settings += shared_job_incidents(snapshot)  # the whole snapshot too: the older run is the evidence
+    snapshot = without_twins(
+        snapshot
+    )  # a duplicated rank's second process: its incident says what became of it
     starts = process_starts(snapshot)
     snapshot, previous = split_restart(snapshot)
     restart_s = min((t / 1e9 for r, (_, t) in starts.items() if r not in snapshot.retired), default=now_s)

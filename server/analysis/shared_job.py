@@ -29,7 +29,7 @@ from typing import Any
 
 from ddpscope.agent.rank_spans import ranks_text
 from ddpscope.server.analysis.incident_model import Incident, first_line, ranks_phrase, record_s
-from ddpscope.server.analysis.snapshot import JobSnapshot, process_stream
+from ddpscope.server.analysis.snapshot import JobSnapshot, process_stream, without_processes
 
 OVERLAP_S = 10.0
 """How long an older process must keep reporting after a newer one of its rank started to count as a
@@ -63,9 +63,40 @@ class _Process:
         self.first_s, self.last_s = min(self.first_s, first_s), max(self.last_s, last_s)
 
 
-def shared_job_incidents(snapshot: JobSnapshot) -> list[Incident]:
-    """One ``job_id_shared`` incident when every rank has two processes reporting at once, one
-    ``duplicate_rank`` incident when some ranks do; else none."""
+@dataclass(slots=True)
+class _Overlaps:
+    processes: dict[int, dict[str, _Process]]
+    by_rank: dict[int, tuple[_Process, _Process, float]]
+    """Per rank with two processes at once: (older, newer, how long the older kept reporting after)."""
+
+    @property
+    def single(self) -> list[int]:
+        """Ranks with one process only. A second run gives every rank a second process; a duplicated RANK
+        only some."""
+        return sorted(r for r, procs in self.processes.items() if len(procs) == 1)
+
+
+def twin_processes(snapshot: JobSnapshot) -> set[tuple[int, str]]:
+    """``(rank, stream)`` of the second process of each rank a ``duplicate_rank`` names: the one that never
+    announced itself (stuck or failed in its set-up), else the newer. The other diagnoses leave it out, so
+    they read the rank that trained, not its twin's wait (the incident says what became of the twin)."""
+    found = _overlaps(snapshot)
+    if not found.by_rank or not found.single:
+        return set()
+    twins = set()
+    for rank, (older, newer, _) in found.by_rank.items():
+        twin = older if older.start is None and newer.start is not None else newer
+        twins.add((rank, twin.stream))
+    return twins
+
+
+def without_twins(snapshot: JobSnapshot) -> JobSnapshot:
+    """``snapshot`` without the ``twin_processes``: what the job's status and other diagnoses read."""
+    twins = twin_processes(snapshot)
+    return without_processes(snapshot, twins) if twins else snapshot
+
+
+def _overlaps(snapshot: JobSnapshot) -> _Overlaps:
     overlaps: dict[int, tuple[_Process, _Process, float]] = {}
     processes = _processes(snapshot)
     for rank, procs in sorted(processes.items()):
@@ -79,13 +110,19 @@ def shared_job_incidents(snapshot: JobSnapshot) -> list[Incident]:
             )
             if overlap_s > OVERLAP_S or stalled_beside:
                 overlaps.setdefault(rank, (older, newer, overlap_s))
+    return _Overlaps(processes, overlaps)
+
+
+def shared_job_incidents(snapshot: JobSnapshot) -> list[Incident]:
+    """One ``job_id_shared`` incident when every rank has two processes reporting at once, one
+    ``duplicate_rank`` incident when some ranks do; else none."""
+    found = _overlaps(snapshot)
+    overlaps, processes, single = found.by_rank, found.processes, found.single
     if not overlaps:
         return []
     others = sorted(overlaps)
     rank = others[0]
     older, newer, overlap_s = overlaps[rank]
-    # A second run gives every rank a second process; a duplicated RANK only some.
-    single = sorted(r for r, procs in processes.items() if len(procs) == 1)
     if not single:
         alike = f"; {ranks_text(others)} alike" if len(others) > 1 else ""
         return [
@@ -123,7 +160,7 @@ def shared_job_incidents(snapshot: JobSnapshot) -> list[Incident]:
                 f"launch gave two processes the same RANK: give each process of the job its own, 0 to "
                 "WORLD_SIZE-1 (check the launch script's rank arithmetic, or launch with torchrun, which "
                 "assigns them). The second process's connections pair with its twin's peers, so it waits or "
-                "fails there, and the other incidents of this job read the two as one rank."
+                "fails there; the other incidents of this job leave it out."
             ),
             rank=rank,
             culprit_ranks=others,

@@ -217,6 +217,28 @@ def split_restart(snapshot: JobSnapshot) -> tuple[JobSnapshot, JobSnapshot | Non
     return current, _history(snapshot, older)
 
 
+def without_processes(snapshot: JobSnapshot, processes: Container[tuple[int, str]]) -> JobSnapshot:
+    """``snapshot`` without the records of ``processes`` (``(rank, stream)``; a process's derived streams go with
+    it): a second process of a rank (``shared_job.twin_processes``) left out of the other diagnoses."""
+
+    def keep(rec: Mapping[str, Any]) -> bool:
+        return (rec["rank"], process_stream(str(rec.get("stream")))) not in processes
+
+    starts = [s for s in snapshot.starts if keep(s)]
+    ranks = dict(snapshot.ranks)
+    for r, start in snapshot.ranks.items():
+        if not keep(start):
+            theirs = [s for s in starts if s["rank"] == r]
+            if theirs:
+                ranks[r] = theirs[-1]
+            else:
+                del ranks[r]
+    seen = {
+        key: ns for key, ns in snapshot.stream_seen_ns.items() if keep({"rank": key[0], "stream": key[1]})
+    }
+    return replace(snapshot, **_select(snapshot, keep), starts=starts, ranks=ranks, stream_seen_ns=seen)
+
+
 def _process_records(snapshot: JobSnapshot) -> list[Record]:
     """Every record of ``snapshot`` that belongs to one process of a rank: ``PER_PROCESS``'s and heartbeats."""
     return [*snapshot.heartbeats.values(), *(r for f in PER_PROCESS for r in getattr(snapshot, f))]

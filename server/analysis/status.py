@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpscope.server.analysis.incident_model import STOP_SIGNALS
+from ddpscope.server.analysis.shared_job import without_twins
 from ddpscope.server.analysis.snapshot import JobSnapshot, named_ranks, split_restart
 from ddpscope.server.analysis.stuck import is_hang, wait_spans
 
@@ -227,7 +228,7 @@ def liveness(
 ) -> Liveness:
     """Work out, for every rank, whether it exited, died, hangs, went silent or crashed (its current
     process: what a restarted rank's earlier process left is set aside)."""
-    snapshot = split_restart(snapshot)[0]
+    snapshot = split_restart(without_twins(snapshot))[0]  # a duplicated rank's twin is not the rank
     heard = set(snapshot.rank_last_seen_s) | set(snapshot.heartbeats) | set(snapshot.ranks)
     seen_ranks = heard | named_ranks(snapshot.collectives)
     # Ranks a started rank found running without ddpscope send nothing by design: not silent, not waited for.

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from ddpscope.server.analysis.incidents import diagnose
+from ddpscope.server.analysis.status import job_status
 from tests.server.conftest import decoded
-from tests.server.test_incidents import T0, JobRecords, started
+from tests.server.test_incidents import T0, JobRecords, inflight, started
 
 
 def _stats(job: JobRecords, rank: int, t: float, incarnation: int) -> None:
@@ -67,22 +68,29 @@ def _in_process(job: JobRecords, rank: int, incarnation: int) -> None:
 
 def test_a_second_process_given_a_ranks_number_that_stalls_in_its_set_up_is_a_duplicate_rank() -> None:
     # Launched as RANK=0, 1, 1 with WORLD_SIZE=2: the second rank 1 never gets through its DDP model's
-    # construction (no rank_start) and reports a 6 s stall while the first rank 1 trains.
+    # construction (no rank_start): it waits in ddpscope's clock sync with rank 0, which pairs with the
+    # first rank 1, reports that stall, and fails when the job, which trained, ends.
     job = started(2)
-    job.train(5)
+    end = job.train(10, t=T0 + 1, dt=1.0)
     _in_process(job, 1, 2)
-    job.hang(1, T0 + 7.5, step=0, inflight=[], stalled_s=6.0)
-    _stats(job, 1, T0 + 8, incarnation=2)
+    p2p = "default:p2p:0-1"
+    job.coll(1, T0 + 1.5, 1, op="send", pg=p2p, site="train.py:24", done=False, step=0)
+    job.hang(1, T0 + 7.5, step=0, inflight=[inflight(1, T0 + 1.5, pg=p2p)], stalled_s=6.0)
+    job.error(1, end + 1, "[gloo] Read error [127.0.0.1]:11650: Connection reset by peer", fatal=True)
+    _stats(job, 1, end + 1, incarnation=2)
     _in_process(job, 1, 1)
-    end = job.train(5, first=5, t=T0 + 2)
     for r in range(2):
-        _stats(job, r, T0 + 9, incarnation=1)
-    (inc,) = [i for i in diagnose(job.snapshot(), end) if i.kind in ("duplicate_rank", "job_id_shared")]
+        _stats(job, r, end, incarnation=1)
+        job.exit(r, end + 0.5, step=9)
+    # The twin's wait is not read as rank 1's: the job finished, and the only incident is the duplicate.
+    assert job_status(job.snapshot(), end + 2) == "finished"
+    (inc,) = diagnose(job.snapshot(), end + 2)
     assert inc.kind == "duplicate_rank" and inc.culprit_ranks == [1]
     assert inc.message.startswith(
         "Rank 1 has two processes at once, while rank 0 has one: rank 1's process (pid 1001"
     )
     assert "and another (that never announced itself" in inc.message and "stalled 6 s" in inc.message
+    assert "then failed (RuntimeError: [gloo] Read error" in inc.message
     assert "One launch gave two processes the same RANK" in inc.message
 
 
