@@ -168,7 +168,7 @@ def _select_fds(nfds: int, sets: Sequence[int]) -> list[int]:
 def _epoll_fds(epfd: int) -> list[int]:
     """The descriptors registered with epoll instance ``epfd`` (its fdinfo's ``tfd:`` lines)."""
     with open(f"/proc/self/fdinfo/{epfd}") as f:
-        return [int(line.split()[1]) for line in f if line.startswith("tfd:")][: MAX_FDS + 1]
+        return [int(line.split()[1]) for line in f if line.startswith("tfd:")][:MAX_FDS]
 
 
 def _child(call: dict[str, Any], pid: int) -> None:

@@ -242,9 +242,8 @@ def diagnose(
     """Every incident in the job at ``now_s`` (aligned-clock seconds), oldest first."""
     settings = settings_incidents(snapshot)  # the whole snapshot: it sets aside ranks not restarted yet
     settings += shared_job_incidents(snapshot)  # the whole snapshot too: the older run is the evidence
-    snapshot = without_twins(
-        snapshot
-    )  # a duplicated rank's second process: its incident says what became of it
+    # A duplicated rank's second process is not the rank: its incident says what became of it.
+    snapshot = without_twins(snapshot)
     starts = process_starts(snapshot)
     snapshot, previous = split_restart(snapshot)
     restart_s = min((t / 1e9 for r, (_, t) in starts.items() if r not in snapshot.retired), default=now_s)
