@@ -18,6 +18,7 @@ import pytest
 
 from ddpscope.agent import blocked_call
 from ddpscope.agent.records import validate_record
+from tests.support.procs import until_asleep
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
 
@@ -26,12 +27,7 @@ def _blocked(target: Callable[[], object]) -> threading.Thread:
     """A daemon thread running ``target``, once the kernel says it sleeps (in a system call)."""
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:  # until the kernel says it sleeps in a system call
-        with open(f"/proc/self/task/{thread.native_id}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "S":
-                break
-        time.sleep(0.02)
+    until_asleep(thread.native_id)
     return thread
 
 

@@ -16,6 +16,7 @@ from ddpscope.ddp import watchdog as wd
 from ddpscope.ddp.collectives import CollectiveRecorder
 from ddpscope.ddp.progress import Progress
 from tests.ddp.watchdog_support import ManualClock, Records, one_rank_job_records, one_step, wait
+from tests.support.procs import until_asleep
 
 
 @pytest.fixture
@@ -46,7 +47,8 @@ def test_a_rank_waiting_on_the_process_groups_store_is_said_to_wait_there_with_t
     trainer.start()
     try:
         assert stepped.wait(10)
-        threading.Event().wait(0.3)  # into the store's wait
+        threading.Event().wait(0.3)  # into the store's wait (this thread's sleep frees the GIL for it)
+        until_asleep(trainer.native_id)  # and asleep there, not waiting for a core
         dog.check()
         wait(dog, clock, 6.0)
     finally:

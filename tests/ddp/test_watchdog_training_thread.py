@@ -17,6 +17,7 @@ from ddpscope.ddp import watchdog as wd
 from ddpscope.ddp.collectives import CollectiveRecorder
 from ddpscope.ddp.progress import Progress
 from tests.ddp.watchdog_support import ManualClock, Records, in_memory_records, one_step, wait
+from tests.support.procs import until_asleep
 
 
 @pytest.fixture
@@ -51,6 +52,7 @@ def test_a_loop_training_on_its_own_thread_is_sampled_and_reported_there_not_in_
     trainer = _trainer(progress, recorder, stepped, release)
     try:
         assert stepped.wait(10)
+        until_asleep(trainer.native_id)  # in release.wait(), not on its way there under a loaded machine
         dog.check()
         wait(dog, clock, 6.0)
     finally:

@@ -79,6 +79,17 @@ def pid_alive(pid: int) -> bool:
     return False
 
 
+def until_asleep(native_id: int | None, timeout_s: float = 5.0) -> None:
+    """Wait until thread ``native_id`` of this process sleeps in the kernel (state S in /proc): blocked in a
+    system call, not on its way there or waiting for a core."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/self/task/{native_id}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "S":
+                return
+        time.sleep(0.02)
+
+
 def kill_group(proc: subprocess.Popen[bytes] | subprocess.Popen[str], sig: int = signal.SIGKILL) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
