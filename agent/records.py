@@ -1019,3 +1019,18 @@ def validate_batch(batch: Any) -> list[Mapping[str, Any]]:
 
 def idempotency_key(record: Mapping[str, Any]) -> tuple[str, int, str, int]:
     return (record["job"], record["rank"], record["stream"], record["seq"])
+
+
+SHIPPER_STREAM_MARK = ".shipper-"
+"""A shipper's own records (its ``agent_stats``) go in ``<stream>.shipper-<pid>``: see ``shipper_stream``."""
+
+
+def shipper_stream(stream: str, pid: int) -> str:
+    """The stream of the shipper (process ``pid``) that ships the agent stream ``stream``."""
+    return f"{stream}{SHIPPER_STREAM_MARK}{pid}"
+
+
+def is_shipper_stream(stream: str) -> bool:
+    """Whether a record came from a rank's shipper rather than the rank's process. The shipper outlives
+    its rank to send what the rank left, so its records' times say nothing of the rank being alive."""
+    return SHIPPER_STREAM_MARK in stream

@@ -45,6 +45,7 @@ from typing import Any
 
 from ddpscope.agent import ring, spool
 from ddpscope.agent.config import DDPSCOPE_NOTICE_AFTER_S
+from ddpscope.agent.records import shipper_stream
 from ddpscope.agent.transport import (
     Backoff,
     OlderCollector,
@@ -364,7 +365,7 @@ class Shipper:
             "kind": "agent_stats",
             "job": self.meta["job"],
             "rank": self.meta["rank"],
-            "stream": f"{self.meta['stream']}.shipper-{os.getpid()}",
+            "stream": shipper_stream(self.meta["stream"], os.getpid()),
             "seq": self.stats_seq,
             "time_ns": time.time_ns(),
             "emitted": 0,

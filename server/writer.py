@@ -20,6 +20,7 @@ import msgspec
 from sqlalchemy import Connection, case, func, literal_column
 from sqlalchemy.dialects import postgresql, sqlite
 
+from ddpscope.agent.records import is_shipper_stream
 from ddpscope.server import schema
 from ddpscope.server.codec import STRUCTS, kind_of
 from ddpscope.server.rows import STEP_COLUMNS, block_rows, block_unused, encode_json, step_row
@@ -254,7 +255,11 @@ class BatchWriter:
     ) -> None:
         seen: dict[int, int] = {}
         for r in records:
-            if r.time_ns > seen.get(r.rank, -1) and type(r) not in _STEP_STRUCTS:  # steps: from their rows
+            # Steps count from their rows; a shipper's records not at all: it outlives its rank, and a rank
+            # seen after its peers lost it would not read as the one that died.
+            if type(r) in _STEP_STRUCTS or is_shipper_stream(r.stream):
+                continue
+            if r.time_ns > seen.get(r.rank, -1):
                 seen[r.rank] = r.time_ns
         # A rank's last step is the one it completed last, not the highest number: after a restart
         # (steps from 0 or a checkpoint again) it is the new process's progress. Ties: the later row.

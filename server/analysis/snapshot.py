@@ -30,7 +30,7 @@ Every record inside is a **wire-shaped dict**: exactly the fields of ``ddpscope.
 - ``agent_stats``: ``{rank: agent_stats}``: the latest agent accounting of each rank (cumulative per
   stream; ``dropped`` maps ``'reason:kind'`` to a count).
 - ``rank_last_seen_s``: ``{rank: seconds}``: aligned-clock time of the newest record of each rank,
-  any kind; ``last_seen_s`` is the maximum over ranks (0.0 for a job with no records).
+  any kind, but not its shipper's (which outlives the rank); ``last_seen_s`` is the maximum over ranks (0.0 for a job with no records).
 
 ``world_size`` is the newest ``rank_start``'s value (a relaunch under the same job id may have fewer
 ranks: ``retired_ranks``), else 1 + the highest rank seen.
@@ -42,6 +42,8 @@ import re
 from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from ddpscope.agent.records import is_shipper_stream
 
 if TYPE_CHECKING:
     from ddpscope.server.storage import Storage
@@ -272,7 +274,8 @@ def _history(snapshot: JobSnapshot, fields: Mapping[str, Any]) -> JobSnapshot:
     history = JobSnapshot(job=snapshot.job, world_size=snapshot.world_size, **fields)
     seen = history.rank_last_seen_s
     for rec in _process_records(history):
-        seen[rec["rank"]] = max(seen.get(rec["rank"], 0.0), rec["time_ns"] / 1e9)
+        if not is_shipper_stream(rec["stream"]):
+            seen[rec["rank"]] = max(seen.get(rec["rank"], 0.0), rec["time_ns"] / 1e9)
     return history
 
 
@@ -458,7 +461,8 @@ def snapshot_from_records(job: str, records: Iterable[Mapping[str, Any]]) -> Job
     seen: dict[int, float] = {}
     for recs in by_kind.values():
         for r in recs:
-            seen[r["rank"]] = max(seen.get(r["rank"], 0.0), r["time_ns"] / 1e9)
+            if not is_shipper_stream(r["stream"]):  # as the writer counts them
+                seen[r["rank"]] = max(seen.get(r["rank"], 0.0), r["time_ns"] / 1e9)
     merged = merge_collectives(by_kind.get("collective", []), by_kind.get("collective_end", []))
     snap = JobSnapshot(
         job=job,

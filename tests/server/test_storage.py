@@ -16,7 +16,7 @@ from ddpscope.server import migrations, schema
 from ddpscope.server.analysis.incidents import diagnose
 from ddpscope.server.analysis.jobs import rank_table, summarize
 from ddpscope.server.analysis.snapshot import snapshot_from_records
-from ddpscope.server.analysis.status import job_status
+from ddpscope.server.analysis.status import job_status, liveness
 from ddpscope.server.analysis.steps import page_metrics, page_timings, step_metrics
 from ddpscope.server.analysis.stragglers import WINDOW_STEPS, stragglers
 from ddpscope.server.codec import decode_batch, kind_of
@@ -471,3 +471,22 @@ def test_a_snapshot_reads_the_last_hour_of_memory_records_however_long_the_job_r
     assert times == sorted(times) and len(times) == 2 * 61  # the newest and the hour before it, both ranks
     assert min(times) == int((T0 + 60 * 119) * 1e9) and {m["rank"] for m in snap.memory} == {0, 1}
     assert len(storage.fetch_records("long-memory", ["memory"])) == 2 * 180  # all kept, for an export
+
+
+def test_a_ranks_shipper_reporting_after_the_rank_died_does_not_keep_the_rank_alive(storage):
+    """The shipper outlives its rank to send what it left, then its own ``agent_stats``; a rank SIGKILLed
+    (the OOM killer) must still read as the one that died when its peer lost the connection."""
+    job = started(2)
+    end = job.train(3)
+    job.error(0, end + 0.05, "Connection reset by peer")
+    rank1_stream = next(r["stream"] for r in job.records if r["rank"] == 1)
+    stats = {"kind": "agent_stats", "job": job.job, "rank": 1, "stream": wire.shipper_stream(rank1_stream, 4242),
+             "seq": 0, "time_ns": int((end + 3.0) * 1e9), "emitted": 0, "dropped": {}, "spool_bytes": 0}  # fmt: skip
+    wire.validate_record(stats)
+    storage.write_batch(decoded([*job.records, stats]))
+    stored = storage.load_snapshot(job.job)
+    built = snapshot_from_records(job.job, [*job.records, stats])
+    assert stored is not None
+    assert stored.rank_last_seen_s == built.rank_last_seen_s
+    assert stored.rank_last_seen_s[1] < end + 0.05
+    assert liveness(stored, end + 4).crashed == [1]
