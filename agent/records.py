@@ -9,8 +9,8 @@ Every record carries the envelope fields (``kind``, ``job``, ``rank``, ``stream`
 ``(job, rank, stream, seq)`` is its idempotency key, so a retry or a spool replay never stores it twice.
 ``stream`` names one agent incarnation (a new one after fork or restart); ``seq`` counts up within it.
 
-Times are integer nanoseconds on the job's aligned clock: the rank's ``time.time_ns()`` plus the
-offset to rank 0 estimated at start-up (see ``rank_start.clock_offset_ns``). Durations at the edges
+Times are integer nanoseconds on the job's aligned clock: the rank's wall clock (read through its monotonic
+clock, so never stepped back: ``agent/clock.py``) plus the offset to rank 0 estimated at start-up (see ``rank_start.clock_offset_ns``). Durations at the edges
 (API, dashboard) are float seconds.
 """
 
@@ -261,7 +261,7 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         Field("python_version", STR),
         Field("find_unused_parameters", BOOL),
         Field("bucket_cap_mb", FLOAT),
-        Field("clock_offset_ns", INT, doc="added to local time_ns to get rank 0's clock"),
+        Field("clock_offset_ns", INT, doc="added to the rank's own clock to get rank 0's"),
         Field("clock_error_ns", INT, doc="half the best ping-pong round trip: bound on the offset error"),
         Field("process_group", STR, required=False),
         Field(

@@ -13,13 +13,13 @@ ends of a pair number their messages identically and the collector knows who the
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ddpscope.agent.clock import local_ns
 from ddpscope.agent.log import get_logger
 from ddpscope.ddp.collectives import RECORDER
 from ddpscope.ddp.groups import pg_name
@@ -32,7 +32,7 @@ DEFAULT_ROUNDS = 8
 @dataclass(frozen=True, slots=True)
 class ClockEstimate:
     offset_ns: int
-    """Add to this rank's ``time.time_ns()`` to get rank 0's clock."""
+    """Add to this rank's ``agent.clock.local_ns()`` to get rank 0's clock."""
     error_ns: int
     """Half the best round trip: a bound on how wrong ``offset_ns`` can be."""
     rtt_ns: int
@@ -67,9 +67,9 @@ def estimate_offset(group: Any = None, rounds: int = DEFAULT_ROUNDS) -> ClockEst
             pair = f"{base}:p2p:{min(me, peer)}-{max(me, peer)}"
             for _ in range(rounds):
                 _p2p("recv", buf, peer, pair)
-                t1 = time.time_ns()
+                t1 = local_ns()
                 buf[0] = t1
-                buf[1] = time.time_ns()
+                buf[1] = local_ns()
                 _p2p("send", buf, peer, pair)
         return ClockEstimate(0, 0, 0)
     root = dist.get_global_rank(group, 0) if group is not None else 0
@@ -77,10 +77,10 @@ def estimate_offset(group: Any = None, rounds: int = DEFAULT_ROUNDS) -> ClockEst
     pair = f"{base}:p2p:{min(me, root)}-{max(me, root)}"
     best: ClockEstimate | None = None
     for _ in range(rounds):
-        t0 = time.time_ns()
+        t0 = local_ns()
         _p2p("send", buf, root, pair)
         _p2p("recv", buf, root, pair)
-        t3 = time.time_ns()
+        t3 = local_ns()
         t1, t2 = int(buf[0]), int(buf[1])
         rtt = (t3 - t0) - (t2 - t1)
         if best is None or rtt < best.rtt_ns:
