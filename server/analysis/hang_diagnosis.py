@@ -60,11 +60,11 @@ from ddpscope.server.analysis.snapshot import JobSnapshot, p2p_pair
 from ddpscope.server.analysis.status import Liveness
 from ddpscope.server.analysis.stuck import (
     FROM_HANG_REPORT,
-    LOADER_WAIT,
     Stuck,
     dead_thread_note,
     debugger_wait,
     hang_start_s,
+    how_stuck,
     in_own_code,
     is_hang,
     main_site,
@@ -372,14 +372,17 @@ class _HangReading:
         elif not wait and not pending and native is None and others:
             culprits = [rank]
             cpu = main_blocked(h)
-            how = "" if cpu is None else "blocked (no CPU), " if cpu else "computing all along, "
-            if cpu and (on := waits_on(h)):
-                how = f"blocked (no CPU), {on}, "
-            if debugger := debugger_wait(main_stack(h) or ""):
-                how = f"{debugger}, "
-            elif waits_for_loader(h):
-                how = f"{LOADER_WAIT}, "
-            elif cpu is not False and (dead := dead_thread_note(self.snapshot, rank, hang_start_s(h))):
+            debugger = debugger_wait(main_stack(h) or "")
+            loader = waits_for_loader(h)
+            said = how_stuck(blocked=cpu, waits_on=waits_on(h), debugger=debugger, loader=loader)
+            how = f"{said}, " if said else ""
+            # A main thread that waits (not one computing) may wait for what a dead thread would have made.
+            if (
+                not debugger
+                and not loader
+                and cpu is not False
+                and (dead := dead_thread_note(self.snapshot, rank, hang_start_s(h)))
+            ):
                 how += f"{dead.removeprefix(', ')}, "
             msg += (
                 f"; it {'is' if state == 'active' else 'was'} stuck in its own code, {how}outside any collective, "

@@ -55,22 +55,30 @@ class Stuck:
 
     def phrase(self) -> str:
         at = f" at {self.site}" if self.site else ""
-        how = (
-            f", {self.debugger}"
-            if self.debugger
-            else f", {LOADER_WAIT}"
-            if self.loader
-            else ""
-            if self.blocked is None
-            else f", blocked, using no CPU, {self.waits_on}"
-            if self.blocked and self.waits_on
-            else ", blocked, using no CPU (waiting on a lock, I/O, a queue or a sleep)"
-            if self.blocked
-            else ", computing all along (a loop that does not end, or work far slower than usual)"
+        said = how_stuck(
+            blocked=self.blocked, waits_on=self.waits_on, debugger=self.debugger, loader=self.loader
         )
+        how = f", {said}" if said else ""
         if self.phase == "idle":
             return f"stuck between steps after step {self.step}{at}{how}{self.dead_thread}{FROM_HANG_REPORT}"
         return f"stuck {phase_words(self.phase)} at step {self.step}{at}{how}{self.dead_thread}{FROM_HANG_REPORT}"
+
+
+def how_stuck(*, blocked: bool | None, waits_on: str | None, debugger: str | None, loader: bool) -> str:
+    """How a rank stuck in its own code spent the stall, as a clause ("blocked, using no CPU, sleeping
+    (clock_nanosleep)"): its culprit phrase (``Stuck.phrase``) and its own hang say it alike. '' when the
+    report does not say."""
+    if debugger:
+        return debugger
+    if loader:
+        return LOADER_WAIT
+    if blocked is None:
+        return ""
+    if blocked and waits_on:
+        return f"blocked, using no CPU, {waits_on}"
+    if blocked:
+        return "blocked, using no CPU (waiting on a lock, I/O, a queue or a sleep)"
+    return "computing all along (a loop that does not end, or work far slower than usual)"
 
 
 LOADER_WAIT = (
