@@ -152,7 +152,9 @@ def test_the_peer_a_rank_waits_for_is_said_to_be_computing_or_blocked_from_its_c
     assert said in only(incidents, "missing_collective").message
     assert said in next(i for i in incidents if i.kind == "hang" and i.rank == 0).message
     own = next(i for i in incidents if i.kind == "hang" and i.rank == 1).message
-    assert ("computing all along (a loop" if cpu_s > 1 else "blocked, using no CPU (waiting on a lock") in own, own
+    assert (
+        "computing all along (a loop" if cpu_s > 1 else "blocked, using no CPU (waiting on a lock"
+    ) in own, own
     assert ", outside any collective" in own, own
 
 
