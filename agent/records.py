@@ -106,6 +106,13 @@ PENDING_BUCKET = (
     Field("index", INT),
     Field("missing", STRS, doc="parameters whose gradients never arrived"),
     Field("launched", BOOL, doc="all-reduce launched (waiting on peers) rather than waiting for grads"),
+    Field(
+        "hook",
+        STR,
+        required=False,
+        doc="launched through the user's comm hook (its name and where it is defined), which issued no "
+        "collective: the reduction waits for the future the hook returned",
+    ),
 )
 
 INFLIGHT = (

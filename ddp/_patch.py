@@ -169,8 +169,10 @@ def _make_wrapper(
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         # Nested calls are not new collectives: torch re-enters the (patched) function itself when a
-        # tensor subclass handles __torch_function__.
+        # tensor subclass handles __torch_function__. Calls in an engine call are recorded by the engine
+        # (a user's comm hook: its bucket's record begins before the hook's first call).
         if getattr(local, "engine_depth", 0) or getattr(local, "in_user_call", False):
+            rec.first_call()
             return fn(*args, **kwargs)
         pg = None
         seq = 0

@@ -205,6 +205,16 @@ def _refuse_unsupported(ddp: DistributedDataParallel) -> None:
         )
 
 
+def hook_name(hook: Any) -> str:
+    """``name() at file.py:12`` of a comm hook (or of the function a ``functools.partial`` wraps)."""
+    fn = getattr(hook, "func", hook)
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return str(name)
+    return f"{name}() at {RECORDER.relative_path(code.co_filename)}:{code.co_firstlineno}"
+
+
 class Instrumentation:
     """The hooks and per-step state attached to one torch DDP model by ``instrument()``."""
 
@@ -678,27 +688,42 @@ class Instrumentation:
         k = bucket.index()
         buf = bucket.buffer()
         step = None if self.detached else self._cur  # a detached model's steps are counted no more
-        plan = None
         site, source = RECORDER.call_origin(1) if not self._armed else (None, "engine")
-        if source == "join":  # a joined rank shadowing its peers' bucket all-reduces (torch's Join)
-            seq = RECORDER.begin(
-                self._pg, "all_reduce", (buf,), reduce_op="SUM", source="join", call_site=site
-            )
-        elif step is None:
-            seq = RECORDER.begin(self._pg, "all_reduce", (buf,), reduce_op="SUM", source="engine", step=step)
-        else:
-            if self._gradients is not None and self._active:
-                self._check_bucket(k, buf)
-            plan = self._plan(k, buf)
-            seq = RECORDER.begin_planned(plan, step)
-        # The user's own collectives are this bucket's reduction, recorded once above.
-        with RECORDER.engine_call():
+        if source != "join" and step is not None and self._gradients is not None and self._active:
+            self._check_bucket(k, buf)
+        # The user's own collectives are this bucket's reduction, recorded once, as the first is issued.
+        began: list[tuple[int, PlannedCollective | None]] = []
+        begin = functools.partial(self._begin_hook_reduction, k, buf, step, site, source, began)
+        with RECORDER.hook_call(begin):
             fut = self._user_hook(self._user_state, bucket)  # type: ignore[misc]  # set on this path
+        seq, plan = began[0] if began else (0, None)
         self._launch[k] = t
         self._seqs[k] = seq
         if bucket.is_last() and not self.detached:
             PROGRESS.enter("allreduce")  # nothing of a detached model's would ever return it to idle
         return fut.then(functools.partial(self._on_reduced, k, seq, plan))
+
+    def _begin_hook_reduction(
+        self,
+        k: int,
+        buf: torch.Tensor,
+        step: int | None,
+        site: str | None,
+        source: str,
+        began: list[tuple[int, PlannedCollective | None]],
+    ) -> None:
+        """Begin the record of bucket k's reduction through the user's hook (``RECORDER.hook_call``)."""
+        if source == "join":  # a joined rank shadowing its peers' bucket all-reduces (torch's Join)
+            seq = RECORDER.begin(
+                self._pg, "all_reduce", (buf,), reduce_op="SUM", source="join", call_site=site
+            )
+            began.append((seq, None))
+        elif step is None:
+            seq = RECORDER.begin(self._pg, "all_reduce", (buf,), reduce_op="SUM", source="engine", step=step)
+            began.append((seq, None))
+        else:
+            plan = self._plan(k, buf)
+            began.append((RECORDER.begin_planned(plan, step), plan))
 
     def _check_bucket(self, k: int, flat: torch.Tensor) -> None:
         """Bucket k's gradients, about to be all-reduced, checked for NaN and Inf: the non-finite ones are
@@ -738,10 +763,14 @@ class Instrumentation:
         try:
             value = fut.value()
         except Exception as e:
-            self._record_end(seq, plan, str(e))
+            if seq:
+                self._record_end(seq, plan, str(e))
+            else:  # the hook failed before it issued a collective
+                self._report_bucket_failure(str(e))
             raise
         self._done[k] = now_ns()
-        self._record_end(seq, plan, None)
+        if seq:
+            self._record_end(seq, plan, None)
         return value
 
     def _end_backward(self) -> None:
@@ -835,7 +864,10 @@ class Instrumentation:
                 continue
             launched = bool(launch[k])
             missing = [] if launched else [names[i] for i in members if not times[i]]
-            out.append({"index": k, "missing": missing, "launched": launched})
+            entry: dict[str, Any] = {"index": k, "missing": missing, "launched": launched}
+            if launched and not self._seqs[k] and self._user_hook is not None:
+                entry["hook"] = hook_name(self._user_hook)  # it issued nothing: torch waits on its future
+            out.append(entry)
         return out
 
     def partial_wire(self) -> dict[str, Any] | None:

@@ -46,7 +46,7 @@ import itertools
 import os
 import sys
 import threading
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 from ddpscope.agent import RecordTemplate, emit, emit_durable, emit_templated, get_agent
@@ -190,6 +190,34 @@ class CollectiveRecorder:
             yield
         finally:
             local.engine_depth = depth
+
+    @contextlib.contextmanager
+    def hook_call(self, begin: Callable[[], None]) -> Iterator[None]:
+        """``engine_call`` around a user's comm hook: its torch.distributed calls are the bucket's
+        reduction, which the caller records once, and ``begin`` (that record's begin) runs right before
+        the first of them is issued. A hook that issues none (local SGD skipping a step, or a hook that
+        returns a future of its own making that never completes) so leaves no record of a collective it
+        did not make: its peers' waits then name it as the rank that never issued theirs. (A hook that
+        calls the ProcessGroup object's methods directly is not seen, and records no collective either.)"""
+        local = self._local
+        local.first_call = begin
+        try:
+            with self.engine_call():
+                yield
+        finally:
+            local.first_call = None
+
+    def first_call(self) -> None:
+        """Called by the patched torch.distributed functions for a call made inside an engine call: runs
+        ``hook_call``'s ``begin`` once, before the first such call of a hook. Never raises."""
+        local = self._local
+        begin = getattr(local, "first_call", None)
+        if begin is not None:
+            local.first_call = None
+            try:
+                begin()
+            except Exception:
+                self._failed("begin")
 
     def in_engine_call(self) -> bool:
         return getattr(self._local, "engine_depth", 0) > 0
@@ -615,6 +643,10 @@ class CollectiveRecorder:
         """``file:line`` of the first frame outside torch and ddpscope, ``depth`` frames up."""
         return self.call_origin(depth + 1)[0]
 
+    def relative_path(self, filename: str) -> str:
+        """``filename`` as call sites show it: relative to the working directory when under it."""
+        return filename.removeprefix(self._cwd)
+
     def call_origin(self, depth: int = 1) -> tuple[str | None, str]:
         """(``call_site(depth)``, ``"join"`` when the call comes from torch's ``Join`` machinery, else
         ``"user"``): the source a user's collective is recorded with."""
@@ -648,8 +680,7 @@ class CollectiveRecorder:
                 key = (filename, frame.f_lineno)
                 site = self._sites.get(key)
                 if site is None:
-                    shown = filename.removeprefix(self._cwd)
-                    site = self._sites[key] = f"{shown}:{frame.f_lineno}"
+                    site = self._sites[key] = f"{self.relative_path(filename)}:{frame.f_lineno}"
                 return site, source
             if verdict == _JOIN or (verdict == _DDP and code.co_name in _DDP_JOIN_METHODS):
                 source = "join"

@@ -207,11 +207,14 @@ def _user_site(frame: Any) -> str | None:
 def _pending_wire(bucket: Any) -> dict[str, Any]:
     """Coerce one pending bucket to the wire shape: the agent drops a record that does not match,
     and a hang report must not be lost to a stray type from the engine's callback."""
-    return {
+    wire = {
         "index": int(bucket["index"]),
         "missing": [str(name) for name in bucket.get("missing", ())],
         "launched": bool(bucket.get("launched", False)),
     }
+    if bucket.get("hook"):
+        wire["hook"] = str(bucket["hook"])
+    return wire
 
 
 class Watchdog:

@@ -297,6 +297,8 @@ class _HangReading:
         stuck = self.stuck.get(rank)
         if stuck:
             return f"; {stuck.phrase()}"
+        if (report := self.live.active_hangs.get(rank)) is not None and (hooked := hook_wait(report)):
+            return f"; {hooked}"
         if differ := wrappers_differ(self.h, self._latest_report(rank)):
             return differ
         report = self.live.active_hangs.get(rank)  # not every report: each waiting rank asks this
@@ -339,6 +341,8 @@ class _HangReading:
             msg += f" ({AFTER_FORWARD}: the loss, or other code of its own)"
         if not wait and site:
             msg += f", {thread_words(h)} at {site}"
+        if hooked := hook_wait(h):
+            msg += f", {hooked}"
         if native is not None and native.place.startswith(RENDEZVOUS_PLACE):
             msg += f", blocked, waiting for the job's ranks: {native.what}"
         elif native is not None:
@@ -489,6 +493,23 @@ def _routine(snapshot: JobSnapshot, h: Record, site: str | None) -> str:
         "a routine phase of this rank alone that outlasts DDPSCOPE_HANG_TIMEOUT while its peers wait (an "
         "evaluation or a checkpoint on one rank, then a collective), rather than a hang. Set "
         "DDPSCOPE_HANG_TIMEOUT above its length, or spread that work over every rank"
+    )
+
+
+def hook_wait(report: Record) -> str | None:
+    """ "waiting for the future of bucket 0 from its comm hook, f() at train.py:12, which issued no
+    collective" when a bucket of the report was launched through the user's comm hook and the hook issued
+    nothing ddpscope saw (``records.PENDING_BUCKET``'s ``hook``): no peer can complete that future, so the
+    wait is the hook's own doing (it skipped the all-reduce on this rank, or returned a future it never
+    completes). None otherwise."""
+    hooked = [b for b in report.get("pending_buckets") or [] if b.get("launched") and b.get("hook")]
+    if not hooked:
+        return None
+    buckets = ", ".join(str(b["index"]) for b in hooked)
+    return (
+        f"waiting for the future of bucket{'s' if len(hooked) > 1 else ''} {buckets} from its comm hook, "
+        f"{hooked[0]['hook']}, which issued no collective (the hook skipped the all-reduce on this rank, or "
+        "returned a future nothing completes)"
     )
 
 

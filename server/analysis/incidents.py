@@ -999,6 +999,8 @@ def _awaited_before(
     out: list[tuple[int, Record, dict[int, str]]] = []
     for v in failed:
         rank = v["rank"]
+        if any(rank == o[0] for o in out):
+            continue  # its second error (a bucket's failure reported, then the exception that ended it)
         reports = [
             h
             for h in snapshot.hangs

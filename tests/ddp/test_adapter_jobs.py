@@ -335,6 +335,23 @@ def test_its_peer_reports_the_launched_bucket_and_the_inflight_all_reduce(hang: 
         assert [r["step"] for r in steps(hang, rank)] == [0, 1, 2, 3, 4, 5]
 
 
+def test_a_comm_hook_that_issued_no_collective_leaves_none_recorded_and_its_hang_names_the_hook(
+    tmp_path: Path,
+) -> None:
+    job = run("hooklate", tmp_path, HANG_ENV)
+    report = stalled(job, 1)
+    assert report["inflight"] == [], report["inflight"]  # not a bucket all-reduce it never issued
+    line = job.results_json[1]["hook_line"]
+    hooked = [b for b in report["pending_buckets"] if b.get("hook")]
+    assert hooked and hooked[0]["launched"], report["pending_buckets"]
+    assert hooked[0]["hook"].startswith("hooklate.<locals>.late_hook() at ")
+    assert hooked[0]["hook"].endswith(f"adapter_job.py:{line}")
+    # Its peer waits in the bucket's all-reduce, which rank 1 issued only when the timer fired, after its report.
+    waited = {c["coll_seq"] for c in stalled(job, 0)["inflight"] if c["pg"] == "default"}
+    issued = [c for c in job.of(1, "collective") if c["pg"] == "default" and c["coll_seq"] in waited]
+    assert waited and issued and all(c["start_ns"] > report["time_ns"] for c in issued), issued
+
+
 def test_a_rank_stalled_between_forward_and_backward_awaits_no_gradient_yet(hang: AdapterRun) -> None:
     (report,) = [r for r in hang.of(1, "hang") if r["step"] == 4]
     # Not "gradients never arrived" (which reads as unused parameters): backward has not begun.

@@ -528,6 +528,37 @@ def test_a_timeout_on_a_rank_waiting_for_a_stopped_peer_blames_that_peer_and_doe
     )
 
 
+def test_a_rank_waiting_on_its_comm_hooks_own_future_is_the_culprit_and_the_hook_is_named() -> None:
+    # instrument(ddp, comm_hook=h): on rank 1, h returned a future of its own for bucket 0 and issued nothing.
+    job = started(2)
+    end = job.train(3)
+    waiting_in(job, 0, end + 5, 7, step=3)
+    hook = "compress() at train.py:12"
+    job.hang(
+        1, end + 5, step=3, inflight=[], pending=[{"index": 0, "missing": [], "launched": True, "hook": hook}]
+    )
+    incidents = diagnose(job.snapshot(), end + 6)
+    said = f"waiting for the future of bucket 0 from its comm hook, {hook}, which issued no collective"
+    peer = next(i for i in incidents if i.kind == "hang" and i.rank == 0)
+    assert peer.culprit_ranks == [1] and said in peer.message, peer.message
+    own = next(i for i in incidents if i.kind == "hang" and i.rank == 1)
+    assert own.culprit_ranks == [1] and said in own.message, own.message
+
+
+def test_a_rank_that_reported_its_timeout_twice_is_said_to_wait_once() -> None:
+    # instrument() reports a failed bucket all-reduce (non-fatal), then the exception ends the rank (fatal).
+    job = started(2)
+    end = job.train(3)
+    waiting_in(job, 0, end + 5, 7, step=3)
+    callback = "Got the following error when running the callback: RuntimeError: "
+    timeout = f"{callback}[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv"
+    job.error(0, end + 10, timeout, step=3, fatal=False)
+    job.error(0, end + 10.01, callback + timeout, step=3)  # torch's finalizer wraps it once more
+    err = only(diagnose(job.snapshot(), end + 11), "rank_error")
+    assert err.culprit_ranks == [1], err.message
+    assert err.message.count("rank 0 was waiting in") == 1, err.message
+
+
 def test_a_process_group_timeout_before_any_hang_report_is_blamed_on_the_rank_that_never_issued_it() -> None:
     # init_process_group(timeout=8 s) under the default 5-minute hang timeout: rank 0 gives up in #7
     # with no hang report of its own; rank 1, alive and beating, had never issued #7.

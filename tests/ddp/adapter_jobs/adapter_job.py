@@ -12,6 +12,9 @@ Scenarios:
   userhook torch's fp16_compress_hook registered on the plain model and passed through instrument();
            and the refusal of a model that already has a hook.
   hookafter the same hook registered on the instrumented model after instrument(), then once more.
+  hooklate a user's comm hook passed through instrument() returns, on rank 1 at step 2, a future of its own that
+           a timer thread completes JOB_STALL_S later (all-reducing the bucket then): a hook that issued no
+           collective when the hang report came. DDPSCOPE_HANG_TIMEOUT set by the test.
   hang     rank 1 sleeps inside backward at step 2 and between forward and backward at step 4 (JOB_STALL_S);
            DDPSCOPE_HANG_TIMEOUT set by the test.
   asview   gradient_as_bucket_view=True, gradients kept between steps (zero_grad(set_to_none=False)):
@@ -38,6 +41,7 @@ import datetime
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -219,6 +223,31 @@ def userhook(rank: int) -> dict[str, Any]:
     return {**compare(plain, inst), "refusal": refusal}
 
 
+def hooklate(rank: int) -> dict[str, Any]:
+    step = [0]
+
+    def late_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buf = bucket.buffer().div_(dist.get_world_size())
+        if rank == 1 and step[0] == 2:
+            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+            def complete() -> None:
+                dist.all_reduce(buf)
+                fut.set_result(buf)
+
+            threading.Timer(STALL_S, complete).start()
+            return fut
+        return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    model = instrument(DDP(mlp(2, 64)), comm_hook=late_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step[0] in range(4):
+        model(batch(rank, step[0], 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {"hook_line": late_hook.__code__.co_firstlineno}
+
+
 class Stall(nn.Module):
     """Identity whose gradient hook sleeps on the chosen rank and step: a rank stuck in backward."""
 
@@ -371,6 +400,7 @@ def main() -> None:
         "userhook": userhook,
         "hookafter": hookafter,
         "hang": hang,
+        "hooklate": hooklate,
         "asview": asview,
         "disabled": disabled,
         "static": static,
