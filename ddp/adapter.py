@@ -62,6 +62,7 @@ from ddpscope.ddp.adapter_layout import (
     Layout,
     LayoutLearner,
     empty_layout,
+    logged_rebuilt_layout,
     predict_initial,
     read_layout,
     reducer_parameters,
@@ -205,6 +206,10 @@ def _refuse_unsupported(ddp: DistributedDataParallel) -> None:
         )
 
 
+REBUILD_READ_TRIES = 3
+"""Forwards in which ``_relearn_layout`` looks again for a rebuild it could not read at once."""
+
+
 def hook_name(hook: Any) -> str:
     """``name() at file.py:12`` of a comm hook (or of the function a ``functools.partial`` wraps)."""
     fn = getattr(hook, "func", hook)
@@ -263,6 +268,9 @@ class Instrumentation:
         self._base = empty_layout(params, names)
         self._learner = LayoutLearner(params)
         self._torch_rebuilt = bool(getattr(ddp, "_has_rebuilt_buckets", False))
+        self._rebuild_unread = 0
+        """Forwards left in which to read a rebuild torch made that could not be read at once (see
+        ``_relearn_layout``); 0 when there is none."""
         """torch's ``_has_rebuilt_buckets`` as last seen after a forward."""
         self._set_layout(read_layout(ddp, self._learner, self._base) or predict_initial(ddp, self._base))
 
@@ -437,20 +445,33 @@ class Instrumentation:
             self._torch_rebuilt = rebuilt
             if rebuilt:
                 self._relearn_layout()
+        elif self._rebuild_unread:
+            self._relearn_layout()
         if self._synced:
             self._active = True
         # A hook on the outputs marks backward start even when no parameter gets a gradient here.
         hook_backward_start(grad_tensors(output), self._on_output_grad)
 
     def _relearn_layout(self) -> None:
+        """Read torch's rebuilt buckets. Its Reducer cannot show a bucket of sparse gradients; torch's
+        logging data has the rebuilt buckets then, but only from the forward after the rebuild's, so the
+        read is tried again in the next few forwards (the step in between keeps the old layout)."""
+        first = not self._rebuild_unread
         try:
-            layout = read_layout(self.ddp, self._learner, self._base)
+            layout = read_layout(self.ddp, self._learner, self._base) if first else None
+            layout = layout or logged_rebuilt_layout(self.ddp, self._base)
         except Exception:
+            self._rebuild_unread = 0
             logger.warning("ddpscope: reading torch's rebuilt buckets failed", exc_info=True)
             return
         if layout is None:
-            logger.warning("ddpscope: could not read torch's bucket layout at step %d", self._cur)
+            self._rebuild_unread = REBUILD_READ_TRIES if first else self._rebuild_unread - 1
+            if not self._rebuild_unread:
+                logger.warning(
+                    "ddpscope: could not read torch's rebuilt bucket layout (by step %d)", self._cur
+                )
             return
+        self._rebuild_unread = 0
         if layout.buckets != self.layout.buckets:
             self._set_layout(layout)
         # Said even when torch rebuilt the same buckets: the collector's advice on bucket order depends

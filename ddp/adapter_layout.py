@@ -117,6 +117,22 @@ def predict_initial(ddp: Any, base: Layout) -> Layout:
     return base.with_buckets([list(range(count))])
 
 
+def logged_rebuilt_layout(ddp: Any, base: Layout) -> Layout | None:
+    """torch's rebuilt buckets as its DDP logging data gives them (``rebuilt_per_bucket_param_indices``,
+    "0, 4 3 2 1": buckets split by commas, the Reducer's parameter indices by spaces), for when
+    ``read_layout`` cannot tell: the Reducer's own view fails on a bucket of sparse gradients, which has no
+    flat tensor to copy. None before a rebuild, or when the indices do not cover the parameters."""
+    try:
+        text = str(ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices") or "")
+        buckets = [[int(i) for i in part.split()] for part in text.split(",") if part.strip()]
+    except (AttributeError, RuntimeError, ValueError):
+        logger.debug("cannot read torch's rebuilt buckets from its logging data", exc_info=True)
+        return None
+    if sorted(i for b in buckets for i in b) != list(range(len(base.names))):
+        return None
+    return base.with_buckets(buckets)
+
+
 class LayoutLearner:
     """Assembles a layout from torch's GradBucket objects (the Reducer's, one per bucket)."""
 

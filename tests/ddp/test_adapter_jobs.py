@@ -208,6 +208,22 @@ def test_bucket_count_and_sizes_match_torchs_own_logging_data(parity: AdapterRun
                 assert logged["num_buckets_reduced"] == len(record["bucket_bytes"])
 
 
+def test_a_rebuild_with_a_bucket_of_sparse_gradients_is_read_from_torchs_logging_data(tmp_path: Path) -> None:
+    # torch's Reducer cannot show a sparse bucket (_get_zeros_like_grad_buckets raises on it).
+    job = run("sparse", tmp_path)
+    for rank in (0, 1):
+        logged = job.results_json[rank]["logged"][-1]
+        names = job.results_json[rank]["reducer_parameters"]
+        torch_buckets = [
+            [names[int(i)] for i in group.split()]
+            for group in logged["rebuilt_per_bucket_param_indices"].split(",")
+        ]
+        layouts = job.of(rank, "layout")
+        assert [lay["reason"] for lay in layouts] == ["initial", "rebuilt"]
+        assert [b["parameters"] for b in layouts[-1]["buckets"]] == torch_buckets
+        assert layouts[-1]["buckets"] != layouts[0]["buckets"]  # torch did reorder them
+
+
 def test_allreduce_span_and_overlap_agree_with_torchs_sampled_timings(parity: AdapterRun) -> None:
     for rank in (0, 1):
         synced = [s for s in steps(parity, rank) if s["synced"]]

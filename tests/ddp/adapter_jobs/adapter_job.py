@@ -175,8 +175,10 @@ class Sparse(nn.Module):
 def sparse(rank: int) -> dict[str, Any]:
     plain = DDP(Sparse())
     inst = instrument(DDP(Sparse()))
-    train_pair(plain, inst, rank, 16)
-    return compare(plain, inst)
+    logged = train_pair(plain, inst, rank, 16)
+    state = instrumentation(inst)
+    assert state is not None
+    return {**compare(plain, inst), "logged": logged[-1:], "reducer_parameters": list(state.layout.names)}
 
 
 def join(rank: int) -> dict[str, Any]:
