@@ -237,9 +237,13 @@ order differs between the ranks, so collectives pair with the wrong ones."""
 COLLECTORS_DIFFER = "collectors_differ"
 """Ranks of one torch job under one job id send to different collectors (``ddp/job_check.py``): each
 collector sees part of the job."""
+TRAINS_IN_EVAL_MODE = "trains_in_eval_mode"
+"""A rank ran training steps with its model in eval mode (``ddp/train_mode.py``): a ``model.eval()`` with no
+``model.train()`` after it; its forward is another function than its peers'."""
 WARNING_CODES = frozenset(
     {
         UNSYNCED_GRADIENTS,
+        TRAINS_IN_EVAL_MODE,
         JOB_IDS_DIFFER,
         COLLECTORS_DIFFER,
         NONFINITE_LOSS,
@@ -560,8 +564,9 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
             "of one torch job report under different job ids), 'nonfinite_loss' (the gradient the rank's "
             "loss sent into its model's output was NaN or Inf, from ``step`` on) or 'nonfinite_gradient' "
             "(with DDPSCOPE_CHECK_GRADIENTS: the rank's gradients were NaN or Inf before their all-reduce while "
-            "its loss was finite, from ``step`` on) or 'collectives_from_threads' (two threads of the rank "
-            "issue collectives on one process group at once, so their order differs between ranks)",
+            "its loss was finite, from ``step`` on), 'collectives_from_threads' (two threads of the rank "
+            "issue collectives on one process group at once, so their order differs between ranks) or "
+            "'trains_in_eval_mode' (the rank's training steps ran with its model in eval mode, from ``step`` on)",
         ),
         Field(
             "pg",

@@ -87,6 +87,7 @@ from ddpscope.ddp.progress import PROGRESS, no_step
 from ddpscope.ddp.rank_start import rank_start_record
 from ddpscope.ddp.replicas import ReplicaDigest
 from ddpscope.ddp.step_record import StepTimer, untimed_end
+from ddpscope.ddp.train_mode import EvalModeWatch
 
 logger = get_logger(__name__)
 
@@ -264,6 +265,7 @@ class Instrumentation:
         self.params = params
         ignored = getattr(ddp, "parameters_to_ignore", ()) or ()
         self._frozen = FrozenAtWrap(ddp.module, self._rank, ignored)
+        self._train_mode = EvalModeWatch(ddp.module, self._rank)
         self._replicas = ReplicaDigest(ddp.module, params, self._rank, ignored, replica_ranks(self._group))
         self._base = empty_layout(params, names)
         self._learner = LayoutLearner(params)
@@ -424,6 +426,7 @@ class Instrumentation:
         self._queued = False
         self._reset_step()
         self._frozen.check(self._step)
+        self._train_mode.check(self._step, self._syncs)
         self._replicas.take(self._step, self._syncs)
         self.timer.forward_start(self._step, synced)
         PROGRESS.enter("forward", self._step)

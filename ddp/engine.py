@@ -41,6 +41,7 @@ from ddpscope.ddp.rank_start import rank_start_record
 from ddpscope.ddp.reducer import SPARSE_GRADIENTS, Reducer
 from ddpscope.ddp.replicas import ReplicaDigest
 from ddpscope.ddp.step_record import StepTimer
+from ddpscope.ddp.train_mode import EvalModeWatch
 
 logger = get_logger(__name__)
 
@@ -233,6 +234,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
 
         self._frozen = FrozenAtWrap(module, self._global_rank)
+        self._train_mode = EvalModeWatch(module, self._global_rank)
         # Before ddpscope's first collective: ranks without ddpscope run torch's own DDP, which never
         # joins it, and would leave these ranks waiting until the group's timeout.
         absent = peer_presence.missing(process_group, wait_s=watchdog.hang_timeout_setting())
@@ -323,6 +325,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         reducer = self._reducer
         _INTERLEAVING.forward(self)
         self._frozen.check(self._step)
+        self._train_mode.check(self._step, reducer.syncs)
         self._replicas.take(self._step, reducer.syncs)
         if joining:
             self._notify_join(reducer)

@@ -16,7 +16,13 @@ import re
 from typing import Any
 
 from ddpscope.agent.rank_spans import parse_ranks
-from ddpscope.agent.records import COLLECTORS_DIFFER, JOB_IDS_DIFFER, NONFINITE_GRADIENT, NONFINITE_LOSS
+from ddpscope.agent.records import (
+    COLLECTORS_DIFFER,
+    JOB_IDS_DIFFER,
+    NONFINITE_GRADIENT,
+    NONFINITE_LOSS,
+    TRAINS_IN_EVAL_MODE,
+)
 from ddpscope.server.analysis.incident_model import Incident, capitalized, ranks_phrase, record_s
 from ddpscope.server.analysis.snapshot import JobSnapshot
 
@@ -44,6 +50,10 @@ def warning_incidents(snapshot: JobSnapshot) -> list[Incident]:
         parameters: list[str] = []
         for w in same:
             parameters += [p for p in w.get("parameters") or () if p not in parameters]
+        if code == TRAINS_IN_EVAL_MODE and (
+            others := [r for r in range(snapshot.world_size) if r not in ranks]
+        ):
+            message += f" ({capitalized(ranks_phrase(others))} trained in train mode: the ranks ran different forwards.)"
         out.append(
             Incident(
                 kind=code,

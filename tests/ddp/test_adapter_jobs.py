@@ -17,6 +17,7 @@ import pytest
 
 from ddpscope.agent.records import validate_record
 from tests.ddp.failure_jobs.runner import JobRun
+from tests.support.eval_mode import FORGETS_AT
 from tests.support.procs import exited_cleanly, run_ranks
 
 pytestmark = pytest.mark.slow
@@ -460,3 +461,24 @@ def test_a_rank_dependent_update_under_torchs_engine_shows_in_the_replica_digest
     for rank in (0, 1):
         (warning,) = [r for r in job.records[rank] if r["kind"] == "warning"]
         assert warning["parameters"] == ["extra.weight", "extra.bias"] and warning["step"] == 8
+
+
+def test_training_steps_after_a_model_eval_on_one_rank_are_called_out_under_instrument(
+    tmp_path: Path,
+) -> None:
+    job = run("eval_mode", tmp_path)
+    for rank in (0, 1):
+        records = [
+            r for r in job.records[rank] if r["kind"] == "warning" and r["code"] == "trains_in_eval_mode"
+        ]
+        if rank == 1:
+            assert records == [] and job.results_json[1]["warnings"] == []
+            continue
+        (record,) = records  # not the validation at step 1, which went back to train mode
+        # Step numbers count forwards with gradients on: the validation at VALIDATES_AT was one.
+        assert record["step"] == FORGETS_AT + 1, record
+        assert (
+            "model.eval()" in record["message"] and "call model.train() before training" in record["message"]
+        )
+        (warning,) = job.results_json[0]["warnings"]
+        assert "eval mode" in warning

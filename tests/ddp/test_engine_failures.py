@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from tests.ddp.engine_jobs import run_job
+from tests.support.eval_mode import FORGETS_AT
 
 pytestmark = pytest.mark.slow
 
@@ -227,3 +228,22 @@ def test_reentrant_activation_checkpointing_is_named_with_the_way_out(mode: str,
     (result,) = run_ranks(script, 1, args=[mode], env=env, timeout_s=60)
     assert_all_ok([result])
     assert said in result.stdout and "use_reentrant=False" in result.stdout, result.stdout
+
+
+def test_training_steps_after_a_model_eval_on_one_rank_are_called_out_on_that_rank_once(tmp_path) -> None:
+    ranks = run_job("failures.py", 2, ["eval_mode"], tmp_path, timeout_s=90)
+    for rank in (0, 1):
+        records = [
+            r for r in ranks[rank]["records"] if r["kind"] == "warning" and r["code"] == "trains_in_eval_mode"
+        ]
+        if rank == 1:
+            assert records == [] and ranks[1]["warnings"] == []
+            continue
+        (record,) = records  # not the validation at step 1, which went back to train mode
+        # Step numbers count forwards with gradients on: the validation at VALIDATES_AT was one.
+        assert record["step"] == FORGETS_AT + 1, record
+        assert (
+            "model.eval()" in record["message"] and "call model.train() before training" in record["message"]
+        )
+        (warning,) = ranks[0]["warnings"]
+        assert "eval mode" in warning

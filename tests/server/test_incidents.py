@@ -437,6 +437,27 @@ def test_the_same_warning_from_several_ranks_is_one_incident_naming_them_and_fai
     assert job_status(job.snapshot(), end + 1) == "running"
 
 
+EVAL_MODE_TEXT = (
+    "the model was in eval mode (model.eval()) in the forward and backward of training steps: ..."
+)
+
+
+def test_a_rank_training_in_eval_mode_beside_peers_in_train_mode_is_named_with_the_peers_that_were_not() -> (
+    None
+):
+    job = started(3)
+    end = job.train(4)
+    job.add("warning", 0, end, step=3, code="trains_in_eval_mode", message=EVAL_MODE_TEXT)
+    (found,) = [i for i in diagnose(job.snapshot(), end + 1) if i.kind == "trains_in_eval_mode"]
+    assert found.culprit_ranks == [0] and found.step == 3
+    assert found.message.startswith("Rank 0 (step 3): the model was in eval mode (model.eval())")
+    assert found.message.endswith("(Ranks 1, 2 trained in train mode: the ranks ran different forwards.)")
+    for rank in (1, 2):  # every rank: said as it is, maybe on purpose (BatchNorm frozen for a fine-tune)
+        job.add("warning", rank, end, step=3, code="trains_in_eval_mode", message=EVAL_MODE_TEXT)
+    (found,) = [i for i in diagnose(job.snapshot(), end + 1) if i.kind == "trains_in_eval_mode"]
+    assert found.culprit_ranks == [0, 1, 2] and "trained in train mode" not in found.message
+
+
 # -------------------------------------------------------------------------------- missing collectives
 
 

@@ -29,6 +29,7 @@ Scenarios:
   frozen_late  the first layer frozen after instrumenting: the note ddpscope adds to torch's error.
   cut_short  a hook raises in the backward of step 1 on every rank, the loop catches it and goes on:
            the note ddpscope adds to torch's error at step 2's forward.
+  eval_mode rank 0 validates at step 1 (model.eval(), then model.train()) and at step 3, staying in eval mode.
   thawed   the first layer frozen when wrapped and unfrozen after two steps; the warnings, and whether
            the ranks' copies of that layer still agree.
   replicas rank 0 alone steps an LR scheduler after step 2, so the ranks' copies drift apart; a layer is
@@ -57,6 +58,7 @@ import _capture  # noqa: E402  (the failure jobs' JSON-lines exporter, shared)
 
 from ddpscope.ddp.adapter import instrument, instrumentation  # noqa: E402
 from tests.support.cut_short import train_through_a_caught_backward_failure  # noqa: E402
+from tests.support.eval_mode import batchnorm_net, train_forgetting_train_mode  # noqa: E402
 from tests.support.job_end import destroy_together  # noqa: E402
 
 STEPS = 6
@@ -331,6 +333,14 @@ def thawed(rank: int) -> dict[str, Any]:
     return {"warnings": logged, "first_equal": all(torch.equal(gathered[0], t) for t in gathered)}
 
 
+def eval_mode(rank: int) -> dict[str, Any]:
+    """Rank 0 validates at step 1 and goes back to train mode, validates again at step 3 and stays in eval
+    mode (``tests/support/eval_mode.py``)."""
+    logged = _capture.logged_warnings()
+    train_forgetting_train_mode(instrument(DDP(batchnorm_net())), rank)
+    return {"warnings": logged}
+
+
 def penalty(rank: int) -> dict[str, Any]:
     """A gradient penalty (WGAN-GP): each step's ``autograd.grad`` of the output with respect to the input,
     through the DDP outputs, before the backward that reaches the parameters. Its graph task touches no
@@ -410,6 +420,7 @@ def main() -> None:
         "join": join,
         "bypass": bypass,
         "thawed": thawed,
+        "eval_mode": eval_mode,
         "frozen_late": frozen_late,
         "cut_short": cut_short,
         "replicas": replicas,

@@ -41,6 +41,7 @@ from torch import nn
 from ddpscope import agent
 from ddpscope.ddp import DistributedDataParallel
 from tests.support.cut_short import train_through_a_caught_backward_failure
+from tests.support.eval_mode import batchnorm_net, train_forgetting_train_mode
 from tests.support.job_end import destroy_together
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "failure_jobs"))
@@ -222,6 +223,14 @@ def thawed(rank: int) -> dict[str, Any]:
     return {"warnings": logged, "trunk_equal": all(torch.equal(gathered[0], t) for t in gathered)}
 
 
+def eval_mode(rank: int) -> dict[str, Any]:
+    """Rank 0 validates (model.eval()) at step 1 and goes back to train mode, validates again at step 3 and
+    stays in eval mode (``tests/support/eval_mode.py``)."""
+    logged = _capture.logged_warnings()
+    train_forgetting_train_mode(DistributedDataParallel(batchnorm_net()), rank)
+    return {"warnings": logged}
+
+
 def replicas(rank: int) -> dict[str, Any]:
     """A rank-dependent update (``if rank == 0: scheduler.step()``) and a layer added after wrapping."""
     logged = _capture.logged_warnings()
@@ -305,6 +314,7 @@ def main() -> None:
         "disabled": disabled,
         "bypass": bypass,
         "thawed": thawed,
+        "eval_mode": eval_mode,
         "never_synced": never_synced,
         "rebuilt": rebuilt,
         "frozen_late": frozen_late,
