@@ -888,6 +888,32 @@ def _left_loop(
     )
 
 
+def _step_ahead(top: list[list[int]], recs: Mapping[int, Record]) -> tuple[list[int], str] | None:
+    """On a tie, the side at the lower step as the reference, when each side's calls carry one step and
+    only one side is at the lowest: step numbers count forwards with gradients on, and until this number
+    the ranks' collectives paired, so the ranks ahead ran a forward their peers did not (an evaluation
+    through the DDP model on those ranks only, without torch.no_grad()) and its collectives (the buffer
+    broadcast) paired with their peers' next ones. None otherwise."""
+    steps: list[int] = []
+    for g in top:
+        mine = {recs[r].get("step") for r in g}
+        if len(mine) != 1 or None in mine:
+            return None
+        steps.append(mine.pop())  # type: ignore[arg-type]  # None ruled out above
+    low = min(steps)
+    if steps.count(low) != 1:
+        return None
+    ref = top[steps.index(low)]
+    ahead = sorted(r for g, st in zip(top, steps, strict=True) if st != low for r in g)
+    were = "was" if len(ahead) == 1 else "were"
+    return ref, (
+        f"The ranks split evenly, but {ranks_phrase(ahead)} {were} ahead (at step {max(steps)} against {low}): "
+        f"step numbers count forwards with gradients on, so {ranks_phrase(ahead)} ran a forward through the DDP "
+        f"model that {ranks_phrase(ref)} did not (an evaluation on some ranks only, without torch.no_grad()?), "
+        "and its collectives (a buffer broadcast) paired with the others' next ones. "
+    )
+
+
 def _reference(
     groups: dict[Any, list[int]], recs: Mapping[int, Record], keys: Mapping[int, set[tuple[Any, ...]]]
 ) -> tuple[list[int], str]:
@@ -904,6 +930,8 @@ def _reference(
     known = [g for g in top if familiar(g)]
     if len(known) == 1:
         return known[0], "The ranks split evenly; the odd call is the one the other ranks never make. "
+    if ahead := _step_ahead(top, recs):
+        return ahead
     ref = min(top, key=min)
     return ref, f"The ranks split evenly; {ranks_phrase(ref)}'s call is taken as the reference. "
 

@@ -546,6 +546,24 @@ def test_different_ops_at_the_same_sequence_number_blame_the_minority_and_name_b
     )
 
 
+def test_on_a_tie_the_rank_a_step_ahead_ran_a_forward_its_peers_did_not_and_is_the_culprit() -> None:
+    # Rank 1 evaluated through the DDP model with gradients on at step 5: that forward's buffer broadcast
+    # paired with rank 0's at step 5; at #12 rank 1 broadcasts for step 6 while rank 0 all-reduces step 5's bucket.
+    job = started(2)
+    end = job.train(5)
+    for rank in (0, 1):
+        job.coll(
+            rank, end, 11, op="broadcast", reduce_op=None, shapes=[[16]], site=None, step=5, source="engine"
+        )
+    job.coll(0, end + 0.01, 12, shapes=[[10]], site="ddp/reducer.py:88", step=5, source="engine", done=False)
+    job.coll(1, end + 0.01, 12, op="broadcast", reduce_op=None, shapes=[[16]], site=None, step=6, source="engine",
+             done=False)  # fmt: skip
+    m = only(diagnose(job.snapshot(), end + 0.1), "mismatch")
+    assert m.culprit_ranks == [1] and m.seq == 12, m.message
+    assert "rank 1 was ahead (at step 6 against 5)" in m.message
+    assert "ran a forward through the DDP model that rank 0 did not" in m.message
+
+
 def test_same_shape_reductions_with_swapped_reduce_ops_are_flagged() -> None:
     job = started(2)
     end = job.train(5)
