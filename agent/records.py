@@ -10,8 +10,8 @@ Every record carries the envelope fields (``kind``, ``job``, ``rank``, ``stream`
 ``stream`` names one agent incarnation (a new one after fork or restart); ``seq`` counts up within it.
 
 Times are integer nanoseconds on the job's aligned clock: the rank's wall clock (read through its monotonic
-clock, so never stepped back: ``agent/clock.py``) plus the offset to rank 0 estimated at start-up (see ``rank_start.clock_offset_ns``). Durations at the edges
-(API, dashboard) are float seconds.
+clock, so never stepped back: ``agent/clock.py``) plus the offset to rank 0 estimated at start-up (see
+``rank_start.clock_offset_ns``). Durations at the edges (API, dashboard) are float seconds.
 """
 
 from __future__ import annotations

@@ -270,10 +270,10 @@ class Instrumentation:
         self._base = empty_layout(params, names)
         self._learner = LayoutLearner(params)
         self._torch_rebuilt = bool(getattr(ddp, "_has_rebuilt_buckets", False))
+        """torch's ``_has_rebuilt_buckets`` as last seen after a forward."""
         self._rebuild_unread = 0
         """Forwards left in which to read a rebuild torch made that could not be read at once (see
         ``_relearn_layout``); 0 when there is none."""
-        """torch's ``_has_rebuilt_buckets`` as last seen after a forward."""
         self._set_layout(read_layout(ddp, self._learner, self._base) or predict_initial(ddp, self._base))
 
         self.timer = StepTimer(self._rank, self._bucket_bytes)
