@@ -200,20 +200,20 @@ class CollectiveRecorder:
         did not make: its peers' waits then name it as the rank that never issued theirs. (A hook that
         calls the ProcessGroup object's methods directly is not seen, and records no collective either.)"""
         local = self._local
-        local.first_call = begin
+        local.pending_begin = begin
         try:
             with self.engine_call():
                 yield
         finally:
-            local.first_call = None
+            local.pending_begin = None
 
     def first_call(self) -> None:
         """Called by the patched torch.distributed functions for a call made inside an engine call: runs
         ``hook_call``'s ``begin`` once, before the first such call of a hook. Never raises."""
         local = self._local
-        begin = getattr(local, "first_call", None)
+        begin = getattr(local, "pending_begin", None)
         if begin is not None:
-            local.first_call = None
+            local.pending_begin = None
             try:
                 begin()
             except Exception:

@@ -896,10 +896,10 @@ def _step_ahead(top: list[list[int]], recs: Mapping[int, Record]) -> tuple[list[
     broadcast) paired with their peers' next ones. None otherwise."""
     steps: list[int] = []
     for g in top:
-        mine = {recs[r].get("step") for r in g}
-        if len(mine) != 1 or None in mine:
+        step = recs[g[0]].get("step")
+        if step is None or any(recs[r].get("step") != step for r in g):
             return None
-        steps.append(mine.pop())  # type: ignore[arg-type]  # None ruled out above
+        steps.append(step)
     low = min(steps)
     if steps.count(low) != 1:
         return None

@@ -297,11 +297,11 @@ class _HangReading:
         stuck = self.stuck.get(rank)
         if stuck:
             return f"; {stuck.phrase()}"
-        if (report := self.live.active_hangs.get(rank)) is not None and (hooked := hook_wait(report)):
+        report = self.live.active_hangs.get(rank)  # not every report: each waiting rank asks this
+        if report is not None and (hooked := hook_wait(report)):
             return f"; {hooked}"
         if differ := wrappers_differ(self.h, self._latest_report(rank)):
             return differ
-        report = self.live.active_hangs.get(rank)  # not every report: each waiting rank asks this
         there = native_wait(report) if report is not None else None
         if report is not None and there is not None:
             return f"; blocked in {there.place} at {main_site(report)}, a collective ddpscope does not record"

@@ -30,7 +30,8 @@ Every record inside is a **wire-shaped dict**: exactly the fields of ``ddpscope.
 - ``agent_stats``: ``{rank: agent_stats}``: the latest agent accounting of each rank (cumulative per
   stream; ``dropped`` maps ``'reason:kind'`` to a count).
 - ``rank_last_seen_s``: ``{rank: seconds}``: aligned-clock time of the newest record of each rank,
-  any kind, but not its shipper's (which outlives the rank); ``last_seen_s`` is the maximum over ranks (0.0 for a job with no records).
+  any kind but its shipper's (which outlives the rank: ``note_seen``); ``last_seen_s`` is the maximum over
+  ranks (0.0 for a job with no records).
 
 ``world_size`` is the newest ``rank_start``'s value (a relaunch under the same job id may have fewer
 ranks: ``retired_ranks``), else 1 + the highest rank seen.
@@ -272,11 +273,17 @@ def _history(snapshot: JobSnapshot, fields: Mapping[str, Any]) -> JobSnapshot:
     """A snapshot of processes that ran before a restart, from their ``PER_PROCESS`` records and heartbeats:
     no ``ranks`` (every record counts), ``rank_last_seen_s`` from the records."""
     history = JobSnapshot(job=snapshot.job, world_size=snapshot.world_size, **fields)
-    seen = history.rank_last_seen_s
-    for rec in _process_records(history):
+    note_seen(history.rank_last_seen_s, _process_records(history))
+    return history
+
+
+def note_seen(seen: dict[int, float], records: Iterable[Mapping[str, Any]]) -> None:
+    """Raise ``seen`` (``rank_last_seen_s``) to the newest of ``records`` per rank, leaving out a shipper's:
+    it outlives its rank to send what the rank left, so its records' times say nothing of the rank being
+    alive (the collector's writer counts them alike)."""
+    for rec in records:
         if not is_shipper_stream(rec["stream"]):
             seen[rec["rank"]] = max(seen.get(rec["rank"], 0.0), rec["time_ns"] / 1e9)
-    return history
 
 
 def split_attempts(previous: JobSnapshot) -> list[JobSnapshot]:
@@ -460,9 +467,7 @@ def snapshot_from_records(job: str, records: Iterable[Mapping[str, Any]]) -> Job
             cur.last_step, cur.last_step_end_ns = s["step"], s["backward_end_ns"]
     seen: dict[int, float] = {}
     for recs in by_kind.values():
-        for r in recs:
-            if not is_shipper_stream(r["stream"]):  # as the writer counts them
-                seen[r["rank"]] = max(seen.get(r["rank"], 0.0), r["time_ns"] / 1e9)
+        note_seen(seen, recs)
     merged = merge_collectives(by_kind.get("collective", []), by_kind.get("collective_end", []))
     snap = JobSnapshot(
         job=job,
