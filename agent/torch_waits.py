@@ -57,7 +57,21 @@ RENDEZVOUS_ADVICE = (
     "that address holds every other rank in the rendezvous until the process group's timeout"
 )
 
+DDP_CONSTRUCTION_PLACE = "torch's DistributedDataParallel construction"
+DDP_CONSTRUCTION_WHAT = (
+    "torch's DistributedDataParallel constructor checks the parameters' shapes against every other rank's and "
+    "broadcasts rank 0's parameters and buffers: it returns only once every rank of the group has reached its "
+    "own DistributedDataParallel(...)"
+)
+
 _MACHINERY: tuple[tuple[re.Pattern[str], re.Pattern[str] | None, str, str, str | None], ...] = (
+    (
+        re.compile(r"(?:^|/)torch/distributed/utils\.py$"),
+        re.compile(r"^_verify_param_shape_across_processes$"),
+        DDP_CONSTRUCTION_PLACE + " ({function})",
+        DDP_CONSTRUCTION_WHAT,
+        None,
+    ),
     (
         re.compile(r"(?:^|/)torch/distributed/utils\.py$"),
         re.compile(r"^_sync_params_and_buffers$|^_sync_module_states$"),
@@ -104,8 +118,8 @@ _MACHINERY: tuple[tuple[re.Pattern[str], re.Pattern[str] | None, str, str, str |
         re.compile(r"(?:^|/)torch/distributed/(?:distributed_c10d|c10d_logger|utils)\.py$"),
         None,
         "torch.distributed ({function})",
-        "a collective ddpscope did not record (a DistributedDataParallel constructor's state broadcast, "
-        "or a call through a name imported before ddpscope installed its recorder)",
+        "most likely a DistributedDataParallel constructor's state broadcast, or a call through a name "
+        "imported before ddpscope installed its recorder",
         None,
     ),
 )

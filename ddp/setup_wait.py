@@ -23,7 +23,14 @@ from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any
 
-from ddpscope.agent.torch_waits import RENDEZVOUS_PLACE, TorchWait, blocked, torch_wait
+from ddpscope.agent.torch_waits import (
+    DDP_CONSTRUCTION_PLACE,
+    DDP_CONSTRUCTION_WHAT,
+    RENDEZVOUS_PLACE,
+    TorchWait,
+    blocked,
+    torch_wait,
+)
 from ddpscope.ddp.hang_text import thread_words
 
 DDP_FILE = "torch/nn/parallel/distributed.py"
@@ -56,12 +63,7 @@ def where(frame: FrameType) -> TorchWait | None:
     if not _machinery(code.co_filename):
         return None
     if _in_ddp_constructor(frame):
-        return TorchWait(
-            f"torch's DistributedDataParallel construction ({code.co_name})",
-            "torch's DistributedDataParallel constructor checks the parameters' shapes against every other "
-            "rank's and broadcasts rank 0's parameters and buffers: it returns only once every rank of the "
-            "group has reached its own DistributedDataParallel(...)",
-        )
+        return TorchWait(f"{DDP_CONSTRUCTION_PLACE} ({code.co_name})", DDP_CONSTRUCTION_WHAT)
     return torch_wait(code.co_filename, code.co_name)
 
 
@@ -77,7 +79,7 @@ def message(
 ) -> str:
     """The sentence of a hang report for a rank that waits for its peers inside torch before any step;
     ``thread``: the name of the thread waiting when it is not the main thread (``training_thread.py``)."""
-    if wait.place.startswith("torch's DistributedDataParallel construction"):
+    if wait.place.startswith(DDP_CONSTRUCTION_PLACE):
         when = "before its first step"
     elif wait.place.startswith(RENDEZVOUS_PLACE):
         when = "before its process group exists"

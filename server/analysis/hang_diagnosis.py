@@ -293,6 +293,16 @@ class _HangReading:
             default=None,
         )
 
+    def _own_wrapper_differs(self) -> str:
+        """'; it is inside the constructor of torch's DistributedDataParallel while rank 1 is inside that of
+        ddpscope's: ...' when a peer's report has it in another DDP class's constructor than this rank's
+        (the peer's own report says it the other way round); '' otherwise."""
+        for r in sorted({x["rank"] for x in self.snapshot.hangs} - {self.rank}):
+            report = self._latest_report(r)
+            if report is not None and (differ := wrappers_differ(report, self.h)):
+                return differ
+        return ""
+
     def _meanwhile(self, rank: int) -> str:
         stuck = self.stuck.get(rank)
         if stuck:
@@ -402,7 +412,7 @@ class _HangReading:
             )
         elif rank in blame:
             culprits = [rank]
-            msg += f"; this rank is at fault: it {blame[rank]}"
+            msg += f"; this rank is at fault: it {blame[rank]}{self._own_wrapper_differs()}"
         elif starving:
             culprits = [rank]
             # Not unused parameters: those end the backward without them (torch's DDP goes on and fails

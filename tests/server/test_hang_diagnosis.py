@@ -1169,3 +1169,12 @@ def test_ranks_wrapping_the_model_in_different_ddp_classes_are_told_so_not_only_
         "ddpscope's DistributedDataParallel: the ranks wrap the model with different classes"
         in hangs[0].message
     ), hangs[0].message
+    # The rank in torch's constructor is told the same from its own side, and where it waits.
+    assert hangs[1].culprit_ranks == [1]
+    assert (
+        "in torch's DistributedDataParallel construction (_verify_param_shape_across_processes)"
+        in hangs[1].message
+        and "it is inside the constructor of torch's DistributedDataParallel while rank 0 is inside that of "
+        "ddpscope's DistributedDataParallel"
+        in hangs[1].message
+    ), hangs[1].message
