@@ -61,6 +61,12 @@ def _partial_row(rank: int, wire: Mapping[str, Any]) -> StepRow:
     )
 
 
+def _known_phase(phase: Any) -> str | None:
+    """A report's phase, None for "unknown" (a crash read from a fatal signal's file after the process died:
+    nothing said which phase it was in)."""
+    return None if phase in (None, "", "unknown") else str(phase)
+
+
 def _exit_words(reason: str) -> str:
     return {
         "finished": "finished its loop and exited",
@@ -112,7 +118,7 @@ def stops(
             step=None if step is None else int(step),
             # A later report without the partial step (the same error again as it ends the process) keeps
             # the phase the partial step was taken in.
-            phase=before.phase if inherited and before is not None else r.get("phase"),
+            phase=before.phase if inherited and before is not None else _known_phase(r.get("phase")),
             time_ns=int(r["time_ns"]),
             message=message,
             partial=row if row is not None and (step is None or row.step == step) else None,

@@ -194,3 +194,23 @@ def test_a_restart_that_failed_in_its_set_up_is_where_the_ranks_stopped_not_the_
         rank: ("failed", "DistStoreError: timed out waiting for the store (then it exited on an error)")
         for rank in (0, 1)
     }
+
+
+def test_a_crash_read_from_a_fatal_signal_file_has_no_phase_rather_than_phase_unknown(client: Any) -> None:
+    # The shipper reads a SIGSEGV's faulthandler file after the process died: no step, no phase it could
+    # know ("unknown" on the wire). Where it stopped says "failed", not "failed in unknown".
+    records = synth_job(2, 3, 2, finished=False)
+    t0 = max(r["time_ns"] for r in records) + MS
+    base = records[0]
+    records += [
+        _report(base, "rank_error", 1, 10_000, t0 + 30 * MS, step=None, phase="unknown", error_type="SIGSEGV",
+                message="Fatal Python error: Segmentation fault", stack="...", fatal=True),
+        _report(base, "rank_error", 0, 10_000, t0 + 40 * MS, step=3, phase="allreduce", error_type="RuntimeError",
+                message="Connection closed by peer", stack="...", fatal=True, partial_step=_partial(t0, 3)),
+    ]  # fmt: skip
+    found = stops(current_process_reports("synth", sorted(records, key=lambda r: r["time_ns"])))
+    assert (found[1].state, found[1].phase) == ("failed", None)
+    _feed(client, records)
+    tl = client.get("/api/v1/jobs/synth/timeline?step=3").json()
+    (rank1,) = [r for r in tl["ranks"] + tl["elsewhere"] if r["rank"] == 1]
+    assert rank1["state"] == "failed" and rank1["phase"] is None, rank1
