@@ -11,7 +11,8 @@ reported with how often (``every N steps`` when the stalls come at one interval)
 phase the time went.
 
 Where the time went, line by line: the rank's watchdog samples its main thread's stack in a stall of its
-own (``stall_sample`` records, 0.5 s in and at each doubling, ``ddp/stall_sampler.py``). The samples taken in
+own (``stall_sample`` records, 0.5 s in and at each doubling, earlier once short stalls recur,
+``ddp/stall_sampler.py``). The samples taken in
 the stalled steps name the line the rank spent them on (``StallSite``: the most sampled one, with its
 stack, and whether the thread was blocked or busy there).
 
@@ -81,7 +82,7 @@ class StallSite:
         stalls = "that stall" if self.stalls == 1 else f"{self.stalls} of those stalls"
         how = f", blocked, {self.waits_on}" if self.blocked and self.waits_on else HOW[self.blocked]
         return (
-            f"Sampled {self.from_s:.1f} s and more into {stalls}, its {named_thread_words(self.thread)} was {where} in "
+            f"Sampled {self.from_s:.3g} s and more into {stalls}, its {named_thread_words(self.thread)} was {where} in "
             f"{self.samples} of {self.of} samples{how}"
         )
 

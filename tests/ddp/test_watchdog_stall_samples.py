@@ -1,7 +1,8 @@
 """A rank's own stalls, sampled: where its main thread is when it holds the others up now and then.
 
 The watchdog sends the main thread's stack 0.5 s into a stall of the rank's own (no progress, nothing
-of it in flight, after its first step) and at each doubling, at most one stall in 5 s. Sampled by hand
+of it in flight, after its first step) and at each doubling, at most one stall in 5 s; shorter stalls once
+they recur. Sampled by hand
 on a manual clock; the main thread is this test's, so the site is its clock helper (``wait``).
 """
 
@@ -110,3 +111,46 @@ def test_a_rank_whose_every_step_goes_quiet_for_a_second_is_sampled_only_when_a_
     dog.check()
     wait(dog, clock, 3.0)  # three times its usual: sampled at twice it (the next is due at 4 s)
     assert [(s["step"], s["stalled_s"]) for s in records("stall_sample")[2:]] == [(12, 2.0)]
+
+
+def ticks_with_a_stall_every(
+    dog: wd.Watchdog,
+    progress: Progress,
+    recorder: CollectiveRecorder,
+    clock: ManualClock,
+    every: int,
+    ticks: int,
+) -> None:
+    """``ticks`` watchdog ticks of a rank that finishes a step between any two of them, but after every
+    ``every``-th tick makes no progress for one tick: the shortest stall the watchdog can see. As in a real
+    job, a tick while the rank computes comes a little late (the watchdog waits for the GIL), one while it
+    sleeps on time."""
+    step = 0
+    for tick in range(ticks):
+        if tick % every == every - 1:
+            wait(dog, clock, 0.25)
+            continue
+        one_step(progress, recorder, step)
+        step += 1
+        clock.now += 0.26
+        dog.check()
+
+
+def test_short_stalls_that_recur_are_sampled_once_they_make_a_pattern_though_none_reaches_half_a_second(
+    records: Records, progress: Progress, recorder: CollectiveRecorder, clock: ManualClock
+) -> None:
+    # A write of a quarter second or so every eighth tick: each stall too short for the 0.5 s threshold,
+    # but every peer waits it out.
+    dog = make(progress, recorder, clock)
+    ticks_with_a_stall_every(dog, progress, recorder, clock, every=8, ticks=32)
+    # The stalls at ticks 7, 15 and 23 made the pattern; the one at tick 31 is sampled as the tick sees it.
+    assert [(s["step"], s["phase"], s["stalled_s"]) for s in records("stall_sample")] == [(27, "idle", 0.25)]
+
+
+def test_short_stalls_far_apart_are_not_sampled(
+    records: Records, progress: Progress, recorder: CollectiveRecorder, clock: ManualClock
+) -> None:
+    dog = make(progress, recorder, clock)
+    # A one-tick stall every 120 ticks: never three within 100 steps.
+    ticks_with_a_stall_every(dog, progress, recorder, clock, every=120, ticks=480)
+    assert records("stall_sample") == []
