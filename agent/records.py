@@ -525,6 +525,29 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         TRAINING_THREAD,
         BLOCKED_CALL,
     ),
+    # Where the training thread spent its time, sampled at each watchdog tick after the first step and
+    # counted per phase and line of user code (ddp/site_profile.py): the line a straggler's slow phase takes.
+    "site_profile": (
+        Field("step", INT, doc="the rank's step when the record was made"),
+        Field("interval_s", FLOAT, doc="the time the samples were taken over, up to this record"),
+        Field("samples", INT, doc="samples taken in that time (one a watchdog tick)"),
+        Field(
+            "sites",
+            OBJECTS,
+            item=(
+                Field("phase", STR, doc="the rank's phase: idle (between steps), forward, backward, ..."),
+                Field(
+                    "site",
+                    STR,
+                    nullable=True,
+                    doc="file:line of the innermost frame of user code; null: none",
+                ),
+                Field("n", INT, doc="samples taken there"),
+            ),
+            doc="the most sampled (phase, line) pairs, most first",
+        ),
+        Field("other", INT, doc="samples at pairs not listed"),
+    ),
     # An exception (or fatal signal) in training, shipped before the process exits.
     "rank_error": (
         Field("step", INT, nullable=True),

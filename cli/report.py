@@ -314,6 +314,10 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
     flagged = [s for s in stragglers if s.get("flagged", True)]
     for s in flagged:
         phase = f", mostly in {safe(s['phase']).replace('_', ' ')}" if s.get("phase") else ""
+        if sampled := s.get("sampled"):
+            phase += (
+                f", at {safe(sampled['site'])} ({sampled['samples']} of {sampled['of']} samples taken there)"
+            )
         out.append(
             f"- rank {s['rank']}: {s['slowdown']:.2f}x slower than the median of the others "
             f"in {s.get('steps_flagged')} recent steps{phase}"

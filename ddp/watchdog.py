@@ -78,6 +78,7 @@ from ddpscope.ddp import errors, setup_wait, training_thread
 from ddpscope.ddp.collectives import FOLD_WAIT_NS, RECORDER, CollectiveRecorder, disabled
 from ddpscope.ddp.hang_text import hang_message
 from ddpscope.ddp.progress import PROGRESS, Progress
+from ddpscope.ddp.site_profile import SiteProfile
 from ddpscope.ddp.stacks import current_frames, format_stack, thread_stacks
 from ddpscope.ddp.stall_sampler import StallSampler
 
@@ -266,6 +267,8 @@ class Watchdog:
         """Before the first step: where the main thread waits in torch's machinery, if it does."""
         self._stalls = StallSampler()
         """When to sample a stall of the rank's own (``_sample_stall``)."""
+        self._profile = SiteProfile()
+        """The phase and line of user code the training thread is at, counted every tick (``site_profile.py``)."""
 
     @property
     def running(self) -> bool:
@@ -321,6 +324,8 @@ class Watchdog:
                 self._heartbeat()  # a process that ends before its first one still says its world size
             if self._hung:
                 self.check()
+            elif (profile := self._profile.take(self._clock(), self._progress.step, final=True)) is not None:
+                emit(profile)
             seen = self._torch_waits.reported
             if seen is not None and (
                 seen.call is None or setup_wait.call_of(self._main_frame()) != seen.call
@@ -354,6 +359,8 @@ class Watchdog:
             self._heartbeat()
         if self._torch_waits.seen is not None or not (progress.began or self._hung or progress.inflight):
             self._check_torch_wait(now)
+        elif progress.began and not self._hung and not shutting_down():
+            self._profile_tick(now)
         # Counter first: Progress.fail() moves failures before the counter, so a counter that shows
         # a failed end comes with its failure.
         counter = progress.counter
@@ -388,6 +395,18 @@ class Watchdog:
             self._report(stalled_s)
         elif self._stalled_on_its_own(stalled_s):
             self._sample_stall(stalled_s)
+
+    def _profile_tick(self, now: float) -> None:
+        """Count where the training thread is (a hung rank's time is its hang report's; at exit no step is
+        held up); send the counts when a ``site_profile`` record is due."""
+        frame = self._main_frame()
+        if frame is None:
+            return
+        progress = self._progress
+        self._profile.add(now, progress.phase, self._site(frame))
+        record = self._profile.take(now, progress.step)
+        if record is not None:
+            emit(record)
 
     def _stalled_on_its_own(self, stalled_s: float) -> bool:
         """Whether the rank's current stall is due a stack sample: after its first step, nothing of it in

@@ -13,10 +13,10 @@ Layout choices, for ingest speed and a small database:
 - ``heartbeats`` and ``agent_stats`` keep only the latest record per rank (per stream for agent
   stats, whose counters are cumulative per stream): upserts that only move forward.
 - ``events``: the rare, read-whole kinds (rank_start, layout, hang, hang_resolved, rank_error,
-  rank_exit, warning, replica_digest, memory, stall_sample) as the wire JSON, indexed by kind and time. They
-  are a handful per rank (``memory``: one every 30 s, read an hour back at most; ``stall_sample``: at most
-  a few every 5 s, read from the window ``/stalls`` looks at); a table per kind would add schema without a
-  query that needs it.
+  rank_exit, warning, replica_digest, memory, stall_sample, site_profile) as the wire JSON, indexed by kind and
+  time. They are a handful per rank (``memory``: one every 30 s, read an hour back at most; ``stall_sample``:
+  at most a few every 5 s, read from the window ``/stalls`` looks at; ``site_profile``: one a minute, read
+  back a few minutes); a table per kind would add schema without a query that needs it.
 - ``ranks``: per rank, the newest time seen and step progress, maintained at ingest so job lists and
   /metrics never aggregate ``steps``.
 - ``counters``: the collector's own counters (ingested records, rejected batches by reason), in the
@@ -56,6 +56,7 @@ EVENT_KINDS = (
     "replica_digest",
     "memory",
     "stall_sample",
+    "site_profile",
 )
 
 

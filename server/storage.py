@@ -370,7 +370,7 @@ class Storage:
             [
                 k
                 for k in ALL_KINDS
-                if k not in ("step", "collective", "collective_end", "memory", "stall_sample")
+                if k not in ("step", "collective", "collective_end", "memory", "stall_sample", "site_profile")
             ],
         )
         by_kind: dict[str, list[dict[str, Any]]] = {}
@@ -410,13 +410,13 @@ class Storage:
         # Not the jobs row's world size, the largest ever declared: a relaunch may have fewer ranks.
         return settle_world(snap)
 
-    def stall_samples(self, job_id: int, since_ns: int) -> list[dict[str, Any]]:
-        """The job's ``stall_sample`` records from ``since_ns`` on (the steps ``/stalls`` looks at), oldest
-        first: one query on the events' (job, kind, time) index."""
+    def events_since(self, job_id: int, kind: str, since_ns: int) -> list[dict[str, Any]]:
+        """The job's records of one of ``schema.EVENT_KINDS`` from ``since_ns`` on (``stall_sample``: the steps
+        ``/stalls`` looks at), oldest first: one query on the events' (job, kind, time) index."""
         t = schema.events
         q = (
             select(t.c.body)
-            .where(t.c.job_id == job_id, t.c.kind == "stall_sample", t.c.time_ns >= since_ns)
+            .where(t.c.job_id == job_id, t.c.kind == kind, t.c.time_ns >= since_ns)
             .order_by(t.c.time_ns)
         )
         with self.engines.reader.connect() as conn:

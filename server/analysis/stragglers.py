@@ -37,9 +37,13 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ddpscope.server.analysis.steps import NS, StepTiming, last_ready_ns
 from ddpscope.server.rows import StepRow
+
+if TYPE_CHECKING:  # straggler_sites reads Straggler: a runtime import would be circular
+    from ddpscope.server.analysis.straggler_sites import SampledSite
 
 THRESHOLD = 0.15
 WINDOW_STEPS = 20
@@ -71,6 +75,8 @@ class Straggler:
     """Median time from the last bucket ready to backward end (all-reduce wait), seconds."""
     contention: str | None = None
     """A flagged rank's host has more compute threads than cores (``host_load``): what that means, or None."""
+    sampled: SampledSite | None = None
+    """The line its slow phase was sampled at most (``straggler_sites``), or None."""
 
 
 PHASES = ("forward", "backward", "between_steps")

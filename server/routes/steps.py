@@ -15,6 +15,7 @@ from ddpscope.server.analysis.stalls import WINDOW_STEPS as STALL_WINDOW_STEPS
 from ddpscope.server.analysis.stalls import intermittent_stalls
 from ddpscope.server.analysis.steps import page_metrics, page_timings
 from ddpscope.server.analysis.stops import Stop, newest_partial_step, stops
+from ddpscope.server.analysis.straggler_sites import LOOKBACK_NS, with_sites
 from ddpscope.server.analysis.stragglers import THRESHOLD, WINDOW_STEPS, stragglers
 from ddpscope.server.analysis.timeline import timeline
 from ddpscope.server.analysis.unused import aggregate_unused, unused_report
@@ -139,6 +140,8 @@ def _stragglers(storage: Storage, job: str, job_id: int, threshold: float, windo
     found = stragglers(page_timings(page), threshold=threshold, window=window)
     if any(s.flagged for s in found):
         found = with_contention(found, latest_by_rank(storage.fetch_records(job, ["rank_start"])).values())
+        since = int(page.forward_start_ns.min()) - LOOKBACK_NS
+        found = with_sites(found, storage.events_since(job_id, "site_profile", since))
     return items(found, threshold=threshold, window=window)
 
 
@@ -151,7 +154,8 @@ async def get_stragglers(
     window: Annotated[int, Query(ge=3, le=1000)] = WINDOW_STEPS,
 ) -> Response:
     """Every rank: ``slowdown`` (compute over the median of the others), ``steps_flagged``, ``flagged``, ``phase``,
-    and ``contention`` when a flagged rank's host has more compute threads than cores."""
+    ``contention`` when a flagged rank's host has more compute threads than cores, and ``sampled`` (``site``,
+    ``samples``, ``of``): the line a flagged rank's slow phase was sampled at most."""
     return await run_in_threadpool(_stragglers, storage, job, job_id, threshold, window)
 
 
@@ -159,7 +163,7 @@ def _stalls(storage: Storage, job_id: int, window: int) -> Response:
     page = storage.recent_step_page(job_id, window + 1)  # each step's predecessor: between-steps time
     since = int(page.forward_start_ns.min()) if len(page.step) else 0
     found = intermittent_stalls(
-        page_timings(page), window=window, samples=storage.stall_samples(job_id, since)
+        page_timings(page), window=window, samples=storage.events_since(job_id, "stall_sample", since)
     )
     return items([{**asdict(s), "message": s.sentence()} for s in found], window=window)
 

@@ -64,7 +64,9 @@ def test_job_list_shows_each_job_with_status_world_size_steps_and_straggler_flag
 def test_job_page_draws_every_rank_and_step_and_flags_the_straggler(collector: Collector, page) -> None:
     job = unique("job")
     synth = SynthJob(job, world_size=4, buckets=5, slow_rank=2)
-    post(collector.url, synth.start() + synth.steps(12))
+    steps = synth.steps(12)
+    profile = synth.site_profile(2, [("forward", "model.py:40", 9), ("backward", "model.py:40", 9)])
+    post(collector.url, synth.start() + steps + [profile])
     open_job(page, collector.url, job)
     heat = figure(page, "heatmap")["data"][0]
     assert heat["y"] == [0, 1, 2, 3] and heat["x"] == list(range(12))
@@ -74,6 +76,7 @@ def test_job_page_draws_every_rank_and_step_and_flags_the_straggler(collector: C
     strag = figure(page, "stragglers")["data"]
     assert strag[0]["x"] == [0, 1, 2, 3]
     assert text(page, "#stragglers-msg").startswith("Flagged: rank 2 (")
+    assert ", at model.py:40 in 9 of 9 samples" in text(page, "#stragglers-msg")  # its watchdog's samples
     buckets = figure(page, "buckets")["data"]
     assert buckets[0]["x"] == list(range(5))
     assert max(buckets[1]["y"]) > 0, "the synthetic job readies bucket 2 before bucket 1 every third step"

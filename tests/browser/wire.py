@@ -54,6 +54,12 @@ class SynthJob:
         validate_record(rec)
         return rec
 
+    def site_profile(self, rank: int, sites: list[tuple[str, str, int]]) -> dict[str, Any]:
+        """A ``site_profile`` record of ``rank`` now: (phase, file:line, samples) where its watchdog sampled it."""
+        return self._record("site_profile", rank, self.clock_ns, step=0, interval_s=5.0,
+                            samples=sum(n for _, _, n in sites), other=0,
+                            sites=[{"phase": p, "site": site, "n": n} for p, site, n in sites])  # fmt: skip
+
     def memory(
         self, rank: int, samples: int, *, start_bytes: int, per_sample: int, workers_per_sample: int = 0
     ) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.collector_proc import CollectorProc
 from tests.support.procs import free_port
-from tests.support.synth import batch, synth_job
+from tests.support.synth import batch, site_profile, synth_job
 
 
 def _post(url: str, records: list[dict]) -> None:
@@ -40,9 +40,9 @@ def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with CollectorProc(f"sqlite:///{db}") as proc:
         proc.start()
         _post(proc.url, synth_job(2, steps=12, buckets=3, job="cli-healthy"))
-        _post(
-            proc.url, synth_job(4, steps=12, buckets=3, job="cli-slow", slow_rank=2, slowdown=1.6, jitter=0.0)
-        )
+        slow = synth_job(4, steps=12, buckets=3, job="cli-slow", slow_rank=2, slowdown=1.6, jitter=0.0)
+        sampled = [("forward", "model.py:40", 9), ("backward", "model.py:40", 9)]
+        _post(proc.url, [*slow, site_profile("cli-slow", 2, max(r["time_ns"] for r in slow), sampled)])
         _post(
             proc.url, _crowded(synth_job(4, steps=12, buckets=3, job="cli-crowded", slow_rank=1, jitter=0.0))
         )
@@ -140,6 +140,7 @@ def test_report_names_the_straggler_and_exits_one(collector: str) -> None:
     out = ddpscope("report", "cli-slow", "--url", collector)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "rank 2: 1.6" in out.stdout and "slower than the median of the others" in out.stdout
+    assert ", at model.py:40 (9 of 9 samples taken there)" in out.stdout  # its watchdog's samples
     assert "share cores" not in out.stdout  # its agents said nothing of their host's CPUs
 
 

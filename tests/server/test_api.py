@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.server.conftest import make_client, post
-from tests.support.synth import batch, by_rank, synth_job
+from tests.support.synth import batch, by_rank, site_profile, synth_job
 
 
 def _feed(client, records):
@@ -119,6 +119,26 @@ def test_steps_are_paged_with_a_next_cursor(client):
     assert client.get("/api/v1/jobs/synth/steps?cursor=garbage").status_code == 400
 
 
+def test_a_stragglers_slow_phase_is_placed_at_the_line_its_watchdog_sampled_most_there(client):
+    records = synth_job(4, 25, 3, slow_rank=2)
+    end_ns = max(r["time_ns"] for r in records)
+    slow = [("forward", "model.py:40", 12), ("after_forward", "loss.py:3", 2), ("backward", "model.py:41", 9),
+            ("backward", None, 1), ("idle", "train.py:20", 20)]  # fmt: skip
+    records += [
+        site_profile("synth", 2, end_ns, slow),
+        site_profile("synth", 0, end_ns, [("forward", "model.py:7", 30)]),
+    ]
+    _feed(client, records)
+    (flagged,) = [s for s in client.get("/api/v1/jobs/synth/stragglers").json()["items"] if s["flagged"]]
+    assert flagged["rank"] == 2
+    # Its slow phase's samples only, and its own: forward counts the loss after it too.
+    expected = {
+        "forward": {"site": "model.py:40", "samples": 12, "of": 14},
+        "backward": {"site": "model.py:41", "samples": 9, "of": 10},
+    }
+    assert flagged["sampled"] == expected[flagged["phase"]], flagged
+
+
 def test_timeline_buckets_stragglers_and_unused_parameters(client):
     _feed(client, synth_job(4, 25, 3, slow_rank=2, unused={1: ["layers.2.bias"]}))
     tl = client.get("/api/v1/jobs/synth/timeline?step=10").json()
@@ -139,6 +159,7 @@ def test_timeline_buckets_stragglers_and_unused_parameters(client):
     assert client.get("/api/v1/jobs/synth/stalls").json() == {"items": [], "window": 200}
     assert [s["rank"] for s in flagged] == [2] and flagged[0]["phase"] in ("forward", "backward")
     assert flagged[0]["slowdown"] > 1.3 and flagged[0]["steps_flagged"] >= 13
+    assert flagged[0]["sampled"] is None  # no site_profile records yet
 
     unused = client.get("/api/v1/jobs/synth/unused-parameters").json()
     assert unused["items"] == [

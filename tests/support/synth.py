@@ -192,6 +192,16 @@ def synth_job(
     return out
 
 
+def site_profile(
+    job: str, rank: int, time_ns: int, sites: list[tuple[str, str | None, int]], *, seq: int = 10_000
+) -> dict[str, Any]:
+    """A ``site_profile`` record of ``rank`` (after ``synth_job``'s: seq 10 000): (phase, file:line, samples)
+    where its watchdog sampled it."""
+    return {**_env(job, rank, {rank: seq}, "site_profile", time_ns), "step": 0, "interval_s": 5.0,
+            "samples": sum(n for _, _, n in sites), "sites": [{"phase": p, "site": x, "n": n} for p, x, n in sites],
+            "other": 0}  # fmt: skip
+
+
 def batch(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {"schema": 1, "records": records}
 
