@@ -543,6 +543,12 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
                     doc="file:line of the innermost frame of user code; null: none",
                 ),
                 Field("n", INT, doc="samples taken there"),
+                Field(
+                    "loader",
+                    BOOL,
+                    required=False,
+                    doc="true: waiting there for its DataLoader's workers (their Dataset reads hold the time)",
+                ),
             ),
             doc="the most sampled (phase, line) pairs, most first",
         ),

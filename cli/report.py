@@ -315,8 +315,10 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
     for s in flagged:
         phase = f", mostly in {safe(s['phase']).replace('_', ' ')}" if s.get("phase") else ""
         if sampled := s.get("sampled"):
+            loader = ", waiting for its DataLoader's workers" if sampled.get("loader") else ""
             phase += (
-                f", at {safe(sampled['site'])} ({sampled['samples']} of {sampled['of']} samples taken there)"
+                f", at {safe(sampled['site'])}{loader} "
+                f"({sampled['samples']} of {sampled['of']} samples taken there)"
             )
         out.append(
             f"- rank {s['rank']}: {s['slowdown']:.2f}x slower than the median of the others "

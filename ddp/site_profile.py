@@ -5,7 +5,7 @@ enough for a stall sample (``stall_sampler.py``), and its step records say only 
 ("between steps"). Which line takes it is the question its user asks next. So at every tick the watchdog
 notes the phase the rank is in and the innermost line of user code its training thread is at, and sends
 the counts now and then: the collector's straggler analysis names the line a straggler's slow phase was
-sampled at most (``server/analysis/straggler_sites.py``).
+sampled at most (``server/analysis/profile_sites.py``).
 
 A statistical profile at the watchdog's tick (0.25 s): one frame walk a tick on the watchdog's thread, which
 holds the GIL for a few microseconds. Its first record goes out ``FIRST_RECORD_S`` after sampling began, so
@@ -16,6 +16,7 @@ a short job has one; then at doubling intervals up to ``MAX_RECORD_EVERY_S``: re
 from __future__ import annotations
 
 from collections import Counter
+from types import FrameType
 from typing import Any
 
 FIRST_RECORD_S = 5.0
@@ -24,21 +25,50 @@ MAX_SITES = 12
 """Lines a record names, the most sampled; the rest are counted in ``other``."""
 MIN_SAMPLES = 8
 """Fewer samples in a record's interval (a rank that was hung, or ended): no record."""
+LOADER_FILE = "torch/utils/data/dataloader.py"
+WAIT_FILES = (
+    "/queue.py",
+    "/queues.py",
+    "/threading.py",
+    "/selectors.py",
+    "/connection.py",
+    "/synchronize.py",
+)
+MAX_WAIT_FRAMES = 12
+"""How far out from the innermost frame the DataLoader's frame is looked for, through queue and lock frames."""
+
+
+def waits_for_loader(frame: FrameType | None) -> bool:
+    """Whether the innermost frames are a DataLoader waiting for its workers: a frame of torch's
+    dataloader.py with only queue, lock and pipe frames inside it. The line of user code is then the
+    loop's ``for batch in loader``, and the time goes in the workers' Dataset reads (with ``num_workers=0``
+    the Dataset's own frames are innermost instead, and its line is named)."""
+    for _ in range(MAX_WAIT_FRAMES):
+        if frame is None:
+            return False
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if path.endswith(LOADER_FILE):
+            return True
+        if not (path.endswith(WAIT_FILES) or path.startswith("<frozen")):
+            return False
+        frame = frame.f_back
+    return False
 
 
 class SiteProfile:
     """Counts of (phase, site) since the last record; used from the watchdog's thread only."""
 
     def __init__(self) -> None:
-        self._counts: Counter[tuple[str, str | None]] = Counter()
+        self._counts: Counter[tuple[str, str | None, bool]] = Counter()
         self._since: float | None = None
         """When the samples counted now began (the watchdog's clock); None before the first."""
         self._every_s = FIRST_RECORD_S
 
-    def add(self, now: float, phase: str, site: str | None) -> None:
+    def add(self, now: float, phase: str, site: str | None, loader: bool = False) -> None:
+        """One sample: the rank's phase, the line of user code, whether it waits for its DataLoader's workers."""
         if self._since is None:
             self._since = now
-        self._counts[(phase, site)] += 1
+        self._counts[(phase, site, loader)] += 1
 
     def take(self, now: float, step: int, *, final: bool = False) -> dict[str, Any] | None:
         """The ``site_profile`` record of the samples so far when one is due, or whenever there are enough of
@@ -58,6 +88,9 @@ class SiteProfile:
             "step": step,
             "interval_s": round(now - since, 3),
             "samples": total,
-            "sites": [{"phase": phase, "site": site, "n": n} for (phase, site), n in top],
+            "sites": [
+                {"phase": phase, "site": site, "n": n, **({"loader": True} if loader else {})}
+                for (phase, site, loader), n in top
+            ],
             "other": total - sum(n for _, n in top),
         }

@@ -78,7 +78,7 @@ from ddpscope.ddp import errors, setup_wait, training_thread
 from ddpscope.ddp.collectives import FOLD_WAIT_NS, RECORDER, CollectiveRecorder, disabled
 from ddpscope.ddp.hang_text import hang_message
 from ddpscope.ddp.progress import PROGRESS, Progress
-from ddpscope.ddp.site_profile import SiteProfile
+from ddpscope.ddp.site_profile import SiteProfile, waits_for_loader
 from ddpscope.ddp.stacks import current_frames, format_stack, thread_stacks
 from ddpscope.ddp.stall_sampler import StallSampler
 
@@ -403,7 +403,7 @@ class Watchdog:
         if frame is None:
             return
         progress = self._progress
-        self._profile.add(now, progress.phase, self._site(frame))
+        self._profile.add(now, progress.phase, self._site(frame), waits_for_loader(frame))
         record = self._profile.take(now, progress.step)
         if record is not None:
             emit(record)

@@ -176,7 +176,7 @@
     // A crowded host's note (more compute threads than cores) is said once, after the ranks it concerns.
     const notes = [...new Set(flagged.map((i) => i.contention).filter(Boolean))];
     ddp.say("stragglers-msg", (flagged.length
-      ? "Flagged: " + flagged.map((i) => `rank ${i.rank} (${(i.slowdown ?? 0).toFixed(2)}× slower${i.phase ? " in " + i.phase.replace("_", " ") : ""}${i.sampled ? `, at ${i.sampled.site} in ${i.sampled.samples} of ${i.sampled.of} samples` : ""}, ${i.steps_flagged ?? "?"} steps)`).join(", ")
+      ? "Flagged: " + flagged.map((i) => `rank ${i.rank} (${(i.slowdown ?? 0).toFixed(2)}× slower${i.phase ? " in " + i.phase.replace("_", " ") : ""}${i.sampled ? `, at ${i.sampled.site}${i.sampled.loader ? " waiting for its DataLoader's workers" : ""} in ${i.sampled.samples} of ${i.sampled.of} samples` : ""}, ${i.steps_flagged ?? "?"} steps)`).join(", ")
         + notes.map((n) => `. But ${n}.`).join("")
       : "No rank is flagged as a straggler.") + now);
     // Where a stalling rank's training thread (its main thread unless named) was, as its watchdog sampled it: the stack behind the line named.

@@ -29,6 +29,7 @@ from typing import Any
 
 from ddpscope.agent.torch_waits import blocked
 from ddpscope.server.analysis.native_wait import named_thread_words
+from ddpscope.server.analysis.profile_sites import SampledSite
 from ddpscope.server.analysis.steps import StepTiming
 from ddpscope.server.analysis.stragglers import PHASES, median_without, phases_by_step
 from ddpscope.server.analysis.stuck import stack_waits_for_loader, waits_on
@@ -87,14 +88,24 @@ class StallSite:
         )
 
     def advice(self) -> str:
-        if self.loader:
-            return (
-                "the time goes in the workers, in the Dataset's __getitem__ or collate_fn on some batches (a slow "
-                "or remote read, a large item); more workers or a higher prefetch_factor hide it, a faster read "
-                "removes it"
-            )
-        return "look at that line (a remote or slow data read, a log or checkpoint write, work only that rank does)"
+        return line_advice(loader=self.loader)
 
+
+def line_advice(*, loader: bool) -> str:
+    """What to do about the line a rank's stalls were sampled at (``loader``: a DataLoader waiting for its
+    workers there)."""
+    if loader:
+        return (
+            "the time goes in the workers, in the Dataset's __getitem__ or collate_fn on some batches (a slow "
+            "or remote read, a large item); more workers or a higher prefetch_factor hide it, a faster read "
+            "removes it"
+        )
+    return (
+        "look at that line (a remote or slow data read, a log or checkpoint write, work only that rank does)"
+    )
+
+
+PHASE_WORDS = {"between_steps": "between steps", "forward": "in forward", "backward": "in backward"}
 
 HOW = {True: ", blocked (I/O, a lock, a sleep or a queue)", False: ", busy on the CPU", None: ""}
 """What ``blocked`` says of a sampled thread, as a clause."""
@@ -119,6 +130,9 @@ class Stall:
     """The latest stalled steps (at most 10)."""
     sampled: StallSite | None = None
     """Where the rank's main thread was in those stalls, when its watchdog sampled them."""
+    profiled: SampledSite | None = None
+    """Where its watchdog's samples of the whole phase place it (``profile_sites``; stalls too short or too
+    quick to be sampled themselves): read when ``sampled`` names no line."""
 
     def sentence(self) -> str:
         how_often = (
@@ -138,6 +152,12 @@ class Stall:
         )
         if self.sampled is not None and self.sampled.site:
             return f"{head}{self.sampled.sentence()}: {self.sampled.advice()}"
+        if (p := self.profiled) is not None:
+            loader = ", waiting for its DataLoader's workers to deliver the next batch," if p.loader else ""
+            return (
+                f"{head}Its watchdog's samples of all its time {PHASE_WORDS[self.phase]} (its stalls and its other "
+                f"steps alike) place it at {p.site}{loader} in {p.samples} of {p.of}: {line_advice(loader=p.loader)}"
+            )
         sampled = f"{self.sampled.sentence()}. " if self.sampled else ""
         return (
             f"{head}{sampled}Look at what that rank does then (a remote or slow data read, a log or checkpoint "

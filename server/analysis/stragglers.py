@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING
 from ddpscope.server.analysis.steps import NS, StepTiming, last_ready_ns
 from ddpscope.server.rows import StepRow
 
-if TYPE_CHECKING:  # straggler_sites reads Straggler: a runtime import would be circular
-    from ddpscope.server.analysis.straggler_sites import SampledSite
+if TYPE_CHECKING:  # profile_sites reads Straggler: a runtime import would be circular
+    from ddpscope.server.analysis.profile_sites import SampledSite
 
 THRESHOLD = 0.15
 WINDOW_STEPS = 20
@@ -76,7 +76,7 @@ class Straggler:
     contention: str | None = None
     """A flagged rank's host has more compute threads than cores (``host_load``): what that means, or None."""
     sampled: SampledSite | None = None
-    """The line its slow phase was sampled at most (``straggler_sites``), or None."""
+    """The line its slow phase was sampled at most (``profile_sites``), or None."""
 
 
 PHASES = ("forward", "backward", "between_steps")

@@ -11,11 +11,11 @@ from fastapi.concurrency import run_in_threadpool
 
 from ddpscope.server.analysis.buckets import bucket_stats
 from ddpscope.server.analysis.host_load import with_contention
+from ddpscope.server.analysis.profile_sites import LOOKBACK_NS, with_profiled, with_sites
 from ddpscope.server.analysis.stalls import WINDOW_STEPS as STALL_WINDOW_STEPS
 from ddpscope.server.analysis.stalls import intermittent_stalls
 from ddpscope.server.analysis.steps import page_metrics, page_timings
 from ddpscope.server.analysis.stops import Stop, newest_partial_step, stops
-from ddpscope.server.analysis.straggler_sites import LOOKBACK_NS, with_sites
 from ddpscope.server.analysis.stragglers import THRESHOLD, WINDOW_STEPS, stragglers
 from ddpscope.server.analysis.timeline import timeline
 from ddpscope.server.analysis.unused import aggregate_unused, unused_report
@@ -165,6 +165,8 @@ def _stalls(storage: Storage, job_id: int, window: int) -> Response:
     found = intermittent_stalls(
         page_timings(page), window=window, samples=storage.events_since(job_id, "stall_sample", since)
     )
+    if any(s.sampled is None or not s.sampled.site for s in found):
+        found = with_profiled(found, storage.events_since(job_id, "site_profile", since - LOOKBACK_NS))
     return items([{**asdict(s), "message": s.sentence()} for s in found], window=window)
 
 

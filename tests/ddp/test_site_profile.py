@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from ddpscope.ddp import watchdog as wd
 from ddpscope.ddp.collectives import CollectiveRecorder
 from ddpscope.ddp.progress import Progress
-from ddpscope.ddp.site_profile import MAX_SITES, SiteProfile
+from ddpscope.ddp.site_profile import MAX_SITES, SiteProfile, waits_for_loader
+from ddpscope.ddp.stacks import format_stack
 from tests.ddp.watchdog_support import ManualClock, Records, in_memory_records, one_step, wait
 
 
@@ -78,3 +83,31 @@ def test_the_watchdog_samples_the_phase_and_users_line_after_the_first_step_and_
     assert {x["phase"] for x in record["sites"]} == {"idle"}  # the other one: this test's dog.check()
     wait(dog, clock, 60.0)  # hung 30 s after the step: from then on its time is the hang report's
     assert records("hang") and [r["samples"] for r in records("site_profile")[1:]] == [41]
+
+
+class SlowDataset(torch.utils.data.Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(3.0)  # a slow read, in the worker process
+        return torch.zeros(2)
+
+
+def test_a_thread_waiting_for_its_dataloaders_workers_is_told_from_one_in_its_own_code() -> None:
+    loader = torch.utils.data.DataLoader(SlowDataset(), num_workers=1)
+    started = threading.Event()
+
+    def train() -> None:
+        started.set()
+        for _ in loader:  # waits ~3 s for the worker's first batch
+            break
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    started.wait(5)
+    time.sleep(1.0)  # the worker started and reads
+    waiting = sys._current_frames()[thread.ident or -1]
+    assert waits_for_loader(waiting), format_stack(waiting)
+    assert not waits_for_loader(sys._current_frames()[threading.get_ident()])  # this test's own line
+    thread.join(10)

@@ -133,8 +133,8 @@ def test_a_stragglers_slow_phase_is_placed_at_the_line_its_watchdog_sampled_most
     assert flagged["rank"] == 2
     # Its slow phase's samples only, and its own: forward counts the loss after it too.
     expected = {
-        "forward": {"site": "model.py:40", "samples": 12, "of": 14},
-        "backward": {"site": "model.py:41", "samples": 9, "of": 10},
+        "forward": {"site": "model.py:40", "samples": 12, "of": 14, "loader": False},
+        "backward": {"site": "model.py:41", "samples": 9, "of": 10, "loader": False},
     }
     assert flagged["sampled"] == expected[flagged["phase"]], flagged
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+from ddpscope.server.analysis.profile_sites import SampledSite, with_profiled
 from ddpscope.server.analysis.stalls import intermittent_stalls
 from ddpscope.server.analysis.stragglers import stragglers
 from ddpscope.server.rows import StepRow
@@ -148,3 +149,21 @@ def test_a_stall_sampled_on_the_thread_a_rank_trains_on_names_that_thread() -> N
     (stall,) = intermittent_stalls(rows, samples=on_trainer)
     assert stall.sampled is not None and stall.sampled.thread == "trainer"
     assert "its training thread 'trainer' was at ckpt.py:7 in 1 of 1 samples" in stall.sentence()
+
+
+def test_stalls_no_stall_sample_caught_are_placed_by_the_watchdogs_samples_of_the_whole_phase() -> None:
+    # Three DataLoader workers, one with slow reads: every third batch comes 60 ms late, too short for a stall
+    # sample; the site_profile records still saw the loop waiting for the workers between steps.
+    rows = _steps(extra_ms=lambda rank, step: 60 if rank == 1 and step % 3 == 0 else 0)
+    (stall,) = intermittent_stalls(rows)
+    assert stall.sampled is None
+    profile = {"kind": "site_profile", "rank": 1, "sites": [
+        {"phase": "idle", "site": "train.py:16", "n": 19, "loader": True}, {"phase": "forward", "site": "m.py:3", "n": 1},
+    ]}  # fmt: skip
+    (placed,) = with_profiled([stall], [profile])
+    assert placed.profiled == SampledSite("train.py:16", 19, 19, loader=True)
+    assert (
+        "Its watchdog's samples of all its time between steps (its stalls and its other steps alike) place it at "
+        "train.py:16, waiting for its DataLoader's workers to deliver the next batch, in 19 of 19: the time goes "
+        "in the workers" in placed.sentence()
+    ), placed.sentence()

@@ -1,10 +1,10 @@
-"""The line a straggler's slow phase was sampled at most (``analysis/straggler_sites.py``)."""
+"""The line a straggler's slow phase was sampled at most (``analysis/profile_sites.py``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ddpscope.server.analysis.straggler_sites import SampledSite, sampled_site
+from ddpscope.server.analysis.profile_sites import SampledSite, sampled_site
 
 
 def profile(rank: int, *sites: tuple[str, str | None, int]) -> dict[str, Any]:
@@ -30,3 +30,12 @@ def test_a_phase_spread_over_many_lines_names_none() -> None:
     assert sampled_site([spread], 1, "backward") is None
     # Outside user code all along (torch's own frames): no line either.
     assert sampled_site([profile(1, ("idle", None, 30))], 1, "between_steps") is None
+
+
+def test_a_line_waiting_for_the_dataloaders_workers_is_said_to_wait_for_them() -> None:
+    loop = profile(1, ("idle", "train.py:30", 25), ("idle", "train.py:30", 5))
+    loop["sites"][0]["loader"] = True
+    assert sampled_site([loop], 1, "between_steps") == SampledSite("train.py:30", 30, 30, loader=True)
+    assert sampled_site([profile(1, ("idle", "train.py:30", 30))], 1, "between_steps") == SampledSite(
+        "train.py:30", 30, 30, loader=False
+    )
