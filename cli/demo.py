@@ -217,6 +217,10 @@ def summarize(client: Client, run: ScenarioRun) -> list[str]:
     lines.append(f"  status: {status}")
     for s in stragglers:
         phase = f" (mostly {s['phase'].replace('_', ' ')})" if s.get("phase") else ""
+        if sampled := s.get("sampled"):  # a run long enough for its watchdog's samples (--steps)
+            phase += (
+                f", at {safe(sampled['site'])} in {sampled['samples']} of {sampled['of']} samples taken there"
+            )
         lines.append(f"  straggler: rank {s['rank']} is {s['slowdown']:.2f}x slower than the others{phase}")
         if s.get("contention"):
             lines.append(f"      but {safe(s['contention'])}")
