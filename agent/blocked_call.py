@@ -77,16 +77,19 @@ _EPOLL = frozenset({"epoll_wait", "epoll_pwait", "epoll_pwait2"})
 _TCP_LISTEN = "0A"
 
 
-def read(native_id: int | None, store: tuple[str, int] | None = None) -> dict[str, Any] | None:
-    """The system call thread ``native_id`` of this process is blocked in, as a ``blocked_call`` record
-    field: ``syscall`` (its name, or "syscall N"), and when it can tell, ``on`` (the descriptors it waits
+def read(
+    native_id: int | None, store: tuple[str, int] | None = None, *, pid: int | None = None
+) -> dict[str, Any] | None:
+    """The system call thread ``native_id`` of this process (of process ``pid``, one of its DataLoader
+    workers, say) is blocked in, as a ``blocked_call`` record field: ``syscall`` (its name, or "syscall N"), and when it can tell, ``on`` (the descriptors it waits
     on: ``fd``, ``kind``, ``name``, and ``role`` "store" for a connection to ``store``, the default process
     group's TCPStore as (host, port)), ``path`` (a path it opens or stats) or ``pid`` and ``command`` (a
     child it waits for). None when the thread is running, gone, or the platform cannot tell."""
     if native_id is None or not sys.platform.startswith("linux"):
         return None
+    proc = "/proc/self" if pid is None else f"/proc/{pid}"
     try:
-        with open(f"/proc/self/task/{native_id}/syscall") as f:
+        with open(f"{proc}/task/{native_id}/syscall") as f:
             fields = f.read().split()
     except OSError:
         return None
@@ -100,24 +103,29 @@ def read(native_id: int | None, store: tuple[str, int] | None = None) -> dict[st
     name = SYSCALLS.get(platform.machine().lower(), {}).get(number, f"syscall {number}")
     call: dict[str, Any] = {"syscall": name}
     with contextlib.suppress(Exception):  # a thread that moved on, a /proc that refuses: the name is news
-        _describe_arguments(call, name, args, store)
+        _describe_arguments(call, name, args, store, proc)
     return call
 
 
+def read_process(pid: int, store: tuple[str, int] | None = None) -> dict[str, Any] | None:
+    """``read`` of process ``pid``'s main thread (a child: a parent may read its children's ``/proc``)."""
+    return read(pid, store, pid=pid)
+
+
 def _describe_arguments(
-    call: dict[str, Any], name: str, args: Sequence[int], store: tuple[str, int] | None
+    call: dict[str, Any], name: str, args: Sequence[int], store: tuple[str, int] | None, proc: str
 ) -> None:
     fds: list[int] = []
     if name in _FD_FIRST and len(args) > 0:
         fds = [args[0]]
     elif name in ("poll", "ppoll") and len(args) > 1:
-        fds = _poll_fds(args[0], args[1])
+        fds = _poll_fds(proc, args[0], args[1])
     elif name in ("select", "pselect6") and len(args) > 3:
-        fds = _select_fds(args[0], args[1:4])
+        fds = _select_fds(proc, args[0], args[1:4])
     elif name in _EPOLL and len(args) > 0:
-        fds = _epoll_fds(args[0])
+        fds = _epoll_fds(proc, args[0])
     elif name in _PATH_ARG and len(args) > _PATH_ARG[name]:
-        path = _c_string(args[_PATH_ARG[name]])
+        path = _c_string(proc, args[_PATH_ARG[name]])
         if path:
             call["path"] = path
     elif name == "wait4" and len(args) > 0 and _signed(args[0]) > 0:
@@ -126,33 +134,33 @@ def _describe_arguments(
         _child(call, args[1])
     if fds:
         sockets = _SocketTables()
-        call["on"] = [_fd_entry(fd, sockets, store) for fd in fds[:MAX_FDS]]
+        call["on"] = [_fd_entry(proc, fd, sockets, store) for fd in fds[:MAX_FDS]]
 
 
 def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _memory(address: int, size: int) -> bytes:
-    with open("/proc/self/mem", "rb", buffering=0) as mem:
+def _memory(proc: str, address: int, size: int) -> bytes:
+    with open(f"{proc}/mem", "rb", buffering=0) as mem:
         mem.seek(address)
         return mem.read(size)
 
 
-def _c_string(address: int, limit: int = 512) -> str | None:
-    raw = _memory(address, limit)
+def _c_string(proc: str, address: int, limit: int = 512) -> str | None:
+    raw = _memory(proc, address, limit)
     end = raw.find(b"\0")
     return None if end <= 0 else raw[:end].decode(errors="replace")
 
 
-def _poll_fds(address: int, count: int) -> list[int]:
+def _poll_fds(proc: str, address: int, count: int) -> list[int]:
     """The descriptors of a ``struct pollfd`` array (int fd; short events; short revents)."""
     count = min(count, MAX_FDS)
-    raw = _memory(address, 8 * count)
+    raw = _memory(proc, address, 8 * count)
     return [fd for (fd, _, _) in struct.iter_unpack("ihh", raw[: 8 * (len(raw) // 8)]) if fd >= 0]
 
 
-def _select_fds(nfds: int, sets: Sequence[int]) -> list[int]:
+def _select_fds(proc: str, nfds: int, sets: Sequence[int]) -> list[int]:
     """The descriptors set in a select's read, write and except bitmaps (each ``nfds`` bits long)."""
     nfds = min(nfds, 1024)
     size = (nfds + 7) // 8
@@ -160,14 +168,14 @@ def _select_fds(nfds: int, sets: Sequence[int]) -> list[int]:
     for address in sets:
         if not address:
             continue
-        bits = _memory(address, size)
+        bits = _memory(proc, address, size)
         found += [fd for fd in range(nfds) if bits[fd // 8] >> (fd % 8) & 1 and fd not in found]
     return found
 
 
-def _epoll_fds(epfd: int) -> list[int]:
+def _epoll_fds(proc: str, epfd: int) -> list[int]:
     """The descriptors registered with epoll instance ``epfd`` (its fdinfo's ``tfd:`` lines)."""
-    with open(f"/proc/self/fdinfo/{epfd}") as f:
+    with open(f"{proc}/fdinfo/{epfd}") as f:
         return [int(line.split()[1]) for line in f if line.startswith("tfd:")][:MAX_FDS]
 
 
@@ -182,9 +190,9 @@ def _child(call: dict[str, Any], pid: int) -> None:
         call["command"] = command[:200]
 
 
-def _fd_entry(fd: int, sockets: _SocketTables, store: tuple[str, int] | None) -> dict[str, Any]:
+def _fd_entry(proc: str, fd: int, sockets: _SocketTables, store: tuple[str, int] | None) -> dict[str, Any]:
     try:
-        target = os.readlink(f"/proc/self/fd/{fd}")
+        target = os.readlink(f"{proc}/fd/{fd}")
     except OSError:
         return {"fd": fd, "kind": "closed", "name": ""}
     if target.startswith("socket:["):
@@ -201,7 +209,7 @@ def _fd_entry(fd: int, sockets: _SocketTables, store: tuple[str, int] | None) ->
         return {"fd": fd, "kind": "tty", "name": target}
     kind = "file"
     try:
-        if stat.S_ISFIFO(os.stat(f"/proc/self/fd/{fd}").st_mode):
+        if stat.S_ISFIFO(os.stat(f"{proc}/fd/{fd}").st_mode):
             kind = "fifo"
     except OSError:
         pass

@@ -147,9 +147,9 @@ def _is_worker(cmdline: bytes | None, own: bytes | None) -> bool:
     )
 
 
-def workers_memory(pid: int | None = None) -> tuple[int, int] | None:
-    """(private bytes, count) of the worker processes among the descendants of ``pid`` (this process): its
-    DataLoader workers, a forkserver's children. None when it has none."""
+def worker_pids(pid: int | None = None) -> list[int]:
+    """The worker processes among the descendants of ``pid`` (this process): its DataLoader workers, a
+    forkserver's children (not the forkserver), at most ``MAX_WORKERS``."""
     pid = os.getpid() if pid is None else pid
     own = _cmdline(pid)
     children = [(c, _cmdline(c)) for c in _children(pid)]
@@ -158,12 +158,20 @@ def workers_memory(pid: int | None = None) -> tuple[int, int] | None:
         for c, cmdline in children
         if _is_worker(cmdline, own)
     ]
-    total = seen = 0
-    while todo and seen < MAX_WORKERS:
+    found: list[int] = []
+    while todo and len(found) < MAX_WORKERS:
         child, forkserver = todo.pop()
         todo += [(c, False) for c in _children(child)]  # a forkserver's workers carry its command line
-        if forkserver:
-            continue  # it starts the workers; its own memory is what it imported, once
+        if not forkserver:  # it starts the workers; its own memory is what it imported, once
+            found.append(child)
+    return found
+
+
+def workers_memory(pid: int | None = None) -> tuple[int, int] | None:
+    """(private bytes, count) of the worker processes among the descendants of ``pid`` (this process): its
+    DataLoader workers, a forkserver's children. None when it has none."""
+    total = seen = 0
+    for child in worker_pids(pid):
         private = _private_bytes(child)
         if private is None:  # exited meanwhile
             continue

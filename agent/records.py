@@ -209,6 +209,15 @@ BLOCKED_CALL = Field(
     "(agent/blocked_call.py); absent when it was running, computing, or the platform cannot tell",
 )
 
+LOADER_WORKERS = Field(
+    "loader_workers",
+    OBJECTS,
+    required=False,
+    item=(Field("pid", INT), BLOCKED_CALL),
+    doc="when the training thread waits in its DataLoader for the workers' next batch: each worker process and "
+    "the system call it is blocked in (no blocked_call: it runs, or the kernel would not say)",
+)
+
 THREAD_STACK = (
     Field("thread", STR, doc="thread name"),
     Field("stack", STR, doc="formatted Python stack, innermost frame last"),
@@ -502,6 +511,7 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         ),
         TRAINING_THREAD,
         BLOCKED_CALL,
+        LOADER_WORKERS,
     ),
     "hang_resolved": (
         Field("step", INT),
@@ -524,6 +534,7 @@ RECORD_KINDS: dict[str, tuple[Field, ...]] = {
         ),
         TRAINING_THREAD,
         BLOCKED_CALL,
+        LOADER_WORKERS,
     ),
     # Where the training thread spent its time, sampled at each watchdog tick after the first step and
     # counted per phase and line of user code (ddp/site_profile.py): the line a straggler's slow phase takes.

@@ -63,6 +63,7 @@ from typing import Any
 
 from ddpscope.agent import emit, emit_durable, get_agent
 from ddpscope.agent.blocked_call import read as read_blocked_call
+from ddpscope.agent.blocked_call import read_process
 from ddpscope.agent.clock import now_ns
 from ddpscope.agent.config import (
     MIN_HANG_TIMEOUT_S,
@@ -72,7 +73,7 @@ from ddpscope.agent.config import (
 )
 from ddpscope.agent.exit_wait import ADVICE, HANDLER_ADVICE, at_exit, holders_phrase, shutting_down
 from ddpscope.agent.log import get_logger
-from ddpscope.agent.memory import MemoryReader
+from ddpscope.agent.memory import MemoryReader, worker_pids
 from ddpscope.agent.torch_waits import blocked, torch_wait
 from ddpscope.ddp import errors, setup_wait, training_thread
 from ddpscope.ddp.collectives import FOLD_WAIT_NS, RECORDER, CollectiveRecorder, disabled
@@ -85,6 +86,8 @@ from ddpscope.ddp.stall_sampler import StallSampler
 logger = get_logger(__name__)
 
 MAX_TICK_S = 0.25
+MAX_LOADER_WORKERS = 8
+"""DataLoader workers a report describes, at most."""
 """Longest sleep between samples: bounds the lateness of a report and of an async collective's end."""
 RESOLVE_GRACE_S = 1.0
 """A reported wait in torch's machinery counts as over this long after the main thread left it, unless
@@ -442,12 +445,31 @@ class Watchdog:
                 "main_cpu_s": None if main_cpu_s is None else round(main_cpu_s, 3),
                 **({"thread": thread} if (thread := training_thread.name(progress)) else {}),
                 **({"blocked_call": waits_on} if waits_on else {}),
+                **({"loader_workers": workers} if (workers := self._loader_workers(frame)) else {}),
             }
         )
 
     def _site(self, frame: FrameType | None) -> str | None:
         """file:line of ``frame``'s innermost user code, else of the call the recorder knows it by."""
         return None if frame is None else _user_site(frame) or self._recorder.frame_site(frame)
+
+    def _loader_workers(self, frame: FrameType | None) -> list[dict[str, Any]] | None:
+        """When the training thread waits in its DataLoader for the workers' next batch: each worker process
+        with the system call it is blocked in (none: it runs), at most ``MAX_LOADER_WORKERS``; else None.
+        Its Python stack is out of reach (another process); what the kernel says of it (a read of a path on
+        a network mount, a lock) often is the answer."""
+        if not waits_for_loader(frame):
+            return None
+        try:
+            store = _store_address()
+            workers = []
+            for pid in sorted(worker_pids())[:MAX_LOADER_WORKERS]:
+                call = read_process(pid, store)
+                workers.append({"pid": pid, **({"blocked_call": call} if call else {})})
+            return workers or None
+        except Exception:  # never cost the report its other fields
+            logger.debug("ddpscope: reading the DataLoader's workers failed", exc_info=True)
+            return None
 
     def _blocked_call(self, main_cpu_s: float | None, stalled_s: float) -> dict[str, Any] | None:
         """The system call the training thread is blocked in (``agent/blocked_call.py``), when it used next
@@ -571,6 +593,7 @@ class Watchdog:
         thread = training_thread.name(progress)
         # Only outside a collective: inside one the thread waits for gloo (a futex), which says nothing new.
         waits_on = None if inflight else self._blocked_call(main_cpu_s, stalled_s)
+        workers = None if inflight else self._loader_workers(main_frame)
         message = hang_message(
             _rank(),
             phase,
@@ -597,6 +620,7 @@ class Watchdog:
             main_cpu_s,
             thread=thread,
             blocked_call=waits_on,
+            loader_workers=workers,
         )
 
     def _emit_hang(
@@ -613,14 +637,18 @@ class Watchdog:
         exiting: bool = False,
         thread: str | None = None,
         blocked_call: dict[str, Any] | None = None,
+        loader_workers: list[dict[str, Any]] | None = None,
     ) -> None:
         """``thread``: the training thread's name when the report is about it and it is not the main one;
-        ``blocked_call``: the system call it is blocked in."""
+        ``blocked_call``: the system call it is blocked in; ``loader_workers``: its DataLoader's workers, when
+        it waits for them."""
         extra: dict[str, Any] = {"exiting": True} if exiting else {}
         if thread is not None:
             extra["thread"] = thread  # the stack (and CPU) the report is about is not the main thread's
         if blocked_call:
             extra["blocked_call"] = blocked_call
+        if loader_workers:
+            extra["loader_workers"] = loader_workers
         emit(
             {
                 **extra,

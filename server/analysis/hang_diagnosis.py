@@ -75,6 +75,7 @@ from ddpscope.server.analysis.stuck import (
     waiters,
     waits_for_loader,
     waits_on,
+    workers_words,
 )
 from ddpscope.server.analysis.wait_graph import WaitGraph
 from ddpscope.server.analysis.wrappers import wrappers_differ
@@ -388,7 +389,9 @@ class _HangReading:
             cpu = main_blocked(h)
             debugger = debugger_wait(main_stack(h) or "")
             loader = waits_for_loader(h)
-            said = how_stuck(blocked=cpu, waits_on=waits_on(h), debugger=debugger, loader=loader)
+            said = how_stuck(
+                blocked=cpu, waits_on=waits_on(h), debugger=debugger, loader=loader, workers=workers_words(h)
+            )
             how = f"{said}, " if said else ""
             # A main thread that waits (not one computing) may wait for what a dead thread would have made.
             if (

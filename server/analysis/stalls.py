@@ -32,7 +32,7 @@ from ddpscope.server.analysis.native_wait import named_thread_words
 from ddpscope.server.analysis.profile_sites import SampledSite
 from ddpscope.server.analysis.steps import StepTiming
 from ddpscope.server.analysis.stragglers import PHASES, median_without, phases_by_step
-from ddpscope.server.analysis.stuck import stack_waits_for_loader, waits_on
+from ddpscope.server.analysis.stuck import stack_waits_for_loader, waits_on, workers_words
 from ddpscope.server.rows import StepRow
 
 WINDOW_STEPS = 200
@@ -75,6 +75,9 @@ class StallSite:
     waits_on: str | None = None
     """What the blocked thread waited on in the latest sample at that line (``stuck.waits_on``: the system
     call, and a socket's peer, a file's path, a child), when it was blocked and the sample said."""
+    workers: str | None = None
+    """What its DataLoader's workers were doing in that sample (``stuck.workers_words``), when it waited for
+    them and the sample said."""
 
     def sentence(self) -> str:
         where = f"at {self.site}" if self.site else "outside user code"
@@ -82,9 +85,10 @@ class StallSite:
             where += ", waiting for its DataLoader's workers to deliver the next batch,"
         stalls = "that stall" if self.stalls == 1 else f"{self.stalls} of those stalls"
         how = f", blocked, {self.waits_on}" if self.blocked and self.waits_on else HOW[self.blocked]
+        workers = f" ({self.workers})" if self.workers else ""
         return (
             f"Sampled {self.from_s:.3g} s and more into {stalls}, its {named_thread_words(self.thread)} was {where} in "
-            f"{self.samples} of {self.of} samples{how}"
+            f"{self.samples} of {self.of} samples{how}{workers}"
         )
 
     def advice(self) -> str:
@@ -255,4 +259,5 @@ def stall_site(samples: Sequence[Mapping[str, Any]], stalled_steps: set[int]) ->
         thread=there[-1].get("thread"),
         # A DataLoader's wait on its workers' pipe is said as such (``loader``), not as a pipe.
         waits_on=waits_on(there[-1]) if was_blocked and not loader else None,
+        workers=workers_words(there[-1]) if loader else None,
     )

@@ -52,11 +52,17 @@ class Stuck:
     waits_on: str | None = None
     """``blocked_call.words`` of the report's ``blocked_call``: the system call a blocked thread sits in,
     and on what (a socket's peer, the process group's store, a path, a child process)."""
+    workers: str | None = None
+    """``workers_words`` of the report's ``loader_workers``: what its DataLoader's workers were doing."""
 
     def phrase(self) -> str:
         at = f" at {self.site}" if self.site else ""
         said = how_stuck(
-            blocked=self.blocked, waits_on=self.waits_on, debugger=self.debugger, loader=self.loader
+            blocked=self.blocked,
+            waits_on=self.waits_on,
+            debugger=self.debugger,
+            loader=self.loader,
+            workers=self.workers,
         )
         how = f", {said}" if said else ""
         if self.phase == "idle":
@@ -64,14 +70,21 @@ class Stuck:
         return f"stuck {phase_words(self.phase)} at step {self.step}{at}{how}{self.dead_thread}{FROM_HANG_REPORT}"
 
 
-def how_stuck(*, blocked: bool | None, waits_on: str | None, debugger: str | None, loader: bool) -> str:
+def how_stuck(
+    *,
+    blocked: bool | None,
+    waits_on: str | None,
+    debugger: str | None,
+    loader: bool,
+    workers: str | None = None,
+) -> str:
     """How a rank stuck in its own code spent the stall, as a clause ("blocked, using no CPU, sleeping
     (clock_nanosleep)"): its culprit phrase (``Stuck.phrase``) and its own hang say it alike. '' when the
-    report does not say."""
+    report does not say. ``workers``: what its DataLoader's workers were doing (``workers_words``)."""
     if debugger:
         return debugger
     if loader:
-        return LOADER_WAIT
+        return f"{LOADER_WAIT}; {workers}" if workers else LOADER_WAIT
     if blocked is None:
         return ""
     if blocked and waits_on:
@@ -149,6 +162,31 @@ def waits_on(record: Record) -> str | None:
     ``blocked_call``: ``agent/blocked_call.py``); None when the record does not say."""
     call = record.get("blocked_call")
     return blocked_call_words(call) if isinstance(call, Mapping) else None
+
+
+MAX_WORKERS_SAID = 4
+
+
+def workers_words(record: Record) -> str | None:
+    """What a hang report's or stall sample's ``loader_workers`` says the DataLoader's workers were doing
+    ("its workers: worker 1151 waiting on the file /mnt/nfs/shard-17.bin (read): ..."); None when it does not
+    say."""
+    workers = [w for w in record.get("loader_workers") or () if isinstance(w, Mapping)]
+    if not workers:
+        return None
+    said = []
+    for w in workers[:MAX_WORKERS_SAID]:
+        call = w.get("blocked_call")
+        words = blocked_call_words(call) if isinstance(call, Mapping) else None
+        said.append(
+            f"worker {w.get('pid')} "
+            + (
+                words
+                or "running, not blocked (computing: a slow transform or decode, or a loop that does not end)"
+            )
+        )
+    more = f"; and {len(workers) - MAX_WORKERS_SAID} more" if len(workers) > MAX_WORKERS_SAID else ""
+    return "its workers: " + "; ".join(said) + more
 
 
 def waits_for_loader(hang: Record) -> bool:
@@ -256,5 +294,6 @@ def stuck_outside(
             dead,
             debugger_wait(main_stack(h) or ""),
             waits_on(h) if blocked else None,
+            workers_words(h),
         )
     return out

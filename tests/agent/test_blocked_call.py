@@ -172,3 +172,26 @@ def test_socket_table_addresses_are_read_in_the_kernels_byte_order() -> None:
     assert blocked_call._address("0000000000000000FFFF00000100007F:8674") == "127.0.0.1:34420"
     assert blocked_call._address("00000000000000000000000001000000:0050") == "::1:80"
     assert blocked_call._address("not-hex:zz") == "not-hex:zz"
+
+
+def test_a_child_process_blocked_in_a_read_of_a_named_pipe_is_read_from_its_own_proc(tmp_path: Path) -> None:
+    # A DataLoader worker stuck in a read (a network mount that stopped answering, here a named pipe no one
+    # writes): the rank reads what its child waits on, as it reads its own threads.
+    fifo = tmp_path / "shard-17.bin"
+    os.mkfifo(fifo)
+    code = "import os, sys; f = os.open(sys.argv[1], os.O_RDWR); os.read(f, 1)"  # O_RDWR: open does not wait
+    child = subprocess.Popen([sys.executable, "-c", code, str(fifo)])
+    try:
+        deadline = time.monotonic() + 10
+        call = None
+        while time.monotonic() < deadline and (call is None or call.get("syscall") != "read"):
+            time.sleep(0.05)
+            call = blocked_call.read_process(child.pid)
+        assert call == {"syscall": "read", "on": [{"fd": 3, "kind": "fifo", "name": str(fifo)}]}, call
+        assert f"waiting on the named pipe {fifo} (read) for its other end to write" in (
+            blocked_call.words(call) or ""
+        )
+    finally:
+        child.kill()
+        child.wait()
+    assert blocked_call.read_process(child.pid) is None  # gone

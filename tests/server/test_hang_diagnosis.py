@@ -24,9 +24,11 @@ def stuck_hang(
     cpu_s: float | None = None,
     stack: str | None = None,
     blocked_call: dict[str, Any] | None = None,
+    loader_workers: list[dict[str, Any]] | None = None,
 ) -> None:
     """A hang report with nothing in flight: the main thread sits in user code (traceback format), or at
-    ``stack``; ``blocked_call``: the system call it sits in, as the watchdog read it."""
+    ``stack``; ``blocked_call``: the system call it sits in, as the watchdog read it; ``loader_workers``: its
+    DataLoader's workers, as it read them."""
     main = stack or (
         '  File "/proj/train.py", line 80, in <module>\n'
         f'  File "/proj/data.py", line {line}, in next_batch\n'
@@ -36,7 +38,9 @@ def stuck_hang(
         {"thread": "ddpscope-agent", "stack": '  File "/work/agent/worker.py", line 107, in _run\n'},
         {"thread": "MainThread", "stack": main},
     ]
-    extra = {"blocked_call": blocked_call} if blocked_call else {}
+    extra: dict[str, Any] = {"blocked_call": blocked_call} if blocked_call else {}
+    if loader_workers:
+        extra["loader_workers"] = loader_workers
     job.add("hang", rank, t, phase=phase, step=step, stalled_s=5.0, pending_buckets=[], inflight=[],
             stacks=stacks, message="no progress", main_cpu_s=cpu_s, **extra)  # fmt: skip
 
@@ -95,13 +99,17 @@ def test_a_rank_stuck_in_its_data_loader_is_the_culprit_of_its_peers_hang_and_of
     assert "alive, doing something else" not in missing.message
 
 
-def hangs_of_a_rank_stuck_at(stack: str, *, stuck: int) -> dict[int, Incident]:
+def hangs_of_a_rank_stuck_at(
+    stack: str, *, stuck: int, loader_workers: list[dict[str, Any]] | None = None
+) -> dict[int, Incident]:
     """The hang incidents, by rank, of a 2-rank job whose rank ``stuck`` is blocked at ``stack`` between
     steps while the other waits for it in the next collective."""
     job = started(2)
     end = job.train(3)
     waiting_in(job, 1 - stuck, end + 5, 7, step=3)
-    stuck_hang(job, stuck, end + 5, step=2, phase="idle", cpu_s=0.0, stack=stack)
+    stuck_hang(
+        job, stuck, end + 5, step=2, phase="idle", cpu_s=0.0, stack=stack, loader_workers=loader_workers
+    )
     return {i.rank: i for i in diagnose(job.snapshot(), end + 6) if i.kind == "hang"}
 
 
@@ -132,6 +140,18 @@ def test_a_rank_whose_data_loader_workers_deliver_no_batch_is_said_to_wait_for_t
     said = "waiting inside its DataLoader for the next batch, which its worker processes did not deliver"
     assert (said in hangs[0].message) is loader and (said in hangs[1].message) is loader
     assert hangs[0].culprit_ranks == hangs[1].culprit_ranks == [1]
+
+
+def test_what_the_dataloaders_workers_are_blocked_in_is_said_by_the_rank_and_its_peer() -> None:
+    nfs = {"syscall": "read", "on": [{"fd": 7, "kind": "file", "name": "/mnt/nfs/shard-17.bin"}]}
+    hangs = hangs_of_a_rank_stuck_at(LOADER_STACK, stuck=1, loader_workers=[{"pid": 4242, "blocked_call": nfs},
+                                     {"pid": 4243}])  # fmt: skip
+    said = (
+        "turns such a wait into an error); its workers: worker 4242 waiting on the file /mnt/nfs/shard-17.bin "
+        "(read): a slow or unresponsive file system (a network mount), or a lock another process holds; worker "
+        "4243 running, not blocked (computing"
+    )
+    assert said in hangs[1].message and said in hangs[0].message, hangs[1].message
 
 
 @pytest.mark.parametrize(

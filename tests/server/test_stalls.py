@@ -121,13 +121,20 @@ def test_a_stall_spent_waiting_for_the_dataloaders_workers_says_the_time_goes_in
         '  File "/usr/lib/python3.11/multiprocessing/queues.py", line 113, in get\n    if not self._poll(timeout):\n'
         '  File "/usr/lib/python3.11/selectors.py", line 415, in select\n    fd_event_list = self._selector.poll(t)\n'
     )
+    slow_read = {"syscall": "read", "on": [{"fd": 7, "kind": "file", "name": "/mnt/nfs/shard-3.bin"}]}
+    workers = [{"pid": 4242, "blocked_call": slow_read}]
     samples = [{**_sample(1, s, "idle", 0.5, "train.py:16", 0.0), "stack": stack} for s in (14, 24)]
+    samples[-1]["loader_workers"] = workers  # the latest sample at the line says what the workers did
     (stall,) = intermittent_stalls(rows, samples=samples)
     assert stall.sampled is not None and stall.sampled.loader
+    assert "(its workers: worker 4242 waiting on the file /mnt/nfs/shard-3.bin (read)" in stall.sentence()
     assert (
         "its main thread was at train.py:16, waiting for its DataLoader's workers to deliver the next batch, in 2 "
-        "of 2 samples, blocked (I/O, a lock, a sleep or a queue): the time goes in the workers, in the Dataset's "
-        "__getitem__ or collate_fn" in stall.sentence()
+        "of 2 samples, blocked (I/O, a lock, a sleep or a queue) (its workers: "
+        in stall.sentence()
+        and "a lock another process holds): the time goes in the workers, in the Dataset's __getitem__ or "
+        "collate_fn"
+        in stall.sentence()
     ), stall.sentence()
 
 
