@@ -327,6 +327,31 @@ def words(call: Mapping[str, Any] | None) -> str | None:
     return f"in the system call {syscall}" if syscall else None
 
 
+MAX_WORKERS_SAID = 4
+
+
+def workers_words(workers: Sequence[Mapping[str, Any]]) -> str | None:
+    """What a ``loader_workers`` field says a DataLoader's workers were doing ("its workers: worker 1151
+    waiting on the file /mnt/nfs/shard-17.bin (read): ..."); None when it names none. The rank's own hang
+    message and the collector's diagnoses say it alike."""
+    workers = [w for w in workers if isinstance(w, Mapping)]
+    if not workers:
+        return None
+    said = []
+    for w in workers[:MAX_WORKERS_SAID]:
+        call = w.get("blocked_call")
+        what = words(call) if isinstance(call, Mapping) else None
+        said.append(
+            f"worker {w.get('pid')} "
+            + (
+                what
+                or "running, not blocked (computing: a slow transform or decode, or a loop that does not end)"
+            )
+        )
+    more = f"; and {len(workers) - MAX_WORKERS_SAID} more" if len(workers) > MAX_WORKERS_SAID else ""
+    return "its workers: " + "; ".join(said) + more
+
+
 _WRITES = frozenset({"write", "writev", "pwrite64", "pwritev", "sendto", "sendmsg", "sendfile"})
 
 

@@ -7,10 +7,11 @@ machinery it is blocked in, if any (``agent/torch_waits.py``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ddpscope.agent.blocked_call import words as blocked_call_words
+from ddpscope.agent.blocked_call import workers_words
 from ddpscope.agent.torch_waits import TorchWait, blocked
 
 ENV_HANG_TIMEOUT = "DDPSCOPE_HANG_TIMEOUT"
@@ -77,6 +78,7 @@ def hang_message(
     blocked_in: TorchWait | None = None,
     thread: str | None = None,
     blocked_call: Mapping[str, Any] | None = None,
+    loader_workers: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     """The sentence of a hang report: where this rank is stuck and what to look at next.
 
@@ -85,7 +87,8 @@ def hang_message(
     ``blocked_in``: the torch machinery the main thread's innermost frame is in, if any
     (``agent/torch_waits.py``): blocked there, the rank waits for a peer in a collective not recorded;
     ``thread``: the training thread's name when it is not the main thread (the one sampled);
-    ``blocked_call``: the system call that thread is blocked in (``agent/blocked_call.py``).
+    ``blocked_call``: the system call that thread is blocked in (``agent/blocked_call.py``);
+    ``loader_workers``: its DataLoader's workers and what each is blocked in, when it waits for them.
     """
     who = thread_words(thread)
     missing = [name for b in pending for name in b.get("missing", ())]
@@ -117,6 +120,10 @@ def hang_message(
         parts.append(f"{who} waits at {main_site}")
     if main_cpu_s is not None and not inflight and not waits_unseen:
         parts.append(_cpu_words(main_cpu_s, stalled_s, thread, blocked_call))
+    if workers := workers_words(loader_workers):
+        parts.append(
+            f"it waits for its DataLoader's {workers.removeprefix('its ')}"
+        )  # "workers: worker 7 ..."
     text = "; ".join(parts) + "."
     if inflight:
         first = inflight[0]

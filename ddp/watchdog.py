@@ -608,6 +608,7 @@ class Watchdog:
             blocked_in=blocked_in,
             thread=thread,
             blocked_call=waits_on,
+            loader_workers=workers or (),
         )
         self._emit_hang(
             phase,

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ddpscope.agent.blocked_call import words as blocked_call_words
+from ddpscope.agent.blocked_call import workers_words as blocked_call_workers_words
 from ddpscope.server.analysis.incident_model import Record, first_line, phase_words, record_s, user_frame
 from ddpscope.server.analysis.native_wait import FRAME, exiting, main_blocked, main_stack, native_wait
 from ddpscope.server.analysis.snapshot import JobSnapshot
@@ -164,29 +165,11 @@ def waits_on(record: Record) -> str | None:
     return blocked_call_words(call) if isinstance(call, Mapping) else None
 
 
-MAX_WORKERS_SAID = 4
-
-
 def workers_words(record: Record) -> str | None:
-    """What a hang report's or stall sample's ``loader_workers`` says the DataLoader's workers were doing
-    ("its workers: worker 1151 waiting on the file /mnt/nfs/shard-17.bin (read): ..."); None when it does not
-    say."""
-    workers = [w for w in record.get("loader_workers") or () if isinstance(w, Mapping)]
-    if not workers:
-        return None
-    said = []
-    for w in workers[:MAX_WORKERS_SAID]:
-        call = w.get("blocked_call")
-        words = blocked_call_words(call) if isinstance(call, Mapping) else None
-        said.append(
-            f"worker {w.get('pid')} "
-            + (
-                words
-                or "running, not blocked (computing: a slow transform or decode, or a loop that does not end)"
-            )
-        )
-    more = f"; and {len(workers) - MAX_WORKERS_SAID} more" if len(workers) > MAX_WORKERS_SAID else ""
-    return "its workers: " + "; ".join(said) + more
+    """What a hang report's or stall sample's ``loader_workers`` says its DataLoader's workers were doing
+    (``blocked_call.workers_words``); None when it does not say."""
+    workers = record.get("loader_workers")
+    return blocked_call_workers_words(workers) if isinstance(workers, Sequence) else None
 
 
 def waits_for_loader(hang: Record) -> bool:

@@ -79,6 +79,11 @@ def test_a_hang_waiting_for_the_dataloader_says_what_its_worker_is_blocked_in(
             "on": [{**on[0], "kind": "fifo", "name": str(fifo)}],
         }
         assert worker["pid"] != os.getpid()
+        # The rank's own message (its log) says it too.
+        assert (
+            f"it waits for its DataLoader's workers: worker {worker['pid']} waiting on the named pipe {fifo} (read)"
+            in hang["message"]
+        ), hang["message"]
     finally:
         with open(fifo, "wb", buffering=0) as f:
             f.write(b"xxxx")  # lets the worker go
