@@ -81,10 +81,11 @@ def read(
     native_id: int | None, store: tuple[str, int] | None = None, *, pid: int | None = None
 ) -> dict[str, Any] | None:
     """The system call thread ``native_id`` of this process (of process ``pid``, one of its DataLoader
-    workers, say) is blocked in, as a ``blocked_call`` record field: ``syscall`` (its name, or "syscall N"), and when it can tell, ``on`` (the descriptors it waits
-    on: ``fd``, ``kind``, ``name``, and ``role`` "store" for a connection to ``store``, the default process
-    group's TCPStore as (host, port)), ``path`` (a path it opens or stats) or ``pid`` and ``command`` (a
-    child it waits for). None when the thread is running, gone, or the platform cannot tell."""
+    workers, say) is blocked in, as a ``blocked_call`` record field: ``syscall`` (its name, or "syscall N"),
+    and when it can tell, ``on`` (the descriptors it waits on: ``fd``, ``kind``, ``name``, and ``role`` "store"
+    for a connection to ``store``, the default process group's TCPStore as (host, port)), ``path`` (a path it
+    opens or stats) or ``pid`` and ``command`` (a child it waits for). None when the thread is running, gone,
+    or the platform cannot tell."""
     if native_id is None or not sys.platform.startswith("linux"):
         return None
     proc = "/proc/self" if pid is None else f"/proc/{pid}"

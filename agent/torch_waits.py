@@ -29,6 +29,20 @@ def blocked(cpu_s: float | None, stalled_s: float) -> bool | None:
     return cpu_s < BLOCKED_CPU_SHARE * stalled_s
 
 
+DATALOADER_FILE = "torch/utils/data/dataloader.py"
+QUEUE_WAIT_FILES = (
+    "queue.py",
+    "queues.py",
+    "threading.py",
+    "selectors.py",
+    "connection.py",
+    "synchronize.py",
+)
+"""Where a thread waits for its DataLoader's workers: a frame of ``DATALOADER_FILE`` with only frames of these
+(queues, locks, pipes) and frozen modules inside it. The agent reads it from live frames
+(``site_profile.waits_for_loader``), the collector from a stack's text (``stuck.stack_waits_for_loader``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class TorchWait:
     """Where a rank's main thread is blocked in torch's collective machinery."""

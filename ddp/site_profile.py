@@ -19,21 +19,16 @@ from collections import Counter
 from types import FrameType
 from typing import Any
 
+from ddpscope.agent.torch_waits import DATALOADER_FILE, QUEUE_WAIT_FILES
+
 FIRST_RECORD_S = 5.0
 MAX_RECORD_EVERY_S = 60.0
 MAX_SITES = 12
 """Lines a record names, the most sampled; the rest are counted in ``other``."""
 MIN_SAMPLES = 8
 """Fewer samples in a record's interval (a rank that was hung, or ended): no record."""
-LOADER_FILE = "torch/utils/data/dataloader.py"
-WAIT_FILES = (
-    "/queue.py",
-    "/queues.py",
-    "/threading.py",
-    "/selectors.py",
-    "/connection.py",
-    "/synchronize.py",
-)
+_LOADER_FILE = "/" + DATALOADER_FILE
+_WAIT_FILES = tuple("/" + name for name in QUEUE_WAIT_FILES)
 MAX_WAIT_FRAMES = 12
 """How far out from the innermost frame the DataLoader's frame is looked for, through queue and lock frames."""
 
@@ -47,9 +42,9 @@ def waits_for_loader(frame: FrameType | None) -> bool:
         if frame is None:
             return False
         path = frame.f_code.co_filename.replace("\\", "/")
-        if path.endswith(LOADER_FILE):
+        if path.endswith(_LOADER_FILE):
             return True
-        if not (path.endswith(WAIT_FILES) or path.startswith("<frozen")):
+        if not (path.endswith(_WAIT_FILES) or path.startswith("<frozen")):
             return False
         frame = frame.f_back
     return False

@@ -25,7 +25,17 @@ def source_modules() -> set[str]:
     return modules
 
 
-LEFT_BY_BUILDS = ("build", "*.egg-info", ".venv", ".git", "test-artifacts", "__pycache__", ".*_cache", "*.db", "*.db-*")
+LEFT_BY_BUILDS = (
+    "build",
+    "*.egg-info",
+    ".venv",
+    ".git",
+    "test-artifacts",
+    "__pycache__",
+    ".*_cache",
+    "*.db",
+    "*.db-*",
+)
 """What a checkout gathers that a fresh clone has not: setuptools' ``build/lib`` keeps a module deleted since
 the last build and puts it in the next wheel."""
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ddpscope.agent.blocked_call import words as blocked_call_words
 from ddpscope.agent.blocked_call import workers_words as blocked_call_workers_words
+from ddpscope.agent.torch_waits import DATALOADER_FILE, QUEUE_WAIT_FILES
 from ddpscope.server.analysis.incident_model import Record, first_line, phase_words, record_s, user_frame
 from ddpscope.server.analysis.native_wait import FRAME, exiting, main_blocked, main_stack, native_wait
 from ddpscope.server.analysis.snapshot import JobSnapshot
@@ -101,8 +102,8 @@ LOADER_WAIT = (
     "on a worker shows where, and DataLoader(timeout=...) turns such a wait into an error)"
 )
 
-_LOADER_FRAME = re.compile(r"/torch/utils/data/dataloader\.py$")
-_WAIT_FRAME = re.compile(r"/(?:queue|queues|threading|selectors|connection|synchronize)\.py$|<frozen")
+_LOADER_FRAME = re.compile("/" + re.escape(DATALOADER_FILE) + "$")
+_WAIT_FRAME = re.compile("/(?:" + "|".join(map(re.escape, QUEUE_WAIT_FILES)) + ")$|<frozen")
 """Where a main thread waits for a DataLoader's worker: the loader's own code, then a queue's or lock's."""
 
 
