@@ -332,9 +332,9 @@ MAX_WORKERS_SAID = 4
 
 
 def workers_words(workers: Sequence[Mapping[str, Any]]) -> str | None:
-    """What a ``loader_workers`` field says a DataLoader's workers were doing ("its workers: worker 1151
-    waiting on the file /mnt/nfs/shard-17.bin (read): ..."); None when it names none. The rank's own hang
-    message and the collector's diagnoses say it alike."""
+    """What a ``loader_workers`` field says a DataLoader's workers were doing ("worker 1151 waiting on the
+    file /mnt/nfs/shard-17.bin (read): ..."); None when it names none. The rank's own hang message and the
+    collector's diagnoses say it alike."""
     workers = [w for w in workers if isinstance(w, Mapping)]
     if not workers:
         return None
@@ -350,7 +350,7 @@ def workers_words(workers: Sequence[Mapping[str, Any]]) -> str | None:
             )
         )
     more = f"; and {len(workers) - MAX_WORKERS_SAID} more" if len(workers) > MAX_WORKERS_SAID else ""
-    return "its workers: " + "; ".join(said) + more
+    return "; ".join(said) + more
 
 
 _WRITES = frozenset({"write", "writev", "pwrite64", "pwritev", "sendto", "sendmsg", "sendfile"})

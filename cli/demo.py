@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpscope.cli.client import Client, CollectorError
-from ddpscope.cli.report import safe, stopped_step
+from ddpscope.cli.report import safe, sampled_words, stopped_step
 
 SCENARIOS = ("healthy", "straggler", "unused", "mismatch", "diverged", "nan", "crash", "hang")
 
@@ -218,9 +218,7 @@ def summarize(client: Client, run: ScenarioRun) -> list[str]:
     for s in stragglers:
         phase = f" (mostly {s['phase'].replace('_', ' ')})" if s.get("phase") else ""
         if sampled := s.get("sampled"):  # a run long enough for its watchdog's samples (--steps)
-            phase += (
-                f", at {safe(sampled['site'])} in {sampled['samples']} of {sampled['of']} samples taken there"
-            )
+            phase += sampled_words(sampled)
         lines.append(f"  straggler: rank {s['rank']} is {s['slowdown']:.2f}x slower than the others{phase}")
         if s.get("contention"):
             lines.append(f"      but {safe(s['contention'])}")

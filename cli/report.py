@@ -243,6 +243,15 @@ def _stopped_section(stopped: Stopped, buckets: list[dict[str, Any]]) -> list[st
     return out
 
 
+def sampled_words(sampled: dict[str, Any]) -> str:
+    """ ", at train.py:16, waiting for its DataLoader's workers (15 of 15 samples taken there)": where a
+    straggler's slow phase was sampled most (its ``/stragglers`` item's ``sampled``)."""
+    loader = ", waiting for its DataLoader's workers" if sampled.get("loader") else ""
+    return (
+        f", at {safe(sampled['site'])}{loader} ({sampled['samples']} of {sampled['of']} samples taken there)"
+    )
+
+
 def unknown_job(client: Client, job: str) -> LookupError:
     """The error for a job the collector does not know, listing the jobs it does; when the name is not a
     valid job id, the id the agent reported that DDPSCOPE_JOB under instead (it warned so at start)."""
@@ -315,11 +324,7 @@ def render_report(client: Client, job: str) -> tuple[str, int]:
     for s in flagged:
         phase = f", mostly in {safe(s['phase']).replace('_', ' ')}" if s.get("phase") else ""
         if sampled := s.get("sampled"):
-            loader = ", waiting for its DataLoader's workers" if sampled.get("loader") else ""
-            phase += (
-                f", at {safe(sampled['site'])}{loader} "
-                f"({sampled['samples']} of {sampled['of']} samples taken there)"
-            )
+            phase += sampled_words(sampled)
         out.append(
             f"- rank {s['rank']}: {s['slowdown']:.2f}x slower than the median of the others "
             f"in {s.get('steps_flagged')} recent steps{phase}"

@@ -121,9 +121,7 @@ def hang_message(
     if main_cpu_s is not None and not inflight and not waits_unseen:
         parts.append(_cpu_words(main_cpu_s, stalled_s, thread, blocked_call))
     if workers := workers_words(loader_workers):
-        parts.append(
-            f"it waits for its DataLoader's {workers.removeprefix('its ')}"
-        )  # "workers: worker 7 ..."
+        parts.append(f"it waits for its DataLoader's workers: {workers}")
     text = "; ".join(parts) + "."
     if inflight:
         first = inflight[0]

@@ -54,8 +54,8 @@ class StallSampler:
     def __init__(self) -> None:
         self._longest: deque[float] = deque(maxlen=USUAL_STEPS)
         """Per recent step, the longest time without progress the watchdog saw in it."""
-        self._recurring: deque[tuple[int, float]] = deque(maxlen=RECURRING_STALLS)
-        """(step, longest time without progress) of the latest steps that held a stall of their own."""
+        self._recurring: deque[int] = deque(maxlen=RECURRING_STALLS)
+        """The latest steps that held a stall of their own."""
         self._step: int | None = None
         self._step_longest = 0.0
         self._next_s = STALL_SAMPLE_S
@@ -82,7 +82,7 @@ class StallSampler:
     def _step_done(self, step: int, longest_s: float) -> None:
         usual = self._usual_s()
         if usual is not None and longest_s >= max(MIN_RECURRING_S, RECURRING_FACTOR * usual):
-            self._recurring.append((step, longest_s))
+            self._recurring.append(step)
         self._longest.append(longest_s)
 
     def threshold_s(self) -> float:
@@ -95,7 +95,7 @@ class StallSampler:
         if (
             len(recurring) == RECURRING_STALLS
             and self._step is not None
-            and self._step - recurring[0][0] <= RECURRING_WINDOW_STEPS
+            and self._step - recurring[0] <= RECURRING_WINDOW_STEPS
         ):
             threshold = min(threshold, max(MIN_RECURRING_S, RECURRING_SHARE * usual))
         return threshold

@@ -20,7 +20,8 @@ from ddpscope.agent.records import TRAINS_IN_EVAL_MODE
 logger = get_logger(__name__)
 
 MESSAGE = (
-    "the model was in eval mode (model.eval()) in the forward and backward of training steps: dropout is off and BatchNorm normalizes with its running statistics, which it no longer updates, "
+    "the model was in eval mode (model.eval()) in the forward and backward of training steps: dropout is off "
+    "and BatchNorm normalizes with its running statistics, which it no longer updates, "
     "so the rank computes another function than in train mode, and DDP averages its gradients with its "
     "peers'. Usually a model.eval() for validation with no model.train() after it: call model.train() "
     "before training."
@@ -55,6 +56,6 @@ class EvalModeWatch:
 
     def _warn(self, step: int) -> None:
         self.done = True
-        message = MESSAGE  # without the step: ranks that say it at different steps make one incident
-        logger.warning("ddpscope: rank %d: %s", self.rank, message)
-        emit({"kind": "warning", "step": step, "code": TRAINS_IN_EVAL_MODE, "message": message})
+        # The message without the step: ranks that say it at different steps make one incident.
+        logger.warning("ddpscope: rank %d: %s", self.rank, MESSAGE)
+        emit({"kind": "warning", "step": step, "code": TRAINS_IN_EVAL_MODE, "message": MESSAGE})

@@ -86,9 +86,9 @@ from ddpscope.ddp.stall_sampler import StallSampler
 logger = get_logger(__name__)
 
 MAX_TICK_S = 0.25
+"""Longest sleep between samples: bounds the lateness of a report and of an async collective's end."""
 MAX_LOADER_WORKERS = 8
 """DataLoader workers a report describes, at most."""
-"""Longest sleep between samples: bounds the lateness of a report and of an async collective's end."""
 RESOLVE_GRACE_S = 1.0
 """A reported wait in torch's machinery counts as over this long after the main thread left it, unless
 the process reported a fatal error meanwhile: a wait that ends in an exception (a peer died) is not

@@ -22,10 +22,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ddpscope.server.analysis.stragglers import Straggler
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # both carry a SampledSite: imported for their types only
     from ddpscope.server.analysis.stalls import Stall
+    from ddpscope.server.analysis.stragglers import Straggler
 
 PROGRESS_PHASES = {
     "forward": ("forward", "after_forward"),

@@ -37,13 +37,10 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from ddpscope.server.analysis.profile_sites import SampledSite
 from ddpscope.server.analysis.steps import NS, StepTiming, last_ready_ns
 from ddpscope.server.rows import StepRow
-
-if TYPE_CHECKING:  # profile_sites reads Straggler: a runtime import would be circular
-    from ddpscope.server.analysis.profile_sites import SampledSite
 
 THRESHOLD = 0.15
 WINDOW_STEPS = 20

@@ -168,9 +168,10 @@ def waits_on(record: Record) -> str | None:
 
 def workers_words(record: Record) -> str | None:
     """What a hang report's or stall sample's ``loader_workers`` says its DataLoader's workers were doing
-    (``blocked_call.workers_words``); None when it does not say."""
+    ("its workers: worker 1151 ...", ``blocked_call.workers_words``); None when it does not say."""
     workers = record.get("loader_workers")
-    return blocked_call_workers_words(workers) if isinstance(workers, Sequence) else None
+    said = blocked_call_workers_words(workers) if isinstance(workers, Sequence) else None
+    return f"its workers: {said}" if said else None
 
 
 def waits_for_loader(hang: Record) -> bool:
