@@ -234,7 +234,14 @@ def step_phrase(step: Any, phase: Any, *, started: bool = True) -> str:
         between = "between steps: optimizer, data loading or other code outside forward and backward"
         return f" after step {step} ({between})" if step is not None else f" ({between})"
     at = f" at step {step}" if step is not None else ""
-    return at + (f" {phase_words(phase)}" if phase not in (None, "", "unknown") else "")
+    known = known_phase(phase)
+    return at + (f" {phase_words(known)}" if known else "")
+
+
+def known_phase(phase: Any) -> str | None:
+    """A report's phase, None for none or "unknown" (a crash read from a fatal signal's file after the
+    process died: nothing said which phase it was in)."""
+    return None if phase in (None, "", "unknown") else str(phase)
 
 
 def position(snapshot: JobSnapshot, rank: int) -> tuple[int | None, str | None]:

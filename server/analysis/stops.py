@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ddpscope.server.analysis.incident_model import known_phase
 from ddpscope.server.rows import StepRow
 
 HUNG, FAILED, EXITED = "hung", "failed", "exited"
@@ -59,12 +60,6 @@ def _partial_row(rank: int, wire: Mapping[str, Any]) -> StepRow:
         ready_order=[],
         collective_seqs=[],
     )
-
-
-def _known_phase(phase: Any) -> str | None:
-    """A report's phase, None for "unknown" (a crash read from a fatal signal's file after the process died:
-    nothing said which phase it was in)."""
-    return None if phase in (None, "", "unknown") else str(phase)
 
 
 def _exit_words(reason: str) -> str:
@@ -118,7 +113,7 @@ def stops(
             step=None if step is None else int(step),
             # A later report without the partial step (the same error again as it ends the process) keeps
             # the phase the partial step was taken in.
-            phase=before.phase if inherited and before is not None else _known_phase(r.get("phase")),
+            phase=before.phase if inherited and before is not None else known_phase(r.get("phase")),
             time_ns=int(r["time_ns"]),
             message=message,
             partial=row if row is not None and (step is None or row.step == step) else None,
